@@ -1,0 +1,81 @@
+"""The preallocated token bitmask, filled for a whole batch in one xgrammar call."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import xgrammar as xgr
+
+from grammar_backend.errors import ConfigError, GrammarError
+
+#: All 32 bits set: every token of the word allowed.
+ALL_ALLOWED = np.int32(-1)
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """Number of int32 words per row: ``ceil(vocab_size / 32)``."""
+    return (vocab_size + 31) // 32
+
+
+class BitmaskBuffer:
+    """One int32 ``[max_batch, ceil(V/32)]`` buffer reused at every step.
+
+    Bit ``t % 32`` of word ``t // 32`` of a row is set when token ``t`` is
+    allowed (xgrammar's packing; ``apply_token_bitmask_inplace`` reads it).
+
+    Parameters
+    ----------
+    max_batch : int
+        Most rows a step can have.
+    vocab_size : int
+        The model's padded vocabulary size (logits width).
+    threads : int
+        Threads of ``xgrammar.BatchGrammarMatcher`` for the batch fill.
+    """
+
+    def __init__(self, max_batch: int, vocab_size: int, threads: int = 1) -> None:
+        if max_batch <= 0 or vocab_size <= 0 or threads <= 0:
+            raise ConfigError("bitmask: max_batch, vocab_size and threads must be positive")
+        self.max_batch = max_batch
+        self.width = bitmask_width(vocab_size)
+        self.buffer = np.full((max_batch, self.width), ALL_ALLOWED, dtype=np.int32)
+        self._batch = xgr.BatchGrammarMatcher(threads)
+        # Reused per step so the step path allocates only xgrammar's own lists.
+        self._active: list[xgr.GrammarMatcher] = []
+        self._rows: list[int] = []
+
+    def fill(self, matchers: Sequence[xgr.GrammarMatcher | None]) -> np.ndarray:
+        """Fill rows ``0..len(matchers)`` and return that view of the buffer.
+
+        Row ``i`` holds the mask of ``matchers[i]``; a None row (no
+        constraint, a terminated matcher, or a row in error) is all ones.
+        Terminated matchers must be passed as None: xgrammar raises when
+        asked to fill a matcher that has accepted its stop token.
+
+        Raises
+        ------
+        GrammarError
+            More rows than ``max_batch``.
+        """
+        rows = len(matchers)
+        if rows > self.max_batch:
+            raise GrammarError(f"bitmask: batch of {rows} rows exceeds max_batch {self.max_batch}")
+        active, indices = self._active, self._rows
+        active.clear()
+        indices.clear()
+        for i, matcher in enumerate(matchers):
+            if matcher is None:
+                self.buffer[i].fill(ALL_ALLOWED)
+            else:
+                active.append(matcher)
+                indices.append(i)
+        if active:
+            self._batch.batch_fill_next_token_bitmask(active, self.buffer, indices)
+        return self.buffer[:rows]
+
+
+def allowed_tokens(row: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Token ids allowed by one bitmask row (for tests and diagnostics, not the hot path)."""
+    bits = np.unpackbits(row.view(np.uint8), bitorder="little")
+    return np.flatnonzero(bits[:vocab_size])

@@ -1,0 +1,98 @@
+"""Translate a :class:`ConstraintSpec` into one xgrammar compiler call."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import re
+from typing import Final
+
+import xgrammar as xgr
+
+from grammar_backend.errors import CompileError
+from grammar_backend.spec import ConstraintKind, ConstraintOptions, ConstraintSpec
+
+XGRAMMAR_VERSION: Final = importlib.metadata.version("xgrammar")
+
+# xgrammar prefixes its C++ errors with "[hh:mm:ss] /project/cpp/file.cc:123: ";
+# clients need the reason, not our build paths.
+_CPP_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+
+
+def json_format_kwargs(options: ConstraintOptions) -> dict[str, object]:
+    """Keyword arguments of ``compile_json_schema`` for ``options``.
+
+    With ``any_whitespace=False`` xgrammar's default separators are ``", "``
+    and ``": "``; compact JSON needs ``(",", ":")`` explicitly.
+    """
+    kwargs: dict[str, object] = {
+        "strict_mode": options.strict,
+        "any_order": options.any_order,
+        "indent": options.indent,
+    }
+    if options.whitespace == "compact":
+        kwargs["any_whitespace"] = False
+        if options.indent is None:
+            kwargs["separators"] = (",", ":")
+    else:
+        kwargs["any_whitespace"] = True
+        if isinstance(options.whitespace, int):
+            kwargs["max_whitespace_cnt"] = options.whitespace
+    return kwargs
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    """An EBNF grammar whose language is exactly the given strings."""
+    return "root ::= " + " | ".join(_ebnf_literal(c) for c in choices)
+
+
+def _ebnf_literal(text: str) -> str:
+    out = []
+    for ch in text:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif " " <= ch <= "~":
+            out.append(ch)
+        else:
+            # Escapes keep control characters and non-ASCII out of the grammar
+            # source; xgrammar's EBNF parser reads \uXXXX as one code point.
+            out.extend(f"\\u{unit:04x}" for unit in _utf16_units(ch))
+    return '"' + "".join(out) + '"'
+
+
+def _utf16_units(ch: str) -> list[int]:
+    code = ord(ch)
+    if code < 0x10000:
+        return [code]
+    code -= 0x10000
+    return [0xD800 + (code >> 10), 0xDC00 + (code & 0x3FF)]
+
+
+def compile_spec(compiler: xgr.GrammarCompiler, spec: ConstraintSpec) -> xgr.CompiledGrammar:
+    """Compile ``spec`` with ``compiler``.
+
+    Raises
+    ------
+    CompileError
+        When xgrammar rejects the constraint (its reason, without C++ paths).
+    """
+    try:
+        kind = spec.kind
+        if kind is ConstraintKind.JSON_SCHEMA:
+            return compiler.compile_json_schema(spec.payload, **json_format_kwargs(spec.options))  # type: ignore[arg-type]
+        if kind is ConstraintKind.JSON_OBJECT:
+            # The empty schema is "any JSON value"; unlike the builtin JSON
+            # grammar it honours the whitespace policy.
+            return compiler.compile_json_schema("{}", **json_format_kwargs(spec.options))  # type: ignore[arg-type]
+        if kind is ConstraintKind.REGEX:
+            return compiler.compile_regex(spec.payload)
+        if kind is ConstraintKind.EBNF:
+            return compiler.compile_grammar(spec.payload)
+        if kind is ConstraintKind.LARK:
+            return compiler.compile_lark(spec.payload)
+        if kind is ConstraintKind.CHOICE:
+            return compiler.compile_grammar(choice_ebnf(spec.document))
+        return compiler.compile_structural_tag(json.dumps(spec.document))
+    except (RuntimeError, ValueError, TypeError, xgr.InvalidStructuralTagError) as err:
+        reason = _CPP_PREFIX.sub("", str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)
+        raise CompileError("grammar", f"xgrammar cannot compile this {spec.kind.value}: {reason}") from err

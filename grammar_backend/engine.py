@@ -1,0 +1,226 @@
+"""The engine-level object: tokenizer info, compile cache, sequence table, bitmask."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import xgrammar as xgr
+
+from grammar_backend.bitmask import BitmaskBuffer
+from grammar_backend.cache import CacheConfig, CompileCache
+from grammar_backend.compile import XGRAMMAR_VERSION, compile_spec
+from grammar_backend.errors import (
+    ConfigError,
+    DuplicateSequence,
+    GrammarError,
+    SequenceError,
+)
+from grammar_backend.sequences import SequenceTable, TableConfig
+from grammar_backend.spec import ConstraintSpec, SpecLimits
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Grammar-engine settings (one per grammar model instance).
+
+    Parameters
+    ----------
+    max_batch : int
+        Most rows of one step (the bitmask buffer's height).
+    fill_threads : int
+        Threads of the batched bitmask fill.
+    compile_threads : int
+        Threads of xgrammar's compiler for one compile.
+    cache, table, limits
+        See :class:`CacheConfig`, :class:`TableConfig`, :class:`SpecLimits`.
+    """
+
+    max_batch: int = 256
+    fill_threads: int = 1
+    compile_threads: int = 1
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    table: TableConfig = field(default_factory=TableConfig)
+    limits: SpecLimits = field(default_factory=SpecLimits)
+
+    def __post_init__(self) -> None:
+        if self.max_batch <= 0 or self.fill_threads <= 0 or self.compile_threads <= 0:
+            raise ConfigError("engine: max_batch, fill_threads and compile_threads must be positive")
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step returns for a batch of B rows.
+
+    Attributes
+    ----------
+    bitmask : numpy.ndarray
+        int32 ``[B, ceil(V/32)]``, a view of the engine's reused buffer:
+        valid until the next :meth:`GrammarEngine.step`.
+    terminated : numpy.ndarray
+        bool ``[B]``: the row's grammar accepted its stop token.
+    errors : tuple
+        Per row, None or the error of that row (unknown sequence, rejected
+        token); an error row's mask is all ones and must not be sampled.
+    forced : tuple
+        Per row, jump-forward tokens (empty unless requested and available).
+    """
+
+    bitmask: np.ndarray
+    terminated: np.ndarray
+    errors: tuple[SequenceError | None, ...]
+    forced: tuple[tuple[int, ...], ...]
+
+
+class GrammarEngine:
+    """Compiles constraints once, keeps one matcher per sequence, fills batched masks.
+
+    Parameters
+    ----------
+    tokenizer_info : xgrammar.TokenizerInfo
+        Built with the model's padded vocabulary size and its stop tokens.
+    fingerprint : str
+        The tokenizer fingerprint (part of every cache key).
+    config : EngineConfig
+    """
+
+    def __init__(self, tokenizer_info: xgr.TokenizerInfo, fingerprint: str, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer_info = tokenizer_info
+        self.fingerprint = fingerprint
+        self.vocab_size = int(tokenizer_info.vocab_size)
+        # xgrammar's own compiler cache is disabled: CompileCache is the one
+        # bounded, shared cache (two caches would hold every grammar twice).
+        self._compiler = xgr.GrammarCompiler(
+            tokenizer_info, max_threads=config.compile_threads, cache_enabled=False
+        )
+        self.cache = CompileCache(config.cache, tokenizer_info)
+        self.table = SequenceTable(config.table)
+        self.bitmask = BitmaskBuffer(config.max_batch, self.vocab_size, config.fill_threads)
+        self._terminated = np.zeros(config.max_batch, dtype=bool)
+        self._no_errors: tuple[None, ...] = (None,) * config.max_batch
+        self._no_forced: tuple[tuple[int, ...], ...] = ((),) * config.max_batch
+
+    @property
+    def active_count(self) -> int:
+        """Number of sequences holding a matcher."""
+        return len(self.table)
+
+    def compile(self, spec: ConstraintSpec, timeout_s: float | None = None) -> xgr.CompiledGrammar:
+        """The compiled grammar of ``spec`` (cached; single-flight; off this thread with a timeout).
+
+        Raises
+        ------
+        CompileError, CompileTimeout
+        """
+        key = spec.cache_key(self.fingerprint, XGRAMMAR_VERSION)
+        return self.cache.get(key, lambda: compile_spec(self._compiler, spec), timeout_s)
+
+    def start(self, seq_id: int, spec: ConstraintSpec, timeout_s: float | None = None) -> None:
+        """Compile (or fetch) the grammar of ``spec`` and create the sequence's matcher.
+
+        Blocking: call it off the step path.
+
+        Raises
+        ------
+        CompileError, CompileTimeout, DuplicateSequence, CapacityExceeded
+        """
+        if seq_id in self.table:
+            # Checked before compiling too, so a duplicate costs no compile.
+            raise DuplicateSequence(seq_id, "already started")
+        compiled = self.compile(spec, timeout_s)
+        self.table.start(seq_id, spec, compiled)
+
+    def step(
+        self,
+        seq_ids: Sequence[int] | np.ndarray,
+        tokens: np.ndarray,
+        counts: Sequence[int] | np.ndarray,
+        *,
+        jump_forward: bool = False,
+    ) -> StepResult:
+        """Accept each row's new tokens, then fill the mask of each row's next token.
+
+        Parameters
+        ----------
+        seq_ids : array of uint64, shape [B]
+        tokens : int32 array, shape [B, K]
+            Row i's first ``counts[i]`` entries are the tokens generated since
+            its previous step (none on its first step).
+        counts : int array, shape [B]
+        jump_forward : bool
+            Also return each row's forced continuation tokens.
+
+        Returns
+        -------
+        StepResult
+            One bad row (unknown id, rejected token) is reported in
+            ``errors`` and never fails the batch.
+
+        Raises
+        ------
+        GrammarError
+            The batch itself is malformed (shapes, more rows than max_batch).
+        """
+        rows = len(seq_ids)
+        if rows > self.config.max_batch:
+            raise GrammarError(f"step: batch of {rows} rows exceeds max_batch {self.config.max_batch}")
+        if len(counts) != rows or (rows and (tokens.ndim != 2 or tokens.shape[0] != rows)):
+            raise GrammarError(
+                f"step: SEQUENCE_ID has {rows} rows, TOKEN_COUNT {len(counts)}, TOKENS shape {tokens.shape}"
+            )
+        self.table.evict_idle()
+        terminated = self._terminated[:rows]
+        terminated.fill(False)
+        matchers: list[xgr.GrammarMatcher | None] = [None] * rows
+        errors: list[SequenceError | None] | None = None
+        for i in range(rows):
+            count = int(counts[i])
+            try:
+                if not 0 <= count <= tokens.shape[1]:
+                    raise SequenceError(int(seq_ids[i]), f"TOKEN_COUNT {count} outside 0..{tokens.shape[1]}")
+                seq = self.table.get(int(seq_ids[i]))
+                if count:
+                    seq.accept(tokens[i, :count])
+                seq.steps += 1
+            except SequenceError as err:
+                if errors is None:
+                    errors = [None] * rows
+                errors[i] = err
+                continue
+            if seq.terminated:
+                terminated[i] = True
+            else:
+                matchers[i] = seq.matcher
+        bitmask = self.bitmask.fill(matchers)
+        forced = self._no_forced[:rows]
+        if jump_forward:
+            forced = tuple(
+                () if m is None else tuple(int(t) for t in m.find_jump_forward_tokens()) for m in matchers
+            )
+        return StepResult(
+            bitmask=bitmask,
+            terminated=terminated,
+            errors=self._no_errors[:rows] if errors is None else tuple(errors),
+            forced=forced,
+        )
+
+    def rollback(self, seq_ids: Sequence[int], counts: Sequence[int]) -> tuple[SequenceError | None, ...]:
+        """Roll each sequence back by its count; per-row errors, never failing the batch."""
+        errors: list[SequenceError | None] = []
+        for seq_id, count in zip(seq_ids, counts, strict=True):
+            try:
+                self.table.rollback(int(seq_id), int(count))
+                errors.append(None)
+            except SequenceError as err:
+                errors.append(err)
+        return tuple(errors)
+
+    def end(self, seq_ids: Sequence[int]) -> int:
+        """Free sequences (unknown ids are ignored); returns how many were active."""
+        return sum(self.table.end(int(seq_id)) for seq_id in seq_ids)
+
+    def close(self) -> None:
+        """Release the compile workers."""
+        self.cache.close()

@@ -1,0 +1,423 @@
+"""Constraint specification: parse, validate and canonicalize a request constraint.
+
+Everything here runs *before* any compile, so a malformed constraint costs a
+parse, never a compiler run.  Each failure is a
+:class:`~grammar_backend.errors.ConstraintError` naming the request field
+(``grammar``, ``grammar_type``, ``grammar_options.<name>``, or a JSON pointer
+inside the payload such as ``grammar#/properties/age``) and the reason.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final, Literal
+
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError
+
+from grammar_backend.errors import ConstraintError
+
+Whitespace = Literal["compact", "any"] | int
+
+#: Bound on a whitespace run when the policy is an integer.  Larger bounds make
+#: the runaway-whitespace failure (a model emitting newlines until max_tokens)
+#: possible again, which is what the compact default prevents.
+MAX_WHITESPACE_RUN: Final = 64
+MAX_INDENT: Final = 16
+
+
+class ConstraintKind(str, enum.Enum):
+    """The kinds of constraint a request may carry."""
+
+    JSON_SCHEMA = "json_schema"
+    JSON_OBJECT = "json_object"
+    REGEX = "regex"
+    EBNF = "ebnf"
+    LARK = "lark"
+    CHOICE = "choice"
+    STRUCTURAL_TAG = "structural_tag"
+
+    @property
+    def is_json(self) -> bool:
+        """Whether the output is a JSON document (post-validation applies)."""
+        return self in (ConstraintKind.JSON_SCHEMA, ConstraintKind.JSON_OBJECT)
+
+
+# Structural tags carry their own per-format options (xgrammar's format
+# objects), so the request-level options apply to the two JSON kinds only.
+_JSON_OPTION_KINDS: Final = frozenset({ConstraintKind.JSON_SCHEMA, ConstraintKind.JSON_OBJECT})
+
+
+@dataclass(frozen=True)
+class SpecLimits:
+    """Bounds checked before any parse or compile.
+
+    Parameters
+    ----------
+    max_payload_bytes : int
+        Largest accepted payload (UTF-8 bytes).  MaskBench's largest dev-set
+        schema is about 1.1 MB, so the default admits all of it.
+    max_depth : int
+        Deepest accepted JSON nesting of the payload (objects and arrays).
+        Checked on the raw text, so a hostile payload cannot exhaust the
+        stack of the JSON parser.
+    max_choices : int
+        Most alternatives in a ``choice`` constraint.
+    """
+
+    max_payload_bytes: int = 2 * 1024 * 1024
+    max_depth: int = 128
+    max_choices: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("max_payload_bytes", "max_depth", "max_choices"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"SpecLimits.{name} must be positive")
+
+
+@dataclass(frozen=True)
+class ConstraintOptions:
+    """Options that shape the compiled grammar.
+
+    Parameters
+    ----------
+    strict : bool
+        False (default): honour the schema's own ``additionalProperties``.
+        True: close every object that the schema leaves open (OpenAI style).
+    whitespace : {"compact", "any"} or int
+        ``"compact"`` (default) allows no free whitespace, so the model
+        cannot loop on whitespace; an int bounds each whitespace run;
+        ``"any"`` allows unbounded whitespace and is only used on request.
+    indent : int or None
+        Pretty-print with this indent (JSON kinds only).
+    any_order : bool
+        Allow object keys in any order instead of the schema's order.
+    """
+
+    strict: bool = False
+    whitespace: Whitespace = "compact"
+    indent: int | None = None
+    any_order: bool = False
+
+    def canonical(self) -> list[Any]:
+        """A JSON-serializable canonical form, used in the cache key."""
+        return [self.strict, self.whitespace, self.indent, self.any_order]
+
+
+_OPTION_NAMES: Final = ("strict", "whitespace", "indent", "any_order")
+
+
+@dataclass(frozen=True)
+class ConstraintSpec:
+    """One validated, canonical request constraint.
+
+    Build it with :func:`parse_constraint`; never construct it from unchecked input.
+
+    Attributes
+    ----------
+    kind : ConstraintKind
+    payload : str
+        Canonical text of the payload: compact JSON (key order preserved,
+        because xgrammar emits keys in schema order, so two schemas that
+        differ only in key order compile to different grammars) for JSON
+        payloads, the text itself for regex and grammars.
+    options : ConstraintOptions
+    document : Any
+        The parsed JSON payload (schema, choice list or structural tag), or
+        None for text payloads.  Not part of equality.
+    """
+
+    kind: ConstraintKind
+    payload: str
+    options: ConstraintOptions = field(default_factory=ConstraintOptions)
+    document: Any = field(default=None, compare=False, hash=False, repr=False)
+
+    @property
+    def schema(self) -> Mapping[str, Any] | None:
+        """The JSON schema this output must satisfy (``{}`` for any-JSON), else None."""
+        if self.kind is ConstraintKind.JSON_SCHEMA:
+            return self.document  # type: ignore[no-any-return]
+        if self.kind is ConstraintKind.JSON_OBJECT:
+            return {}
+        return None
+
+    def cache_key(self, tokenizer_fingerprint: str, xgrammar_version: str) -> str:
+        """Hex sha256 of (kind, payload, options, tokenizer fingerprint, xgrammar version)."""
+        material = json.dumps(
+            [
+                self.kind.value,
+                self.payload,
+                self.options.canonical(),
+                tokenizer_fingerprint,
+                xgrammar_version,
+            ],
+            ensure_ascii=False,
+            separators=(",", ":"),
+        )
+        return hashlib.sha256(material.encode("utf-8")).hexdigest()
+
+
+def parse_constraint(
+    kind: str,
+    payload: str | bytes,
+    options: str | bytes | Mapping[str, Any] | None = None,
+    limits: SpecLimits = SpecLimits(),
+) -> ConstraintSpec:
+    """Validate a request constraint and return its canonical spec.
+
+    Parameters
+    ----------
+    kind : str
+        One of :class:`ConstraintKind`'s values.
+    payload : str or bytes
+        The constraint text (bytes must be UTF-8).
+    options : str, bytes, mapping or None
+        A JSON object (text or mapping) of :class:`ConstraintOptions` fields.
+    limits : SpecLimits
+        Size, depth and count bounds.
+
+    Returns
+    -------
+    ConstraintSpec
+
+    Raises
+    ------
+    ConstraintError
+        Naming the field (``grammar_type``, ``grammar``, ``grammar#<pointer>``
+        or ``grammar_options.<name>``) and the reason.
+    """
+    try:
+        ckind = ConstraintKind(kind)
+    except ValueError as err:
+        allowed = ", ".join(k.value for k in ConstraintKind)
+        raise ConstraintError("grammar_type", f"unknown kind {kind!r}; expected one of {allowed}") from err
+    opts = parse_options(options)
+    if ckind not in _JSON_OPTION_KINDS:
+        for name in _OPTION_NAMES:
+            if getattr(opts, name) != getattr(ConstraintOptions(), name):
+                raise ConstraintError(
+                    f"grammar_options.{name}",
+                    f"only applies to json_schema and json_object, not {ckind.value}",
+                )
+    text = _decode("grammar", payload)
+    size = len(text.encode("utf-8"))
+    if size > limits.max_payload_bytes:
+        raise ConstraintError("grammar", f"payload is {size} bytes; the limit is {limits.max_payload_bytes}")
+
+    if ckind is ConstraintKind.JSON_OBJECT:
+        if text.strip():
+            raise ConstraintError("grammar", "must be empty for json_object (use json_schema for a schema)")
+        return ConstraintSpec(ckind, "", opts, None)
+    if ckind in (ConstraintKind.REGEX, ConstraintKind.EBNF, ConstraintKind.LARK):
+        if not text.strip():
+            raise ConstraintError("grammar", f"empty {ckind.value}")
+        # Their syntax is checked by xgrammar's own parser at compile time
+        # (Python's `re` is a different dialect, so it cannot pre-check a regex).
+        return ConstraintSpec(ckind, text, opts, None)
+
+    doc = parse_json("grammar", text, limits.max_depth)
+    if ckind is ConstraintKind.JSON_SCHEMA:
+        check_schema(doc, "grammar")
+    elif ckind is ConstraintKind.CHOICE:
+        _check_choices(doc, limits.max_choices)
+    else:
+        doc = _normalize_structural_tag(doc)
+    canonical = json.dumps(doc, ensure_ascii=False, separators=(",", ":"))
+    return ConstraintSpec(ckind, canonical, opts, doc)
+
+
+def parse_options(options: str | bytes | Mapping[str, Any] | None) -> ConstraintOptions:
+    """Parse ``grammar_options`` (a JSON object) into :class:`ConstraintOptions`.
+
+    Raises
+    ------
+    ConstraintError
+        On malformed JSON, an unknown option or a value of the wrong type or range.
+    """
+    if options is None:
+        return ConstraintOptions()
+    if isinstance(options, (str, bytes)):
+        text = _decode("grammar_options", options)
+        if not text.strip():
+            return ConstraintOptions()
+        raw = parse_json("grammar_options", text, 4)
+    else:
+        raw = options
+    if not isinstance(raw, Mapping):
+        raise ConstraintError("grammar_options", "must be a JSON object")
+    unknown = sorted(set(raw) - set(_OPTION_NAMES))
+    if unknown:
+        raise ConstraintError(
+            f"grammar_options.{unknown[0]}", f"unknown option; expected one of {', '.join(_OPTION_NAMES)}"
+        )
+    strict = raw.get("strict", False)
+    any_order = raw.get("any_order", False)
+    for name, value in (("strict", strict), ("any_order", any_order)):
+        if not isinstance(value, bool):
+            raise ConstraintError(f"grammar_options.{name}", f"must be a boolean, got {value!r}")
+    whitespace = raw.get("whitespace", "compact")
+    if isinstance(whitespace, bool) or not (
+        whitespace in ("compact", "any")
+        or (isinstance(whitespace, int) and 0 <= whitespace <= MAX_WHITESPACE_RUN)
+    ):
+        raise ConstraintError(
+            "grammar_options.whitespace",
+            f'must be "compact", "any" or an integer 0..{MAX_WHITESPACE_RUN}, got {whitespace!r}',
+        )
+    indent = raw.get("indent")
+    if indent is not None and (isinstance(indent, bool) or not isinstance(indent, int) or not 0 <= indent <= MAX_INDENT):
+        raise ConstraintError("grammar_options.indent", f"must be null or an integer 0..{MAX_INDENT}, got {indent!r}")
+    return ConstraintOptions(strict=strict, whitespace=whitespace, indent=indent, any_order=any_order)
+
+
+def parse_json(field_name: str, text: str, max_depth: int) -> Any:
+    """Parse JSON text after checking its nesting depth on the raw text.
+
+    Raises
+    ------
+    ConstraintError
+        ``<field>: invalid JSON at line L column C: <reason>`` or a depth error.
+    """
+    depth = json_depth(text)
+    if depth > max_depth:
+        raise ConstraintError(field_name, f"JSON nesting depth {depth} exceeds the limit {max_depth}")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ConstraintError(
+            field_name, f"invalid JSON at line {err.lineno} column {err.colno}: {err.msg}"
+        ) from err
+
+
+def json_depth(text: str) -> int:
+    """Maximum bracket nesting of JSON text, skipping string contents (O(n), no recursion)."""
+    depth = best = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            best = max(best, depth)
+        elif ch in "]}":
+            depth -= 1
+    return best
+
+
+def check_schema(schema: Any, field_name: str) -> None:
+    """Check ``schema`` against the Draft 2020-12 meta-schema.
+
+    Raises
+    ------
+    ConstraintError
+        Naming ``<field>#<JSON pointer>`` of the offending keyword.
+    """
+    if not isinstance(schema, Mapping):
+        raise ConstraintError(field_name, f"a JSON schema must be an object, got {type(schema).__name__}")
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as err:
+        pointer = "".join(f"/{_escape_pointer(p)}" for p in err.absolute_path)
+        # ``field_name`` may already be a pointer (a schema embedded in a structural tag).
+        at = f"{field_name}{pointer}" if "#" in field_name else f"{field_name}#{pointer}"
+        raise ConstraintError(at, f"not a valid JSON Schema: {err.message}") from err
+
+
+def _escape_pointer(part: object) -> str:
+    return str(part).replace("~", "~0").replace("/", "~1")
+
+
+def _decode(field_name: str, value: str | bytes) -> str:
+    if isinstance(value, str):
+        return value
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConstraintError(field_name, f"not valid UTF-8 at byte {err.start}") from err
+
+
+def _check_choices(doc: Any, max_choices: int) -> None:
+    if not isinstance(doc, list) or not doc:
+        raise ConstraintError("grammar", "choice needs a non-empty JSON array of strings")
+    if len(doc) > max_choices:
+        raise ConstraintError("grammar", f"{len(doc)} choices; the limit is {max_choices}")
+    for i, item in enumerate(doc):
+        if not isinstance(item, str) or not item:
+            raise ConstraintError(f"grammar#/{i}", f"each choice must be a non-empty string, got {item!r}")
+
+
+def _normalize_structural_tag(doc: Any) -> dict[str, Any]:
+    """Accept xgrammar's format, or the short ``{"triggers", "tags"}`` form for tool calls.
+
+    Returns the xgrammar form ``{"type": "structural_tag", "format": ...}``
+    with every embedded JSON schema checked against the meta-schema.
+    """
+    import xgrammar as xgr
+    from pydantic import ValidationError
+
+    if not isinstance(doc, dict):
+        raise ConstraintError("grammar", "a structural tag must be a JSON object")
+    if "type" not in doc:
+        unknown = sorted(set(doc) - {"triggers", "tags"})
+        if unknown:
+            raise ConstraintError(f"grammar#/{unknown[0]}", "unknown field; expected triggers and tags")
+        triggers, tags = doc.get("triggers"), doc.get("tags")
+        if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+            raise ConstraintError("grammar#/triggers", "must be a non-empty array of non-empty strings")
+        if not isinstance(tags, list) or not tags:
+            raise ConstraintError("grammar#/tags", "must be a non-empty array of {begin, schema, end}")
+        for i, tag in enumerate(tags):
+            if not isinstance(tag, dict) or set(tag) != {"begin", "schema", "end"}:
+                raise ConstraintError(f"grammar#/tags/{i}", "must be an object with exactly begin, schema and end")
+            if not any(tag["begin"].startswith(t) for t in triggers if isinstance(tag["begin"], str)):
+                raise ConstraintError(f"grammar#/tags/{i}/begin", "must start with one of the triggers")
+        doc = {
+            "type": "structural_tag",
+            "format": {
+                "type": "triggered_tags",
+                "triggers": triggers,
+                "tags": [
+                    {"type": "tag", "begin": t["begin"], "end": t["end"],
+                     "content": {"type": "json_schema", "json_schema": t["schema"]}}
+                    for t in tags
+                ],
+            },
+        }
+    try:
+        xgr.StructuralTag.model_validate(doc)
+    except ValidationError as err:
+        first = err.errors()[0]
+        pointer = "".join(f"/{_escape_pointer(p)}" for p in first["loc"])
+        raise ConstraintError(f"grammar#{pointer}", f"invalid structural tag: {first['msg']}") from err
+    for pointer, schema in _embedded_schemas(doc, ""):
+        check_schema(schema, f"grammar#{pointer}")
+    return doc
+
+
+def _embedded_schemas(node: Any, pointer: str) -> list[tuple[str, Any]]:
+    """JSON schemas embedded in a structural tag (``json_schema`` of json_schema formats)."""
+    found: list[tuple[str, Any]] = []
+    if isinstance(node, dict):
+        if node.get("type") == "json_schema" and "json_schema" in node:
+            schema = node["json_schema"]
+            if isinstance(schema, str):
+                schema = parse_json(f"grammar#{pointer}/json_schema", schema, SpecLimits().max_depth)
+            found.append((f"{pointer}/json_schema", schema))
+        for key, value in node.items():
+            if key != "json_schema":
+                found.extend(_embedded_schemas(value, f"{pointer}/{_escape_pointer(key)}"))
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            found.extend(_embedded_schemas(value, f"{pointer}/{i}"))
+    return found

@@ -1,0 +1,57 @@
+"""Fixtures shared by the grammar-engine unit tests."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import xgrammar as xgr
+
+REPO = Path(__file__).resolve().parents[2]
+SCHEMAS = REPO / "tests" / "fixtures" / "schemas"
+
+#: Byte-level toy vocabulary: every single byte, a few multi-byte tokens (so
+#: token boundaries differ from byte boundaries), then the stop token.
+TINY_EXTRA = [b'{"', b'":', b'",', b"true", b"false", b"null", b"ab", b"abc"]
+TINY_VOCAB: list[bytes] = [bytes([i]) for i in range(256)] + TINY_EXTRA + [b"</s>"]
+TINY_STOP = len(TINY_VOCAB) - 1
+TINY_VOCAB_SIZE = 320  # padded past len(TINY_VOCAB), like a model's logits width
+
+
+def load_schema(name: str) -> dict[str, Any]:
+    """A hand-written schema fixture by file stem."""
+    return json.loads((SCHEMAS / f"{name}.json").read_text())  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="session")
+def tiny_info() -> xgr.TokenizerInfo:
+    return xgr.TokenizerInfo(TINY_VOCAB, vocab_size=TINY_VOCAB_SIZE, stop_token_ids=[TINY_STOP])
+
+
+def tiny_encode(text: str) -> list[int]:
+    """Encode as one token per byte (alignment does not matter for the tiny vocabulary)."""
+    return list(text.encode("utf-8"))
+
+
+def qwen_dir() -> Path:
+    return Path(os.environ.get("QWEN_TOKENIZER_DIR", REPO / "build" / "tokenizers" / "qwen3"))
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer() -> Any:
+    """The Qwen3 BPE tokenizer (151,669 tokens), from `make tokenizers`."""
+    path = qwen_dir()
+    if not (path / "tokenizer.json").is_file():
+        pytest.skip(f"Qwen3 tokenizer not found at {path} (run `make tokenizers` or set QWEN_TOKENIZER_DIR)")
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
+
+
+@pytest.fixture(scope="session")
+def qwen_info(qwen_tokenizer: Any) -> xgr.TokenizerInfo:
+    eos = qwen_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    return xgr.TokenizerInfo.from_huggingface(qwen_tokenizer, vocab_size=151936, stop_token_ids=[eos])

@@ -1,0 +1,184 @@
+"""Grammar engine: batched steps, per-row errors, bitmask layout, real-vocabulary token alignment."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+import xgrammar as xgr
+
+from grammar_backend.bitmask import BitmaskBuffer, allowed_tokens, bitmask_width
+from grammar_backend.engine import EngineConfig, GrammarEngine
+from grammar_backend.errors import CompileError, ConfigError, DuplicateSequence, GrammarError
+from grammar_backend.spec import parse_constraint
+from tests.unit.conftest import TINY_STOP, TINY_VOCAB, TINY_VOCAB_SIZE, load_schema, tiny_encode
+
+
+@pytest.fixture()
+def engine(tiny_info: xgr.TokenizerInfo) -> GrammarEngine:
+    eng = GrammarEngine(tiny_info, "tiny-fp", EngineConfig(max_batch=8))
+    yield eng
+    eng.close()
+
+
+def _step(engine: GrammarEngine, rows: list[tuple[int, list[int]]]) -> Any:
+    k = max([len(t) for _, t in rows] + [1])
+    tokens = np.zeros((len(rows), k), dtype=np.int32)
+    for i, (_, toks) in enumerate(rows):
+        tokens[i, : len(toks)] = toks
+    ids = np.array([sid for sid, _ in rows], dtype=np.uint64)
+    counts = np.array([len(t) for _, t in rows], dtype=np.int32)
+    return engine.step(ids, tokens, counts)
+
+
+@pytest.mark.parametrize("vocab", [1, 31, 32, 33, 151936])
+def test_bitmask_width(vocab: int) -> None:
+    assert bitmask_width(vocab) == -(-vocab // 32) == xgr.get_bitmask_shape(1, vocab)[1]
+
+
+def test_bitmask_buffer_is_reused_and_rows_are_exact(tiny_info: xgr.TokenizerInfo) -> None:
+    compiler = xgr.GrammarCompiler(tiny_info, cache_enabled=False)
+    matcher = xgr.GrammarMatcher(compiler.compile_regex("[xy]z"))
+    buf = BitmaskBuffer(4, TINY_VOCAB_SIZE)
+    first = buf.fill([None, matcher, None])
+    assert first.shape == (3, bitmask_width(TINY_VOCAB_SIZE)) and first.base is buf.buffer
+    assert allowed_tokens(first[1], TINY_VOCAB_SIZE).tolist() == [ord("x"), ord("y")]
+    assert len(allowed_tokens(first[0], TINY_VOCAB_SIZE)) == TINY_VOCAB_SIZE
+    second = buf.fill([matcher])
+    assert second.base is buf.buffer
+    with pytest.raises(GrammarError, match=r"^bitmask: batch of 5 rows exceeds max_batch 4$"):
+        buf.fill([None] * 5)
+
+
+def test_mixed_batch_step(engine: GrammarEngine) -> None:
+    engine.start(10, parse_constraint("json_schema", json.dumps(load_schema("person"))))
+    engine.start(11, parse_constraint("choice", '["yes", "no"]'))
+    out = _step(engine, [(10, []), (99, []), (11, tiny_encode("ye")), (12, [])])
+    assert out.bitmask.shape == (4, bitmask_width(TINY_VOCAB_SIZE))
+    assert allowed_tokens(out.bitmask[0], TINY_VOCAB_SIZE).tolist() == [ord("{"), 256]  # '{' and '{"'
+    assert allowed_tokens(out.bitmask[2], TINY_VOCAB_SIZE).tolist() == [ord("s")]
+    assert [str(e) if e else None for e in out.errors] == [
+        None, "sequence 99: not active (never started, ended or evicted)", None,
+        "sequence 12: not active (never started, ended or evicted)",
+    ]
+    assert out.terminated.tolist() == [False, False, False, False]
+    out = _step(engine, [(11, tiny_encode("s"))])
+    assert allowed_tokens(out.bitmask[0], TINY_VOCAB_SIZE).tolist() == [TINY_STOP]  # stop only where accepted
+    out = _step(engine, [(11, [TINY_STOP]), (10, tiny_encode('{"name":"A"'))])
+    assert out.terminated.tolist() == [True, False] and out.errors == (None, None)
+    assert allowed_tokens(out.bitmask[1], TINY_VOCAB_SIZE).tolist() == [ord(",")]
+    assert engine.end([10, 11, 12]) == 2 and engine.active_count == 0
+
+
+def test_rejected_token_fails_only_its_row(engine: GrammarEngine) -> None:
+    engine.start(1, parse_constraint("regex", "[0-9]+"))
+    engine.start(2, parse_constraint("regex", "[0-9]+"))
+    out = _step(engine, [(1, tiny_encode("1a")), (2, tiny_encode("12"))])
+    assert str(out.errors[0]) == "sequence 1: token 97 at position 1 is rejected by the grammar"
+    assert out.errors[1] is None
+    assert allowed_tokens(out.bitmask[1], TINY_VOCAB_SIZE).tolist() == [*range(ord("0"), ord("9") + 1), TINY_STOP]
+
+
+def test_jump_forward_tokens(engine: GrammarEngine) -> None:
+    engine.start(1, parse_constraint("json_schema", json.dumps(load_schema("tool_weather"))))
+    out = engine.step(np.array([1], dtype=np.uint64), np.zeros((1, 1), np.int32), np.zeros(1, np.int32),
+                      jump_forward=True)
+    forced = b"".join(TINY_VOCAB[t] for t in out.forced[0])
+    # The final '"' is held back: it is a strict prefix of longer tokens (xgrammar's documented rule).
+    assert forced == b'{"city":'
+
+
+def test_start_errors(engine: GrammarEngine) -> None:
+    engine.start(1, parse_constraint("regex", "a"))
+    with pytest.raises(DuplicateSequence, match=r"^sequence 1: already started$"):
+        engine.start(1, parse_constraint("regex", "b"))
+    with pytest.raises(CompileError, match=r"^grammar: xgrammar cannot compile this ebnf: EBNF parser error"):
+        engine.start(2, parse_constraint("ebnf", "root ::= missing_rule"))
+    assert engine.active_count == 1
+    assert engine.cache.stats().compile_failures == 1
+
+
+@pytest.mark.parametrize(
+    ("rows", "counts", "tokens_shape", "match"),
+    [
+        (9, 9, (9, 1), r"^step: batch of 9 rows exceeds max_batch 8$"),
+        (2, 3, (2, 1), r"^step: SEQUENCE_ID has 2 rows, TOKEN_COUNT 3, TOKENS shape \(2, 1\)$"),
+        (2, 2, (3, 1), r"^step: SEQUENCE_ID has 2 rows, TOKEN_COUNT 2, TOKENS shape \(3, 1\)$"),
+    ],
+)
+def test_malformed_batches(engine: GrammarEngine, rows: int, counts: int, tokens_shape: tuple[int, int],
+                           match: str) -> None:
+    with pytest.raises(GrammarError, match=match):
+        engine.step(np.arange(rows, dtype=np.uint64), np.zeros(tokens_shape, np.int32), np.zeros(counts, np.int32))
+
+
+def test_token_count_out_of_range_is_a_row_error(engine: GrammarEngine) -> None:
+    engine.start(1, parse_constraint("regex", "a"))
+    out = engine.step(np.array([1], np.uint64), np.zeros((1, 1), np.int32), np.array([2], np.int32))
+    assert str(out.errors[0]) == "sequence 1: TOKEN_COUNT 2 outside 0..1"
+
+
+def test_engine_config_rejects_bad_values() -> None:
+    with pytest.raises(ConfigError, match=r"^engine: max_batch"):
+        EngineConfig(max_batch=0)
+
+
+# --------------------------------------------------------- real large vocabulary
+@pytest.mark.parametrize(
+    ("kind", "payload", "options", "output"),
+    [
+        ("json_schema", json.dumps(load_schema("order")), None,
+         '{"id":"ABC-1234","items":[{"sku":"é-ü 東京","qty":2}],"status":"paid","express":true}'),
+        ("json_schema", json.dumps(load_schema("tree")), None,
+         '{"value":1,"children":[{"value":2},{"value":-3,"children":[]}]}'),
+        ("json_schema", json.dumps(load_schema("person")), '{"indent": 2}',
+         '{\n  "name": "Zoë",\n  "age": 41\n}'),
+        ("json_object", "", None, '{"k":[1,2.5,"\\u00e9",null]}'),
+        ("regex", r"\d{3}-[a-z]+@example\.com", None, "123-john@example.com"),
+        ("choice", '["north", "north-east", "南"]', None, "north-east"),
+        ("ebnf", 'root ::= "SELECT " col (", " col)* " FROM t"\ncol ::= [a-z]+', None, "SELECT a, bc FROM t"),
+        ("lark", 'start: "(" NUM ("+" NUM)* ")"\nNUM: /[0-9]+/', None, "(12+7+100)"),
+        ("structural_tag",
+         json.dumps({"triggers": ["<tool_call>"], "tags": [
+             {"begin": "<tool_call>", "schema": load_schema("tool_weather"), "end": "</tool_call>"}]}), None,
+         'Let me check. <tool_call>{"city": "Paris", "unit": "celsius"}</tool_call>'),
+    ],
+)
+def test_real_bpe_tokens_are_accepted_and_masks_allow_them(
+    qwen_tokenizer: Any, qwen_info: xgr.TokenizerInfo, kind: str, payload: str, options: str | None, output: str
+) -> None:
+    """Tokenize a valid output with Qwen3's BPE and force it token by token through the engine:
+    every token must be allowed by the mask of its step, and the stop token only at the end."""
+    eng = GrammarEngine(qwen_info, "qwen", EngineConfig(max_batch=2))
+    try:
+        eng.start(1, parse_constraint(kind, payload, options))
+        ids = qwen_tokenizer.encode(output, add_special_tokens=False)
+        stop = qwen_info.stop_token_ids[0]
+        previous: list[int] = []
+        for token in [*ids, stop]:
+            out = eng.step(np.array([1], np.uint64), np.array([previous or [0]], np.int32),
+                           np.array([len(previous)], np.int32))
+            assert out.errors == (None,)
+            row = out.bitmask[0]
+            assert (row[token // 32] >> (token % 32)) & 1, f"token {token} {qwen_tokenizer.decode([token])!r} masked"
+            if kind.startswith("json"):  # a JSON document is never complete before its last token
+                assert bool((row[stop // 32] >> (stop % 32)) & 1) is (token == stop)
+            previous = [token]
+        out = eng.step(np.array([1], np.uint64), np.array([[stop]], np.int32), np.array([1], np.int32))
+        assert out.terminated.tolist() == [True]
+    finally:
+        eng.close()
+
+
+def test_real_vocab_bitmask_padding_is_masked(qwen_info: xgr.TokenizerInfo) -> None:
+    eng = GrammarEngine(qwen_info, "qwen", EngineConfig(max_batch=1))
+    try:
+        eng.start(1, parse_constraint("json_object", ""))
+        out = eng.step(np.array([1], np.uint64), np.zeros((1, 1), np.int32), np.zeros(1, np.int32))
+        allowed = allowed_tokens(out.bitmask[0], 151936)
+        assert out.bitmask.shape == (1, 4748)
+        assert allowed.max() < 151669  # the 267 padding ids are never allowed
+    finally:
+        eng.close()

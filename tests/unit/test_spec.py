@@ -1,0 +1,153 @@
+"""Constraint parsing and validation: every rejection names its field and reason."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from grammar_backend.errors import ConstraintError
+from grammar_backend.spec import (
+    ConstraintKind,
+    ConstraintOptions,
+    SpecLimits,
+    json_depth,
+    parse_constraint,
+    parse_options,
+)
+from tests.unit.conftest import load_schema
+
+
+@pytest.mark.parametrize(
+    ("kind", "payload", "expected_payload"),
+    [
+        ("json_schema", '{ "type" : "object" ,"properties":{"b":{},"a":{}}}',
+         '{"type":"object","properties":{"b":{},"a":{}}}'),
+        ("json_object", "", ""),
+        ("regex", r"[a-z]{3}", r"[a-z]{3}"),
+        ("ebnf", 'root ::= "yes" | "no"', 'root ::= "yes" | "no"'),
+        ("lark", 'start: "a"+', 'start: "a"+'),
+        ("choice", '["red", "green"]', '["red","green"]'),
+    ],
+)
+def test_valid_constraints_are_canonical(kind: str, payload: str, expected_payload: str) -> None:
+    spec = parse_constraint(kind, payload)
+    assert spec.kind is ConstraintKind(kind)
+    assert spec.payload == expected_payload
+    assert spec.options == ConstraintOptions()
+
+
+@pytest.mark.parametrize(
+    ("kind", "payload", "options", "match"),
+    [
+        ("yaml", "x", None, r"^grammar_type: unknown kind 'yaml'; expected one of json_schema"),
+        ("json_schema", '{"type": "object",}', None, r"^grammar: invalid JSON at line 1 column 19: Expecting property name"),
+        ("json_schema", '{\n  "type":\n}', None, r"^grammar: invalid JSON at line 3 column 1: "),
+        ("json_schema", "[1]", None, r"^grammar: a JSON schema must be an object, got list"),
+        ("json_schema", '{"type": "strin"}', None, r"^grammar#/type: not a valid JSON Schema: 'strin' is not valid"),
+        ("json_schema", '{"properties": {"a": {"minLength": -1}}}', None,
+         r"^grammar#/properties/a/minLength: not a valid JSON Schema: -1 is less than the minimum of 0"),
+        ("json_schema", b'{"a": "\xff"}', None, r"^grammar: not valid UTF-8 at byte 7$"),
+        ("json_object", "{}", None, r"^grammar: must be empty for json_object"),
+        ("regex", "  ", None, r"^grammar: empty regex$"),
+        ("choice", "[]", None, r"^grammar: choice needs a non-empty JSON array of strings$"),
+        ("choice", '["a", 3]', None, r"^grammar#/1: each choice must be a non-empty string, got 3$"),
+        ("regex", "a+", '{"indent": 2}', r"^grammar_options.indent: only applies to json_schema and json_object"),
+        ("json_schema", "{}", '{"colour": 1}', r"^grammar_options.colour: unknown option; expected one of strict"),
+        ("json_schema", "{}", '{"strict": "yes"}', r"^grammar_options.strict: must be a boolean, got 'yes'$"),
+        ("json_schema", "{}", '{"whitespace": 65}', r'^grammar_options.whitespace: must be "compact", "any" or'),
+        ("json_schema", "{}", '{"whitespace": true}', r"^grammar_options.whitespace: "),
+        ("json_schema", "{}", '{"indent": -1}', r"^grammar_options.indent: must be null or an integer 0..16"),
+        ("json_schema", "{}", "[1]", r"^grammar_options: must be a JSON object$"),
+        ("json_schema", "{}", "{", r"^grammar_options: invalid JSON at line 1 column 2"),
+        ("structural_tag", '{"triggers": ["<f"], "tags": []}', None, r"^grammar#/tags: must be a non-empty array"),
+        ("structural_tag", '{"triggers": ["<f"], "tags": [{"begin": "<g>", "schema": {}, "end": "</g>"}]}', None,
+         r"^grammar#/tags/0/begin: must start with one of the triggers$"),
+        ("structural_tag",
+         '{"triggers": ["<f"], "tags": [{"begin": "<f>", "schema": {"type": 5}, "end": "</f>"}]}', None,
+         r"^grammar#/format/tags/0/content/json_schema/type: not a valid JSON Schema"),
+        ("structural_tag", '{"type": "structural_tag", "format": {"type": "nope"}}', None,
+         r"^grammar#/format.*: invalid structural tag"),
+    ],
+)
+def test_invalid_constraints_name_field_and_reason(
+    kind: str, payload: str | bytes, options: str | None, match: str
+) -> None:
+    with pytest.raises(ConstraintError, match=match):
+        parse_constraint(kind, payload, options)
+
+
+def test_payload_size_limit_is_checked_before_parsing() -> None:
+    limits = SpecLimits(max_payload_bytes=10)
+    with pytest.raises(ConstraintError, match=r"^grammar: payload is 11 bytes; the limit is 10$"):
+        parse_constraint("json_schema", "{" * 11, limits=limits)
+
+
+def test_depth_limit_protects_the_parser() -> None:
+    deep = '{"items":' * 200 + "{}" + "}" * 200
+    with pytest.raises(ConstraintError, match=r"^grammar: JSON nesting depth 201 exceeds the limit 128$"):
+        parse_constraint("json_schema", deep)
+
+
+@pytest.mark.parametrize(
+    ("text", "depth"),
+    [("{}", 1), ('{"a": [1, {"b": 2}]}', 3), ('{"a": "[[[{{{"}', 1), (r'{"a": "\"[["}', 1), ("3", 0)],
+)
+def test_json_depth_skips_strings(text: str, depth: int) -> None:
+    assert json_depth(text) == depth
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        (None, ConstraintOptions()),
+        ("", ConstraintOptions()),
+        ('{"strict": true, "whitespace": "any"}', ConstraintOptions(strict=True, whitespace="any")),
+        ({"whitespace": 4, "indent": 2, "any_order": True},
+         ConstraintOptions(whitespace=4, indent=2, any_order=True)),
+    ],
+)
+def test_options(options: str | dict[str, object] | None, expected: ConstraintOptions) -> None:
+    assert parse_options(options) == expected
+
+
+def test_structural_tag_short_form_is_normalized() -> None:
+    schema = load_schema("tool_weather")
+    short = {"triggers": ["<tool_call>"], "tags": [{"begin": "<tool_call>", "schema": schema, "end": "</tool_call>"}]}
+    spec = parse_constraint("structural_tag", json.dumps(short))
+    assert spec.document == {
+        "type": "structural_tag",
+        "format": {
+            "type": "triggered_tags",
+            "triggers": ["<tool_call>"],
+            "tags": [{"type": "tag", "begin": "<tool_call>", "end": "</tool_call>",
+                      "content": {"type": "json_schema", "json_schema": schema}}],
+        },
+    }
+
+
+def test_cache_key_covers_every_input() -> None:
+    base = parse_constraint("json_schema", '{"type": "object"}')
+    key = base.cache_key("fp", "0.2.9")
+    assert len(key) == 64
+    assert parse_constraint("json_schema", '{ "type":"object" }').cache_key("fp", "0.2.9") == key
+    others = {
+        parse_constraint("json_schema", '{"type": "object"}', '{"strict": true}').cache_key("fp", "0.2.9"),
+        parse_constraint("json_schema", '{"type": "array"}').cache_key("fp", "0.2.9"),
+        parse_constraint("regex", '{"type": "object"}').cache_key("fp", "0.2.9"),
+        base.cache_key("other-fp", "0.2.9"),
+        base.cache_key("fp", "0.3.0"),
+    }
+    assert key not in others and len(others) == 5
+
+
+def test_key_order_is_kept_because_it_changes_the_grammar() -> None:
+    ab = parse_constraint("json_schema", '{"properties": {"a": {}, "b": {}}}')
+    ba = parse_constraint("json_schema", '{"properties": {"b": {}, "a": {}}}')
+    assert ab.cache_key("fp", "v") != ba.cache_key("fp", "v")
+
+
+@pytest.mark.parametrize("name", ["person", "order", "tree", "tool_weather", "open_object"])
+def test_fixture_schemas_parse(name: str) -> None:
+    spec = parse_constraint("json_schema", json.dumps(load_schema(name)))
+    assert spec.schema == load_schema(name)
