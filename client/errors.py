@@ -1,0 +1,187 @@
+"""Exception types of the client SDK.
+
+Every failure that :class:`client.Client` reports is a :class:`ClientError`.
+Server errors arrive as :class:`tritonclient.utils.InferenceServerException`
+and are translated in exactly one place, :func:`from_server_error`, by their
+gRPC status name.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Final
+
+if TYPE_CHECKING:
+    from tritonclient.utils import InferenceServerException
+
+    from client.sdk import Result
+
+__all__ = [
+    "ClientError",
+    "DeadlineExceeded",
+    "GenerationError",
+    "InvalidConstraint",
+    "InvalidRequest",
+    "ServerUnavailable",
+    "TruncatedOutput",
+    "from_server_error",
+    "status_name",
+]
+
+
+class ClientError(Exception):
+    """Base class of every error raised by :mod:`client`.
+
+    Parameters
+    ----------
+    message : str
+        Human-readable description.
+    status : str or None
+        The gRPC status name (``"INVALID_ARGUMENT"``, ...) when the error came
+        from the server, else ``None``.
+    """
+
+    def __init__(self, message: str, *, status: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+
+class InvalidRequest(ClientError, ValueError):
+    """A request is malformed: rejected locally, or by the server.
+
+    Parameters
+    ----------
+    field : str or None
+        The request field at fault (``"max_tokens"``, ``"grammar_options.indent"``),
+        or ``None`` when a server message names none.
+    reason : str
+        Why the value is rejected.
+    status : str or None
+        ``"INVALID_ARGUMENT"`` when the server rejected the request.
+    """
+
+    def __init__(self, field: str | None, reason: str, *, status: str | None = None) -> None:
+        super().__init__(f"{field}: {reason}" if field else reason, status=status)
+        self.field = field
+        self.reason = reason
+
+
+class InvalidConstraint(InvalidRequest):
+    """A constraint or one of its options is invalid.
+
+    Raised locally by the :class:`client.Constraint` builders, and for every
+    server ``INVALID_ARGUMENT`` (the server cannot tell the client which part
+    of the request was at fault other than by the field named in the message,
+    which is kept in :attr:`field`).
+    """
+
+
+class TruncatedOutput(ClientError):
+    """Generation stopped at ``max_tokens`` before the constraint was complete.
+
+    Parameters
+    ----------
+    result : client.sdk.Result
+        The partial result (``complete`` is false, ``finish_reason`` is ``"length"``).
+    """
+
+    def __init__(self, result: Result) -> None:
+        super().__init__(
+            f"output truncated at {result.usage.completion_tokens} tokens "
+            f"(finish_reason={result.finish_reason!r}); the constraint is not complete"
+        )
+        self.result = result
+
+
+class ServerUnavailable(ClientError):
+    """The server cannot be reached or is not serving (gRPC ``UNAVAILABLE``)."""
+
+
+class DeadlineExceeded(ClientError):
+    """The call ran past its deadline (gRPC ``DEADLINE_EXCEEDED`` or the local timeout)."""
+
+
+class GenerationError(ClientError):
+    """Generation failed on the server, or the server broke the response contract.
+
+    Parameters
+    ----------
+    message : str
+        What went wrong.
+    status : str or None
+        The gRPC status name when known.
+    result : client.sdk.Result or None
+        The final result when the server sent one (``finish_reason == "error"``).
+    """
+
+    def __init__(self, message: str, *, status: str | None = None, result: Result | None = None) -> None:
+        super().__init__(message, status=status)
+        self.result = result
+
+
+# Triton's ensemble scheduler prefixes a step's error with "in ensemble 'NAME', ".
+_ENSEMBLE_PREFIX: Final = re.compile(r"^in ensemble '[^']*', ")
+# The server's INVALID_ARGUMENT messages read "field: reason"; a field is a dotted
+# path with optional index or JSON-pointer suffix, never containing spaces.
+_FIELD_MESSAGE: Final = re.compile(r"^(?P<field>[A-Za-z_][\w.\[\]#/~-]*): (?P<reason>.+)$", re.DOTALL)
+
+
+def status_name(status: str | None) -> str | None:
+    """Normalise a tritonclient status string to the bare gRPC status name.
+
+    Parameters
+    ----------
+    status : str or None
+        ``InferenceServerException.status()``: ``"StatusCode.INVALID_ARGUMENT"``
+        from gRPC errors, or ``None`` for errors reported in-band on a stream
+        (no status) and for client-side errors.
+
+    Returns
+    -------
+    str or None
+        ``"INVALID_ARGUMENT"`` and so on, or ``None``.
+    """
+    if status is None:
+        return None
+    name = status.strip()
+    name = name.removeprefix("StatusCode.")
+    return name or None
+
+
+def from_server_error(err: InferenceServerException) -> ClientError:
+    """Translate a tritonclient exception into the matching :class:`ClientError`.
+
+    ===================  ==========================
+    gRPC status          raised
+    ===================  ==========================
+    INVALID_ARGUMENT     :class:`InvalidConstraint`
+    UNAVAILABLE          :class:`ServerUnavailable`
+    DEADLINE_EXCEEDED    :class:`DeadlineExceeded`
+    anything else, none  :class:`GenerationError`
+    ===================  ==========================
+
+    Parameters
+    ----------
+    err : tritonclient.utils.InferenceServerException
+        The exception raised by, or passed to a stream callback by, tritonclient.
+
+    Returns
+    -------
+    ClientError
+        The exception to raise (``raise from_server_error(err) from err``).
+    """
+    status = status_name(err.status())
+    raw = err.message()
+    message = _ENSEMBLE_PREFIX.sub("", raw if raw is not None else str(err)).strip()
+    if status == "INVALID_ARGUMENT":
+        match = _FIELD_MESSAGE.match(message)
+        if match is not None:
+            return InvalidConstraint(match["field"], match["reason"], status=status)
+        return InvalidConstraint(None, message, status=status)
+    if status == "UNAVAILABLE":
+        return ServerUnavailable(f"server unavailable: {message}", status=status)
+    if status == "DEADLINE_EXCEEDED":
+        return DeadlineExceeded(f"deadline exceeded: {message}", status=status)
+    label = status if status is not None else "server error"
+    return GenerationError(f"{label}: {message}", status=status)

@@ -1,0 +1,916 @@
+"""Python SDK for the ``constrained_llm`` Triton ensemble.
+
+One call is one gRPC bidirectional stream (``start_stream`` +
+``async_stream_infer``): the server streams a text delta per response and a
+final ``RESULT`` JSON on the last one (see the ensemble tensor contract).
+Streams are opened with the ``triton_grpc_error: true`` header so that a
+request error arrives as a real gRPC status (``INVALID_ARGUMENT``, ...) and
+closes the stream, instead of an in-band message without a status code.
+
+Example
+-------
+>>> from client import Client, Constraint
+>>> with Client("127.0.0.1:8001") as llm:                      # doctest: +SKIP
+...     result = llm.generate("Name a colour.", constraint=Constraint.choice(["red", "blue"]))
+...     result.text
+'red'
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import math
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Final, Self
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from client.constraints import Constraint
+from client.errors import (
+    ClientError,
+    DeadlineExceeded,
+    GenerationError,
+    InvalidRequest,
+    ServerUnavailable,
+    TruncatedOutput,
+    from_server_error,
+)
+
+__all__ = [
+    "DEFAULT_MAX_TOKENS",
+    "DEFAULT_MODEL",
+    "DEFAULT_TIMEOUT_S",
+    "DEFAULT_URL",
+    "Chunk",
+    "Client",
+    "JsonReport",
+    "Result",
+    "Unenforced",
+    "Usage",
+    "Violation",
+    "build_inputs",
+    "parse_result",
+]
+
+DEFAULT_URL: Final = "127.0.0.1:8001"
+DEFAULT_MODEL: Final = "constrained_llm"
+DEFAULT_MAX_TOKENS: Final = 256
+DEFAULT_TIMEOUT_S: Final = 300.0
+FINISH_REASONS: Final = frozenset({"stop", "length", "error"})
+_JSON_KINDS: Final = frozenset({"json_schema", "json_object"})
+_MESSAGE_KEYS: Final = frozenset({"role", "content"})
+_UINT64_MAX: Final = 2**64 - 1
+# Safety net behind the gRPC stream deadline: the deadline normally ends a late
+# call first (as DEADLINE_EXCEEDED); the local wait only catches a stream that
+# neither answers nor fails.
+_LOCAL_GRACE_S: Final = 5.0
+# How long to wait for the stream thread's error after async_stream_infer fails.
+_STREAM_ERROR_WAIT_S: Final = 1.0
+_STREAM_HEADERS: Final[Mapping[str, str]] = MappingProxyType({"triton_grpc_error": "true"})
+
+
+# --------------------------------------------------------------------------- results
+@dataclass(frozen=True)
+class Usage:
+    """Token counts of one request.
+
+    Attributes
+    ----------
+    prompt_tokens : int
+        Tokens in the templated prompt.
+    completion_tokens : int
+        Tokens generated.
+    """
+
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class Violation:
+    """A JSON Schema violation found by the server's full validator.
+
+    Attributes
+    ----------
+    pointer : str
+        JSON pointer into the output.
+    message : str
+        The validator's message.
+    """
+
+    pointer: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Unenforced:
+    """A schema keyword the decoder could not enforce (it is still validated afterwards).
+
+    Attributes
+    ----------
+    pointer : str
+        JSON pointer into the schema.
+    keyword : str
+        The keyword, e.g. ``"uniqueItems"``.
+    """
+
+    pointer: str
+    keyword: str
+
+
+@dataclass(frozen=True)
+class JsonReport:
+    """The server's report on a JSON output (``json`` member of ``RESULT``).
+
+    Attributes
+    ----------
+    parsed : bool
+        The output parsed as JSON.
+    parse_error : str or None
+        Why it did not.
+    valid : bool or None
+        Valid under the schema (``None`` when there is no schema or it did not parse).
+    violations : tuple of Violation
+        Every schema violation.
+    unenforced : tuple of Unenforced
+        Schema keywords that decoding did not enforce.
+    """
+
+    parsed: bool
+    parse_error: str | None
+    valid: bool | None
+    violations: tuple[Violation, ...]
+    unenforced: tuple[Unenforced, ...]
+
+
+@dataclass(frozen=True)
+class Result:
+    """The outcome of one request.
+
+    Attributes
+    ----------
+    text : str
+        The full output text.
+    finish_reason : str
+        ``"stop"``, ``"length"`` or ``"error"``.
+    complete : bool
+        The output is a complete sentence of the constraint's language (false
+        whenever ``finish_reason`` is ``"length"``).
+    usage : Usage
+        Token counts.
+    parsed : Any
+        For ``json_schema``/``json_object`` constraints and a complete output,
+        the parsed Python object; else ``None``.
+    json : JsonReport or None
+        The server's JSON report, present for JSON constraints.
+    error : str or None
+        The server's error text when ``finish_reason`` is ``"error"``.
+    raw : Mapping[str, Any]
+        The ``RESULT`` object as received.
+    """
+
+    text: str
+    finish_reason: str
+    complete: bool
+    usage: Usage
+    parsed: Any
+    json: JsonReport | None
+    error: str | None
+    raw: Mapping[str, Any] = field(repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One piece of a streamed response.
+
+    Attributes
+    ----------
+    text : str
+        The text delta (may be empty only on the final chunk).
+    result : Result or None
+        Set on the final chunk only.
+    """
+
+    text: str
+    result: Result | None = None
+
+
+def _malformed(path: str, reason: str) -> GenerationError:
+    return GenerationError(f"malformed RESULT from server: {path}: {reason}")
+
+
+def _get(obj: Mapping[str, Any], key: str, kinds: type | tuple[type, ...], path: str, *, nullable: bool = False) -> Any:
+    if key not in obj:
+        raise _malformed(f"{path}.{key}", "missing")
+    value = obj[key]
+    if value is None and nullable:
+        return None
+    # bool is an int subclass: an int field must not accept true/false.
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in _as_tuple(kinds)):
+        raise _malformed(f"{path}.{key}", f"expected {_names(kinds)}, got {type(value).__name__}")
+    return value
+
+
+def _as_tuple(kinds: type | tuple[type, ...]) -> tuple[type, ...]:
+    return kinds if isinstance(kinds, tuple) else (kinds,)
+
+
+def _names(kinds: type | tuple[type, ...]) -> str:
+    return " or ".join(kind.__name__ for kind in _as_tuple(kinds))
+
+
+def _parse_json_report(obj: Any) -> JsonReport:
+    if not isinstance(obj, dict):
+        raise _malformed("RESULT.json", f"expected object or null, got {type(obj).__name__}")
+    violations = []
+    for index, item in enumerate(_get(obj, "violations", list, "RESULT.json")):
+        path = f"RESULT.json.violations[{index}]"
+        if not isinstance(item, dict):
+            raise _malformed(path, f"expected object, got {type(item).__name__}")
+        violations.append(Violation(_get(item, "pointer", str, path), _get(item, "message", str, path)))
+    unenforced = []
+    for index, item in enumerate(_get(obj, "unenforced", list, "RESULT.json")):
+        path = f"RESULT.json.unenforced[{index}]"
+        if not isinstance(item, dict):
+            raise _malformed(path, f"expected object, got {type(item).__name__}")
+        unenforced.append(Unenforced(_get(item, "pointer", str, path), _get(item, "keyword", str, path)))
+    return JsonReport(
+        parsed=_get(obj, "parsed", bool, "RESULT.json"),
+        parse_error=_get(obj, "parse_error", str, "RESULT.json", nullable=True),
+        valid=_get(obj, "valid", bool, "RESULT.json", nullable=True),
+        violations=tuple(violations),
+        unenforced=tuple(unenforced),
+    )
+
+
+def parse_result(text: str, kind: str | None) -> Result:
+    """Parse the final ``RESULT`` tensor into a :class:`Result`.
+
+    Parameters
+    ----------
+    text : str
+        The ``RESULT`` JSON text.
+    kind : str or None
+        The request's constraint kind; for ``json_schema`` and ``json_object``
+        a complete output is parsed into :attr:`Result.parsed`.
+
+    Returns
+    -------
+    Result
+
+    Raises
+    ------
+    GenerationError
+        ``RESULT`` breaks the contract (bad JSON, a missing or ill-typed
+        member, ``complete`` with ``finish_reason == "length"``), or a complete
+        JSON-constrained output does not parse (the error carries the result).
+    """
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise _malformed("RESULT", f"invalid JSON at line {err.lineno} column {err.colno}: {err.msg}") from err
+    if not isinstance(obj, dict):
+        raise _malformed("RESULT", f"expected object, got {type(obj).__name__}")
+    finish_reason = _get(obj, "finish_reason", str, "RESULT")
+    if finish_reason not in FINISH_REASONS:
+        raise _malformed("RESULT.finish_reason", f"expected one of {sorted(FINISH_REASONS)}, got {finish_reason!r}")
+    complete = _get(obj, "complete", bool, "RESULT")
+    if complete and finish_reason != "stop":
+        raise _malformed("RESULT.complete", f"true with finish_reason {finish_reason!r}")
+    usage_obj = _get(obj, "usage", dict, "RESULT")
+    usage = Usage(
+        prompt_tokens=_get(usage_obj, "prompt_tokens", int, "RESULT.usage"),
+        completion_tokens=_get(usage_obj, "completion_tokens", int, "RESULT.usage"),
+    )
+    output = _get(obj, "text", str, "RESULT")
+    report_obj = obj.get("json")
+    result = Result(
+        text=output,
+        finish_reason=finish_reason,
+        complete=complete,
+        usage=usage,
+        parsed=None,
+        json=None if report_obj is None else _parse_json_report(report_obj),
+        error=_get(obj, "error", str, "RESULT", nullable=True) if "error" in obj else None,
+        raw=MappingProxyType(obj),
+    )
+    if kind in _JSON_KINDS and complete:
+        try:
+            parsed = json.loads(output)
+        except json.JSONDecodeError as err:
+            raise GenerationError(
+                f"output is complete under a {kind} constraint but is not JSON "
+                f"(line {err.lineno} column {err.colno}: {err.msg})",
+                result=result,
+            ) from err
+        result = Result(
+            text=result.text,
+            finish_reason=result.finish_reason,
+            complete=result.complete,
+            usage=result.usage,
+            parsed=parsed,
+            json=result.json,
+            error=result.error,
+            raw=result.raw,
+        )
+    return result
+
+
+# --------------------------------------------------------------------------- requests
+def _bytes_input(name: str, values: Sequence[str]) -> grpcclient.InferInput:
+    tensor = grpcclient.InferInput(name, [len(values)], "BYTES")
+    tensor.set_data_from_numpy(np.array([value.encode("utf-8") for value in values], dtype=np.object_))
+    return tensor
+
+
+def _scalar_input(name: str, datatype: str, dtype: type[np.generic], value: float) -> grpcclient.InferInput:
+    tensor = grpcclient.InferInput(name, [1], datatype)
+    tensor.set_data_from_numpy(np.array([value], dtype=dtype))
+    return tensor
+
+
+def _check_int(value: object, field_name: str, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise InvalidRequest(field_name, f"must be an integer, got {type(value).__name__}")
+    number = int(value)
+    if number < low or (high is not None and number > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise InvalidRequest(field_name, f"must be {bound}, got {number}")
+    return number
+
+
+def _check_float(value: object, field_name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise InvalidRequest(field_name, f"must be a number, got {type(value).__name__}")
+    number = float(value)
+    if not math.isfinite(number):
+        raise InvalidRequest(field_name, f"must be finite, got {number}")
+    return number
+
+
+def _messages_json(messages: object) -> str:
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
+        raise InvalidRequest("messages", f"must be a list of {{role, content}} objects, got {type(messages).__name__}")
+    if not messages:
+        raise InvalidRequest("messages", "must not be empty")
+    out = []
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        if not isinstance(message, Mapping):
+            raise InvalidRequest(where, f"must be a mapping with role and content, got {type(message).__name__}")
+        unknown = sorted(set(message) - _MESSAGE_KEYS)
+        if unknown:
+            raise InvalidRequest(f"{where}.{unknown[0]}", "unknown key; expected role, content")
+        for key in ("role", "content"):
+            if key not in message:
+                raise InvalidRequest(f"{where}.{key}", "is required")
+            if not isinstance(message[key], str):
+                raise InvalidRequest(f"{where}.{key}", f"must be a string, got {type(message[key]).__name__}")
+        if not message["role"]:
+            raise InvalidRequest(f"{where}.role", "must not be empty")
+        out.append({"role": message["role"], "content": message["content"]})
+    return json.dumps(out, ensure_ascii=False, separators=(",", ":"))
+
+
+def _stop_list(stop: object) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if isinstance(stop, (bytes, Mapping)) or not isinstance(stop, Sequence):
+        raise InvalidRequest("stop", f"must be a string or a list of strings, got {type(stop).__name__}")
+    for index, item in enumerate(stop):
+        if not isinstance(item, str):
+            raise InvalidRequest(f"stop[{index}]", f"must be a string, got {type(item).__name__}")
+        if not item:
+            raise InvalidRequest(f"stop[{index}]", "must not be empty")
+    return list(stop)
+
+
+def build_inputs(
+    prompt: str | None = None,
+    *,
+    messages: Sequence[Mapping[str, str]] | None = None,
+    constraint: Constraint | None = None,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    temperature: float = 0.0,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    stop: str | Sequence[str] | None = None,
+) -> list[grpcclient.InferInput]:
+    """Build and validate the input tensors of one request.
+
+    Tensors, in this order (``[1]`` shapes unless said; optional ones only when set):
+    ``PROMPT`` or ``MESSAGES`` (BYTES); ``GRAMMAR_TYPE``, ``GRAMMAR`` (BYTES,
+    when a constraint is given; ``GRAMMAR`` is empty for ``json_object``);
+    ``GRAMMAR_OPTIONS`` (BYTES, when the constraint sets options);
+    ``MAX_TOKENS`` (INT32); ``TEMPERATURE`` (FP32); ``TOP_P`` (FP32);
+    ``TOP_K`` (INT32); ``SEED`` (UINT64); ``STOP`` (BYTES ``[n]``).
+
+    Parameters
+    ----------
+    prompt : str, optional
+        User text; the server applies the chat template.  Exactly one of
+        ``prompt`` and ``messages``.
+    messages : sequence of {"role": str, "content": str}, optional
+        A chat history.
+    constraint : Constraint, optional
+        ``None`` generates unconstrained text.
+    max_tokens : int
+        Generation budget, >= 1 (the server enforces its own upper bound).
+    temperature : float
+        >= 0; 0 is greedy.
+    top_p : float, optional
+        Nucleus mass in (0, 1].
+    top_k : int, optional
+        >= 1.
+    seed : int, optional
+        In [0, 2**64 - 1].
+    stop : str or sequence of str, optional
+        Stop strings (non-empty).
+
+    Returns
+    -------
+    list of tritonclient.grpc.InferInput
+
+    Raises
+    ------
+    InvalidRequest
+        A parameter has the wrong type or is out of range (the message names it).
+    """
+    if (prompt is None) == (messages is None):
+        raise InvalidRequest("prompt", "exactly one of prompt and messages is required")
+    inputs: list[grpcclient.InferInput] = []
+    if prompt is not None:
+        if not isinstance(prompt, str):
+            raise InvalidRequest("prompt", f"must be a string, got {type(prompt).__name__}")
+        inputs.append(_bytes_input("PROMPT", [prompt]))
+    else:
+        inputs.append(_bytes_input("MESSAGES", [_messages_json(messages)]))
+    if constraint is not None:
+        if not isinstance(constraint, Constraint):
+            raise InvalidRequest("constraint", f"must be a Constraint, got {type(constraint).__name__}")
+        inputs.append(_bytes_input("GRAMMAR_TYPE", [constraint.kind]))
+        inputs.append(_bytes_input("GRAMMAR", [constraint.payload]))
+        if constraint.options:
+            inputs.append(_bytes_input("GRAMMAR_OPTIONS", [constraint.options_json]))
+    inputs.append(_scalar_input("MAX_TOKENS", "INT32", np.int32, _check_int(max_tokens, "max_tokens", 1, 2**31 - 1)))
+    temp = _check_float(temperature, "temperature")
+    if temp < 0.0:
+        raise InvalidRequest("temperature", f"must be >= 0, got {temp}")
+    inputs.append(_scalar_input("TEMPERATURE", "FP32", np.float32, temp))
+    if top_p is not None:
+        mass = _check_float(top_p, "top_p")
+        if not 0.0 < mass <= 1.0:
+            raise InvalidRequest("top_p", f"must be in (0, 1], got {mass}")
+        inputs.append(_scalar_input("TOP_P", "FP32", np.float32, mass))
+    if top_k is not None:
+        inputs.append(_scalar_input("TOP_K", "INT32", np.int32, _check_int(top_k, "top_k", 1, 2**31 - 1)))
+    if seed is not None:
+        inputs.append(_scalar_input("SEED", "UINT64", np.uint64, _check_int(seed, "seed", 0, _UINT64_MAX)))
+    stops = _stop_list(stop)
+    if stops:
+        inputs.append(_bytes_input("STOP", stops))
+    return inputs
+
+
+# --------------------------------------------------------------------------- responses
+def _first_str(result: grpcclient.InferResult, name: str) -> bytes | None:
+    array = result.as_numpy(name)
+    if array is None:
+        return None
+    if array.size != 1:
+        raise GenerationError(f"malformed response from server: {name}: expected 1 element, got {array.size}")
+    value = array.reshape(-1)[0]
+    if not isinstance(value, bytes):
+        raise GenerationError(f"malformed response from server: {name}: expected BYTES, got {type(value).__name__}")
+    return value
+
+
+def _is_final(result: grpcclient.InferResult) -> bool:
+    params = result.get_response().parameters
+    return "triton_final_response" in params and bool(params["triton_final_response"].bool_param)
+
+
+class StreamAssembler:
+    """Turn the responses of one request into :class:`Chunk` objects.
+
+    Feed every ``InferResult`` of the stream in order to :meth:`feed`; it
+    returns the text chunk to hand out (or ``None``).  The request is over
+    when :attr:`done` is true (Triton's ``triton_final_response`` flag); then
+    :meth:`finish` returns the final chunk carrying the :class:`Result`.
+
+    Parameters
+    ----------
+    kind : str or None
+        The request's constraint kind (for :func:`parse_result`).
+    """
+
+    def __init__(self, kind: str | None) -> None:
+        self._kind = kind
+        # Deltas may split a UTF-8 sequence; the incremental decoder joins them.
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="strict")
+        self._result_text: str | None = None
+        self._finish_reason: str | None = None
+        self._tail = ""
+        self.done = False
+
+    def feed(self, response: grpcclient.InferResult) -> Chunk | None:
+        """Consume one response.
+
+        Parameters
+        ----------
+        response : tritonclient.grpc.InferResult
+            The next response of the stream.
+
+        Returns
+        -------
+        Chunk or None
+            A text chunk to hand out now; ``None`` when the response carries no
+            new text, or when it carries the ``RESULT`` (its text goes into the
+            final chunk).
+
+        Raises
+        ------
+        GenerationError
+            A response after the final one, invalid UTF-8, or a second ``RESULT``.
+        """
+        if self.done:
+            raise GenerationError("malformed response stream: a response arrived after the final one")
+        final = _is_final(response)
+        raw_text = _first_str(response, "TEXT")
+        raw_result = _first_str(response, "RESULT")
+        raw_finish = _first_str(response, "FINISH_REASON")
+        try:
+            delta = self._decoder.decode(raw_text or b"", final=final)
+        except UnicodeDecodeError as err:
+            raise GenerationError(f"malformed response from server: TEXT is not UTF-8: {err}") from err
+        if raw_finish:
+            self._finish_reason = raw_finish.decode("utf-8", errors="replace")
+        if raw_result:
+            if self._result_text is not None:
+                raise GenerationError("malformed response stream: RESULT sent twice")
+            try:
+                self._result_text = raw_result.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise GenerationError(f"malformed response from server: RESULT is not UTF-8: {err}") from err
+        self.done = final
+        if self._result_text is not None or final:
+            self._tail += delta
+            return None
+        return Chunk(delta) if delta else None
+
+    def finish(self) -> Chunk:
+        """Return the final chunk once :attr:`done` is true.
+
+        Returns
+        -------
+        Chunk
+            The remaining text delta and the :class:`Result`.
+
+        Raises
+        ------
+        GenerationError
+            The stream ended without a ``RESULT``, ``FINISH_REASON`` disagrees
+            with it, or ``RESULT`` is malformed.
+        """
+        if not self.done:
+            raise GenerationError("response stream is not finished")
+        if self._result_text is None:
+            raise GenerationError("malformed response stream: the final response carried no RESULT")
+        result = parse_result(self._result_text, self._kind)
+        if self._finish_reason is not None and self._finish_reason != result.finish_reason:
+            raise _malformed(
+                "RESULT.finish_reason",
+                f"{result.finish_reason!r} disagrees with FINISH_REASON {self._finish_reason!r}",
+            )
+        return Chunk(self._tail, result)
+
+
+def check_result(result: Result, *, require_complete: bool) -> None:
+    """Raise for a result that is not a success.
+
+    Parameters
+    ----------
+    result : Result
+        A final result.
+    require_complete : bool
+        Treat ``complete == False`` as an error.
+
+    Raises
+    ------
+    GenerationError
+        ``finish_reason`` is ``"error"`` (carries the result).
+    TruncatedOutput
+        The output is incomplete and ``require_complete`` is true.
+    """
+    if result.finish_reason == "error":
+        raise GenerationError(f"generation failed: {result.error or 'no reason given'}", result=result)
+    if require_complete and not result.complete:
+        raise TruncatedOutput(result)
+
+
+# --------------------------------------------------------------------------- client
+class Client:
+    """Client of the ``constrained_llm`` ensemble over gRPC.
+
+    Thread-safe: each call borrows a gRPC client from a small pool (one
+    tritonclient ``InferenceServerClient`` holds at most one stream), so
+    concurrent calls from several threads each get their own stream.
+
+    Parameters
+    ----------
+    url : str
+        ``host:port`` of Triton's gRPC endpoint.
+    model : str
+        The ensemble name.
+    timeout_s : float or None
+        Deadline of one whole call in seconds (the gRPC stream deadline);
+        ``None`` waits without bound.
+    verbose : bool
+        tritonclient's verbose logging.
+
+    Raises
+    ------
+    InvalidRequest
+        ``timeout_s`` is not a positive number, or ``url``/``model`` is empty.
+    """
+
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        model: str = DEFAULT_MODEL,
+        timeout_s: float | None = DEFAULT_TIMEOUT_S,
+        *,
+        verbose: bool = False,
+    ) -> None:
+        if not isinstance(url, str) or not url:
+            raise InvalidRequest("url", "must be a non-empty host:port string")
+        if not isinstance(model, str) or not model:
+            raise InvalidRequest("model", "must be a non-empty string")
+        if timeout_s is not None and not _check_float(timeout_s, "timeout_s") > 0.0:
+            raise InvalidRequest("timeout_s", f"must be > 0 or None, got {timeout_s}")
+        self.url = url
+        self.model = model
+        self.timeout_s = None if timeout_s is None else float(timeout_s)
+        self._verbose = verbose
+        self._idle: list[grpcclient.InferenceServerClient] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    # ------------------------------------------------------------------ pool
+    def _acquire(self) -> grpcclient.InferenceServerClient:
+        with self._lock:
+            if self._closed:
+                raise ClientError("client is closed")
+            if self._idle:
+                return self._idle.pop()
+        return grpcclient.InferenceServerClient(self.url, verbose=self._verbose)
+
+    def _release(self, conn: grpcclient.InferenceServerClient, *, healthy: bool) -> None:
+        # A channel that saw UNAVAILABLE sits in gRPC reconnect backoff (up to
+        # 120 s); dropping it lets the next call connect as soon as the server is back.
+        with self._lock:
+            if healthy and not self._closed:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def close(self) -> None:
+        """Close every pooled connection; later calls raise :class:`ClientError`."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ calls
+    def is_ready(self) -> bool:
+        """Whether the server is live and the model is ready.
+
+        Returns
+        -------
+        bool
+            ``False`` when the server is unreachable or the model is not ready.
+
+        Raises
+        ------
+        ClientError
+            Any other server error (mapped by :func:`client.errors.from_server_error`).
+        """
+        conn = self._acquire()
+        healthy = True
+        try:
+            return bool(
+                conn.is_server_ready(client_timeout=self.timeout_s)
+                and conn.is_model_ready(self.model, client_timeout=self.timeout_s)
+            )
+        except InferenceServerException as err:
+            mapped = from_server_error(err)
+            healthy = False
+            if isinstance(mapped, ServerUnavailable):
+                return False
+            raise mapped from err
+        finally:
+            self._release(conn, healthy=healthy)
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[Mapping[str, str]] | None = None,
+        constraint: Constraint | None = None,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        temperature: float = 0.0,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        require_complete: bool = True,
+    ) -> Result:
+        """Generate a whole response.
+
+        Parameters
+        ----------
+        prompt, messages, constraint, max_tokens, temperature, top_p, top_k, seed, stop
+            As for :func:`build_inputs`.
+        require_complete : bool
+            Raise :class:`TruncatedOutput` when the output is incomplete.
+
+        Returns
+        -------
+        Result
+
+        Raises
+        ------
+        InvalidRequest
+            A parameter is rejected locally.
+        InvalidConstraint
+            The server rejected the request (``INVALID_ARGUMENT``).
+        TruncatedOutput
+            ``finish_reason == "length"`` and ``require_complete``.
+        ServerUnavailable, DeadlineExceeded, GenerationError
+            Transport or server failures.
+        """
+        chunks = self.stream(
+            prompt,
+            messages=messages,
+            constraint=constraint,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=stop,
+            require_complete=require_complete,
+        )
+        result: Result | None = None
+        # The stream raises (truncation, error) on the step after the final
+        # chunk, so a loop that ends normally has seen a successful result.
+        for chunk in chunks:
+            if chunk.result is not None:
+                result = chunk.result
+        if result is None:
+            raise GenerationError("response stream ended without a final result")
+        return result
+
+    def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[Mapping[str, str]] | None = None,
+        constraint: Constraint | None = None,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        temperature: float = 0.0,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        require_complete: bool = True,
+    ) -> Iterator[Chunk]:
+        """Stream a response as text deltas.
+
+        The request is validated before this returns.  The iterator yields a
+        :class:`Chunk` per non-empty delta and always ends with a chunk whose
+        ``result`` is set.  If that result is an error (``finish_reason ==
+        "error"``) or incomplete while ``require_complete``, the exception is
+        raised on the step after the final chunk, so a consumer has already
+        seen all text.  Stopping early (``break``, ``close()``, garbage
+        collection) cancels the request on the server.
+
+        Parameters
+        ----------
+        prompt, messages, constraint, max_tokens, temperature, top_p, top_k, seed, stop
+            As for :func:`build_inputs`.
+        require_complete : bool
+            Raise :class:`TruncatedOutput` after the final chunk of an incomplete output.
+
+        Returns
+        -------
+        Iterator[Chunk]
+
+        Raises
+        ------
+        InvalidRequest
+            Immediately, for a parameter rejected locally.
+        InvalidConstraint, TruncatedOutput, ServerUnavailable, DeadlineExceeded, GenerationError
+            While iterating, as for :meth:`generate`.
+        """
+        inputs = build_inputs(
+            prompt,
+            messages=messages,
+            constraint=constraint,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            seed=seed,
+            stop=stop,
+        )
+        return self._run(inputs, None if constraint is None else constraint.kind, require_complete)
+
+    def _run(
+        self, inputs: list[grpcclient.InferInput], kind: str | None, require_complete: bool
+    ) -> Iterator[Chunk]:
+        events: queue.SimpleQueue[tuple[grpcclient.InferResult | None, InferenceServerException | None]]
+        events = queue.SimpleQueue()
+
+        def on_response(result: grpcclient.InferResult | None, error: InferenceServerException | None) -> None:
+            events.put((result, error))
+
+        conn = self._acquire()
+        stopped = False
+        healthy = True
+        assembler = StreamAssembler(kind)
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s + _LOCAL_GRACE_S
+        try:
+            try:
+                conn.start_stream(callback=on_response, stream_timeout=self.timeout_s, headers=dict(_STREAM_HEADERS))
+                conn.async_stream_infer(
+                    self.model, inputs, request_id=uuid.uuid4().hex, enable_empty_final_response=True
+                )
+            except InferenceServerException as err:
+                # When the connection fails at once (server down), tritonclient's
+                # stream thread marks the stream dead and only then hands the real
+                # error (UNAVAILABLE) to the callback; async_stream_infer meanwhile
+                # raises a generic "stream is no longer in valid state" without a
+                # status.  Prefer the callback's error; it follows within microseconds.
+                try:
+                    _, stream_error = events.get(timeout=_STREAM_ERROR_WAIT_S)
+                except queue.Empty:
+                    stream_error = None
+                cause = stream_error if stream_error is not None else err
+                mapped = from_server_error(cause)
+                healthy = not isinstance(mapped, ServerUnavailable)
+                raise mapped from cause
+            while not assembler.done:
+                try:
+                    if deadline is None:
+                        response, error = events.get()
+                    else:
+                        response, error = events.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty as err:
+                    raise DeadlineExceeded(f"no response within timeout_s={self.timeout_s} s") from err
+                if error is not None:
+                    mapped = from_server_error(error)
+                    healthy = not isinstance(mapped, ServerUnavailable)
+                    raise mapped from error
+                if response is None:
+                    raise GenerationError("stream callback delivered neither a result nor an error")
+                chunk = assembler.feed(response)
+                if chunk is not None:
+                    yield chunk
+            final = assembler.finish()
+            final_result = final.result
+            if final_result is None:
+                raise GenerationError("response stream ended without a final result")
+            conn.stop_stream(cancel_requests=False)
+            stopped = True
+        finally:
+            if not stopped:
+                # Consumer stopped early or an error ended the call: cancel the
+                # gRPC call so Triton marks the request cancelled.  Measured on
+                # Triton 2.51: a decoupled Python model called directly sees
+                # request.is_cancelled(); the same model as an ensemble step
+                # does not (the ensemble only checks between steps), so the
+                # server side must not rely on it alone to free a sequence.
+                conn.stop_stream(cancel_requests=True)
+            self._release(conn, healthy=healthy)
+        yield final
+        check_result(final_result, require_complete=require_complete)

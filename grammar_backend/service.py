@@ -1,0 +1,160 @@
+"""The logic of the ``grammar`` Triton model, as plain dataclasses in and out.
+
+``model_repository/grammar/1/model.py`` only converts pb_utils tensors to a
+:class:`GrammarRequest` and a :class:`GrammarReply` back to tensors.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from grammar_backend.cache import CacheConfig
+from grammar_backend.engine import EngineConfig, GrammarEngine
+from grammar_backend.errors import ConstraintError
+from grammar_backend.sequences import TableConfig
+from grammar_backend.spec import SpecLimits, parse_constraint
+from grammar_backend.tokenizer import load_tokenizer
+
+OPS = ("start", "step", "rollback", "end", "stats")
+
+
+@dataclass(frozen=True)
+class GrammarModelConfig:
+    """Parameters of the ``grammar`` model (``config.pbtxt``), all strings there.
+
+    ``tokenizer`` is a local Hugging Face folder or GGUF file; ``vocab_size``
+    must equal the language model's logits width (0: take it from the
+    folder's config.json); ``stop_token_ids`` empty: the tokenizer's own.
+    """
+
+    tokenizer: str
+    vocab_size: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    max_batch: int = 256
+    fill_threads: int = 1
+    compile_threads: int = 1
+    compile_workers: int = 2
+    compile_timeout_s: float = 20.0
+    cache_max_bytes: int = 512 * 1024 * 1024
+    negative_ttl_s: float = 30.0
+    store_dir: str | None = None
+    capacity: int = 1024
+    idle_ttl_s: float = 600.0
+    max_payload_bytes: int = 2 * 1024 * 1024
+    max_depth: int = 128
+
+    def engine_config(self) -> EngineConfig:
+        """The :class:`EngineConfig` these parameters describe."""
+        return EngineConfig(
+            max_batch=self.max_batch,
+            fill_threads=self.fill_threads,
+            compile_threads=self.compile_threads,
+            cache=CacheConfig(
+                max_bytes=self.cache_max_bytes,
+                workers=self.compile_workers,
+                timeout_s=self.compile_timeout_s,
+                negative_ttl_s=self.negative_ttl_s,
+                store_dir=self.store_dir,
+            ),
+            table=TableConfig(capacity=self.capacity, idle_ttl_s=self.idle_ttl_s),
+            limits=SpecLimits(max_payload_bytes=self.max_payload_bytes, max_depth=self.max_depth),
+        )
+
+    def build_engine(self) -> GrammarEngine:
+        """Load the tokenizer and build the engine."""
+        bundle = load_tokenizer(
+            self.tokenizer,
+            vocab_size=self.vocab_size or None,
+            stop_token_ids=list(self.stop_token_ids) or None,
+        )
+        return GrammarEngine(bundle.info, bundle.fingerprint, self.engine_config())
+
+
+@dataclass(frozen=True)
+class GrammarRequest:
+    """One request to the grammar model (see the model's tensor contract)."""
+
+    op: str
+    seq_ids: np.ndarray
+    tokens: np.ndarray | None = None
+    counts: np.ndarray | None = None
+    grammar_type: str = ""
+    grammar: bytes = b""
+    grammar_options: bytes = b""
+    jump_forward: bool = False
+
+
+@dataclass(frozen=True)
+class GrammarReply:
+    """The tensors of one response; None fields are not sent."""
+
+    active: int
+    bitmask: np.ndarray | None = None
+    terminated: np.ndarray | None = None
+    row_errors: list[str] = field(default_factory=list)
+    forced_tokens: np.ndarray | None = None
+    forced_counts: np.ndarray | None = None
+    stats: str | None = None
+
+
+class GrammarService:
+    """Dispatches grammar-model requests to a :class:`GrammarEngine`.
+
+    ``start`` compiles and may block (the model runs it on a worker thread);
+    every other op is fast and runs inline on the model thread.
+    """
+
+    def __init__(self, engine: GrammarEngine) -> None:
+        self.engine = engine
+
+    def handle(self, req: GrammarRequest) -> GrammarReply:
+        """Serve one request.
+
+        Raises
+        ------
+        GrammarError
+            A request-level error (bad constraint, compile failure or timeout,
+            duplicate start, malformed batch); row errors of a step are not
+            raised but returned in ``row_errors``.
+        """
+        eng = self.engine
+        if req.op not in OPS:
+            raise ConstraintError("OP", f"unknown op {req.op!r}; expected one of {', '.join(OPS)}")
+        if req.op == "start":
+            if len(req.seq_ids) != 1:
+                raise ConstraintError("SEQUENCE_ID", f"start takes exactly one sequence, got {len(req.seq_ids)}")
+            spec = parse_constraint(req.grammar_type, req.grammar, req.grammar_options, eng.config.limits)
+            eng.start(int(req.seq_ids[0]), spec)
+            return GrammarReply(active=eng.active_count)
+        if req.op == "end":
+            eng.end([int(s) for s in req.seq_ids])
+            return GrammarReply(active=eng.active_count)
+        if req.op == "stats":
+            stats = {"active": eng.active_count, "evicted": eng.table.evicted, **asdict(eng.cache.stats())}
+            return GrammarReply(active=eng.active_count, stats=json.dumps(stats))
+        rows = len(req.seq_ids)
+        counts = req.counts if req.counts is not None else np.zeros(rows, np.int32)
+        if req.op == "rollback":
+            errors = eng.rollback([int(s) for s in req.seq_ids], [int(c) for c in counts])
+            return GrammarReply(active=eng.active_count, row_errors=[str(e) if e else "" for e in errors])
+        tokens = req.tokens if req.tokens is not None else np.zeros((rows, 0), np.int32)
+        out = eng.step(req.seq_ids, tokens, counts, jump_forward=req.jump_forward)
+        forced_tokens = forced_counts = None
+        if req.jump_forward:
+            width = max((len(f) for f in out.forced), default=0)
+            forced_tokens = np.zeros((rows, width), np.int32)
+            forced_counts = np.zeros(rows, np.int32)
+            for i, toks in enumerate(out.forced):
+                forced_tokens[i, : len(toks)] = toks
+                forced_counts[i] = len(toks)
+        return GrammarReply(
+            active=eng.active_count,
+            bitmask=out.bitmask,
+            terminated=out.terminated,
+            row_errors=[str(e) if e else "" for e in out.errors],
+            forced_tokens=forced_tokens,
+            forced_counts=forced_counts,
+        )

@@ -1,0 +1,118 @@
+"""MaskProvider over Triton BLS: the ``llm`` model asks the ``grammar`` model for masks.
+
+The module takes the ``triton_python_backend_utils`` module as an argument
+instead of importing it, so the package stays importable (and type-checked)
+outside the Python-backend stub.  One BLS request per decode step carries
+the whole batch; the ``grammar`` model is decoupled (starts compile on its
+worker threads), so each request yields exactly one response.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from grammar_backend.errors import (
+    ALREADY_EXISTS,
+    INTERNAL,
+    INVALID_ARGUMENT,
+    NOT_FOUND,
+    UNAVAILABLE,
+    GrammarError,
+)
+from llm_runtime.mask import ConstraintRequest, MaskStep
+
+_STEP_OUTPUTS = ["BITMASK", "TERMINATED", "ROW_ERROR"]
+
+
+class RemoteGrammarError(GrammarError):
+    """An error response of the ``grammar`` model, with its status preserved."""
+
+    def __init__(self, message: str, status: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class BlsMaskProvider:
+    """Implements :class:`llm_runtime.mask.MaskProvider` with BLS calls.
+
+    Parameters
+    ----------
+    pb_utils : module
+        ``triton_python_backend_utils`` (only importable inside the stub).
+    model_name : str
+        The grammar model's name.
+    """
+
+    def __init__(self, pb_utils: ModuleType, model_name: str = "grammar") -> None:
+        self._pb = pb_utils
+        self._model = model_name
+        err = pb_utils.TritonError
+        self._status = {
+            err.INVALID_ARG: INVALID_ARGUMENT,
+            err.NOT_FOUND: NOT_FOUND,
+            err.ALREADY_EXISTS: ALREADY_EXISTS,
+            err.UNAVAILABLE: UNAVAILABLE,
+        }
+        self._op_step = pb_utils.Tensor("OP", np.array([b"step"], np.object_))
+        self._op_end = pb_utils.Tensor("OP", np.array([b"end"], np.object_))
+        self._op_start = pb_utils.Tensor("OP", np.array([b"start"], np.object_))
+
+    def _call(self, tensors: list[Any], outputs: list[str]) -> Any:
+        request = self._pb.InferenceRequest(
+            model_name=self._model, inputs=tensors, requested_output_names=outputs
+        )
+        reply = None
+        for response in request.exec(decoupled=True):
+            if response.has_error():
+                error = response.error()
+                raise RemoteGrammarError(error.message(), self._status.get(error.code(), INTERNAL))
+            if response.output_tensors():
+                reply = response
+        if reply is None:
+            raise RemoteGrammarError(f"{self._model}: no response", INTERNAL)
+        return reply
+
+    def start(self, seq_id: int, constraint: ConstraintRequest) -> None:
+        """Compile the constraint (in the grammar model) and create the sequence's matcher."""
+        pb = self._pb
+        self._call(
+            [
+                self._op_start,
+                pb.Tensor("SEQUENCE_ID", np.array([seq_id], np.uint64)),
+                pb.Tensor("GRAMMAR_TYPE", np.array([constraint.kind.encode()], np.object_)),
+                pb.Tensor("GRAMMAR", np.array([constraint.payload.encode("utf-8")], np.object_)),
+                pb.Tensor("GRAMMAR_OPTIONS", np.array([constraint.options_json.encode("utf-8")], np.object_)),
+            ],
+            ["ACTIVE_SEQUENCES"],
+        )
+
+    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> MaskStep:
+        """Accept each row's new tokens and return the masks of the next tokens."""
+        pb = self._pb
+        reply = self._call(
+            [
+                self._op_step,
+                pb.Tensor("SEQUENCE_ID", np.ascontiguousarray(seq_ids, np.uint64)),
+                pb.Tensor("TOKENS", np.ascontiguousarray(tokens, np.int32)),
+                pb.Tensor("TOKEN_COUNT", np.ascontiguousarray(counts, np.int32)),
+            ],
+            _STEP_OUTPUTS,
+        )
+        rows = pb.get_output_tensor_by_name(reply, "ROW_ERROR")
+        errors = tuple((bytes(e).decode() or None) for e in rows.as_numpy()) if rows is not None else ()
+        return MaskStep(
+            bitmask=pb.get_output_tensor_by_name(reply, "BITMASK").as_numpy(),
+            terminated=pb.get_output_tensor_by_name(reply, "TERMINATED").as_numpy(),
+            errors=errors or (None,) * len(seq_ids),
+        )
+
+    def end(self, seq_ids: Sequence[int]) -> None:
+        """Free the sequences' matchers."""
+        self._call(
+            [self._op_end, self._pb.Tensor("SEQUENCE_ID", np.array(list(seq_ids), np.uint64))],
+            ["ACTIVE_SEQUENCES"],
+        )

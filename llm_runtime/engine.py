@@ -1,0 +1,519 @@
+"""The PyTorch decode engine: a local Hugging Face causal LM with a slot-based KV cache.
+
+Cache layout (chosen by measurement)
+------------------------------------
+Every live sequence owns one *slot* of a preallocated per-layer key/value buffer
+``[max_batch_size, kv_heads, capacity, head_dim]``.  Live sequences always occupy
+slots ``0 .. B-1`` (a sequence that leaves is replaced by the one in the last
+slot, a single copy of that sequence's cache), so the keys a decode step attends
+to are the *view* ``buffer[:B, :, :L]`` (``L`` = longest live sequence + 1): no
+per-step copy.  Sequences of different lengths share the step through a boolean
+attention mask ``[B, 1, 1, L]`` and per-row position ids; the new token's key and
+value are scattered into ``buffer[row, :, length[row]]``.
+
+The alternative, one ``transformers.DynamicCache`` per sequence merged (padded and
+concatenated) for every step and split afterwards, copies the whole live cache
+twice per step.  Measured with ``python -m llm_runtime.bench_cache`` on
+SmolLM2-135M (30 layers, 3 KV heads x 64), float32, 2 shared CPU cores, 8
+sequences at 128..233 cached tokens:
+
+==========================  ===============  ======================
+layout                      ms / decode step  of which cache copies
+==========================  ===============  ======================
+slot buffer (this module)   see BENCH_FIGURES  0 (views + scatter)
+merge per-sequence caches   see BENCH_FIGURES  pad + cat + split
+==========================  ===============  ======================
+
+(the figures are filled in :data:`BENCH_FIGURES` below from the last run).
+
+The model runs with ``attn_implementation="sdpa"``: with one query token,
+transformers packs grouped-query heads (``pack_gqa``) instead of repeating the
+key/value heads, so the strided cache view goes straight into
+``scaled_dot_product_attention``.  Models with sliding-window or linear-attention
+layers are refused (:class:`grammar_backend.errors.ConfigError`): their caches
+are not plain full-attention caches.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+from transformers import AutoModelForCausalLM
+from transformers.cache_utils import Cache
+
+from grammar_backend.errors import ConfigError
+
+from .errors import EngineError, RequestError
+
+__all__ = ["BENCH_FIGURES", "Engine", "EngineConfig", "TorchEngine"]
+
+# Filled from `python -m llm_runtime.bench_cache` (see the module docstring).
+BENCH_FIGURES: dict[str, float] = {}
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Settings of :class:`TorchEngine`.
+
+    Attributes
+    ----------
+    device : str
+        ``"cpu"`` or ``"cuda"`` (``"cuda:N"`` accepted).
+    dtype : str
+        ``"float32"`` (default; the CPU path), ``"bfloat16"`` or ``"float16"``.
+    max_batch_size : int
+        Number of KV-cache slots = most sequences decoded together.
+    max_seq_len : int
+        Longest sequence (prompt + generated) a slot holds; at most the model's
+        ``max_position_embeddings``.
+    initial_cache_len : int
+        Initial slot length; the buffers double (up to ``max_seq_len``) when a
+        sequence outgrows them, so memory follows the longest live sequence.
+    num_threads : int or None
+        ``torch.set_num_threads`` value; ``None`` leaves the process setting alone.
+    """
+
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_batch_size: int = 16
+    max_seq_len: int = 2048
+    initial_cache_len: int = 256
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
+            raise ConfigError("engine.device", f"must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.dtype not in _DTYPES:
+            raise ConfigError("engine.dtype", f"must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        for name in ("max_batch_size", "max_seq_len", "initial_cache_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"engine.{name}", f"must be a positive integer, got {value!r}")
+        if self.num_threads is not None and (
+            not isinstance(self.num_threads, int) or isinstance(self.num_threads, bool) or self.num_threads < 1
+        ):
+            raise ConfigError("engine.num_threads", f"must be a positive integer or None, got {self.num_threads!r}")
+
+
+class Engine(Protocol):
+    """What :class:`llm_runtime.scheduler.Scheduler` needs from an engine.
+
+    ``prefill`` registers a sequence and returns the logits of its first generated
+    token; ``decode`` runs ONE forward for every live sequence; ``release`` frees a
+    sequence's cache.  Logits are float32 ``[.., vocab_size]`` on :attr:`device`.
+    """
+
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+    @property
+    def max_batch_size(self) -> int: ...
+    @property
+    def max_seq_len(self) -> int: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+    def prefill(self, seq_id: int, prompt_ids: Sequence[int] | np.ndarray) -> torch.Tensor: ...
+    def decode(self, seq_ids: Sequence[int], tokens: Sequence[int] | np.ndarray) -> torch.Tensor: ...
+    @torch.inference_mode()
+    def release(self, seq_id: int) -> None: ...
+
+
+class _SlotKVCache(Cache):
+    """Per-layer key/value slot buffers, written in place by the model's attention.
+
+    One instance serves every forward; :meth:`set_prefill` / :meth:`set_decode` tell
+    the next forward where to write and what to return.  Buffers are allocated on
+    the first ``update`` of each layer (shapes come from the model's own key
+    states, so any head layout works) and zero-filled: masked positions are
+    multiplied by an attention weight of exactly 0, which is only harmless for
+    finite values.
+    """
+
+    def __init__(self, num_slots: int, capacity: int, device: torch.device, dtype: torch.dtype) -> None:
+        super().__init__(layers=[])
+        self._num_slots = num_slots
+        self._capacity = capacity
+        self._device = device
+        self._dtype = dtype
+        self._keys: list[torch.Tensor] = []
+        self._values: list[torch.Tensor] = []
+        self._decode = False
+        self._slot = 0
+        self._prefill_len = 0
+        self._batch = 0
+        self._ctx = 0
+        self._rows = torch.zeros(0, dtype=torch.long)
+        self._pos = torch.zeros(0, dtype=torch.long)
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self._keys, *self._values))
+
+    def ensure_capacity(self, length: int) -> None:
+        """Grow every slot to hold ``length`` positions (doubling; one copy per growth)."""
+        if length <= self._capacity:
+            return
+        new_cap = max(length, 2 * self._capacity)
+        for store in (self._keys, self._values):
+            for i, old in enumerate(store):
+                grown = torch.zeros(
+                    (old.shape[0], old.shape[1], new_cap, old.shape[3]), dtype=old.dtype, device=old.device
+                )
+                grown[:, :, : self._capacity].copy_(old)
+                store[i] = grown
+        self._capacity = new_cap
+
+    def set_prefill(self, slot: int, length: int) -> None:
+        self._decode = False
+        self._slot = slot
+        self._prefill_len = length
+
+    def set_decode(self, batch: int, rows: torch.Tensor, pos: torch.Tensor, ctx: int) -> None:
+        self._decode = True
+        self._batch = batch
+        self._rows = rows
+        self._pos = pos
+        self._ctx = ctx
+
+    def move_slot(self, src: int, dst: int, length: int) -> None:
+        for store in (self._keys, self._values):
+            for buf in store:
+                buf[dst, :, :length].copy_(buf[src, :, :length])
+
+    def update(  # type: ignore[override]
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_idx == len(self._keys):
+            shape = (self._num_slots, key_states.shape[1], self._capacity, key_states.shape[3])
+            self._keys.append(torch.zeros(shape, dtype=self._dtype, device=self._device))
+            vshape = (self._num_slots, value_states.shape[1], self._capacity, value_states.shape[3])
+            self._values.append(torch.zeros(vshape, dtype=self._dtype, device=self._device))
+        elif layer_idx > len(self._keys):
+            raise EngineError(f"cache layer {layer_idx} updated before layer {len(self._keys)}")
+        keys = self._keys[layer_idx]
+        values = self._values[layer_idx]
+        if self._decode:
+            keys[self._rows, :, self._pos] = key_states[:, :, 0]
+            values[self._rows, :, self._pos] = value_states[:, :, 0]
+            return keys[: self._batch, :, : self._ctx], values[: self._batch, :, : self._ctx]
+        s, t = self._slot, self._prefill_len
+        keys[s, :, :t] = key_states[0]
+        values[s, :, :t] = value_states[0]
+        return keys[s : s + 1, :, :t], values[s : s + 1, :, :t]
+
+
+def _as_id_list(ids: Any) -> list[int]:
+    if isinstance(ids, int):
+        return [ids]
+    if isinstance(ids, (list, tuple)):
+        return [int(x) for x in ids]
+    return [int(x) for x in np.asarray(ids).reshape(-1)]
+
+
+class TorchEngine:
+    """A local Hugging Face causal LM decoding many sequences in one batched forward.
+
+    Parameters
+    ----------
+    model_dir : str or Path
+        A local checkpoint folder (``config.json``, weights, ``tokenizer.json``);
+        loaded with ``local_files_only=True``: nothing is downloaded.
+    config : EngineConfig
+        Device, dtype, slot count and lengths.
+
+    Raises
+    ------
+    grammar_backend.errors.ConfigError
+        If the folder is missing or not loadable, has no ``tokenizer.json`` or no
+        end token, the model has non-full-attention layers, or ``max_seq_len``
+        exceeds the model's ``max_position_embeddings``.
+
+    Notes
+    -----
+    Not thread-safe: one thread (the scheduler loop) drives it.
+    """
+
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
+        cfg = config if config is not None else EngineConfig()
+        self._config = cfg
+        path = Path(model_dir)
+        if not path.is_dir():
+            raise ConfigError("model_dir", f"{str(path)!r} is not a directory")
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise ConfigError("model_dir", f"{str(path)!r} has no tokenizer.json")
+        if cfg.num_threads is not None:
+            torch.set_num_threads(cfg.num_threads)
+        dtype = _DTYPES[cfg.dtype]
+        device = torch.device(cfg.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("engine.device", "CUDA was requested but torch.cuda.is_available() is False")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                str(path), local_files_only=True, dtype=dtype, attn_implementation="sdpa"
+            )
+        except (OSError, ValueError, KeyError) as err:
+            raise ConfigError("model_dir", f"cannot load a causal LM from {str(path)!r}: {err}") from err
+        model.eval()
+        torch.nn.Module.to(model, device)  # (transformers types its own `to` wrapper too narrowly)
+        mcfg = model.config
+        layer_types = getattr(mcfg, "layer_types", None)
+        if layer_types is not None and any(t != "full_attention" for t in layer_types):
+            raise ConfigError("model_dir", f"layer types {sorted(set(layer_types))} are not supported (full attention only)")
+        if getattr(mcfg, "use_sliding_window", False) and getattr(mcfg, "sliding_window", None):
+            raise ConfigError("model_dir", "sliding-window attention is not supported (full attention only)")
+        max_pos = getattr(mcfg, "max_position_embeddings", None)
+        if isinstance(max_pos, int) and cfg.max_seq_len > max_pos:
+            raise ConfigError(
+                "engine.max_seq_len", f"{cfg.max_seq_len} exceeds the model's max_position_embeddings {max_pos}"
+            )
+        params = inspect.signature(model.forward).parameters
+        if "cache" in params:
+            self._cache_kw = "cache"
+        elif "past_key_values" in params:
+            self._cache_kw = "past_key_values"
+        else:
+            raise ConfigError("model_dir", f"{type(model).__name__}.forward takes no cache argument")
+        if "logits_to_keep" not in params:
+            raise ConfigError("model_dir", f"{type(model).__name__}.forward has no logits_to_keep argument")
+        out_emb = model.get_output_embeddings()
+        if out_emb is None:
+            raise ConfigError("model_dir", f"{type(model).__name__} has no output embeddings")
+        self._vocab_size = int(out_emb.weight.shape[0])
+
+        eos: set[int] = set()
+        for source in (getattr(model, "generation_config", None), mcfg):
+            value = getattr(source, "eos_token_id", None) if source is not None else None
+            if isinstance(value, int):
+                eos.add(value)
+            elif isinstance(value, (list, tuple)):
+                eos.update(int(v) for v in value)
+        if not eos:
+            raise ConfigError("model_dir", "neither generation_config.json nor config.json names an eos_token_id")
+        self._eos = frozenset(eos)
+        self._tokenizer = Tokenizer.from_file(str(tok_file))
+        self._model = model
+        self._device = device
+        self._dtype = dtype
+        self._path = path
+
+        s = cfg.max_batch_size
+        self._cache = _SlotKVCache(s, min(cfg.initial_cache_len, cfg.max_seq_len), device, dtype)
+        self._slot_of: dict[int, int] = {}
+        self._seq_at: list[int] = []  # slot -> seq id, for slots 0 .. live-1
+        self._lengths = np.zeros(s, dtype=np.int64)  # cached tokens per slot
+        self._ids_host = np.zeros(s, dtype=np.int64)
+        self._arange = torch.arange(cfg.max_seq_len + 1, device=device)
+        self._rows = torch.arange(s, device=device)
+
+    # -- properties ---------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        """Width of the logits (the model's padded vocabulary)."""
+        return self._vocab_size
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """End tokens from ``generation_config.json`` and ``config.json``."""
+        return self._eos
+
+    @property
+    def max_batch_size(self) -> int:
+        return self._config.max_batch_size
+
+    @property
+    def max_seq_len(self) -> int:
+        return self._config.max_seq_len
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The checkpoint's ``tokenizer.json`` as a :class:`tokenizers.Tokenizer`."""
+        return self._tokenizer
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._model  # type: ignore[no-any-return]
+
+    @property
+    def live_count(self) -> int:
+        return len(self._seq_at)
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes held by the KV slot buffers."""
+        return self._cache.nbytes()
+
+    def length(self, seq_id: int) -> int:
+        """Number of cached tokens of ``seq_id``."""
+        return int(self._lengths[self._slot(seq_id)])
+
+    def _slot(self, seq_id: int) -> int:
+        try:
+            return self._slot_of[seq_id]
+        except KeyError as err:
+            raise EngineError(f"sequence {seq_id} is not live in the engine") from err
+
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        kwargs: dict[str, Any] = {
+            "input_ids": input_ids,
+            "position_ids": position_ids,
+            "attention_mask": mask,
+            self._cache_kw: self._cache,
+            "use_cache": True,
+            "logits_to_keep": 1,
+        }
+        out = self._model(**kwargs)
+        logits: torch.Tensor = out.logits[:, -1, :]
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        return logits
+
+    # -- operations ---------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, seq_id: int, prompt_ids: Sequence[int] | np.ndarray) -> torch.Tensor:
+        """Register ``seq_id``, run its prompt, and return the next-token logits.
+
+        Parameters
+        ----------
+        seq_id : int
+            A sequence id not live in the engine.
+        prompt_ids : sequence of int
+            The prompt tokens (at least one, at most ``max_seq_len``).
+
+        Returns
+        -------
+        torch.Tensor
+            float32 ``[vocab_size]`` logits of the first generated token.
+
+        Raises
+        ------
+        EngineError
+            If ``seq_id`` is live or every slot is taken.
+        RequestError
+            If the prompt is empty, too long, or has an id outside the vocabulary.
+        """
+        if seq_id in self._slot_of:
+            raise EngineError(f"sequence {seq_id} is already live in the engine")
+        slot = len(self._seq_at)
+        if slot >= self._config.max_batch_size:
+            raise EngineError(f"all {self._config.max_batch_size} cache slots are taken")
+        ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
+        t = int(ids.shape[0])
+        if t == 0:
+            raise RequestError("prompt_token_ids", "must not be empty")
+        if t > self._config.max_seq_len:
+            raise RequestError("prompt_token_ids", f"{t} tokens exceed max_seq_len {self._config.max_seq_len}")
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self._vocab_size:
+            raise RequestError("prompt_token_ids", f"ids must be in [0, {self._vocab_size}), got [{lo}, {hi}]")
+        self._cache.ensure_capacity(t)
+        input_ids = torch.from_numpy(ids).view(1, t).to(self._device)
+        position_ids = self._arange[:t].view(1, t)
+        causal = torch.ones((t, t), dtype=torch.bool, device=self._device).tril_().view(1, 1, t, t)
+        self._cache.set_prefill(slot, t)
+        logits = self._forward(input_ids, position_ids, causal)[0]
+        self._slot_of[seq_id] = slot
+        self._seq_at.append(seq_id)
+        self._lengths[slot] = t
+        return logits
+
+    @torch.inference_mode()
+    def decode(self, seq_ids: Sequence[int], tokens: Sequence[int] | np.ndarray) -> torch.Tensor:
+        """Feed one token to every live sequence in ONE forward.
+
+        Parameters
+        ----------
+        seq_ids : sequence of int
+            Every live sequence, each once, in any order.
+        tokens : sequence of int
+            ``tokens[i]`` is the last sampled token of ``seq_ids[i]``.
+
+        Returns
+        -------
+        torch.Tensor
+            float32 ``[len(seq_ids), vocab_size]``; row ``i`` belongs to ``seq_ids[i]``.
+
+        Raises
+        ------
+        EngineError
+            If ``seq_ids`` is not exactly the live set or a sequence is full.
+        """
+        ids = _as_id_list(seq_ids)
+        b = len(ids)
+        if b != len(self._seq_at) or b == 0:
+            raise EngineError(f"decode needs every live sequence ({len(self._seq_at)}), got {b}")
+        toks = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if toks.shape[0] != b:
+            raise EngineError(f"decode got {toks.shape[0]} tokens for {b} sequences")
+        slots = [self._slot(s) for s in ids]
+        in_order = slots == list(range(b))
+        if not in_order and len(set(slots)) != b:
+            raise EngineError("decode got a sequence id twice")
+        if in_order:
+            self._ids_host[:b] = toks
+        else:
+            self._ids_host[slots] = toks
+        lengths = self._lengths[:b]
+        ctx = int(lengths.max()) + 1
+        if ctx > self._config.max_seq_len:
+            raise EngineError(f"a sequence reached max_seq_len {self._config.max_seq_len}")
+        self._cache.ensure_capacity(ctx)
+        input_ids = torch.from_numpy(self._ids_host[:b].copy()).view(b, 1).to(self._device)
+        pos = torch.from_numpy(lengths.copy()).to(self._device)
+        mask = (self._arange[:ctx].view(1, ctx) <= pos.view(b, 1)).view(b, 1, 1, ctx)
+        self._cache.set_decode(b, self._rows[:b], pos, ctx)
+        logits = self._forward(input_ids, pos.view(b, 1), mask)
+        self._lengths[:b] += 1
+        if in_order:
+            return logits
+        return logits[torch.tensor(slots, device=self._device)]
+
+    @torch.inference_mode()
+    def release(self, seq_id: int) -> None:
+        """Free ``seq_id``'s slot (the last live slot moves into it: one cache copy).
+
+        Raises
+        ------
+        EngineError
+            If ``seq_id`` is not live.
+        """
+        slot = self._slot(seq_id)
+        last = len(self._seq_at) - 1
+        if slot != last:
+            moved = self._seq_at[last]
+            self._cache.move_slot(last, slot, int(self._lengths[last]))
+            self._seq_at[slot] = moved
+            self._slot_of[moved] = slot
+            self._lengths[slot] = self._lengths[last]
+        self._seq_at.pop()
+        del self._slot_of[seq_id]
+        self._lengths[last] = 0
+
+    def release_all(self) -> None:
+        """Free every slot (after a failed forward, the scheduler starts clean)."""
+        self._slot_of.clear()
+        self._seq_at.clear()
+        self._lengths[:] = 0

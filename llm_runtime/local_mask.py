@@ -1,0 +1,43 @@
+"""MaskProvider over an in-process :class:`grammar_backend.GrammarEngine`.
+
+Used where the language model and the grammar engine share a process (tests,
+benchmarks measuring the BLS round trip against the direct call).  The
+returned bitmask is a view of the engine's reused buffer: the scheduler
+consumes it before it asks for the next step, so no copy is made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from grammar_backend.engine import GrammarEngine
+from grammar_backend.spec import parse_constraint
+from llm_runtime.mask import ConstraintRequest, MaskStep
+
+
+class LocalMaskProvider:
+    """Implements :class:`llm_runtime.mask.MaskProvider` with direct engine calls."""
+
+    def __init__(self, engine: GrammarEngine) -> None:
+        self.engine = engine
+
+    def start(self, seq_id: int, constraint: ConstraintRequest) -> None:
+        """Validate, compile (cached) and create the matcher."""
+        spec = parse_constraint(constraint.kind, constraint.payload, constraint.options_json,
+                                self.engine.config.limits)
+        self.engine.start(seq_id, spec)
+
+    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> MaskStep:
+        """Accept new tokens and fill the next masks."""
+        out = self.engine.step(seq_ids, tokens, counts)
+        return MaskStep(
+            bitmask=out.bitmask,
+            terminated=out.terminated,
+            errors=tuple(None if e is None else str(e) for e in out.errors),
+        )
+
+    def end(self, seq_ids: Sequence[int]) -> None:
+        """Free the matchers."""
+        self.engine.end(seq_ids)

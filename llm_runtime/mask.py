@@ -1,0 +1,102 @@
+"""The interface between the decode loop and the grammar side.
+
+The runtime never interprets a constraint: it forwards a :class:`ConstraintRequest`
+to a :class:`MaskProvider` (implemented in-process over the grammar engine, or
+over Triton BLS to the ``grammar`` model) and gets back, for every decode step,
+the packed bitmask of the tokens each constrained sequence may take next.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+__all__ = ["ConstraintRequest", "MaskProvider", "MaskStep", "bitmask_width"]
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """Number of int32 words of one bitmask row: ``ceil(vocab_size / 32)``."""
+    return (vocab_size + 31) // 32
+
+
+@dataclass(frozen=True)
+class ConstraintRequest:
+    """A constraint, opaque to the runtime and forwarded to the grammar side.
+
+    Attributes
+    ----------
+    kind : str
+        e.g. ``"json_schema"``, ``"regex"``, ``"choice"``.
+    payload : str
+        The schema, regex, grammar text, ... (empty for ``json_object``).
+    options_json : str
+        ``""`` or a JSON object of grammar options.
+    """
+
+    kind: str
+    payload: str
+    options_json: str
+
+
+@dataclass(frozen=True)
+class MaskStep:
+    """The grammar side's answer to one decode step.
+
+    Attributes
+    ----------
+    bitmask : np.ndarray
+        int32 ``[B, W]``; row ``i`` belongs to ``seq_ids[i]`` of the step call;
+        ``W = ceil(vocab_size / 32)``; bit ``j`` of a row set = token ``j`` allowed.
+    terminated : np.ndarray
+        bool ``[B]``: the grammar accepted its stop token.
+    errors : tuple of (str or None)
+        Per-row error (``None`` = ok).  A row error finishes only that sequence,
+        with finish reason ``"error"``.
+    """
+
+    bitmask: np.ndarray
+    terminated: np.ndarray
+    errors: tuple[str | None, ...]
+
+
+class MaskProvider(Protocol):
+    """The grammar side, as the decode loop drives it.
+
+    Threading: ``start`` runs on a compile worker thread and may overlap
+    ``step``/``end`` calls (for other sequences) made from the loop's step
+    worker / loop thread; ``step`` calls never overlap each other.  Arrays passed
+    to ``step`` are reused buffers: do not keep references after returning.
+    """
+
+    def start(self, seq_id: int, constraint: ConstraintRequest) -> None:
+        """Create the sequence's grammar state; blocking (may compile).
+
+        Raises :class:`grammar_backend.errors.GrammarError` subclasses.
+        """
+        ...
+
+    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> MaskStep:
+        """Accept the tokens sampled since the previous step and return the next mask.
+
+        Parameters
+        ----------
+        seq_ids : np.ndarray
+            uint64 ``[B]``.
+        tokens : np.ndarray
+            int32 ``[B, K]``; row ``i`` holds ``counts[i]`` accepted tokens.
+        counts : np.ndarray
+            int32 ``[B]``; 0 on a sequence's first step.
+
+        Returns
+        -------
+        MaskStep
+            The mask for the NEXT token of each row.
+        """
+        ...
+
+    def end(self, seq_ids: Sequence[int]) -> None:
+        """Free the sequences' grammar state (each started sequence ends exactly once)."""
+        ...

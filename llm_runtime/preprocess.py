@@ -1,0 +1,199 @@
+"""Request validation and prompt tokenization (the logic of the ``preprocessing`` model).
+
+Every rejection is an :class:`~grammar_backend.errors.InvalidArgument`
+naming the request field and the reason; the constraint is validated here
+(spec and meta-schema), before it can reach a compiler.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from grammar_backend.errors import ConfigError, InvalidArgument
+from grammar_backend.spec import ConstraintSpec, SpecLimits, parse_constraint
+
+_ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class PreprocessConfig:
+    """Parameters of the ``preprocessing`` model.
+
+    ``tokenizer`` is the model folder (its tokenizer and chat template);
+    ``max_tokens_limit`` bounds MAX_TOKENS; ``default_max_tokens`` applies when absent.
+    """
+
+    tokenizer: str
+    max_prompt_tokens: int = 4096
+    max_tokens_limit: int = 2048
+    default_max_tokens: int = 256
+    max_stop_strings: int = 8
+    max_payload_bytes: int = 2 * 1024 * 1024
+    max_depth: int = 128
+
+    def __post_init__(self) -> None:
+        if not 0 < self.default_max_tokens <= self.max_tokens_limit:
+            raise ConfigError("preprocessing: need 0 < default_max_tokens <= max_tokens_limit")
+
+
+@dataclass(frozen=True)
+class RawRequest:
+    """The ensemble's request fields, as received (None = absent)."""
+
+    prompt: bytes | None = None
+    messages: bytes | None = None
+    grammar_type: bytes | None = None
+    grammar: bytes | None = None
+    grammar_options: bytes | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[bytes, ...] = ()
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """Validated generation parameters, passed to ``llm`` and ``postprocessing`` as JSON."""
+
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    constraint: dict[str, str] | None = field(default=None)
+
+    def to_json(self) -> str:
+        """Serialize for the REQUEST tensor."""
+        return json.dumps(
+            {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+             "top_k": self.top_k, "seed": self.seed, "stop": list(self.stop), "constraint": self.constraint},
+            ensure_ascii=False,
+        )
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> GenerationParams:
+        """Inverse of :meth:`to_json`."""
+        doc = json.loads(text)
+        return cls(
+            max_tokens=int(doc["max_tokens"]), temperature=float(doc["temperature"]), top_p=float(doc["top_p"]),
+            top_k=int(doc["top_k"]), seed=int(doc["seed"]), stop=tuple(doc["stop"]), constraint=doc["constraint"],
+        )
+
+
+def _text(name: str, value: bytes) -> str:
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise InvalidArgument(name, f"not valid UTF-8 at byte {err.start}") from err
+
+
+def parse_messages(raw: RawRequest) -> list[dict[str, str]]:
+    """The chat messages of a request (PROMPT becomes one user message)."""
+    if (raw.prompt is None) == (raw.messages is None):
+        raise InvalidArgument("prompt", "exactly one of PROMPT and MESSAGES is required")
+    if raw.prompt is not None:
+        text = _text("prompt", raw.prompt)
+        if not text.strip():
+            raise InvalidArgument("prompt", "is empty")
+        return [{"role": "user", "content": text}]
+    try:
+        doc = json.loads(_text("messages", raw.messages or b""))
+    except json.JSONDecodeError as err:
+        raise InvalidArgument("messages", f"invalid JSON at line {err.lineno} column {err.colno}: {err.msg}") from err
+    if not isinstance(doc, list) or not doc:
+        raise InvalidArgument("messages", "must be a non-empty JSON array of {role, content}")
+    for i, msg in enumerate(doc):
+        if not isinstance(msg, dict) or set(msg) != {"role", "content"}:
+            raise InvalidArgument(f"messages[{i}]", "must be an object with exactly role and content")
+        if msg["role"] not in _ROLES:
+            raise InvalidArgument(f"messages[{i}].role", f"must be one of {', '.join(_ROLES)}, got {msg['role']!r}")
+        if not isinstance(msg["content"], str):
+            raise InvalidArgument(f"messages[{i}].content", "must be a string")
+    return doc
+
+
+def parse_params(raw: RawRequest, config: PreprocessConfig) -> tuple[GenerationParams, ConstraintSpec | None]:
+    """Validate sampling parameters and the constraint."""
+    max_tokens = config.default_max_tokens if raw.max_tokens is None else raw.max_tokens
+    if not 1 <= max_tokens <= config.max_tokens_limit:
+        raise InvalidArgument("max_tokens", f"must be in 1..{config.max_tokens_limit}, got {max_tokens}")
+    temperature = 0.0 if raw.temperature is None else raw.temperature
+    if not (math.isfinite(temperature) and 0.0 <= temperature <= 2.0):
+        raise InvalidArgument("temperature", f"must be in 0..2, got {temperature}")
+    top_p = 1.0 if raw.top_p is None else raw.top_p
+    if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
+        raise InvalidArgument("top_p", f"must be in (0, 1], got {top_p}")
+    top_k = 0 if raw.top_k is None else raw.top_k
+    if top_k < 0:
+        raise InvalidArgument("top_k", f"must be >= 0 (0 = off), got {top_k}")
+    if len(raw.stop) > config.max_stop_strings:
+        raise InvalidArgument("stop", f"at most {config.max_stop_strings} stop strings, got {len(raw.stop)}")
+    stop = tuple(_text(f"stop[{i}]", s) for i, s in enumerate(raw.stop))
+    if any(not s for s in stop):
+        raise InvalidArgument("stop", "stop strings must be non-empty")
+    spec = None
+    constraint = None
+    kind = _text("grammar_type", raw.grammar_type) if raw.grammar_type else ""
+    if kind:
+        limits = SpecLimits(max_payload_bytes=config.max_payload_bytes, max_depth=config.max_depth)
+        spec = parse_constraint(kind, raw.grammar or b"", raw.grammar_options, limits)
+        options = json.dumps(
+            {"strict": spec.options.strict, "whitespace": spec.options.whitespace,
+             "indent": spec.options.indent, "any_order": spec.options.any_order}
+        ) if spec.kind.is_json else ""
+        constraint = {"kind": spec.kind.value, "payload": spec.payload, "options": options}
+    elif raw.grammar or raw.grammar_options:
+        raise InvalidArgument("grammar_type", "is required when GRAMMAR or GRAMMAR_OPTIONS is given")
+    params = GenerationParams(
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+        seed=0 if raw.seed is None else raw.seed, stop=stop, constraint=constraint,
+    )
+    return params, spec
+
+
+class Preprocessor:
+    """Validates a request and tokenizes its prompt with the model's chat template.
+
+    Parameters
+    ----------
+    config : PreprocessConfig
+    tokenizer : transformers.PreTrainedTokenizerBase
+        The model's tokenizer (with its chat template).
+    """
+
+    def __init__(self, config: PreprocessConfig, tokenizer: Any) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def from_config(cls, config: PreprocessConfig) -> Preprocessor:
+        """Load the tokenizer of the local model folder ``config.tokenizer``."""
+        from transformers import AutoTokenizer
+
+        return cls(config, AutoTokenizer.from_pretrained(config.tokenizer, local_files_only=True))
+
+    def __call__(self, raw: RawRequest) -> tuple[list[int], GenerationParams]:
+        """Return the prompt token ids and the validated parameters.
+
+        Raises
+        ------
+        InvalidArgument
+            Naming the field and the reason.
+        """
+        messages = parse_messages(raw)
+        params, _ = parse_params(raw, self.config)
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "input_ids"):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        ids = [int(t) for t in ids]
+        if len(ids) > self.config.max_prompt_tokens:
+            raise InvalidArgument(
+                "prompt", f"is {len(ids)} tokens after the chat template; the limit is {self.config.max_prompt_tokens}"
+            )
+        return ids, params

@@ -1,0 +1,849 @@
+"""The in-flight batched decode loop.
+
+One loop thread owns the engine.  Requests join and leave the batch at step
+boundaries; constrained and unconstrained requests share one batch.  For decode
+step ``t`` the loop
+
+1. hands the grammar step (the tokens sampled at ``t-1`` for every constrained
+   row, or an empty list for a row that joins now) to the step worker thread,
+2. runs ONE batched forward for the rows already in the engine, plus a prefill
+   for each row that joins now, while the grammar step runs,
+3. waits for the mask (the wait AFTER the forward is what the overlap did not
+   hide; it is recorded as ``mask_wait_s``), applies it to the constrained rows,
+   samples every row, streams the text deltas, and
+4. retires finished rows (engine slot freed, ``MaskProvider.end`` called once for
+   all of them).
+
+``MaskProvider.start`` (grammar compile) runs on a pool of compile workers; a
+request waits outside the batch until its grammar is ready, so a slow compile
+never stalls the batch.
+
+Events go to the callback given at :meth:`Scheduler.submit`, on the loop thread:
+zero or more :class:`TokenEvent` and exactly one last :class:`FinishEvent`.  The
+concatenation of every ``TokenEvent.text_delta`` equals ``FinishEvent.text``.
+A callback must not block; if it raises, the exception is logged and the
+request is cancelled (no further events).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Literal, Self
+
+import numpy as np
+import torch
+
+from grammar_backend.errors import ConfigError
+
+from .detok import IncrementalDetokenizer, special_token_ids
+from .engine import Engine
+from .errors import CANCELLED, Overloaded, RequestError, SchedulerClosed, status_of
+from .mask import ConstraintRequest, MaskProvider, MaskStep, bitmask_width
+from .sampler import Sampler, SamplingParams
+
+__all__ = [
+    "EventCallback",
+    "FinishEvent",
+    "GenerationRequest",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerStats",
+    "TokenEvent",
+]
+
+_log = logging.getLogger(__name__)
+
+FinishReason = Literal["stop", "length", "error"]
+_SEQ_COUNTER_BITS = 40
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Settings of :class:`Scheduler`.
+
+    Attributes
+    ----------
+    max_batch_size : int or None
+        Most sequences per step; ``None`` = the engine's slot count (the maximum).
+    max_tokens_cap : int
+        Largest ``max_tokens`` a request may ask for.
+    max_queued : int
+        Most requests held at once (starting + waiting + in the batch); more are
+        refused with :class:`llm_runtime.errors.Overloaded`.
+    idle_wait_s : float
+        How long the idle loop sleeps between checks (submit/cancel wake it at once).
+    compile_workers : int
+        Threads running ``MaskProvider.start``.
+    max_stop_strings, max_stop_length : int
+        Limits on the ``stop`` field.
+    seq_id_namespace : int
+        High 24 bits of the uint64 grammar sequence ids, so several schedulers
+        (model instances) can share one grammar model without id clashes.
+    stats_capacity : int
+        Steps kept in the per-step counters (a ring buffer).
+    """
+
+    max_batch_size: int | None = None
+    max_tokens_cap: int = 4096
+    max_queued: int = 1024
+    idle_wait_s: float = 0.05
+    compile_workers: int = 2
+    max_stop_strings: int = 16
+    max_stop_length: int = 256
+    seq_id_namespace: int = 0
+    stats_capacity: int = 65536
+
+    def __post_init__(self) -> None:
+        def positive_int(name: str, value: object) -> None:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"scheduler.{name}", f"must be a positive integer, got {value!r}")
+
+        if self.max_batch_size is not None:
+            positive_int("max_batch_size", self.max_batch_size)
+        for name in ("max_tokens_cap", "max_queued", "compile_workers", "max_stop_strings",
+                     "max_stop_length", "stats_capacity"):
+            positive_int(name, getattr(self, name))
+        wait = self.idle_wait_s
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait <= 10:
+            raise ConfigError("scheduler.idle_wait_s", f"must be in (0, 10] seconds, got {wait!r}")
+        ns = self.seq_id_namespace
+        if isinstance(ns, bool) or not isinstance(ns, int) or not 0 <= ns < 2 ** (64 - _SEQ_COUNTER_BITS):
+            raise ConfigError("scheduler.seq_id_namespace", f"must be an integer in [0, 2**24), got {ns!r}")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One generation request.
+
+    Attributes
+    ----------
+    prompt_token_ids : sequence of int
+        The tokenized prompt (chat template already applied).
+    request_id : str or None
+        Caller's id (must not be in flight); ``None`` = the scheduler assigns one.
+    constraint : ConstraintRequest or None
+        Forwarded to the :class:`~llm_runtime.mask.MaskProvider`; ``None`` = free text.
+    max_tokens : int
+        Most tokens to generate (the end token counts).
+    temperature, top_k, top_p, seed
+        See :class:`llm_runtime.sampler.SamplingParams`.
+    stop : tuple of str
+        Stop strings; the output ends right before the first one.
+    """
+
+    prompt_token_ids: Sequence[int]
+    request_id: str | None = None
+    constraint: ConstraintRequest | None = None
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """Text streamed for a request.
+
+    ``token_ids`` are the tokens sampled for it (empty when the event only
+    flushes held-back text); ``text_delta`` may be empty.
+    """
+
+    text_delta: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class FinishEvent:
+    """The last event of a request.
+
+    ``finish_reason``: ``"stop"`` (end token, grammar terminated, or stop string),
+    ``"length"`` (``max_tokens``) or ``"error"`` (``error`` says why,
+    ``error_status`` is a gRPC status name; ``"CANCELLED"`` after :meth:`Scheduler.cancel`).
+    ``completion_tokens`` counts every sampled token, the end token included.
+    """
+
+    finish_reason: FinishReason
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    error: str | None = None
+    error_status: str | None = None
+
+
+EventCallback = Callable[[TokenEvent | FinishEvent], None]
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """Counters for benchmarking (the last ``stats_capacity`` steps, oldest first).
+
+    Attributes
+    ----------
+    steps : int
+        Steps run since the last reset.
+    forward_s : np.ndarray
+        float64 seconds of the step's forward work (batched decode + prefills).
+    mask_wait_s : np.ndarray
+        float64 seconds the loop waited for the mask AFTER its forward finished
+        (0 when the grammar step was hidden, NaN when no row was constrained).
+    grammar_s : np.ndarray
+        float64 seconds ``MaskProvider.step`` took on the worker (NaN: no row constrained).
+    batch_size, constrained_rows, prefill_rows : np.ndarray
+        int32 rows per step.
+    max_batch_size_seen : int
+        Largest batch since the last reset.
+    end_errors : int
+        ``MaskProvider.end`` calls that raised (logged).
+    """
+
+    steps: int
+    forward_s: np.ndarray
+    mask_wait_s: np.ndarray
+    grammar_s: np.ndarray
+    batch_size: np.ndarray
+    constrained_rows: np.ndarray
+    prefill_rows: np.ndarray
+    max_batch_size_seen: int
+    end_errors: int
+
+
+class _Stats:
+    """Ring buffers written by the loop thread, read under a lock."""
+
+    def __init__(self, capacity: int) -> None:
+        self.lock = threading.Lock()
+        self.capacity = capacity
+        self.forward = np.zeros(capacity)
+        self.mask_wait = np.zeros(capacity)
+        self.grammar = np.zeros(capacity)
+        self.batch = np.zeros(capacity, dtype=np.int32)
+        self.constrained = np.zeros(capacity, dtype=np.int32)
+        self.prefill = np.zeros(capacity, dtype=np.int32)
+        self.steps = 0
+        self.max_batch = 0
+        self.end_errors = 0
+
+    def record(self, fwd: float, wait: float, gram: float, batch: int, constrained: int, prefill: int) -> None:
+        with self.lock:
+            i = self.steps % self.capacity
+            self.forward[i] = fwd
+            self.mask_wait[i] = wait
+            self.grammar[i] = gram
+            self.batch[i] = batch
+            self.constrained[i] = constrained
+            self.prefill[i] = prefill
+            self.steps += 1
+            self.max_batch = max(self.max_batch, batch)
+
+    def snapshot(self) -> SchedulerStats:
+        with self.lock:
+            n = min(self.steps, self.capacity)
+            start = self.steps % self.capacity if self.steps > self.capacity else 0
+            order = (np.arange(n) + start) % self.capacity
+            return SchedulerStats(
+                steps=self.steps,
+                forward_s=self.forward[order].copy(),
+                mask_wait_s=self.mask_wait[order].copy(),
+                grammar_s=self.grammar[order].copy(),
+                batch_size=self.batch[order].copy(),
+                constrained_rows=self.constrained[order].copy(),
+                prefill_rows=self.prefill[order].copy(),
+                max_batch_size_seen=self.max_batch,
+                end_errors=self.end_errors,
+            )
+
+    def reset(self) -> None:
+        with self.lock:
+            self.steps = 0
+            self.max_batch = 0
+            self.end_errors = 0
+
+
+@dataclass(eq=False)
+class _Seq:
+    """Loop-side state of one request."""
+
+    rid: str
+    seq_id: int
+    prompt: np.ndarray
+    constraint: ConstraintRequest | None
+    max_tokens: int
+    params: SamplingParams
+    stop: tuple[str, ...]
+    callback: EventCallback
+    gen: torch.Generator
+    detok: IncrementalDetokenizer
+    started: bool = False  # MaskProvider.start returned
+    ended: bool = False  # MaskProvider.end issued
+    start_done: bool = False
+    in_engine: bool = False
+    finished: bool = False
+    generated: int = 0
+    last_token: int = -1
+
+
+class Scheduler:
+    """In-flight batched decoding over an engine and a mask provider.
+
+    Parameters
+    ----------
+    engine : Engine
+        e.g. :class:`llm_runtime.engine.TorchEngine`; driven only by the loop thread.
+    mask_provider : MaskProvider
+        The grammar side.
+    config : SchedulerConfig
+        Limits and knobs.
+
+    Raises
+    ------
+    grammar_backend.errors.ConfigError
+        If ``config.max_batch_size`` exceeds the engine's slots.
+    """
+
+    def __init__(self, engine: Engine, mask_provider: MaskProvider, config: SchedulerConfig | None = None) -> None:
+        cfg = config if config is not None else SchedulerConfig()
+        if cfg.max_batch_size is not None and cfg.max_batch_size > engine.max_batch_size:
+            raise ConfigError(
+                "scheduler.max_batch_size",
+                f"{cfg.max_batch_size} exceeds the engine's {engine.max_batch_size} cache slots",
+            )
+        self._cfg = cfg
+        self._engine = engine
+        self._provider = mask_provider
+        self._max_batch = cfg.max_batch_size if cfg.max_batch_size is not None else engine.max_batch_size
+        self._vocab = engine.vocab_size
+        self._eos = engine.eos_token_ids
+        tok = engine.tokenizer
+        self._tokenizer = tok
+        self._special = special_token_ids(tok)
+        limit = min(self._vocab, tok.get_vocab_size(with_added_tokens=True))
+        self._sampler = Sampler(self._vocab, token_limit=limit, device=engine.device)
+        self._device = engine.device
+
+        b, w = self._max_batch, bitmask_width(self._vocab)
+        # Reused per-step buffers: grammar-step inputs, the batch's bitmask rows and logits.
+        self._g_ids = np.zeros(b, dtype=np.uint64)
+        self._g_tokens = np.zeros((b, 1), dtype=np.int32)
+        self._g_counts = np.zeros(b, dtype=np.int32)
+        self._bitmask_np = np.full((b, w), -1, dtype=np.int32)
+        self._bitmask_host = torch.from_numpy(self._bitmask_np)
+        self._logits = torch.empty((b, self._vocab), dtype=torch.float32, device=self._device)
+
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._inbox: deque[_Seq] = deque()
+        self._cancels: list[str] = []
+        self._started_q: deque[tuple[_Seq, BaseException | None]] = deque()
+        self._live: dict[str, _Seq] = {}  # every request not yet finished (guarded by _lock)
+        self._closing = False
+        self._rid_counter = itertools.count(1)
+        self._seq_counter = itertools.count(1)
+
+        self._starting: dict[str, _Seq] = {}
+        self._ready: deque[_Seq] = deque()
+        self._active: list[_Seq] = []
+        self._stats = _Stats(cfg.stats_capacity)
+        self._compile_pool = ThreadPoolExecutor(cfg.compile_workers, thread_name_prefix="llm-grammar-start")
+        self._step_pool = ThreadPoolExecutor(1, thread_name_prefix="llm-grammar-step")
+        self._thread = threading.Thread(target=self._loop, name="llm-decode-loop", daemon=True)
+        self._thread.start()
+
+    # -- public API -----------------------------------------------------------
+    @property
+    def active_count(self) -> int:
+        """Sequences in the batch now."""
+        return len(self._active)
+
+    @property
+    def live_count(self) -> int:
+        """Requests not finished yet (compiling, waiting, or in the batch)."""
+        with self._lock:
+            return len(self._live)
+
+    @property
+    def max_batch_size(self) -> int:
+        return self._max_batch
+
+    def stats(self) -> SchedulerStats:
+        """A snapshot of the per-step counters."""
+        return self._stats.snapshot()
+
+    def reset_stats(self) -> None:
+        self._stats.reset()
+
+    def submit(self, request: GenerationRequest, callback: EventCallback) -> str:
+        """Queue a request; thread-safe.
+
+        Parameters
+        ----------
+        request : GenerationRequest
+            The request.
+        callback : callable
+            Receives the request's :class:`TokenEvent` s and its last
+            :class:`FinishEvent`, on the loop thread.
+
+        Returns
+        -------
+        str
+            The request id.
+
+        Raises
+        ------
+        RequestError
+            A field is out of range (named in the message).
+        Overloaded
+            ``max_queued`` requests are held already.
+        SchedulerClosed
+            After :meth:`close`.
+        """
+        seq = self._validate(request, callback)
+        with self._cond:
+            if self._closing:
+                raise SchedulerClosed("the scheduler is closed")
+            if len(self._live) >= self._cfg.max_queued:
+                raise Overloaded(f"{len(self._live)} requests are queued (max_queued {self._cfg.max_queued})")
+            if request.request_id is None:
+                seq.rid = f"req-{next(self._rid_counter)}"
+                while seq.rid in self._live:
+                    seq.rid = f"req-{next(self._rid_counter)}"
+            elif seq.rid in self._live:
+                raise RequestError("request_id", f"{seq.rid!r} is already in flight")
+            seq.seq_id = (self._cfg.seq_id_namespace << _SEQ_COUNTER_BITS) | (
+                next(self._seq_counter) % (1 << _SEQ_COUNTER_BITS)
+            )
+            self._live[seq.rid] = seq
+            self._inbox.append(seq)
+            self._cond.notify()
+        return seq.rid
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a request at the next step boundary; thread-safe.
+
+        The request gets a last :class:`FinishEvent` with ``finish_reason="error"``
+        and ``error_status="CANCELLED"``; its grammar state is ended.
+
+        Returns
+        -------
+        bool
+            ``True`` if the request was in flight.
+        """
+        with self._cond:
+            if request_id not in self._live:
+                return False
+            self._cancels.append(request_id)
+            self._cond.notify()
+            return True
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Stop the loop: every unfinished request ends with an ``UNAVAILABLE`` error."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the decode loop did not stop within {timeout} s")
+        self._step_pool.shutdown(wait=True)
+        self._compile_pool.shutdown(wait=True)
+        # Compiles that finished after the loop stopped: their sequences were
+        # already failed; free the grammar state they created.
+        with self._lock:
+            late = list(self._started_q)
+            self._started_q.clear()
+        ends = [s.seq_id for s, err in late if err is None and not s.ended]
+        self._end(ends)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- validation -------------------------------------------------------------
+    def _validate(self, req: GenerationRequest, callback: EventCallback) -> _Seq:
+        if not isinstance(req, GenerationRequest):
+            raise RequestError("request", f"must be a GenerationRequest, got {type(req).__name__}")
+        if not callable(callback):
+            raise RequestError("callback", "must be callable")
+        if req.request_id is not None and (not isinstance(req.request_id, str) or not req.request_id):
+            raise RequestError("request_id", "must be a non-empty string or None")
+        try:
+            prompt = np.asarray(req.prompt_token_ids, dtype=np.int64).reshape(-1)
+        except (TypeError, ValueError) as err:
+            raise RequestError("prompt_token_ids", f"must be a sequence of integers: {err}") from err
+        n = int(prompt.shape[0])
+        if n == 0:
+            raise RequestError("prompt_token_ids", "must not be empty")
+        lo, hi = int(prompt.min()), int(prompt.max())
+        if lo < 0 or hi >= self._vocab:
+            raise RequestError("prompt_token_ids", f"ids must be in [0, {self._vocab}), got [{lo}, {hi}]")
+        mt = req.max_tokens
+        if isinstance(mt, bool) or not isinstance(mt, int) or not 1 <= mt <= self._cfg.max_tokens_cap:
+            raise RequestError("max_tokens", f"must be an integer in [1, {self._cfg.max_tokens_cap}], got {mt!r}")
+        ctx = self._engine.max_seq_len
+        if n + mt > ctx:
+            raise RequestError(
+                "max_tokens", f"prompt ({n} tokens) + max_tokens ({mt}) exceed the context length {ctx}"
+            )
+        if req.constraint is not None and not isinstance(req.constraint, ConstraintRequest):
+            raise RequestError("constraint", f"must be a ConstraintRequest or None, got {type(req.constraint).__name__}")
+        stop = tuple(req.stop)
+        if len(stop) > self._cfg.max_stop_strings:
+            raise RequestError("stop", f"at most {self._cfg.max_stop_strings} stop strings, got {len(stop)}")
+        for i, s in enumerate(stop):
+            if not isinstance(s, str) or not s:
+                raise RequestError(f"stop[{i}]", "must be a non-empty string")
+            if len(s) > self._cfg.max_stop_length:
+                raise RequestError(f"stop[{i}]", f"longer than {self._cfg.max_stop_length} characters")
+        params = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed)
+        return _Seq(
+            rid=req.request_id or "",
+            seq_id=0,
+            prompt=prompt,
+            constraint=req.constraint,
+            max_tokens=mt,
+            params=params,
+            stop=stop,
+            callback=callback,
+            gen=self._sampler.generator(params.seed),
+            detok=IncrementalDetokenizer(self._tokenizer, stop=stop, special_ids=self._special),
+        )
+
+    # -- the loop -------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                if (
+                    not self._closing
+                    and not self._inbox
+                    and not self._cancels
+                    and not self._started_q
+                    and not self._active
+                    and not self._ready
+                ):
+                    self._cond.wait(self._cfg.idle_wait_s)
+                closing = self._closing
+                inbox = list(self._inbox)
+                self._inbox.clear()
+                cancels = self._cancels
+                self._cancels = []
+                started = list(self._started_q)
+                self._started_q.clear()
+            try:
+                if closing:
+                    self._shutdown(inbox, started)
+                    return
+                self._boundary(inbox, cancels, started)
+                if self._active:
+                    self._step()
+            except Exception as err:  # noqa: BLE001 -- a loop bug: fail every request in flight, keep serving
+                _log.exception("decode loop failed; failing every request in flight")
+                self._fail_all(f"internal error: {err}", status_of(err))
+
+    def _boundary(self, inbox: list[_Seq], cancels: list[str], started: list[tuple[_Seq, BaseException | None]]) -> None:
+        ends: list[int] = []
+        for seq in inbox:
+            if seq.constraint is None:
+                seq.start_done = True
+                self._ready.append(seq)
+            else:
+                self._starting[seq.rid] = seq
+                self._compile_pool.submit(self._run_start, seq, seq.constraint)
+        for seq, err in started:
+            seq.start_done = True
+            self._starting.pop(seq.rid, None)
+            if err is None:
+                seq.started = True
+            if seq.finished:  # cancelled (or failed) while compiling
+                if seq.started and not seq.ended:
+                    seq.ended = True
+                    ends.append(seq.seq_id)
+                continue
+            if err is not None:
+                self._finish(seq, "error", ends, error=str(err), status=status_of(err))
+            else:
+                self._ready.append(seq)
+        if cancels:
+            wanted = set(cancels)
+            for seq in list(self._starting.values()):
+                if seq.rid in wanted:
+                    self._finish(seq, "error", ends, error="request cancelled", status=CANCELLED)
+            for coll in (self._ready, self._active):
+                for seq in [s for s in coll if s.rid in wanted and not s.finished]:
+                    self._finish(seq, "error", ends, error="request cancelled", status=CANCELLED)
+            self._purge()
+        while self._ready and len(self._active) < self._max_batch:
+            self._active.append(self._ready.popleft())
+        self._end(ends)
+
+    def _run_start(self, seq: _Seq, constraint: ConstraintRequest) -> None:
+        err: BaseException | None = None
+        try:
+            self._provider.start(seq.seq_id, constraint)
+        except Exception as exc:  # noqa: BLE001 -- delivered to the request as its FinishEvent
+            err = exc
+            if status_of(exc) == "INTERNAL":
+                _log.exception("MaskProvider.start failed for request %s", seq.rid)
+        with self._cond:
+            self._started_q.append((seq, err))
+            self._cond.notify()
+
+    def _timed_step(self, count: int) -> tuple[MaskStep, float]:
+        t0 = time.perf_counter()
+        result = self._provider.step(self._g_ids[:count], self._g_tokens[:count], self._g_counts[:count])
+        return result, time.perf_counter() - t0
+
+    def _step(self) -> None:
+        active = self._active
+        dec = [s for s in active if s.in_engine]
+        new = [s for s in active if not s.in_engine]
+        order = dec + new
+        b = len(order)
+        nd = len(dec)
+        constrained = [i for i, s in enumerate(order) if s.constraint is not None]
+        c = len(constrained)
+        fut: Future[tuple[MaskStep, float]] | None = None
+        if c:
+            for j, i in enumerate(constrained):
+                s = order[i]
+                self._g_ids[j] = s.seq_id
+                if s.in_engine:
+                    self._g_tokens[j, 0] = s.last_token
+                    self._g_counts[j] = 1
+                else:
+                    self._g_tokens[j, 0] = 0
+                    self._g_counts[j] = 0
+            fut = self._step_pool.submit(self._timed_step, c)
+
+        ends: list[int] = []
+        t0 = time.perf_counter()
+        forward_err: BaseException | None = None
+        logits: torch.Tensor | None = None
+        try:
+            if dec:
+                out = self._engine.decode([s.seq_id for s in dec], np.fromiter((s.last_token for s in dec), np.int64, nd))
+                if new:
+                    self._logits[:nd].copy_(out)
+                    logits = self._logits[:b]
+                else:
+                    logits = out
+            else:
+                logits = self._logits[:b]
+        except Exception as err:  # noqa: BLE001 -- fails the batch's requests with the error
+            forward_err = err
+        prefill_failed: list[tuple[_Seq, BaseException]] = []
+        if forward_err is None and logits is not None:
+            for j, s in enumerate(new):
+                try:
+                    row = self._engine.prefill(s.seq_id, s.prompt)
+                except Exception as err:  # noqa: BLE001 -- fails this request with the error
+                    prefill_failed.append((s, err))
+                    logits[nd + j].zero_()  # the row is retired below; keep its logits finite
+                    continue
+                s.in_engine = True
+                logits[nd + j].copy_(row)
+        fwd_s = time.perf_counter() - t0
+
+        mstep: MaskStep | None = None
+        mask_err: BaseException | None = None
+        wait_s = gram_s = float("nan")
+        if fut is not None:
+            tw = time.perf_counter()
+            try:
+                mstep, gram_s = fut.result()
+            except Exception as err:  # noqa: BLE001 -- fails the constrained rows with the error
+                mask_err = err
+                _log.exception("MaskProvider.step failed; failing its %d constrained rows", c)
+            wait_s = time.perf_counter() - tw
+        self._stats.record(fwd_s, wait_s, gram_s, b, c, len(new))
+
+        if forward_err is not None or logits is None:
+            err_any: BaseException = forward_err if forward_err is not None else RuntimeError("no logits")
+            _log.error("forward failed (%s); failing the %d sequences of the batch", err_any, b)
+            self._engine_reset()
+            for s in order:
+                self._finish(s, "error", ends, error=f"forward failed: {err_any}", status=status_of(err_any),
+                             release=False)
+            self._purge()
+            self._end(ends)
+            return
+        for s, perr in prefill_failed:
+            self._finish(s, "error", ends, error=f"prefill failed: {perr}", status=status_of(perr))
+
+        masked_rows: list[int] = []
+        if c:
+            bad = mask_err if mask_err is not None else self._check_mask(mstep, c)
+            if bad is not None:
+                for i in constrained:
+                    self._finish(order[i], "error", ends, error=f"grammar step failed: {bad}", status=status_of(bad))
+            elif mstep is not None:
+                sel: list[int] = []
+                for j, i in enumerate(constrained):
+                    s = order[i]
+                    if s.finished:
+                        continue
+                    row_err = mstep.errors[j]
+                    if row_err is not None:
+                        # The grammar side reports row errors as text only; after
+                        # admission they are server-side failures.
+                        self._finish(s, "error", ends, error=row_err, status="INTERNAL")
+                    elif bool(mstep.terminated[j]):
+                        self._finish(s, "stop", ends)
+                    else:
+                        sel.append(j)
+                        masked_rows.append(i)
+                if masked_rows:
+                    self._bitmask_np[masked_rows] = mstep.bitmask[sel]
+                    bitmask = self._bitmask_host[:b]
+                    if bitmask.device != logits.device:
+                        bitmask = bitmask.to(logits.device)
+                    self._sampler.apply_mask(logits, bitmask, masked_rows)
+
+        tokens, dead = self._sampler.sample(logits, [s.params for s in order], [s.gen for s in order])
+        for i, s in enumerate(order):
+            if s.finished:
+                continue
+            if dead[i]:
+                self._finish(s, "error", ends, error="no token is allowed at this step", status="INTERNAL")
+                continue
+            tok = int(tokens[i])
+            s.generated += 1
+            s.last_token = tok
+            if tok in self._eos:
+                self._finish(s, "stop", ends)
+                continue
+            delta = s.detok.push(tok)
+            if s.detok.stopped:
+                self._finish(s, "stop", ends, delta=delta, token=tok)
+            elif s.generated >= s.max_tokens:
+                self._finish(s, "length", ends, delta=delta, token=tok)
+            else:
+                self._deliver(s, TokenEvent(delta, (tok,)))
+        self._purge()
+        self._end(ends)
+
+    @staticmethod
+    def _check_mask(mstep: MaskStep | None, c: int) -> BaseException | None:
+        if mstep is None:
+            return RuntimeError("MaskProvider.step returned None")
+        bm, term = mstep.bitmask, mstep.terminated
+        if not isinstance(bm, np.ndarray) or bm.dtype != np.int32 or bm.ndim != 2 or bm.shape[0] != c:
+            return RuntimeError(f"bitmask must be int32 [{c}, W], got {getattr(bm, 'dtype', type(bm))} {getattr(bm, 'shape', '')}")
+        if not isinstance(term, np.ndarray) or term.shape != (c,):
+            return RuntimeError(f"terminated must be bool [{c}]")
+        if len(mstep.errors) != c:
+            return RuntimeError(f"errors must have {c} entries, got {len(mstep.errors)}")
+        return None
+
+    # -- finishing --------------------------------------------------------------------
+    def _finish(
+        self,
+        seq: _Seq,
+        reason: FinishReason,
+        ends: list[int],
+        *,
+        error: str | None = None,
+        status: str | None = None,
+        delta: str = "",
+        token: int | None = None,
+        release: bool = True,
+    ) -> None:
+        """Retire ``seq``: free its slot, queue its grammar end, send the last events."""
+        if seq.finished:
+            return
+        seq.finished = True
+        if release and seq.in_engine:
+            self._engine.release(seq.seq_id)
+        seq.in_engine = False
+        if seq.started and not seq.ended:
+            seq.ended = True
+            ends.append(seq.seq_id)
+        tail = seq.detok.finish()
+        with self._lock:
+            self._live.pop(seq.rid, None)
+        text_delta = delta + tail
+        if text_delta or token is not None:
+            self._deliver(seq, TokenEvent(text_delta, () if token is None else (token,)))
+        text = seq.detok.text
+        self._deliver(
+            seq,
+            FinishEvent(
+                finish_reason=reason,
+                text=text,
+                prompt_tokens=int(seq.prompt.shape[0]),
+                completion_tokens=seq.generated,
+                error=error,
+                error_status=status,
+            ),
+        )
+
+    def _deliver(self, seq: _Seq, event: TokenEvent | FinishEvent) -> None:
+        try:
+            seq.callback(event)
+        except Exception:  # noqa: BLE001 -- a caller's bug must not stop the loop; logged, request cancelled
+            _log.exception("event callback of request %s raised; cancelling the request", seq.rid)
+            if not seq.finished:
+                with self._cond:
+                    self._cancels.append(seq.rid)
+
+    def _purge(self) -> None:
+        if any(s.finished for s in self._active):
+            self._active = [s for s in self._active if not s.finished]
+        if any(s.finished for s in self._ready):
+            self._ready = deque(s for s in self._ready if not s.finished)
+
+    def _end(self, seq_ids: list[int]) -> None:
+        if not seq_ids:
+            return
+        try:
+            self._provider.end(seq_ids)
+        except Exception:  # noqa: BLE001 -- nothing left to fail; logged and counted
+            _log.exception("MaskProvider.end failed for %d sequences", len(seq_ids))
+            with self._stats.lock:
+                self._stats.end_errors += 1
+
+    def _engine_reset(self) -> None:
+        release_all = getattr(self._engine, "release_all", None)
+        if callable(release_all):
+            release_all()
+        else:
+            for s in self._active:
+                if s.in_engine:
+                    self._engine.release(s.seq_id)
+        for s in self._active:
+            s.in_engine = False
+
+    def _fail_all(self, error: str, status: str) -> None:
+        ends: list[int] = []
+        self._engine_reset()
+        for coll in (list(self._active), list(self._ready), list(self._starting.values())):
+            for s in coll:
+                self._finish(s, "error", ends, error=error, status=status, release=False)
+        self._purge()
+        self._end(ends)
+
+    def _shutdown(self, inbox: list[_Seq], started: list[tuple[_Seq, BaseException | None]]) -> None:
+        ends: list[int] = []
+        for seq, err in started:
+            seq.start_done = True
+            self._starting.pop(seq.rid, None)
+            if err is None:
+                seq.started = True
+            if seq.finished and seq.started and not seq.ended:
+                seq.ended = True
+                ends.append(seq.seq_id)
+            elif not seq.finished:
+                self._ready.append(seq)
+        self._end(ends)
+        for seq in inbox:
+            seq.start_done = True
+            self._ready.append(seq)
+        self._fail_all("the scheduler is shutting down", "UNAVAILABLE")

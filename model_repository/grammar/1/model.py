@@ -1,0 +1,124 @@
+"""Triton model ``grammar`` (Python backend, decoupled): a thin adapter over grammar_backend.
+
+Tensor contract (``max_batch_size: 0``; B = rows of the request):
+
+Inputs
+    OP               BYTES [1]      start | step | rollback | end | stats
+    SEQUENCE_ID      UINT64 [B]     sequence ids (exactly one for start)
+    TOKENS           INT32 [B, K]   step: tokens generated since the row's last step
+    TOKEN_COUNT      INT32 [B]      step: valid entries of each TOKENS row; rollback: tokens to undo
+    GRAMMAR_TYPE     BYTES [1]      start: constraint kind (json_schema, regex, ...)
+    GRAMMAR          BYTES [1]      start: constraint payload
+    GRAMMAR_OPTIONS  BYTES [1]      start: JSON object of options (optional)
+    JUMP_FORWARD     BOOL [1]       step: also return forced tokens (optional)
+
+Outputs (exactly one response per request, sent with the FINAL flag)
+    BITMASK          INT32 [B, ceil(V/32)]  step: mask of each row's next token
+    TERMINATED       BOOL [B]               step: the row's grammar accepted its stop token
+    ROW_ERROR        BYTES [B]              step/rollback: "" or that row's error
+    FORCED_TOKENS    INT32 [B, F]           step with JUMP_FORWARD
+    FORCED_COUNT     INT32 [B]              step with JUMP_FORWARD
+    ACTIVE_SEQUENCES INT32 [1]              sequences holding a matcher after this request
+    STATS            BYTES [1]              stats: JSON of cache and table counters
+
+A request-level error (bad constraint, compile failure, duplicate start,
+malformed batch) is an error response whose code comes from
+``grammar_backend.errors.triton_code_name``; one bad row of a step is only
+reported in ROW_ERROR.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from grammar_backend.errors import GrammarError, triton_code_name
+from grammar_backend.params import from_parameters, parameter_values
+from grammar_backend.service import GrammarModelConfig, GrammarReply, GrammarRequest, GrammarService
+
+
+def _array(request: Any, name: str) -> np.ndarray | None:
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()
+
+
+def _bytes(request: Any, name: str) -> bytes:
+    arr = _array(request, name)
+    return b"" if arr is None or arr.size == 0 else bytes(arr.reshape(-1)[0])
+
+
+def _to_request(request: Any) -> GrammarRequest:
+    jump = _array(request, "JUMP_FORWARD")
+    seq_ids = _array(request, "SEQUENCE_ID")
+    return GrammarRequest(
+        op=_bytes(request, "OP").decode("utf-8", "replace"),
+        seq_ids=seq_ids if seq_ids is not None else np.zeros(0, np.uint64),
+        tokens=_array(request, "TOKENS"),
+        counts=_array(request, "TOKEN_COUNT"),
+        grammar_type=_bytes(request, "GRAMMAR_TYPE").decode("utf-8", "replace"),
+        grammar=_bytes(request, "GRAMMAR"),
+        grammar_options=_bytes(request, "GRAMMAR_OPTIONS"),
+        jump_forward=bool(jump is not None and jump.reshape(-1)[0]),
+    )
+
+
+def _to_response(reply: GrammarReply) -> Any:
+    tensors = [pb_utils.Tensor("ACTIVE_SEQUENCES", np.array([reply.active], np.int32))]
+    if reply.bitmask is not None:
+        tensors.append(pb_utils.Tensor("BITMASK", reply.bitmask))
+    if reply.terminated is not None:
+        tensors.append(pb_utils.Tensor("TERMINATED", reply.terminated))
+    if reply.row_errors:
+        tensors.append(pb_utils.Tensor("ROW_ERROR", np.array([e.encode() for e in reply.row_errors], np.object_)))
+    if reply.forced_tokens is not None and reply.forced_counts is not None:
+        tensors.append(pb_utils.Tensor("FORCED_TOKENS", reply.forced_tokens))
+        tensors.append(pb_utils.Tensor("FORCED_COUNT", reply.forced_counts))
+    if reply.stats is not None:
+        tensors.append(pb_utils.Tensor("STATS", np.array([reply.stats.encode()], np.object_)))
+    return pb_utils.InferenceResponse(output_tensors=tensors)
+
+
+def _error_response(err: GrammarError) -> Any:
+    code = getattr(pb_utils.TritonError, triton_code_name(err))
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(err), code))
+
+
+class TritonPythonModel:
+    """Adapter: pb_utils requests -> GrammarService -> pb_utils responses."""
+
+    def initialize(self, args: dict[str, str]) -> None:
+        config = from_parameters(GrammarModelConfig, parameter_values(json.loads(args["model_config"])), "grammar")
+        self.service = GrammarService(config.build_engine())
+        # Starts compile on these threads so a slow compile never delays the
+        # step requests of the running batch (served inline in execute).
+        self.starts = ThreadPoolExecutor(config.compile_workers, thread_name_prefix="grammar-start")
+
+    def _serve(self, request: Any, req: GrammarRequest) -> None:
+        sender = request.get_response_sender()
+        try:
+            response = _to_response(self.service.handle(req))
+        except GrammarError as err:
+            response = _error_response(err)
+        except Exception as err:  # noqa: BLE001 - a bug must reach the caller as INTERNAL, never hang it
+            pb_utils.Logger.log_error(f"grammar: {req.op} failed: {err!r}")
+            response = pb_utils.InferenceResponse(
+                error=pb_utils.TritonError(f"grammar: internal error in {req.op}: {err!r}", pb_utils.TritonError.INTERNAL)
+            )
+        sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def execute(self, requests: list[Any]) -> None:
+        for request in requests:
+            req = _to_request(request)
+            if req.op == "start":
+                self.starts.submit(self._serve, request, req)
+            else:
+                self._serve(request, req)
+        return None
+
+    def finalize(self) -> None:
+        self.starts.shutdown(wait=False, cancel_futures=True)
+        self.service.engine.close()

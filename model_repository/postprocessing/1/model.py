@@ -1,0 +1,54 @@
+"""Triton model ``postprocessing`` (Python backend): a thin adapter over llm_runtime.postprocess.
+
+Tensor contract (``max_batch_size: 0``), one request per ``llm`` response:
+
+Inputs
+    TEXT_DELTA     BYTES [1]  UTF-8 text delta of this response
+    FINISH         BYTES [1]  "" on intermediate responses; on the last one a JSON
+                              object {finish_reason, text, prompt_tokens, completion_tokens, error}
+    REQUEST        BYTES [1]  validated generation parameters and constraint (JSON, from preprocessing)
+Outputs
+    TEXT           BYTES [1]  the text delta, passed through
+    FINISH_REASON  BYTES [1]  "" or stop | length | error
+    RESULT         BYTES [1]  "" or the final result JSON (see README, "Responses")
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from llm_runtime.postprocess import FinalState, build_result
+from llm_runtime.preprocess import GenerationParams
+
+_EMPTY = np.array([b""], np.object_)
+
+
+def _bytes(request: Any, name: str) -> bytes:
+    return bytes(pb_utils.get_input_tensor_by_name(request, name).as_numpy().reshape(-1)[0])
+
+
+class TritonPythonModel:
+    """Adapter: one llm response in, one ensemble response out."""
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        responses = []
+        for request in requests:
+            text = pb_utils.Tensor("TEXT", np.array([_bytes(request, "TEXT_DELTA")], np.object_))
+            finish = _bytes(request, "FINISH")
+            if not finish:
+                responses.append(pb_utils.InferenceResponse(output_tensors=[
+                    text, pb_utils.Tensor("FINISH_REASON", _EMPTY), pb_utils.Tensor("RESULT", _EMPTY)]))
+                continue
+            final = FinalState(**json.loads(finish))
+            params = GenerationParams.from_json(_bytes(request, "REQUEST"))
+            result = json.dumps(build_result(final, params.constraint), ensure_ascii=False)
+            responses.append(pb_utils.InferenceResponse(output_tensors=[
+                text,
+                pb_utils.Tensor("FINISH_REASON", np.array([final.finish_reason.encode()], np.object_)),
+                pb_utils.Tensor("RESULT", np.array([result.encode("utf-8")], np.object_)),
+            ]))
+        return responses

@@ -1,0 +1,473 @@
+"""Unit tests of client.sdk without a server.
+
+Request tensors are real ``tritonclient.grpc.InferInput`` objects, inspected
+through their serialised content; responses are real ``InferResult`` objects
+wrapping protobuf ``ModelInferResponse`` messages built the way Triton sends
+them.  The transport itself (a real stream to a real server) is covered by the
+integration tests; here only an unreachable port is used.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.grpc import service_pb2
+from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
+
+from client import (
+    Chunk,
+    Client,
+    ClientError,
+    Constraint,
+    GenerationError,
+    InvalidRequest,
+    JsonReport,
+    ServerUnavailable,
+    TruncatedOutput,
+    Unenforced,
+    Usage,
+    Violation,
+)
+from client.sdk import (
+    DEFAULT_MAX_TOKENS,
+    StreamAssembler,
+    build_inputs,
+    check_result,
+    parse_result,
+)
+
+_NUMPY = {"INT32": np.int32, "FP32": np.float32, "UINT64": np.uint64}
+
+
+def tensors(inputs: list[grpcclient.InferInput]) -> list[tuple[str, str, list[int], list[Any]]]:
+    """(name, datatype, shape, values) of each input, decoded from its wire content."""
+    out = []
+    for tensor in inputs:
+        raw = tensor._get_content()
+        if tensor.datatype() == "BYTES":
+            values: list[Any] = [item.decode("utf-8") for item in deserialize_bytes_tensor(raw)]
+        else:
+            values = np.frombuffer(raw, dtype=_NUMPY[tensor.datatype()]).tolist()
+        out.append((tensor.name(), tensor.datatype(), list(tensor.shape()), values))
+    return out
+
+
+DEFAULTS = [("MAX_TOKENS", "INT32", [1], [DEFAULT_MAX_TOKENS]), ("TEMPERATURE", "FP32", [1], [0.0])]
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}}
+SCHEMA_JSON = '{"type":"object","properties":{"n":{"type":"integer"}}}'
+
+
+def _prompt(text: str = "hi") -> tuple[str, str, list[int], list[Any]]:
+    return ("PROMPT", "BYTES", [1], [text])
+
+
+def _grammar(kind: str, payload: str) -> list[tuple[str, str, list[int], list[Any]]]:
+    return [("GRAMMAR_TYPE", "BYTES", [1], [kind]), ("GRAMMAR", "BYTES", [1], [payload])]
+
+
+BUILD_CASES: list[tuple[str, dict[str, Any], list[tuple[str, str, list[int], list[Any]]]]] = [
+    ("prompt-only", {"prompt": "hi"}, [_prompt(), *DEFAULTS]),
+    ("unicode-prompt", {"prompt": "héllo\n"}, [_prompt("héllo\n"), *DEFAULTS]),
+    (
+        "messages",
+        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "é?"}]},
+        [
+            ("MESSAGES", "BYTES", [1], ['[{"role":"system","content":"be brief"},{"role":"user","content":"é?"}]']),
+            *DEFAULTS,
+        ],
+    ),
+    (
+        "json_schema",
+        {"prompt": "hi", "constraint": Constraint.json_schema(SCHEMA)},
+        [_prompt(), *_grammar("json_schema", SCHEMA_JSON), *DEFAULTS],
+    ),
+    (
+        "json_schema+options",
+        {"prompt": "hi", "constraint": Constraint.json_schema(SCHEMA, strict=True, whitespace="any", indent=2)},
+        [
+            _prompt(),
+            *_grammar("json_schema", SCHEMA_JSON),
+            ("GRAMMAR_OPTIONS", "BYTES", [1], ['{"indent":2,"strict":true,"whitespace":"any"}']),
+            *DEFAULTS,
+        ],
+    ),
+    ("json_object", {"prompt": "hi", "constraint": Constraint.json_object()},
+     [_prompt(), *_grammar("json_object", ""), *DEFAULTS]),
+    (
+        "json_object+any_order",
+        {"prompt": "hi", "constraint": Constraint("json_object", "", {"any_order": True})},
+        [_prompt(), *_grammar("json_object", ""), ("GRAMMAR_OPTIONS", "BYTES", [1], ['{"any_order":true}']), *DEFAULTS],
+    ),
+    ("regex", {"prompt": "hi", "constraint": Constraint.regex(r"[0-9]+")},
+     [_prompt(), *_grammar("regex", "[0-9]+"), *DEFAULTS]),
+    ("ebnf", {"prompt": "hi", "constraint": Constraint.ebnf('root ::= "a"')},
+     [_prompt(), *_grammar("ebnf", 'root ::= "a"'), *DEFAULTS]),
+    ("lark", {"prompt": "hi", "constraint": Constraint.lark('start: "a"')},
+     [_prompt(), *_grammar("lark", 'start: "a"'), *DEFAULTS]),
+    ("choice", {"prompt": "hi", "constraint": Constraint.choice(["red", "blue"])},
+     [_prompt(), *_grammar("choice", '["red","blue"]'), *DEFAULTS]),
+    (
+        "structural_tag",
+        {"prompt": "hi", "constraint": Constraint.structural_tag(["<f="], [{"begin": "<f=a>", "schema": SCHEMA,
+                                                                            "end": "</f>"}], any_order=True)},
+        [
+            _prompt(),
+            *_grammar("structural_tag",
+                      '{"triggers":["<f="],"tags":[{"begin":"<f=a>","schema":' + SCHEMA_JSON + ',"end":"</f>"}]}'),
+            ("GRAMMAR_OPTIONS", "BYTES", [1], ['{"any_order":true}']),
+            *DEFAULTS,
+        ],
+    ),
+    (
+        "all-sampling",
+        {"prompt": "hi", "max_tokens": 17, "temperature": 0.7, "top_p": 0.9, "top_k": 40, "seed": 2**64 - 1,
+         "stop": ["\n\n", "END"]},
+        [
+            _prompt(),
+            ("MAX_TOKENS", "INT32", [1], [17]),
+            ("TEMPERATURE", "FP32", [1], [float(np.float32(0.7))]),
+            ("TOP_P", "FP32", [1], [float(np.float32(0.9))]),
+            ("TOP_K", "INT32", [1], [40]),
+            ("SEED", "UINT64", [1], [2**64 - 1]),
+            ("STOP", "BYTES", [2], ["\n\n", "END"]),
+        ],
+    ),
+    ("stop-str", {"prompt": "hi", "stop": "###", "seed": 0},
+     [_prompt(), *DEFAULTS, ("SEED", "UINT64", [1], [0]), ("STOP", "BYTES", [1], ["###"])]),
+    ("stop-empty-list", {"prompt": "hi", "stop": []}, [_prompt(), *DEFAULTS]),
+    ("numpy-ints", {"prompt": "hi", "max_tokens": np.int64(5), "top_k": np.int32(3)},
+     [_prompt(), ("MAX_TOKENS", "INT32", [1], [5]), ("TEMPERATURE", "FP32", [1], [0.0]),
+      ("TOP_K", "INT32", [1], [3])]),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "expected"), [case[1:] for case in BUILD_CASES], ids=[c[0] for c in BUILD_CASES])
+def test_build_inputs_tensors(kwargs: dict[str, Any], expected: list[tuple[str, str, list[int], list[Any]]]) -> None:
+    assert tensors(build_inputs(**kwargs)) == expected
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({}, r"^prompt: exactly one of prompt and messages is required$"),
+        ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, r"^prompt: exactly one of prompt and"),
+        ({"prompt": 5}, r"^prompt: must be a string, got int$"),
+        ({"messages": []}, r"^messages: must not be empty$"),
+        ({"messages": "hi"}, r"^messages: must be a list of \{role, content\} objects, got str$"),
+        ({"messages": [("user", "hi")]}, r"^messages\[0\]: must be a mapping with role and content, got tuple$"),
+        ({"messages": [{"role": "user"}]}, r"^messages\[0\]\.content: is required$"),
+        ({"messages": [{"role": "user", "content": "a", "name": "x"}]}, r"^messages\[0\]\.name: unknown key"),
+        ({"messages": [{"role": 1, "content": "a"}]}, r"^messages\[0\]\.role: must be a string, got int$"),
+        ({"messages": [{"role": "", "content": "a"}]}, r"^messages\[0\]\.role: must not be empty$"),
+        ({"prompt": "a", "constraint": "regex"}, r"^constraint: must be a Constraint, got str$"),
+        ({"prompt": "a", "max_tokens": 0}, r"^max_tokens: must be in \[1, 2147483647\], got 0$"),
+        ({"prompt": "a", "max_tokens": 2**31}, r"^max_tokens: must be in \[1, 2147483647\], got 2147483648$"),
+        ({"prompt": "a", "max_tokens": True}, r"^max_tokens: must be an integer, got bool$"),
+        ({"prompt": "a", "max_tokens": 1.5}, r"^max_tokens: must be an integer, got float$"),
+        ({"prompt": "a", "temperature": -0.1}, r"^temperature: must be >= 0, got -0\.1$"),
+        ({"prompt": "a", "temperature": float("nan")}, r"^temperature: must be finite, got nan$"),
+        ({"prompt": "a", "temperature": "1"}, r"^temperature: must be a number, got str$"),
+        ({"prompt": "a", "top_p": 0.0}, r"^top_p: must be in \(0, 1\], got 0\.0$"),
+        ({"prompt": "a", "top_p": 1.01}, r"^top_p: must be in \(0, 1\], got 1\.01$"),
+        ({"prompt": "a", "top_k": 0}, r"^top_k: must be in \[1, 2147483647\], got 0$"),
+        ({"prompt": "a", "seed": -1}, r"^seed: must be in \[0, 18446744073709551615\], got -1$"),
+        ({"prompt": "a", "seed": 2**64}, r"^seed: must be in \[0, 18446744073709551615\], got 18446744073709551616$"),
+        ({"prompt": "a", "stop": [""]}, r"^stop\[0\]: must not be empty$"),
+        ({"prompt": "a", "stop": ["x", 1]}, r"^stop\[1\]: must be a string, got int$"),
+        ({"prompt": "a", "stop": 5}, r"^stop: must be a string or a list of strings, got int$"),
+    ],
+)
+def test_build_inputs_rejects(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidRequest, match=message):
+        build_inputs(**kwargs)
+
+
+# ----------------------------------------------------------------------------- RESULT parsing
+def _result_json(**overrides: Any) -> str:
+    obj: dict[str, Any] = {
+        "finish_reason": "stop",
+        "complete": True,
+        "text": '{"n": 3}',
+        "usage": {"prompt_tokens": 12, "completion_tokens": 6},
+        "error": None,
+        "json": {
+            "parsed": True,
+            "parse_error": None,
+            "valid": False,
+            "violations": [{"pointer": "/n", "message": "3 is not a multiple of 2"}],
+            "unenforced": [{"pointer": "/properties/n", "keyword": "multipleOf"}],
+        },
+    }
+    obj.update(overrides)
+    return json.dumps(obj)
+
+
+def test_parse_result_json_schema() -> None:
+    text = _result_json()
+    result = parse_result(text, "json_schema")
+    assert result.text == '{"n": 3}'
+    assert result.finish_reason == "stop"
+    assert result.complete is True
+    assert result.usage == Usage(prompt_tokens=12, completion_tokens=6)
+    assert result.parsed == {"n": 3}
+    assert result.error is None
+    assert result.json == JsonReport(
+        parsed=True,
+        parse_error=None,
+        valid=False,
+        violations=(Violation("/n", "3 is not a multiple of 2"),),
+        unenforced=(Unenforced("/properties/n", "multipleOf"),),
+    )
+    assert dict(result.raw) == json.loads(text)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "kind", "expected"),
+    [
+        # Truncated JSON: not complete, so not parsed, and no error.
+        (
+            {"finish_reason": "length", "complete": False, "text": '{"n": ',
+             "json": {"parsed": False, "parse_error": "Expecting value", "valid": None, "violations": [],
+                      "unenforced": []}},
+            "json_schema",
+            {"complete": False, "parsed": None, "finish_reason": "length"},
+        ),
+        ({"text": "[1, 2]"}, "json_object", {"parsed": [1, 2]}),
+        ({"text": "yes", "json": None}, "choice", {"parsed": None, "json": None}),
+        ({"text": '{"n": 3}'}, None, {"parsed": None}),  # unconstrained: never parsed
+        ({"text": "1"}, "regex", {"parsed": None}),  # "json" optional members absent is fine too
+        ({"finish_reason": "error", "complete": False, "text": "", "error": "engine failed", "json": None},
+         "regex", {"error": "engine failed", "finish_reason": "error"}),
+    ],
+)
+def test_parse_result_variants(overrides: dict[str, Any], kind: str | None, expected: dict[str, Any]) -> None:
+    result = parse_result(_result_json(**overrides), kind)
+    for name, value in expected.items():
+        assert getattr(result, name) == value
+
+
+def test_parse_result_without_optional_members() -> None:
+    text = json.dumps({"finish_reason": "stop", "complete": True, "text": "ok",
+                       "usage": {"prompt_tokens": 1, "completion_tokens": 1}})
+    result = parse_result(text, "regex")
+    assert (result.error, result.json, result.parsed) == (None, None, None)
+
+
+def _without(key: str) -> str:
+    obj = json.loads(_result_json())
+    del obj[key]
+    return json.dumps(obj)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("not json", r"^malformed RESULT from server: RESULT: invalid JSON at line 1 column 1: Expecting value$"),
+        ("[]", r"^malformed RESULT from server: RESULT: expected object, got list$"),
+        (_without("finish_reason"), r"^malformed RESULT from server: RESULT\.finish_reason: missing$"),
+        (_result_json(finish_reason="done"), r"RESULT\.finish_reason: expected one of \['error', 'length', 'stop'\]"),
+        (_result_json(complete="yes"), r"RESULT\.complete: expected bool, got str$"),
+        (_result_json(finish_reason="length"), r"RESULT\.complete: true with finish_reason 'length'$"),
+        (_without("usage"), r"RESULT\.usage: missing$"),
+        (_result_json(usage={"prompt_tokens": "3", "completion_tokens": 1}),
+         r"RESULT\.usage\.prompt_tokens: expected int, got str$"),
+        (_result_json(usage={"prompt_tokens": 3, "completion_tokens": True}),
+         r"RESULT\.usage\.completion_tokens: expected int, got bool$"),
+        (_without("text"), r"RESULT\.text: missing$"),
+        (_result_json(error=3), r"RESULT\.error: expected str, got int$"),
+        (_result_json(json=[]), r"RESULT\.json: expected object or null, got list$"),
+        (_result_json(json={"parsed": True, "parse_error": None, "valid": True,
+                            "violations": [{"message": "x"}], "unenforced": []}),
+         r"RESULT\.json\.violations\[0\]\.pointer: missing$"),
+        (_result_json(json={"parse_error": None, "valid": True, "violations": [], "unenforced": []}),
+         r"RESULT\.json\.parsed: missing$"),
+        (_result_json(json={"parsed": True, "parse_error": None, "valid": "yes", "violations": [],
+                            "unenforced": []}), r"RESULT\.json\.valid: expected bool, got str$"),
+        (_result_json(json={"parsed": True, "parse_error": None, "valid": None, "violations": [],
+                            "unenforced": ["uniqueItems"]}),
+         r"RESULT\.json\.unenforced\[0\]: expected object, got str$"),
+    ],
+)
+def test_parse_result_rejects_malformed(text: str, message: str) -> None:
+    with pytest.raises(GenerationError, match=message) as info:
+        parse_result(text, "json_schema")
+    assert info.value.result is None
+
+
+def test_parse_result_complete_but_not_json_is_an_error_with_the_result() -> None:
+    with pytest.raises(GenerationError, match=r"^output is complete under a json_object constraint but is not JSON "
+                                              r"\(line 1 column 2: Expecting property name"):
+        parse_result(_result_json(text="{"), "json_object")
+    with pytest.raises(GenerationError) as info:
+        parse_result(_result_json(text="nope"), "json_schema")
+    assert info.value.result is not None
+    assert info.value.result.text == "nope"
+
+
+@pytest.mark.parametrize(
+    ("finish_reason", "complete", "require_complete", "raises"),
+    [
+        ("stop", True, True, None),
+        ("length", False, False, None),
+        ("length", False, True, TruncatedOutput),
+        ("error", False, False, GenerationError),
+        ("error", False, True, GenerationError),
+    ],
+)
+def test_check_result(finish_reason: str, complete: bool, require_complete: bool, raises: type | None) -> None:
+    text = _result_json(finish_reason=finish_reason, complete=complete, text="x", json=None,
+                        error="engine failed" if finish_reason == "error" else None)
+    result = parse_result(text, None)
+    if raises is None:
+        check_result(result, require_complete=require_complete)
+        return
+    with pytest.raises(raises) as info:
+        check_result(result, require_complete=require_complete)
+    assert info.value.result is result  # type: ignore[attr-defined]
+    if raises is GenerationError:
+        assert str(info.value) == "generation failed: engine failed"
+
+
+# ----------------------------------------------------------------------------- response stream
+def response(
+    text: bytes | None = b"",
+    finish: bytes | None = b"",
+    result: str | None = "",
+    *,
+    final: bool = False,
+    text_values: list[bytes] | None = None,
+) -> grpcclient.InferResult:
+    """A real InferResult as Triton streams it (outputs omitted when None)."""
+    message = service_pb2.ModelInferResponse(model_name="constrained_llm", id="r1")
+    outputs = [("TEXT", text_values if text_values is not None else None if text is None else [text]),
+               ("FINISH_REASON", None if finish is None else [finish]),
+               ("RESULT", None if result is None else [result.encode()])]
+    for name, values in outputs:
+        if values is None:
+            continue
+        tensor = message.outputs.add()
+        tensor.name = name
+        tensor.datatype = "BYTES"
+        tensor.shape.extend([len(values)])
+        message.raw_output_contents.append(serialize_byte_tensor(np.array(values, dtype=np.object_)).item())
+    message.parameters["triton_final_response"].bool_param = final
+    return grpcclient.InferResult(message)
+
+
+RESULT_STOP = _result_json(text="Hello!", json=None)
+
+
+def run(assembler: StreamAssembler, responses: list[grpcclient.InferResult]) -> Iterator[Chunk | None]:
+    for item in responses:
+        yield assembler.feed(item)
+
+
+def test_assembler_deltas_then_final_with_result() -> None:
+    assembler = StreamAssembler("regex")
+    chunks = list(run(assembler, [response(b"Hel"), response(b""), response(b"lo"),
+                                  response(b"!", b"stop", RESULT_STOP, final=True)]))
+    assert chunks == [Chunk("Hel"), None, Chunk("lo"), None]
+    assert assembler.done
+    final = assembler.finish()
+    assert final.text == "!"
+    assert final.result is not None
+    assert (final.result.text, final.result.finish_reason) == ("Hello!", "stop")
+
+
+def test_assembler_result_then_empty_final_response() -> None:
+    # The model may send RESULT and then a flags-only final response
+    # (enable_empty_final_response delivers it without outputs).
+    assembler = StreamAssembler(None)
+    chunks = list(run(assembler, [response(b"Hi"), response(b"!", b"stop", RESULT_STOP),
+                                  response(None, None, None, final=True)]))
+    assert chunks == [Chunk("Hi"), None, None]
+    assert assembler.finish() == Chunk("!", parse_result(RESULT_STOP, None))
+
+
+def test_assembler_joins_utf8_split_across_responses() -> None:
+    assembler = StreamAssembler(None)
+    chunks = list(run(assembler, [response(b"caf\xc3"), response(b"\xa9 \xe2\x82"), response(b"\xac")]))
+    assert chunks == [Chunk("caf"), Chunk("é "), Chunk("€")]
+
+
+@pytest.mark.parametrize(
+    ("responses", "message"),
+    [
+        ([response(b"a", final=True)], r"^malformed response stream: the final response carried no RESULT$"),
+        ([response(b"\xff")], r"^malformed response from server: TEXT is not UTF-8"),
+        ([response(b"caf\xc3", b"stop", RESULT_STOP, final=True)], r"^malformed response from server: TEXT is not"),
+        ([response(b"", b"stop", RESULT_STOP), response(b"", b"stop", RESULT_STOP, final=True)],
+         r"^malformed response stream: RESULT sent twice$"),
+        ([response(b"", b"length", RESULT_STOP, final=True)],
+         r"RESULT\.finish_reason: 'stop' disagrees with FINISH_REASON 'length'$"),
+        ([response(text_values=[b"a", b"b"])], r"^malformed response from server: TEXT: expected 1 element, got 2$"),
+        ([response(b"", b"stop", "{", final=True)], r"^malformed RESULT from server: RESULT: invalid JSON"),
+    ],
+    ids=["no-result", "bad-utf8", "cut-utf8-at-end", "result-twice", "finish-mismatch", "two-texts", "bad-result"],
+)
+def test_assembler_rejects_broken_streams(responses: list[grpcclient.InferResult], message: str) -> None:
+    assembler = StreamAssembler(None)
+    with pytest.raises(GenerationError, match=message):
+        for item in responses:
+            assembler.feed(item)
+        assembler.finish()
+
+
+def test_assembler_rejects_response_after_final_and_early_finish() -> None:
+    assembler = StreamAssembler(None)
+    with pytest.raises(GenerationError, match=r"^response stream is not finished$"):
+        assembler.finish()
+    assembler.feed(response(b"", b"stop", RESULT_STOP, final=True))
+    with pytest.raises(GenerationError, match=r"^malformed response stream: a response arrived after the final one$"):
+        assembler.feed(response(b"x"))
+
+
+# ----------------------------------------------------------------------------- client
+def _closed_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port  # nothing listens once the socket is closed
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"url": ""}, r"^url: must be a non-empty host:port string$"),
+        ({"model": ""}, r"^model: must be a non-empty string$"),
+        ({"timeout_s": 0}, r"^timeout_s: must be > 0 or None, got 0$"),
+        ({"timeout_s": -1.0}, r"^timeout_s: must be > 0 or None, got -1\.0$"),
+        ({"timeout_s": "10"}, r"^timeout_s: must be a number, got str$"),
+    ],
+)
+def test_client_rejects_bad_settings(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidRequest, match=message):
+        Client(**kwargs)
+
+
+def test_stream_validates_before_any_network_call() -> None:
+    with Client(f"127.0.0.1:{_closed_port()}") as llm, pytest.raises(InvalidRequest, match=r"^max_tokens: must be"):
+        llm.stream("hi", max_tokens=0)  # raised by the call itself, not on iteration
+
+
+def test_unreachable_server() -> None:
+    with Client(f"127.0.0.1:{_closed_port()}", timeout_s=5.0) as llm:
+        assert llm.is_ready() is False
+        with pytest.raises(ServerUnavailable, match=r"^server unavailable: ") as info:
+            llm.generate("hi", constraint=Constraint.regex("a+"))
+        assert info.value.status == "UNAVAILABLE"
+        with pytest.raises(ServerUnavailable):
+            list(llm.stream("hi"))
+
+
+def test_closed_client_refuses_calls() -> None:
+    llm = Client(f"127.0.0.1:{_closed_port()}")
+    llm.close()
+    with pytest.raises(ClientError, match=r"^client is closed$"):
+        llm.generate("hi")

@@ -1,0 +1,75 @@
+"""Request validation of the preprocessing model, and the REQUEST round trip."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from grammar_backend.errors import ConstraintError, InvalidArgument
+from llm_runtime.preprocess import GenerationParams, PreprocessConfig, Preprocessor, RawRequest
+
+MODEL = Path(__file__).resolve().parents[2] / "build" / "models" / "smollm2-135m-instruct"
+CONFIG = PreprocessConfig(tokenizer=str(MODEL), max_prompt_tokens=64, max_tokens_limit=100, default_max_tokens=50)
+
+
+@pytest.fixture(scope="module")
+def pre() -> Preprocessor:
+    if not (MODEL / "tokenizer.json").is_file():
+        pytest.skip(f"{MODEL} missing (run `make model`)")
+    return Preprocessor.from_config(CONFIG)
+
+
+@pytest.mark.parametrize(
+    ("raw", "error", "match"),
+    [
+        (RawRequest(), InvalidArgument, r"^prompt: exactly one of PROMPT and MESSAGES is required$"),
+        (RawRequest(prompt=b"a", messages=b"[]"), InvalidArgument, r"^prompt: exactly one of PROMPT and MESSAGES"),
+        (RawRequest(prompt=b"\xc3("), InvalidArgument, r"^prompt: not valid UTF-8 at byte 0$"),
+        (RawRequest(prompt=b"  "), InvalidArgument, r"^prompt: is empty$"),
+        (RawRequest(messages=b'[{"role": "bot", "content": "x"}]'), InvalidArgument,
+         r"^messages\[0\].role: must be one of system, user, assistant, got 'bot'$"),
+        (RawRequest(messages=b"[1]"), InvalidArgument, r"^messages\[0\]: must be an object with exactly role and content$"),
+        (RawRequest(messages=b"[{"), InvalidArgument, r"^messages: invalid JSON at line 1 column 3"),
+        (RawRequest(prompt=b"x", max_tokens=0), InvalidArgument, r"^max_tokens: must be in 1..100, got 0$"),
+        (RawRequest(prompt=b"x", max_tokens=101), InvalidArgument, r"^max_tokens: must be in 1..100, got 101$"),
+        (RawRequest(prompt=b"x", temperature=float("nan")), InvalidArgument, r"^temperature: must be in 0..2, got nan$"),
+        (RawRequest(prompt=b"x", top_p=0.0), InvalidArgument, r"^top_p: must be in \(0, 1\], got 0.0$"),
+        (RawRequest(prompt=b"x", top_k=-1), InvalidArgument, r"^top_k: must be >= 0 \(0 = off\), got -1$"),
+        (RawRequest(prompt=b"x", stop=(b"",)), InvalidArgument, r"^stop: stop strings must be non-empty$"),
+        (RawRequest(prompt=b"x", stop=(b"a",) * 9), InvalidArgument, r"^stop: at most 8 stop strings, got 9$"),
+        (RawRequest(prompt=b"x", grammar=b"{}"), InvalidArgument,
+         r"^grammar_type: is required when GRAMMAR or GRAMMAR_OPTIONS is given$"),
+        (RawRequest(prompt=b"x", grammar_type=b"json_schema", grammar=b'{"type": 1}'), ConstraintError,
+         r"^grammar#/type: not a valid JSON Schema"),
+        (RawRequest(prompt=b"x" * 300), InvalidArgument,
+         r"^prompt: is \d+ tokens after the chat template; the limit is 64$"),
+    ],
+)
+def test_bad_requests_name_field_and_reason(pre: Preprocessor, raw: RawRequest, error: type[Exception],
+                                            match: str) -> None:
+    with pytest.raises(error, match=match):
+        pre(raw)
+
+
+def test_prompt_gets_the_chat_template(pre: Preprocessor) -> None:
+    ids, params = pre(RawRequest(prompt=b"Hi"))
+    text = pre.tokenizer.decode(ids)
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert params == GenerationParams(max_tokens=CONFIG.default_max_tokens)
+
+
+def test_request_round_trip(pre: Preprocessor) -> None:
+    raw = RawRequest(
+        messages=json.dumps([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Zoë?"}]).encode(),
+        grammar_type=b"json_schema", grammar=b'{ "type": "object" }', grammar_options=b'{"strict": true}',
+        max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, seed=3, stop=(b"\n\n",),
+    )
+    _, params = pre(raw)
+    expected: dict[str, Any] = {"kind": "json_schema", "payload": '{"type":"object"}',
+                                "options": '{"strict": true, "whitespace": "compact", "indent": null, "any_order": false}'}
+    assert params.constraint == expected
+    assert GenerationParams.from_json(params.to_json()) == params
+    assert (params.max_tokens, params.temperature, params.top_k, params.seed, params.stop) == (7, 0.5, 40, 3, ("\n\n",))

@@ -1,0 +1,137 @@
+"""The grammar model's logic without Triton: config parsing and request dispatch."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xgrammar as xgr
+
+from grammar_backend.engine import EngineConfig, GrammarEngine
+from grammar_backend.errors import CompileError, ConfigError, ConstraintError, DuplicateSequence
+from grammar_backend.params import from_parameters, parameter_values
+from grammar_backend.service import GrammarModelConfig, GrammarRequest, GrammarService
+from tests.unit.conftest import TINY_STOP, tiny_encode
+
+
+@dataclass(frozen=True)
+class Sample:
+    path: str
+    count: int = 3
+    ratio: float = 0.5
+    flag: bool = False
+    maybe: str | None = "x"
+    ids: tuple[int, ...] = ()
+
+
+@pytest.mark.parametrize(
+    ("params", "expected"),
+    [
+        ({"path": "/m"}, Sample("/m")),
+        ({"path": "/m", "count": "7", "ratio": "2", "flag": "true", "maybe": "", "ids": "1,2"},
+         Sample("/m", 7, 2.0, True, None, (1, 2))),
+        ({"path": "/m", "ids": "[3, 4]"}, Sample("/m", ids=(3, 4))),
+    ],
+)
+def test_from_parameters(params: dict[str, str], expected: Sample) -> None:
+    assert from_parameters(Sample, params, "m") == expected
+
+
+@pytest.mark.parametrize(
+    ("params", "match"),
+    [
+        ({"path": "/m", "colour": "red"}, r"^m: unknown parameter 'colour'; known: count, flag, ids, maybe, path, ratio$"),
+        ({"path": "${MODEL_DIR}"}, r"^m: parameter 'path' has an unfilled placeholder '\$\{MODEL_DIR\}'$"),
+        ({}, r"^m: missing required parameter 'path'$"),
+        ({"path": "/m", "count": "many"}, r"^m: parameter 'count': invalid literal for int"),
+        ({"path": "/m", "flag": "yes"}, r"^m: parameter 'flag': expected true or false, got 'yes'$"),
+    ],
+)
+def test_from_parameters_fails_loudly(params: dict[str, str], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        from_parameters(Sample, params, "m")
+
+
+def test_parameter_values_reads_triton_config() -> None:
+    config = {"parameters": {"a": {"string_value": "1"}, "b": {"string_value": ""}}}
+    assert parameter_values(config) == {"a": "1", "b": ""}
+    assert parameter_values({}) == {}
+
+
+def test_model_config_builds_engine_config() -> None:
+    cfg = from_parameters(GrammarModelConfig, {"tokenizer": "/t", "max_batch": "16", "compile_timeout_s": "3",
+                                               "store_dir": ""}, "grammar")
+    engine_cfg = cfg.engine_config()
+    assert (engine_cfg.max_batch, engine_cfg.cache.timeout_s, engine_cfg.cache.store_dir) == (16, 3.0, None)
+
+
+@pytest.fixture()
+def service(tiny_info: xgr.TokenizerInfo) -> GrammarService:
+    svc = GrammarService(GrammarEngine(tiny_info, "fp", EngineConfig(max_batch=4)))
+    yield svc
+    svc.engine.close()
+
+
+def _start(svc: GrammarService, sid: int, kind: str, payload: str, options: str = "") -> int:
+    reply = svc.handle(GrammarRequest("start", np.array([sid], np.uint64), grammar_type=kind,
+                                      grammar=payload.encode(), grammar_options=options.encode()))
+    return reply.active
+
+
+def test_start_step_end_cycle(service: GrammarService) -> None:
+    assert _start(service, 5, "regex", "ab") == 1
+    reply = service.handle(GrammarRequest("step", np.array([5, 6], np.uint64),
+                                          np.array([tiny_encode("ab"), [0, 0]], np.int32), np.array([2, 0], np.int32)))
+    assert reply.row_errors == ["", "sequence 6: not active (never started, ended or evicted)"]
+    assert reply.bitmask is not None and reply.bitmask.shape == (2, 10)
+    assert reply.terminated is not None and reply.terminated.tolist() == [False, False]
+    reply = service.handle(GrammarRequest("step", np.array([5], np.uint64), np.array([[TINY_STOP]], np.int32),
+                                          np.array([1], np.int32)))
+    assert reply.terminated is not None and reply.terminated.tolist() == [True]
+    stats = json.loads(service.handle(GrammarRequest("stats", np.zeros(0, np.uint64))).stats or "")
+    assert (stats["active"], stats["misses"], stats["compiles"]) == (1, 1, 1)
+    assert service.handle(GrammarRequest("end", np.array([5], np.uint64))).active == 0
+
+
+def test_jump_forward_reply(service: GrammarService) -> None:
+    _start(service, 1, "choice", '["alpha"]')
+    reply = service.handle(GrammarRequest("step", np.array([1], np.uint64), None, np.array([0], np.int32),
+                                          jump_forward=True))
+    assert reply.forced_counts is not None and reply.forced_counts.tolist() == [4]  # "alph": 'a' held back
+    assert reply.forced_tokens is not None and bytes(reply.forced_tokens[0].tolist()) == b"alph"
+
+
+@pytest.mark.parametrize(
+    ("request_", "error", "match"),
+    [
+        (GrammarRequest("fly", np.zeros(0, np.uint64)), ConstraintError, r"^OP: unknown op 'fly'; expected one of"),
+        (GrammarRequest("start", np.array([1, 2], np.uint64), grammar_type="regex", grammar=b"a"),
+         ConstraintError, r"^SEQUENCE_ID: start takes exactly one sequence, got 2$"),
+        (GrammarRequest("start", np.array([1], np.uint64), grammar_type="json_schema", grammar=b"{"),
+         ConstraintError, r"^grammar: invalid JSON at line 1 column 2"),
+        (GrammarRequest("start", np.array([1], np.uint64), grammar_type="regex", grammar=b"(a"),
+         CompileError, r"^grammar: xgrammar cannot compile this regex"),
+        (GrammarRequest("start", np.array([7], np.uint64), grammar_type="regex", grammar=b"a"),
+         DuplicateSequence, r"^sequence 7: already started$"),
+    ],
+)
+def test_request_errors(service: GrammarService, request_: GrammarRequest, error: type[Exception],
+                        match: str) -> None:
+    _start(service, 7, "regex", "a")
+    with pytest.raises(error, match=match):
+        service.handle(request_)
+    assert service.engine.active_count == 1
+
+
+def test_build_engine_from_a_real_model_folder() -> None:
+    folder = Path(__file__).resolve().parents[2] / "build" / "models" / "smollm2-135m-instruct"
+    if not (folder / "config.json").is_file():
+        pytest.skip(f"{folder} missing (run `make model`)")
+    engine = GrammarModelConfig(tokenizer=str(folder)).build_engine()
+    try:
+        assert engine.vocab_size == 49152 and engine.bitmask.width == 1536
+    finally:
+        engine.close()
