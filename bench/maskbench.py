@@ -312,10 +312,14 @@ class WorkerPool:
         worker.proc.join(timeout=10)
         worker.conn.close()
 
-    def _replace(self, worker: _Worker) -> None:
+    def _retire(self, worker: _Worker, respawn: bool) -> None:
+        """Kill a timed-out or crashed worker; start a new one only if tasks are left (~3 s of tokenizer load)."""
         self._kill(worker)
-        self._workers[self._workers.index(worker)] = self._spawn()
-        self.respawns += 1
+        if respawn:
+            self._workers[self._workers.index(worker)] = self._spawn()
+            self.respawns += 1
+        else:
+            self._workers.remove(worker)
 
     def run(self, tasks: Iterable[Any], keep_going: Callable[[], bool] | None = None) -> Iterator[Outcome]:
         """Run ``tasks``, yielding one :class:`Outcome` per task in completion order.
@@ -335,6 +339,8 @@ class WorkerPool:
         """
         pending = deque(tasks)
         stopped = False
+        while len(self._workers) < self._n:  # workers retired by an earlier run
+            self._workers.append(self._spawn())
         while True:
             now = time.monotonic()
             for worker in self._workers:
@@ -352,12 +358,13 @@ class WorkerPool:
             timeout = max(0.0, min(w.deadline for w in waiting) - time.monotonic())
             ready_conns = wait([w.conn for w in waiting], timeout=timeout)
             for worker in [w for w in waiting if w.conn in ready_conns]:
-                outcome = self._receive(worker)
+                outcome = self._receive(worker, bool(pending) and not stopped)
                 if outcome is not None:
                     yield outcome
             now = time.monotonic()
             for worker in list(self._workers):
-                if worker.deadline <= now and (worker.has_task or not worker.ready) and worker.proc.is_alive():
+                if (worker.deadline <= now and (worker.has_task or not worker.ready) and worker.proc.is_alive()
+                        and not worker.conn.poll()):  # a message that arrived in time is read first
                     if not worker.ready:
                         self._kill(worker)
                         raise WorkerInitError(f"worker did not initialize within {self.init_timeout_s:g} s")
@@ -365,10 +372,10 @@ class WorkerPool:
                         worker.task, "timeout", worker.phase, dict(worker.info), now - worker.assigned,
                         f"{worker.phase} did not finish within {self.timeout_s:g} s",
                     )
-                    self._replace(worker)
+                    self._retire(worker, bool(pending) and not stopped)
                     yield outcome
 
-    def _receive(self, worker: _Worker) -> Outcome | None:
+    def _receive(self, worker: _Worker, respawn: bool) -> Outcome | None:
         try:
             kind, detail, payload = worker.conn.recv()
         except (EOFError, OSError):
@@ -389,7 +396,7 @@ class WorkerPool:
                 worker.task, "crash", worker.phase, dict(worker.info),
                 time.monotonic() - worker.assigned, f"{how}; stderr tail: {tail[-600:]}",
             )
-            self._replace(worker)
+            self._retire(worker, respawn)
             return outcome
         if kind == "init_error":
             self._kill(worker)
@@ -410,15 +417,14 @@ class WorkerPool:
         return outcome
 
     def close(self) -> None:
-        """Stop every worker (politely, then by kill) and remove their stderr files."""
+        """Stop every worker (an idle one politely, a busy or initializing one by kill); remove the stderr files."""
         for worker in self._workers:
             if worker.proc.is_alive() and worker.ready and not worker.has_task:
                 try:
                     worker.conn.send(None)
+                    worker.proc.join(timeout=5)
                 except OSError:
                     pass
-        for worker in self._workers:
-            worker.proc.join(timeout=5)
             self._kill(worker)
         self._workers.clear()
         self._tmp.cleanup()

@@ -48,9 +48,7 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 from transformers.cache_utils import Cache
 
-from grammar_backend.errors import ConfigError
-
-from .errors import EngineError, RequestError
+from .errors import EngineError, RequestError, config_error
 
 __all__ = ["BENCH_FIGURES", "Engine", "EngineConfig", "TorchEngine"]
 
@@ -95,17 +93,17 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if not (self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")):
-            raise ConfigError("engine.device", f"must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+            raise config_error("engine.device", f"must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.dtype not in _DTYPES:
-            raise ConfigError("engine.dtype", f"must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+            raise config_error("engine.dtype", f"must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         for name in ("max_batch_size", "max_seq_len", "initial_cache_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"engine.{name}", f"must be a positive integer, got {value!r}")
+                raise config_error(f"engine.{name}", f"must be a positive integer, got {value!r}")
         if self.num_threads is not None and (
             not isinstance(self.num_threads, int) or isinstance(self.num_threads, bool) or self.num_threads < 1
         ):
-            raise ConfigError("engine.num_threads", f"must be a positive integer or None, got {self.num_threads!r}")
+            raise config_error("engine.num_threads", f"must be a positive integer or None, got {self.num_threads!r}")
 
 
 class Engine(Protocol):
@@ -130,7 +128,6 @@ class Engine(Protocol):
     def tokenizer(self) -> Tokenizer: ...
     def prefill(self, seq_id: int, prompt_ids: Sequence[int] | np.ndarray) -> torch.Tensor: ...
     def decode(self, seq_ids: Sequence[int], tokens: Sequence[int] | np.ndarray) -> torch.Tensor: ...
-    @torch.inference_mode()
     def release(self, seq_id: int) -> None: ...
 
 
@@ -257,33 +254,33 @@ class TorchEngine:
         self._config = cfg
         path = Path(model_dir)
         if not path.is_dir():
-            raise ConfigError("model_dir", f"{str(path)!r} is not a directory")
+            raise config_error("model_dir", f"{str(path)!r} is not a directory")
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
-            raise ConfigError("model_dir", f"{str(path)!r} has no tokenizer.json")
+            raise config_error("model_dir", f"{str(path)!r} has no tokenizer.json")
         if cfg.num_threads is not None:
             torch.set_num_threads(cfg.num_threads)
         dtype = _DTYPES[cfg.dtype]
         device = torch.device(cfg.device)
         if device.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("engine.device", "CUDA was requested but torch.cuda.is_available() is False")
+            raise config_error("engine.device", "CUDA was requested but torch.cuda.is_available() is False")
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 str(path), local_files_only=True, dtype=dtype, attn_implementation="sdpa"
             )
         except (OSError, ValueError, KeyError) as err:
-            raise ConfigError("model_dir", f"cannot load a causal LM from {str(path)!r}: {err}") from err
+            raise config_error("model_dir", f"cannot load a causal LM from {str(path)!r}: {err}") from err
         model.eval()
         torch.nn.Module.to(model, device)  # (transformers types its own `to` wrapper too narrowly)
         mcfg = model.config
         layer_types = getattr(mcfg, "layer_types", None)
         if layer_types is not None and any(t != "full_attention" for t in layer_types):
-            raise ConfigError("model_dir", f"layer types {sorted(set(layer_types))} are not supported (full attention only)")
+            raise config_error("model_dir", f"layer types {sorted(set(layer_types))} are not supported (full attention only)")
         if getattr(mcfg, "use_sliding_window", False) and getattr(mcfg, "sliding_window", None):
-            raise ConfigError("model_dir", "sliding-window attention is not supported (full attention only)")
+            raise config_error("model_dir", "sliding-window attention is not supported (full attention only)")
         max_pos = getattr(mcfg, "max_position_embeddings", None)
         if isinstance(max_pos, int) and cfg.max_seq_len > max_pos:
-            raise ConfigError(
+            raise config_error(
                 "engine.max_seq_len", f"{cfg.max_seq_len} exceeds the model's max_position_embeddings {max_pos}"
             )
         params = inspect.signature(model.forward).parameters
@@ -292,12 +289,12 @@ class TorchEngine:
         elif "past_key_values" in params:
             self._cache_kw = "past_key_values"
         else:
-            raise ConfigError("model_dir", f"{type(model).__name__}.forward takes no cache argument")
+            raise config_error("model_dir", f"{type(model).__name__}.forward takes no cache argument")
         if "logits_to_keep" not in params:
-            raise ConfigError("model_dir", f"{type(model).__name__}.forward has no logits_to_keep argument")
+            raise config_error("model_dir", f"{type(model).__name__}.forward has no logits_to_keep argument")
         out_emb = model.get_output_embeddings()
         if out_emb is None:
-            raise ConfigError("model_dir", f"{type(model).__name__} has no output embeddings")
+            raise config_error("model_dir", f"{type(model).__name__} has no output embeddings")
         self._vocab_size = int(out_emb.weight.shape[0])
 
         eos: set[int] = set()
@@ -308,7 +305,7 @@ class TorchEngine:
             elif isinstance(value, (list, tuple)):
                 eos.update(int(v) for v in value)
         if not eos:
-            raise ConfigError("model_dir", "neither generation_config.json nor config.json names an eos_token_id")
+            raise config_error("model_dir", "neither generation_config.json nor config.json names an eos_token_id")
         self._eos = frozenset(eos)
         self._tokenizer = Tokenizer.from_file(str(tok_file))
         self._model = model
@@ -392,7 +389,7 @@ class TorchEngine:
         return logits
 
     # -- operations ---------------------------------------------------------
-    @torch.inference_mode()
+    @torch.no_grad()
     def prefill(self, seq_id: int, prompt_ids: Sequence[int] | np.ndarray) -> torch.Tensor:
         """Register ``seq_id``, run its prompt, and return the next-token logits.
 
@@ -440,7 +437,7 @@ class TorchEngine:
         self._lengths[slot] = t
         return logits
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def decode(self, seq_ids: Sequence[int], tokens: Sequence[int] | np.ndarray) -> torch.Tensor:
         """Feed one token to every live sequence in ONE forward.
 
@@ -491,7 +488,7 @@ class TorchEngine:
             return logits
         return logits[torch.tensor(slots, device=self._device)]
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def release(self, seq_id: int) -> None:
         """Free ``seq_id``'s slot (the last live slot moves into it: one cache copy).
 

@@ -22,6 +22,7 @@ __all__ = [
     "RequestError",
     "RuntimeErrorBase",
     "SchedulerClosed",
+    "config_error",
     "status_of",
 ]
 
@@ -62,6 +63,11 @@ class SchedulerClosed(RuntimeErrorBase):
     """The scheduler is shut down and accepts no more requests."""
 
     status = gerrors.UNAVAILABLE
+
+
+def config_error(field: str, reason: str) -> gerrors.ConfigError:
+    """A :class:`grammar_backend.errors.ConfigError` whose message is ``"field: reason"``."""
+    return gerrors.ConfigError(f"{field}: {reason}")
 
 
 def status_of(err: BaseException) -> str:

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from grammar_backend.fidelity import unenforced_keywords, validate_output
+from grammar_backend.fidelity import UnenforcedKeyword, result_json, unenforced_keywords, validate_output
 
 FINISH_REASONS = ("stop", "length", "error")
 
@@ -32,28 +32,20 @@ class FinalState:
 
 @functools.lru_cache(maxsize=256)
 def _schema_of(kind: str, payload: str) -> Any:
-    """Parsed schema per constraint; cached because every response of a sequence carries it."""
+    """Parsed schema per constraint (``{}`` for any-JSON); cached across requests."""
     return json.loads(payload) if kind == "json_schema" else {}
 
 
-def json_report(constraint: dict[str, str], text: str) -> dict[str, Any]:
-    """Parse + validate ``text`` against the constraint's schema, with the fidelity report."""
-    schema = _schema_of(constraint["kind"], constraint["payload"])
-    report = validate_output(schema, text)
-    return {
-        "parsed": report.parsed,
-        "parse_error": report.parse_error,
-        "valid": report.valid,
-        "violations": [{"pointer": v.pointer, "message": v.message} for v in report.violations],
-        "unenforced": [
-            {"pointer": u.pointer, "keyword": u.keyword} for u in _unenforced(constraint["kind"], constraint["payload"])
-        ],
-    }
-
-
 @functools.lru_cache(maxsize=256)
-def _unenforced(kind: str, payload: str) -> tuple[Any, ...]:
-    return tuple(unenforced_keywords(_schema_of(kind, payload)))
+def _unenforced(kind: str, payload: str, strict: bool) -> tuple[UnenforcedKeyword, ...]:
+    return unenforced_keywords(_schema_of(kind, payload), strict_mode=strict)
+
+
+def json_report(constraint: dict[str, str], text: str) -> dict[str, Any]:
+    """Parse + validate ``text`` against the constraint's full schema, with the fidelity report."""
+    kind, payload = constraint["kind"], constraint["payload"]
+    strict = bool(json.loads(constraint["options"] or "{}").get("strict", False))
+    return result_json(validate_output(_schema_of(kind, payload), text), _unenforced(kind, payload, strict))
 
 
 def build_result(final: FinalState, constraint: dict[str, str] | None) -> dict[str, Any]:

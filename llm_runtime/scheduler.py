@@ -40,11 +40,16 @@ from typing import Literal, Self
 import numpy as np
 import torch
 
-from grammar_backend.errors import ConfigError
-
 from .detok import IncrementalDetokenizer, special_token_ids
 from .engine import Engine
-from .errors import CANCELLED, Overloaded, RequestError, SchedulerClosed, status_of
+from .errors import (
+    CANCELLED,
+    Overloaded,
+    RequestError,
+    SchedulerClosed,
+    config_error,
+    status_of,
+)
 from .mask import ConstraintRequest, MaskProvider, MaskStep, bitmask_width
 from .sampler import Sampler, SamplingParams
 
@@ -103,7 +108,7 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         def positive_int(name: str, value: object) -> None:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"scheduler.{name}", f"must be a positive integer, got {value!r}")
+                raise config_error(f"scheduler.{name}", f"must be a positive integer, got {value!r}")
 
         if self.max_batch_size is not None:
             positive_int("max_batch_size", self.max_batch_size)
@@ -112,10 +117,10 @@ class SchedulerConfig:
             positive_int(name, getattr(self, name))
         wait = self.idle_wait_s
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait <= 10:
-            raise ConfigError("scheduler.idle_wait_s", f"must be in (0, 10] seconds, got {wait!r}")
+            raise config_error("scheduler.idle_wait_s", f"must be in (0, 10] seconds, got {wait!r}")
         ns = self.seq_id_namespace
         if isinstance(ns, bool) or not isinstance(ns, int) or not 0 <= ns < 2 ** (64 - _SEQ_COUNTER_BITS):
-            raise ConfigError("scheduler.seq_id_namespace", f"must be an integer in [0, 2**24), got {ns!r}")
+            raise config_error("scheduler.seq_id_namespace", f"must be an integer in [0, 2**24), got {ns!r}")
 
 
 @dataclass(frozen=True)
@@ -312,7 +317,7 @@ class Scheduler:
     def __init__(self, engine: Engine, mask_provider: MaskProvider, config: SchedulerConfig | None = None) -> None:
         cfg = config if config is not None else SchedulerConfig()
         if cfg.max_batch_size is not None and cfg.max_batch_size > engine.max_batch_size:
-            raise ConfigError(
+            raise config_error(
                 "scheduler.max_batch_size",
                 f"{cfg.max_batch_size} exceeds the engine's {engine.max_batch_size} cache slots",
             )

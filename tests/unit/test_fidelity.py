@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime as dt
 import importlib.metadata
 import json
+import random
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -193,6 +194,7 @@ def case(
 
 
 INT = {"type": "integer"}
+BOOL = {"type": "boolean"}
 STR = {"type": "string"}
 OBJ_A = {"type": "object", "properties": {"a": INT}}
 LINKED = {
@@ -255,6 +257,10 @@ CASES: list[Case] = [
           "properties": {"b": STR}, "required": ["b"]},
          ['{"a":1,"b":"x"}'], ['{"a":1}'], enforced=False,
          reported=[("/properties", "properties"), ("/required", "required")]),
+    case("ref_target_outside_walked_keywords", "$ref",
+         {"type": "object", "properties": {"a": {"$ref": "#/x-defs/u"}},
+          "x-defs": {"u": {"type": "array", "items": INT, "uniqueItems": True}}},
+         ['{"a":[1]}'], ['{"a":[1,1]}'], enforced=False, reported=[("/x-defs/u/uniqueItems", "uniqueItems")]),
     case("precedence_ref_over_enum", (), {"$defs": {"i": INT}, "$ref": "#/$defs/i", "enum": [1, 2]}, ["1"], ["3"],
          enforced=False, reported=[("/enum", "enum")]),
     case("dynamic_ref", "$dynamicRef", {"$defs": {"i": {"$dynamicAnchor": "n", "type": "integer"}},
@@ -278,6 +284,10 @@ CASES: list[Case] = [
     case("oneof_disjoint_consts", "oneOf", {"oneOf": [{"const": "a"}, {"const": "b"}]}, ['"a"'], ['"c"'],
          enforced=True),
     case("oneof_const_vs_other_type", "oneOf", {"oneOf": [{"const": 1}, STR]}, ["1", '"a"'], ["2"], enforced=True),
+    case("oneof_fraction_vs_integer", "oneOf", {"oneOf": [{"enum": [1.5]}, INT]}, ["1.5", "2"], ["2.5"],
+         enforced=True),
+    case("oneof_whole_float_vs_integer", "oneOf", {"oneOf": [{"enum": [2.0]}, INT]}, ["1"], ["2"],
+         enforced=False, reported=[("/oneOf", "oneOf")]),
     case("oneof_discriminator", "oneOf",
          {"oneOf": [{"type": "object", "properties": {"k": {"const": "x"}, "v": INT}, "required": ["k"]},
                     {"type": "object", "properties": {"k": {"const": "y"}, "v": STR}, "required": ["k"]}]},
@@ -382,10 +392,36 @@ CASES: list[Case] = [
          {"type": "object", "properties": {"a": INT}, "propertyNames": {"maxLength": 1},
           "additionalProperties": False},
          ['{"a":1}'], ['{"a":"s"}', '{"b":1}'], enforced=True),
-    case("property_names_with_pattern_properties", "propertyNames",
-         {"type": "object", "patternProperties": {"^x.*$": {"type": "boolean"}}, "propertyNames": {"maxLength": 1},
+    case("property_names_with_pattern_properties", "patternProperties",
+         {"type": "object", "patternProperties": {"^x.*$": BOOL}, "propertyNames": {"maxLength": 1},
           "additionalProperties": INT},
-         ['{"x":true}'], ['{"x":0}', '{"a":true}'], enforced=True),
+         ['{"x":true}'], ['{"x":0}', '{"a":true}'], enforced=True, reported=[("/propertyNames", "propertyNames")]),
+    case("property_names_ignored_with_pattern_properties", "propertyNames",
+         {"type": "object", "patternProperties": {"^x.*$": BOOL}, "propertyNames": {"maxLength": 1}},
+         ['{"x":true}'], ['{"xy":true}'], enforced=False, reported=[("/propertyNames", "propertyNames")]),
+    case("pattern_properties_open_with_properties", ("patternProperties", "properties"),
+         {"type": "object", "properties": {"a": STR}, "patternProperties": {"^x_.*$": BOOL}},
+         ['{"a":"s","x_q":true}', '{"b":1}'], ['{"x_q":1}', '{"a":true}'], enforced=False,
+         reported=[("/patternProperties", "patternProperties"), ("/properties", "properties")]),
+    case("pattern_properties_open_additional_schema", "patternProperties",
+         {"type": "object", "properties": {"a": STR}, "patternProperties": {"^x_.*$": BOOL},
+          "additionalProperties": INT},
+         ['{"a":"s","x_q":true,"b":1}'], ['{"x_q":1}', '{"a":1}'], enforced=False,
+         reported=[("/patternProperties", "patternProperties"), ("/properties", "properties")]),
+    case("pattern_properties_closed_by_strict", "patternProperties",
+         {"type": "object", "properties": {"a": STR}, "patternProperties": {"^x_.*$": BOOL}},
+         ['{"a":"s","x_q":true}'], ['{"x_q":1}', '{"a":true}'], enforced=True, strict=True),
+    case("pattern_properties_overlap_declared", "patternProperties",
+         {"type": "object", "properties": {"x_a": STR}, "patternProperties": {"^x_.*$": BOOL},
+          "additionalProperties": False},
+         ["{}"], ['{"x_a":true}', '{"x_a":"s"}'], enforced=False,
+         reported=[("/patternProperties", "patternProperties")]),
+    case("unevaluated_with_pattern_and_properties", "unevaluatedProperties",
+         {"type": "object", "properties": {"a": INT}, "patternProperties": {"^x.*$": INT},
+          "unevaluatedProperties": False},
+         ['{"a":1,"x1":2}'], ['{"a":1,"b":2}'], enforced=False,
+         reported=[("/patternProperties", "patternProperties"), ("/properties", "properties"),
+                   ("/unevaluatedProperties", "unevaluatedProperties")]),
     case("property_names_ignore_additional_false", "additionalProperties",
          {"type": "object", "propertyNames": {"maxLength": 1}, "additionalProperties": False}, ["{}"], ['{"a":1}'],
          enforced=False, reported=[("/additionalProperties", "additionalProperties")]),
@@ -750,6 +786,124 @@ def test_non_strict_honours_additional_properties_of_the_schema(compiler: xgr.Gr
 
 
 # ------------------------------------------------------------------------------------
+# Soundness on generated schemas: whatever xgrammar lets through is reported
+# ------------------------------------------------------------------------------------
+
+_GEN_STRINGS = ["", "a", "ab", "abc", "A", "2024-01-02", "x_a", "1.2.3.4", "a@b.co", "aaaa"]
+_GEN_KEYS = ["a", "b", "z", "x_a"]
+
+
+class _Generator:
+    """Small random schemas and instances over a vocabulary chosen to collide often."""
+
+    def __init__(self, seed: int) -> None:
+        self.r = random.Random(seed)
+
+    def value(self, depth: int = 0) -> Any:
+        r = self.r.random()
+        if depth >= 2 or r < 0.5:
+            return self.r.choice([None, True, False, self.r.randint(-3, 12), self.r.choice([0.5, 2.0, -1.25]),
+                                  self.r.choice(_GEN_STRINGS)])
+        if r < 0.75:
+            return [self.value(depth + 1) for _ in range(self.r.randint(0, 3))]
+        return {k: self.value(depth + 1) for k in self.r.sample(_GEN_KEYS, self.r.randint(0, 3))}
+
+    def schema(self, depth: int = 0) -> dict[str, Any]:
+        r, maybe = self.r, lambda p: self.r.random() < p
+        t = r.choice(["integer", "number", "string", "array", "object", "boolean", "null", None])
+        s: dict[str, Any] = {}
+        if t:
+            s["type"] = t if maybe(0.85) else [t, r.choice(["null", "string", "integer"])]
+        x = r.random()
+        if depth < 2 and x < 0.12:
+            s[r.choice(["anyOf", "oneOf", "allOf"])] = [self.schema(depth + 1) for _ in range(r.randint(1, 3))]
+        if x > 0.95:
+            s["const"] = self.value(1)
+        elif x > 0.9:
+            s["enum"] = [self.value(1) for _ in range(r.randint(1, 3))]
+        options: list[tuple[str, float, Any]] = []
+        if t in ("integer", "number", None):
+            options += [("minimum", 0.3, r.randint(-2, 5)), ("maximum", 0.3, r.randint(3, 10)),
+                        ("exclusiveMinimum", 0.2, r.randint(-2, 2)), ("multipleOf", 0.2, r.choice([2, 3, 0.5]))]
+        if t in ("string", None):
+            options += [("minLength", 0.3, r.randint(0, 2)), ("maxLength", 0.3, r.randint(2, 4)),
+                        ("pattern", 0.2, r.choice(["^a+$", "^[a-c]*$", "a", "^(?!b).*$"])),
+                        ("format", 0.2, r.choice(["date", "email", "ipv4", "uuid", "idn-email", "made"]))]
+        for key, p, v in options:
+            if maybe(p):
+                s[key] = v
+        makers: list[tuple[str, float, Callable[[], Any]]] = []
+        if t in ("array", None) and depth < 2:
+            makers += [
+                ("items", 0.5, lambda: self.schema(depth + 1)),
+                ("prefixItems", 0.2, lambda: [self.schema(depth + 1)]),
+                ("minItems", 0.2, lambda: r.randint(0, 2)), ("maxItems", 0.2, lambda: r.randint(2, 3)),
+                ("uniqueItems", 0.2, lambda: True), ("contains", 0.1, lambda: self.schema(depth + 1)),
+                ("unevaluatedItems", 0.1, lambda: False),
+            ]
+        if t in ("object", None) and depth < 2:
+            makers += [
+                ("properties", 0.6, lambda: {k: self.schema(depth + 1) for k in r.sample(_GEN_KEYS, r.randint(0, 3))}),
+                ("required", 0.5, lambda: r.sample(_GEN_KEYS, r.randint(0, 2))),
+                ("additionalProperties", 0.3, lambda: r.choice([False, True, INT])),
+                ("patternProperties", 0.1, lambda: {"^x_.*$": self.schema(depth + 1)}),
+                ("propertyNames", 0.1, lambda: {"maxLength": 1}), ("minProperties", 0.1, lambda: 1),
+                ("maxProperties", 0.1, lambda: 2), ("dependentRequired", 0.1, lambda: {"a": ["b"]}),
+                ("unevaluatedProperties", 0.1, lambda: r.choice([False, STR])),
+            ]
+        for key, p, make in makers:
+            if maybe(p):
+                s[key] = make()
+        if maybe(0.05):
+            s["not"] = self.schema(depth + 1)
+        if maybe(0.05):
+            s["if"], s["then"] = self.schema(depth + 1), self.schema(depth + 1)
+        return s
+
+
+def _covered(violation: str, reports: tuple[UnenforcedKeyword, ...]) -> bool:
+    """A violation is explained by a report at, above or below its schema location (or, for a
+    declared property, by a propertyNames/patternProperties report on its object)."""
+    for u in reports:
+        p = u.pointer
+        if p == violation or violation.startswith(p + "/") or p.startswith(violation + "/"):
+            return True
+        parent = p.rsplit("/", 1)[0]
+        if u.keyword in ("properties", "patternProperties") and violation.startswith(parent + "/properties/"):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_soundness_on_generated_schemas(compiler: xgr.GrammarCompiler, seed: int) -> None:
+    gen = _Generator(seed)
+    accepted_invalid = 0
+    for _ in range(30):
+        schema = gen.schema()
+        try:
+            validator = PostValidator(schema)
+        except ConstraintError:
+            continue  # the generator can produce invalid schemas (e.g. minimum 1.5 for an integer)
+        for strict in (False, True):
+            try:
+                compiled = compile_schema(compiler, schema, strict)
+            except RuntimeError:
+                continue  # a refusal, not an unfaithful grammar
+            reports = validator.unenforced(strict_mode=strict)
+            for _ in range(40):
+                value = gen.value()
+                if not decodes(compiled, json.dumps(value, separators=(",", ":"))):
+                    continue
+                report = validator.validate_instance(value)
+                if report.valid:
+                    continue
+                accepted_invalid += 1
+                uncovered = [v.schema_pointer for v in report.violations if not _covered(v.schema_pointer, reports)]
+                assert uncovered == [], (strict, json.dumps(schema), value, reports)
+    assert accepted_invalid > 0  # the check did exercise unenforced keywords
+
+
+# ------------------------------------------------------------------------------------
 # Narrowings: valid instances the grammar excludes (documented, never reported)
 # ------------------------------------------------------------------------------------
 
@@ -920,6 +1074,14 @@ def test_duplicate_keys_are_violations() -> None:
     )
     nested = PostValidator({"type": "array"}).validate_text('[0,{"k":1,"k":2,"j":{"x":1,"x":1}}]')
     assert [(v.pointer, v.keyword) for v in nested.violations] == [("/1", "duplicate-key"), ("/1/j", "duplicate-key")]
+
+
+def test_repeated_additional_keys_pass_decoding_and_are_flagged(compiler: xgr.GrammarCompiler) -> None:
+    # xgrammar cannot prevent a repeated key among additional properties; a declared key is not repeated.
+    compiled = compile_schema(compiler, OBJ_A, False)
+    assert [decodes(compiled, t) for t in ('{"a":1,"b":2,"b":"x"}', '{"a":1,"a":2}')] == [True, False]
+    report = PostValidator(OBJ_A).validate_text('{"a":1,"b":2,"b":"x"}')
+    assert [(v.pointer, v.keyword) for v in report.violations] == [("", "duplicate-key")]
 
 
 def test_installed_format_checkers() -> None:

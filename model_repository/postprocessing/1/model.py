@@ -4,9 +4,8 @@ Tensor contract (``max_batch_size: 0``), one request per ``llm`` response:
 
 Inputs
     TEXT_DELTA     BYTES [1]  UTF-8 text delta of this response
-    FINISH         BYTES [1]  "" on intermediate responses; on the last one a JSON
-                              object {finish_reason, text, prompt_tokens, completion_tokens, error}
-    REQUEST        BYTES [1]  validated generation parameters and constraint (JSON, from preprocessing)
+    FINISH         BYTES [1]  "" on intermediate responses; on the last one a JSON object
+                              {finish_reason, text, prompt_tokens, completion_tokens, error, constraint}
 Outputs
     TEXT           BYTES [1]  the text delta, passed through
     FINISH_REASON  BYTES [1]  "" or stop | length | error
@@ -22,7 +21,6 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from llm_runtime.postprocess import FinalState, build_result
-from llm_runtime.preprocess import GenerationParams
 
 _EMPTY = np.array([b""], np.object_)
 
@@ -43,9 +41,10 @@ class TritonPythonModel:
                 responses.append(pb_utils.InferenceResponse(output_tensors=[
                     text, pb_utils.Tensor("FINISH_REASON", _EMPTY), pb_utils.Tensor("RESULT", _EMPTY)]))
                 continue
-            final = FinalState(**json.loads(finish))
-            params = GenerationParams.from_json(_bytes(request, "REQUEST"))
-            result = json.dumps(build_result(final, params.constraint), ensure_ascii=False)
+            doc = json.loads(finish)
+            constraint = doc.pop("constraint")
+            final = FinalState(**doc)
+            result = json.dumps(build_result(final, constraint), ensure_ascii=False)
             responses.append(pb_utils.InferenceResponse(output_tensors=[
                 text,
                 pb_utils.Tensor("FINISH_REASON", np.array([final.finish_reason.encode()], np.object_)),

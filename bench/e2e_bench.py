@@ -1,0 +1,498 @@
+"""End-to-end cost of grammar constraints on the real ``constrained_llm`` ensemble.
+
+Usage (from the repository root, after ``make model``)::
+
+    .venv/bin/python bench/e2e_bench.py                       # ~4-8 min on 2 shared cores
+    .venv/bin/python bench/e2e_bench.py --rounds 1 --max-tokens 32 --json /tmp/e2e.json
+
+What it does, in one process and one server:
+
+1. Renders ``model_repository/`` into a temporary folder (``deploy.render``
+   with ``deploy/values.json`` and ``MODEL_DIR`` = the local SmolLM2 folder)
+   and starts its own ``tritonserver`` on free loopback ports.
+2. Sends the SAME prompts constrained (a JSON schema of a person: name, age,
+   city, hobbies with ``maxItems``) and unconstrained, greedy, the same
+   ``max_tokens``, through :class:`client.Client` streams.  Constrained and
+   unconstrained requests alternate (per prompt at concurrency 1, per batch at
+   concurrency 8, the order flipping every round), so machine noise from the
+   other workers on this shared host hits both sides alike.  Concurrency 8 is
+   eight threads, each with its own stream, released together by a barrier.
+3. Reports output tokens/s (``usage.completion_tokens`` / wall time: summed
+   request time at concurrency 1, first start to last end of each batch at
+   concurrency 8), time to first token (first non-empty text delta) p50/p99,
+   and the constrained/unconstrained ratios.  One warm-up request per side
+   runs first (the constrained one pays the one-time grammar compile, shown
+   on its own line) and is not counted.
+4. Stops the server and parses the ``llm step stats: {json}`` line the llm
+   model logs at shutdown: forward time, the per-step BLS round trip to the
+   grammar model (``grammar_s``) and the part of it NOT hidden behind the
+   forward (``mask_wait_s``).  These figures cover every step of the run,
+   warm-up and unconstrained steps included (unconstrained steps carry no
+   grammar time; the llm model drops their NaN entries).
+5. In this process, with the server gone: the grammar fill time per step,
+   ``GrammarEngine.step`` (accept the previous token + fill the next mask),
+   for 1 and 8 sequences on the same schema, each sequence replaying the
+   token path of a real constrained output of step 2 (re-tokenized; the
+   server does not return token ids).
+
+Nothing here asserts a time; the script prints a table (and ``--json`` writes
+every figure and raw per-request record).  Wall-clock ``perf_counter`` on a
+shared machine: read ratios from one run, not absolute figures across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+
+REPO: Final = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    # Run as a script, sys.path[0] is bench/; the packages live at the root.
+    sys.path.insert(0, str(REPO))
+
+# Imported after the sys.path entry above.
+from client import Client, Constraint
+from deploy.server import ServerConfig, TritonServer
+
+MODEL_DIR: Final = REPO / "build" / "models" / "smollm2-135m-instruct"
+ENSEMBLE: Final = "constrained_llm"
+STATS_MARKER: Final = "llm step stats: "
+
+#: Several fields, a nested array with maxItems and bounded strings: a realistic
+#: extraction schema whose grammar has a few dozen states.
+PERSON_SCHEMA: Final[dict[str, Any]] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"type": "string", "maxLength": 40},
+        "email": {"type": "string", "maxLength": 60},
+        "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 30}, "maxItems": 3},
+        "employed": {"type": "boolean"},
+    },
+    "required": ["name", "age", "city", "email", "hobbies", "employed"],
+    "additionalProperties": False,
+}
+
+#: Asking for JSON in both modes keeps the unconstrained output close to the
+#: constrained one in kind, so both sides do similar work per request.
+PROMPTS: Final[tuple[str, ...]] = (
+    "Invent a fictional person. Reply with JSON: name, age, city, email, hobbies, employed.",
+    "Describe a retired teacher from Lisbon as a JSON object with name, age, city, email, hobbies and employed.",
+    "Give me a JSON record of a young software engineer: name, age, city, email, hobbies, employed.",
+    "Create a JSON profile for a musician living in Osaka (name, age, city, email, hobbies, employed).",
+)
+
+MODES: Final = ("constrained", "unconstrained")
+CONCURRENCIES: Final = (1, 8)
+
+
+@dataclass(frozen=True)
+class Record:
+    """One measured request."""
+
+    mode: str
+    concurrency: int
+    round: int
+    prompt: int
+    start_s: float
+    ttft_s: float
+    latency_s: float
+    completion_tokens: int
+    finish_reason: str
+    complete: bool
+    valid: bool | None
+    text: str
+
+
+# --------------------------------------------------------------------------- helpers
+def pct(values: Sequence[float], q: float) -> float:
+    """Percentile ``q`` of ``values`` (linear interpolation); NaN when empty."""
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if len(values) else math.nan
+
+
+def ms(seconds: float) -> str:
+    """Seconds as a right-aligned millisecond figure."""
+    return "-" if math.isnan(seconds) else f"{seconds * 1e3:9.2f}"
+
+
+def ratio(num: float, den: float) -> str:
+    """``num / den`` formatted, or ``-`` when undefined."""
+    if math.isnan(num) or math.isnan(den) or den == 0:
+        return "-"
+    return f"{num / den:.3f}"
+
+
+def render_repository(dst: Path, model_dir: Path) -> None:
+    """Render ``model_repository/`` into ``dst`` exactly as ``make render`` does.
+
+    Raises
+    ------
+    RuntimeError
+        If ``deploy.render`` fails (its stderr is in the message).
+    """
+    cmd = [
+        sys.executable, "-m", "deploy.render",
+        "--src", str(REPO / "model_repository"),
+        "--dst", str(dst),
+        "--values", str(REPO / "deploy" / "values.json"),
+        "--set", f"MODEL_DIR={model_dir.resolve()}",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"render failed (exit {proc.returncode}): {proc.stderr.strip()}")
+
+
+# --------------------------------------------------------------------------- requests
+def one_request(
+    client: Client,
+    mode: str,
+    concurrency: int,
+    round_no: int,
+    prompt_idx: int,
+    max_tokens: int,
+    start_gate: Callable[[], object] | None = None,
+) -> Record:
+    """Stream one request and time it (TTFT = first non-empty text delta).
+
+    Raises
+    ------
+    client.errors.ClientError
+        On any request failure, including a server ``error`` result: a failed
+        request must fail the benchmark, never be silently left out.
+    """
+    constraint = Constraint.json_schema(PERSON_SCHEMA) if mode == "constrained" else None
+    if start_gate is not None:
+        start_gate()
+    t0 = time.perf_counter()
+    ttft = math.nan
+    result = None
+    # require_complete=False: a length-capped output is a normal outcome here
+    # (both sides get the same max_tokens); errors still raise.
+    for chunk in client.stream(
+        PROMPTS[prompt_idx], constraint=constraint, max_tokens=max_tokens, temperature=0.0, require_complete=False
+    ):
+        if chunk.text and math.isnan(ttft):
+            ttft = time.perf_counter() - t0
+        if chunk.result is not None:
+            result = chunk.result
+    latency = time.perf_counter() - t0
+    if result is None:
+        raise RuntimeError(f"{mode} prompt {prompt_idx}: stream ended without a final result")
+    return Record(
+        mode=mode,
+        concurrency=concurrency,
+        round=round_no,
+        prompt=prompt_idx,
+        start_s=t0,
+        ttft_s=ttft,
+        latency_s=latency,
+        completion_tokens=result.usage.completion_tokens,
+        finish_reason=result.finish_reason,
+        complete=result.complete,
+        valid=None if result.json is None else result.json.valid,
+        text=result.text,
+    )
+
+
+def concurrent_batch(
+    client: Client, mode: str, round_no: int, max_tokens: int, n: int
+) -> tuple[list[Record], float]:
+    """Run ``n`` requests at once, one thread and one stream each.
+
+    Returns
+    -------
+    records, wall_s
+        The records and the time from the first start to the last end.
+    """
+    # The timeout frees the other threads if one fails before reaching the barrier.
+    barrier = threading.Barrier(n, timeout=120.0)
+    with ThreadPoolExecutor(max_workers=n, thread_name_prefix=f"bench-{mode}") as pool:
+        futures = [
+            pool.submit(one_request, client, mode, n, round_no, i % len(PROMPTS), max_tokens, barrier.wait)
+            for i in range(n)
+        ]
+        # result() re-raises a request's exception here: a failed request fails the run.
+        done = [f.result() for f in futures]
+    wall = max(r.start_s + r.latency_s for r in done) - min(r.start_s for r in done)
+    return done, wall
+
+
+def run_e2e(url: str, rounds: int, max_tokens: int) -> dict[str, Any]:
+    """Warm up, then the interleaved measured rounds; returns raw records and walls."""
+    records: list[Record] = []
+    # (mode, concurrency) -> wall seconds over which its tokens were produced.
+    walls: dict[tuple[str, int], float] = {(m, c): 0.0 for m in MODES for c in CONCURRENCIES}
+    with Client(url, timeout_s=600.0) as client:
+        warm = {mode: one_request(client, mode, 1, -1, 0, max_tokens) for mode in MODES}
+        for mode, rec in warm.items():
+            print(f"  warm-up {mode:13s}: ttft {rec.ttft_s * 1e3:8.1f} ms, {rec.completion_tokens} tokens "
+                  f"in {rec.latency_s:.2f} s", flush=True)  # fmt: skip
+        for r in range(rounds):
+            order = MODES if r % 2 == 0 else MODES[::-1]
+            t_round = time.perf_counter()
+            for p in range(len(PROMPTS)):
+                # Flip the order per prompt too, so neither side always runs
+                # right after the other's (cache-warming) request.
+                for mode in order if p % 2 == 0 else order[::-1]:
+                    rec = one_request(client, mode, 1, r, p, max_tokens)
+                    records.append(rec)
+                    walls[(mode, 1)] += rec.latency_s
+            for mode in order:
+                batch, wall = concurrent_batch(client, mode, r, max_tokens, 8)
+                records.extend(batch)
+                walls[(mode, 8)] += wall
+            print(f"  round {r + 1}/{rounds} done in {time.perf_counter() - t_round:.1f} s", flush=True)
+    return {"records": records, "walls": walls, "warmup": warm}
+
+
+def summarize(records: list[Record], walls: dict[tuple[str, int], float]) -> dict[str, dict[str, Any]]:
+    """Per (mode, concurrency): tokens/s, TTFT and latency percentiles, outcome counts."""
+    out: dict[str, dict[str, Any]] = {}
+    for mode in MODES:
+        for conc in CONCURRENCIES:
+            rs = [r for r in records if r.mode == mode and r.concurrency == conc]
+            tokens = sum(r.completion_tokens for r in rs)
+            wall = walls[(mode, conc)]
+            out[f"{mode}@{conc}"] = {
+                "requests": len(rs),
+                "completion_tokens": tokens,
+                "tokens_per_request_mean": tokens / len(rs) if rs else math.nan,
+                "wall_s": wall,
+                "tokens_per_s": tokens / wall if wall > 0 else math.nan,
+                "ttft_s_p50": pct([r.ttft_s for r in rs if not math.isnan(r.ttft_s)], 50),
+                "ttft_s_p99": pct([r.ttft_s for r in rs if not math.isnan(r.ttft_s)], 99),
+                "latency_s_p50": pct([r.latency_s for r in rs], 50),
+                "finish_stop": sum(r.finish_reason == "stop" for r in rs),
+                "finish_length": sum(r.finish_reason == "length" for r in rs),
+                "json_valid": sum(r.valid is True for r in rs),
+            }
+    return out
+
+
+# --------------------------------------------------------------------------- server log
+def parse_step_stats(log_text: str) -> list[dict[str, Any]]:
+    """Every ``llm step stats: {json}`` object in a server log (one per llm instance).
+
+    Raises
+    ------
+    RuntimeError
+        If there is none, or one is not valid JSON.
+    """
+    found: list[dict[str, Any]] = []
+    for line in log_text.splitlines():
+        at = line.find(STATS_MARKER)
+        if at < 0:
+            continue
+        try:
+            # Triton 2.51 logs a Python-backend message as a quoted JSON string
+            # (`model.py:115] "llm step stats: {\\"steps\\": ...}"`): unquote it first.
+            if at > 0 and line[at - 1] == '"':
+                message, _ = json.JSONDecoder().raw_decode(line, at - 1)
+                body = str(message)[len(STATS_MARKER) :]
+            else:
+                body = line[at + len(STATS_MARKER) :]
+            found.append(json.loads(body))
+        except ValueError as err:
+            raise RuntimeError(f"server log: unparsable step stats line: {line!r}") from err
+    if not found:
+        raise RuntimeError(f"server log: no {STATS_MARKER.strip()!r} line (did the llm model finalize?)")
+    return found
+
+
+# --------------------------------------------------------------------------- in-process grammar fill
+def grammar_fill(model_dir: Path, texts: Sequence[str], reps: int) -> dict[str, dict[str, float]]:
+    """Time ``GrammarEngine.step`` for 1 and 8 sequences along real constrained outputs.
+
+    Each sequence replays the token path of one output text (re-tokenized with
+    the model's tokenizer): the first step accepts nothing and fills the first
+    mask, every further step accepts one token and fills the next mask -- the
+    per-step work the grammar model does for the llm model.
+
+    Raises
+    ------
+    RuntimeError
+        If the engine rejects a replayed token (a re-tokenization the grammar
+        does not accept would make the timings meaningless).
+    """
+    from tokenizers import Tokenizer
+
+    from grammar_backend.service import GrammarModelConfig
+    from grammar_backend.spec import parse_constraint
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    paths = [np.asarray(tok.encode(t, add_special_tokens=False).ids, dtype=np.int32) for t in texts]
+    engine = GrammarModelConfig(tokenizer=str(model_dir), fill_threads=1).build_engine()
+    try:
+        spec = parse_constraint("json_schema", json.dumps(PERSON_SCHEMA))
+        engine.compile(spec)  # compile once, outside the timed steps
+        out: dict[str, dict[str, float]] = {}
+        next_id = 1
+        for batch in (1, 8):
+            times: list[float] = []
+            for rep in range(reps):
+                rows = [paths[(rep * batch + i) % len(paths)] for i in range(batch)]
+                length = min(len(p) for p in rows)
+                ids = np.arange(next_id, next_id + batch, dtype=np.uint64)
+                next_id += batch
+                for seq_id in ids:
+                    engine.start(int(seq_id), spec)
+                tokens = np.zeros((batch, 1), dtype=np.int32)
+                counts = np.zeros(batch, dtype=np.int32)
+                for step in range(length + 1):
+                    if step:
+                        for i, path in enumerate(rows):
+                            tokens[i, 0] = path[step - 1]
+                        counts.fill(1)
+                    t0 = time.perf_counter()
+                    res = engine.step(ids, tokens, counts)
+                    times.append(time.perf_counter() - t0)
+                    bad = [e for e in res.errors if e is not None]
+                    if bad:
+                        raise RuntimeError(f"grammar replay, batch {batch}, step {step}: {bad[0]}")
+                engine.end([int(s) for s in ids])
+            out[f"B={batch}"] = {
+                "steps": len(times),
+                "step_s_p50": pct(times, 50),
+                "step_s_p99": pct(times, 99),
+                "per_row_s_p50": pct(times, 50) / batch,
+            }
+        return out
+    finally:
+        engine.close()
+
+
+# --------------------------------------------------------------------------- report
+def print_report(
+    summary: dict[str, dict[str, Any]],
+    warm: dict[str, Record],
+    stats: list[dict[str, Any]],
+    fill: dict[str, dict[str, float]],
+    max_tokens: int,
+    rounds: int,
+) -> None:
+    """Print the tables."""
+    print()
+    print(f"== end-to-end, {ENSEMBLE}, SmolLM2-135M CPU, greedy, max_tokens={max_tokens}, "
+          f"{len(PROMPTS)} prompts, {rounds} round(s) ==")  # fmt: skip
+    head = (f"{'mode':14s} {'conc':>4s} {'reqs':>5s} {'tokens':>7s} {'tok/req':>7s} {'tok/s':>8s} "
+            f"{'ttft p50 ms':>11s} {'ttft p99 ms':>11s} {'lat p50 s':>9s} {'stop/len':>8s} {'valid':>5s}")  # fmt: skip
+    print(head)
+    print("-" * len(head))
+    for conc in CONCURRENCIES:
+        for mode in MODES:
+            s = summary[f"{mode}@{conc}"]
+            print(
+                f"{mode:14s} {conc:4d} {s['requests']:5d} {s['completion_tokens']:7d} "
+                f"{s['tokens_per_request_mean']:7.1f} {s['tokens_per_s']:8.2f} "
+                f"{ms(s['ttft_s_p50']):>11s} {ms(s['ttft_s_p99']):>11s} {s['latency_s_p50']:9.2f} "
+                f"{s['finish_stop']:>3d}/{s['finish_length']:<4d} "
+                f"{s['json_valid'] if mode == 'constrained' else '-':>5}"
+            )
+    print()
+    print("ratio constrained / unconstrained:")
+    for conc in CONCURRENCIES:
+        c, u = summary[f"constrained@{conc}"], summary[f"unconstrained@{conc}"]
+        print(f"  conc {conc}: tok/s {ratio(c['tokens_per_s'], u['tokens_per_s'])}   "
+              f"ttft p50 {ratio(c['ttft_s_p50'], u['ttft_s_p50'])}   "
+              f"ttft p99 {ratio(c['ttft_s_p99'], u['ttft_s_p99'])}")  # fmt: skip
+    print(f"  warm-up (not counted): constrained ttft {warm['constrained'].ttft_s * 1e3:.1f} ms "
+          f"(includes the one-time grammar compile), unconstrained {warm['unconstrained'].ttft_s * 1e3:.1f} ms")  # fmt: skip
+    print()
+    print("== llm model step stats (server log, whole run incl. warm-up; grammar figures from constrained steps) ==")
+    for i, st in enumerate(stats):
+        print(f"  instance {i}: steps {st.get('steps')}, max batch seen {st.get('max_batch_size_seen')}")
+        for name, label in (
+            ("forward_s", "forward"),
+            ("grammar_s", "grammar BLS round trip"),
+            ("mask_wait_s", "mask wait (not hidden)"),
+        ):
+            p50, p99 = float(st.get(f"{name}_p50", math.nan)), float(st.get(f"{name}_p99", math.nan))
+            print(f"    {label:24s} p50 {ms(p50)} ms   p99 {ms(p99)} ms")
+        print(f"    raw: {json.dumps(st)}")
+    print()
+    print("== grammar fill in-process (GrammarEngine.step = accept 1 token + fill next mask, 1 fill thread) ==")
+    for key, f in fill.items():
+        print(f"  {key}: {int(f['steps'])} steps, p50 {ms(f['step_s_p50'])} ms, p99 {ms(f['step_s_p99'])} ms, "
+              f"per row p50 {ms(f['per_row_s_p50'])} ms")  # fmt: skip
+
+
+# --------------------------------------------------------------------------- main
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Command-line arguments."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--max-tokens", type=int, default=64, help="per request (default %(default)s)")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved measured rounds (default %(default)s)")
+    parser.add_argument("--fill-reps", type=int, default=6, help="replays per batch size of the fill timing")
+    parser.add_argument("--model-dir", type=Path, default=MODEL_DIR, help="default %(default)s")
+    parser.add_argument("--json", type=Path, default=None, help="write every figure and record here")
+    args = parser.parse_args(argv)
+    for name in ("max_tokens", "rounds", "fill_reps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    if not (args.model_dir / "config.json").is_file():
+        parser.error(f"--model-dir {args.model_dir}: no config.json (run `make model`)")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark; returns the exit status."""
+    args = parse_args(argv)
+    t_all = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="e2e-bench-") as tmp:
+        repo = Path(tmp) / "model_repository"
+        log = Path(tmp) / "tritonserver.log"
+        render_repository(repo, args.model_dir)
+        server = TritonServer(ServerConfig(model_repository=repo, models=(ENSEMBLE,), log_file=log))
+        t0 = time.perf_counter()
+        server.start()
+        try:
+            server.wait_ready()
+            print(f"server ready at {server.grpc_url} in {time.perf_counter() - t0:.1f} s (log {log})", flush=True)
+            run = run_e2e(server.grpc_url, args.rounds, args.max_tokens)
+        finally:
+            code = server.stop()
+        log_text = log.read_text(encoding="utf-8", errors="replace")
+    print(f"server stopped (exit status {code})", flush=True)
+    stats = parse_step_stats(log_text)
+    summary = summarize(run["records"], run["walls"])
+    # One distinct greedy output per prompt (the last round's, concurrency 1).
+    last = max(r.round for r in run["records"])
+    texts = [
+        r.text for r in run["records"] if r.mode == "constrained" and r.concurrency == 1 and r.round == last
+    ]
+    fill = grammar_fill(args.model_dir, texts, args.fill_reps)
+    print_report(summary, run["warmup"], stats, fill, args.max_tokens, args.rounds)
+    print(f"\ntotal {time.perf_counter() - t_all:.1f} s")
+    if args.json is not None:
+        payload = {
+            "max_tokens": args.max_tokens,
+            "rounds": args.rounds,
+            "schema": PERSON_SCHEMA,
+            "prompts": list(PROMPTS),
+            "summary": summary,
+            "llm_step_stats": stats,
+            "grammar_fill": fill,
+            "warmup": {k: asdict(v) for k, v in run["warmup"].items()},
+            "records": [asdict(r) for r in run["records"]],
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(payload, indent=2), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

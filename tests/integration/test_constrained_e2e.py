@@ -1,0 +1,214 @@
+"""End to end over real gRPC: client -> tritonserver (ensemble constrained_llm) -> streamed, valid output.
+
+One server (the real bundled tritonserver on free loopback ports, the real
+SmolLM2-135M model on CPU, real xgrammar) serves every test of this module.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from client import Client, Constraint
+from client.errors import InvalidConstraint, TruncatedOutput
+from deploy.render import load_values, render_repository
+from deploy.server import ServerConfig, TritonServer
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL_DIR = REPO / "build" / "models" / "smollm2-135m-instruct"
+SCHEMAS = REPO / "tests" / "fixtures" / "schemas"
+
+pytestmark = pytest.mark.triton
+
+
+def _schema(name: str) -> dict[str, Any]:
+    return json.loads((SCHEMAS / f"{name}.json").read_text())  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
+    if not (MODEL_DIR / "config.json").is_file():
+        pytest.skip(f"{MODEL_DIR} missing (run `make model`)")
+    tmp = tmp_path_factory.mktemp("e2e")
+    values = load_values(REPO / "deploy" / "values.json")
+    values["MODEL_DIR"] = str(MODEL_DIR)
+    render_repository(REPO / "model_repository", tmp / "repo", values)
+    srv = TritonServer(ServerConfig(model_repository=tmp / "repo", models=("constrained_llm", "grammar"),
+                                    log_file=tmp / "tritonserver.log"))
+    srv.start()
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: TritonServer) -> Iterator[Client]:
+    with Client(server.grpc_url) as c:
+        yield c
+
+
+def grammar_active(server: TritonServer) -> int:
+    """The grammar model's active-sequence count (its `stats` op, over gRPC streaming)."""
+    results: list[Any] = []
+    done = threading.Event()
+
+    def callback(result: Any, error: Any) -> None:
+        results.append(error if error is not None else result)
+        done.set()
+
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    op = grpcclient.InferInput("OP", [1], "BYTES")
+    op.set_data_from_numpy(np.array([b"stats"], np.object_))
+    ids = grpcclient.InferInput("SEQUENCE_ID", [0], "UINT64")
+    ids.set_data_from_numpy(np.zeros(0, np.uint64))
+    c.start_stream(callback)
+    try:
+        c.async_stream_infer("grammar", [op, ids])
+        assert done.wait(30)
+    finally:
+        c.stop_stream()
+        c.close()
+    stats = json.loads(results[0].as_numpy("STATS")[0])
+    return int(stats["active"])
+
+
+def wait_active_zero(server: TritonServer, timeout_s: float = 60) -> int:
+    deadline = time.monotonic() + timeout_s
+    active = grammar_active(server)
+    while active and time.monotonic() < deadline:
+        time.sleep(0.2)
+        active = grammar_active(server)
+    return active
+
+
+PROMPTS = ["Invent a person.", "Describe a customer order.", "Make a small tree of numbers.", "What is the weather?"]
+COMPLETED: dict[str, int] = {}
+
+
+@pytest.mark.parametrize("name", ["person", "order", "tree", "tool_weather", "open_object"])
+def test_every_completed_json_output_parses_and_validates(client: Client, name: str) -> None:
+    """The guarantee: a completed output always parses and validates. Whether a 135M model
+    completes within max_tokens is the model's business (it may loop inside a string): that is
+    `length`, never reported as a success."""
+    schema = _schema(name)
+    for prompt in PROMPTS[:2]:
+        result = client.generate(prompt, constraint=Constraint.json_schema(schema), max_tokens=96,
+                                 require_complete=False)
+        if not result.complete:
+            assert result.finish_reason == "length" and result.usage["completion_tokens"] == 96
+            continue
+        COMPLETED[name] = COMPLETED.get(name, 0) + 1
+        assert result.finish_reason == "stop"
+        parsed = json.loads(result.text)
+        assert result.parsed == parsed
+        jsonschema.Draft202012Validator(schema).validate(parsed)
+        assert result.json is not None and result.json.parsed and result.json.valid
+
+
+def test_most_schemas_complete() -> None:
+    """Runs after the table above (same module, file order): outputs do complete, not only truncate."""
+    assert len(COMPLETED) >= 3, COMPLETED
+
+
+@pytest.mark.parametrize(
+    ("constraint", "pattern"),
+    [
+        (Constraint.regex(r"[0-9]{3}-[a-z]{2,6}"), r"[0-9]{3}-[a-z]{2,6}"),
+        (Constraint.choice(["red", "green", "blue"]), r"red|green|blue"),
+        (Constraint.ebnf('root ::= "The answer is " [0-9]+ "."'), r"The answer is [0-9]+\."),
+    ],
+)
+def test_text_constraints_match(client: Client, constraint: Constraint, pattern: str) -> None:
+    result = client.generate("Answer briefly.", constraint=constraint, max_tokens=40)
+    assert result.finish_reason == "stop" and result.complete
+    assert re.fullmatch(pattern, result.text), result.text
+
+
+def test_structural_tag_tool_call(client: Client) -> None:
+    tool = _schema("tool_weather")
+    constraint = Constraint.structural_tag(
+        ["<tool_call>"], [{"begin": "<tool_call>", "schema": tool, "end": "</tool_call>"}])
+    result = client.generate("Call the weather tool for Paris. <tool_call>", constraint=constraint, max_tokens=120,
+                             require_complete=False)
+    for call in re.findall(r"<tool_call>(.*?)</tool_call>", result.text, flags=re.S):
+        jsonschema.Draft202012Validator(tool).validate(json.loads(call))
+
+
+def test_streaming_deltas_concatenate_to_the_result(client: Client) -> None:
+    chunks = list(client.stream("Count to five.", constraint=Constraint.regex("[a-z ,]{5,40}"), max_tokens=30,
+                                require_complete=False))
+    final = chunks[-1].result
+    assert final is not None
+    assert "".join(c.text for c in chunks) == final.text
+    assert sum(1 for c in chunks if c.text) >= 2  # streamed, not one blob
+
+
+def test_max_tokens_truncation_is_length_not_success(client: Client) -> None:
+    with pytest.raises(TruncatedOutput) as info:
+        client.generate("Invent a person.", constraint=Constraint.json_schema(_schema("person")), max_tokens=3)
+    result = info.value.result
+    assert (result.finish_reason, result.complete, result.usage["completion_tokens"]) == ("length", False, 3)
+
+
+def test_bad_schema_is_invalid_argument_while_others_complete(client: Client, server: TritonServer) -> None:
+    outcomes: dict[str, Any] = {}
+
+    def good(i: int) -> None:
+        outcomes[f"good{i}"] = client.generate(PROMPTS[i], constraint=Constraint.regex("[a-z]{3,8}"), max_tokens=20)
+
+    threads = [threading.Thread(target=good, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    # Valid JSON Schema that xgrammar refuses ($ref to a missing definition): only the server can tell.
+    bad = Constraint("json_schema", json.dumps({"type": "object", "properties": {"a": {"$ref": "#/$defs/nope"}}}))
+    with pytest.raises(InvalidConstraint, match=r"grammar.*xgrammar cannot compile this json_schema"):
+        client.generate("x", constraint=bad, max_tokens=10)
+    for t in threads:
+        t.join()
+    assert all(outcomes[f"good{i}"].complete for i in range(3))
+    assert wait_active_zero(server) == 0
+    assert server.is_running()
+
+
+def test_eight_concurrent_requests_share_one_batch(client: Client, server: TritonServer) -> None:
+    results: dict[int, Any] = {}
+    barrier = threading.Barrier(8)
+
+    def run(i: int) -> None:
+        constraint = Constraint.json_schema(_schema("person")) if i % 2 else None
+        barrier.wait()
+        results[i] = client.generate(PROMPTS[i % 4], constraint=constraint, max_tokens=48, require_complete=False)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == list(range(8))
+    for i, result in results.items():
+        assert result.finish_reason in ("stop", "length")
+        if i % 2 and result.complete:
+            jsonschema.Draft202012Validator(_schema("person")).validate(json.loads(result.text))
+    assert wait_active_zero(server) == 0
+
+
+def test_cancelled_stream_frees_its_matcher(client: Client, server: TritonServer) -> None:
+    stream = client.stream("Write a long list of words.", constraint=Constraint.regex("[a-z ]{1,2000}"),
+                           max_tokens=200, require_complete=False)
+    for chunk in stream:
+        if chunk.text:
+            break
+    stream.close()  # closes the gRPC stream: the server cancels the request
+    assert wait_active_zero(server, timeout_s=90) == 0

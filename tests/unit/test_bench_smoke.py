@@ -1,0 +1,229 @@
+"""Smoke tests of the benchmark scripts ``bench/maskbench.py`` and ``bench/grammar_bench.py``.
+
+Both scripts run as subprocesses on a tiny MaskBench-format folder written
+here, and the exact per-schema outcomes of their JSON output are checked: a
+schema that passes, an over-constraint (keys out of schema order), an
+under-constraint caught by the post-validator (``uniqueItems``), a compile
+error (a lookbehind), a spec rejection (an unknown type), and for maskbench a
+compile that runs past the time limit (a 20,000-fold bounded repetition: about
+35 s with the Qwen3 vocabulary on the 2-core machine, killed at 3 s).  The
+worker pool's crash / timeout / error handling is checked directly with tasks
+that segfault, hang and raise.
+
+Data: the Qwen3 tokenizer at ``$QWEN_TOKENIZER_DIR`` or ``build/tokenizers/qwen3``;
+the script tests skip with the reason when it is absent.  Measured on 2 shared
+cores: pool test ~5 s, maskbench ~15 s, grammar_bench ~20 s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+QWEN_PADDED = 151_936
+
+#: file name -> (schema, [(valid, instance), ...])
+CASES: dict[str, tuple[Any, list[tuple[bool, Any]]]] = {
+    "Handwritten---closed.json": (
+        {
+            "type": "object",
+            "properties": {"name": {"type": "string", "maxLength": 5}, "age": {"type": "integer", "minimum": 0}},
+            "required": ["name", "age"],
+            "additionalProperties": False,
+        },
+        [
+            (True, {"name": "Ann", "age": 3}),
+            (True, {"name": "Bob", "age": 0}),
+            (False, {"name": "Ann", "age": -1}),
+            (False, {"name": "Annabelle", "age": 3}),
+            (False, {"name": "Ann"}),
+            (False, {"name": "Ann", "age": 3, "x": 1}),
+        ],
+    ),
+    "Handwritten---order.json": (
+        {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]},
+        [(True, {"a": 1, "b": 2}), (True, {"b": 2, "a": 1}), (False, {"a": "1", "b": 2})],
+    ),
+    "Synthesized_1.json": (
+        {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+        [(True, [1, 2, 3]), (False, [1, 1]), (False, ["a"])],
+    ),
+    "Handwritten---lookbehind.json": ({"type": "string", "pattern": "(?<=a)b"}, [(True, "b")]),
+    "Handwritten---badtype.json": ({"type": "wat"}, [(True, 1)]),
+}
+#: Sorted last, so no task is left after its timeout and no worker is respawned (saves a tokenizer load).
+SLOW = ("WashingtonPost---slow.json", ({"type": "string", "pattern": "^[a-z]{1,20000}$"}, [(True, "abc")]))
+
+
+def _write_cases(folder: Path, cases: dict[str, tuple[Any, list[tuple[bool, Any]]]]) -> Path:
+    folder.mkdir()
+    for name, (schema, tests) in cases.items():
+        doc = {"description": name, "schema": schema,
+               "tests": [{"description": f"case {i}", "valid": v, "data": d} for i, (v, d) in enumerate(tests)]}
+        (folder / name).write_text(json.dumps(doc), encoding="utf-8")
+    return folder
+
+
+def _qwen_dir() -> Path:
+    path = Path(os.environ.get("QWEN_TOKENIZER_DIR", REPO / "build" / "tokenizers" / "qwen3"))
+    if not (path / "tokenizer.json").is_file():
+        pytest.skip(f"Qwen3 tokenizer not found at {path} (run `make tokenizers` or set QWEN_TOKENIZER_DIR)")
+    return path
+
+
+def _run(script: str, args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / script), *args],
+        cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False,
+    )
+    assert proc.returncode == 0, f"{script} exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return proc
+
+
+# --------------------------------------------------------------------- pool
+# Task functions of the pool test: module-level, so spawned workers import
+# them from this module by name.
+
+
+def _pool_init(tag: str) -> str:
+    return tag
+
+
+def _pool_task(state: str, task: str, ctx: Any) -> dict[str, Any]:
+    ctx.phase("work", seen=task)
+    if task == "segfault":
+        os.kill(os.getpid(), signal.SIGSEGV)
+    elif task == "hang":
+        time.sleep(120)
+    elif task == "raise":
+        raise ValueError("bad task")
+    return {"state": state, "task": task, "pid": os.getpid()}
+
+
+def test_pool_survives_segfault_hang_and_exception(monkeypatch: pytest.MonkeyPatch) -> None:
+    # bench/ is not a package; the scripts import each other as top-level modules.
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import maskbench
+
+    tasks = ["a", "segfault", "hang", "raise", "b"]
+    with maskbench.WorkerPool(1, _pool_init, ("S",), _pool_task, timeout_s=2.0) as pool:
+        outcomes = {o.task: o for o in pool.run(tasks)}
+        respawns = pool.respawns
+    assert sorted(outcomes) == sorted(tasks)
+    assert [(t, outcomes[t].kind, outcomes[t].phase) for t in tasks] == [
+        ("a", "done", "work"), ("segfault", "crash", "work"), ("hang", "timeout", "work"),
+        ("raise", "error", "work"), ("b", "done", "work"),
+    ]
+    assert outcomes["a"].record["state"] == "S" and outcomes["b"].record["task"] == "b"
+    assert outcomes["segfault"].detail.startswith("killed by SIGSEGV")
+    assert outcomes["segfault"].record == {"seen": "segfault"}  # the phase info survives the crash
+    assert outcomes["hang"].detail == "work did not finish within 2 s"
+    assert 2.0 <= outcomes["hang"].elapsed_s < 10.0
+    assert outcomes["raise"].detail.startswith("ValueError: bad task\n")
+    assert outcomes["a"].record["pid"] != outcomes["b"].record["pid"]  # a fresh worker after the kills
+    assert respawns == 2
+
+
+@pytest.mark.parametrize(
+    ("name", "subset"),
+    [("Github_easy---o123.json", "Github_easy"), ("BFCL_java_10.json", "BFCL_java"),
+     ("Handwritten---oneofpr2.json", "Handwritten"), ("JME_3.json", "JME"), ("odd.json", "odd")],
+)
+def test_subset_of(monkeypatch: pytest.MonkeyPatch, name: str, subset: str) -> None:
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import maskbench
+
+    assert maskbench.subset_of(name) == subset
+
+
+# ---------------------------------------------------------------- maskbench
+
+
+def test_maskbench_outcomes(tmp_path: Path) -> None:
+    qwen = _qwen_dir()
+    data = _write_cases(tmp_path / "data", {**CASES, SLOW[0]: SLOW[1]})
+    out = tmp_path / "maskbench.json"
+    proc = _run("maskbench.py", [str(data), "--tokenizer", str(qwen), "--vocab-size", str(QWEN_PADDED),
+                                 "--workers", "1", "--timeout", "3", "--json", str(out), "--quiet"], timeout=120)
+    doc = json.loads(out.read_text())
+    by_file = {r["file"]: r for r in doc["schemas"]}
+    got = {name: (r["status"], r["passed"], [v["test"] for v in r.get("valid_rejected", [])],
+                  [(u["test"], u["caught"]) for u in r.get("invalid_accepted", [])])
+           for name, r in by_file.items()}
+    assert got == {
+        "Handwritten---closed.json": ("compiled", True, [], []),
+        "Handwritten---order.json": ("compiled", False, [1], []),
+        "Synthesized_1.json": ("compiled", False, [], [(1, True)]),
+        "Handwritten---lookbehind.json": ("compile_error", False, [], []),
+        "Handwritten---badtype.json": ("spec_rejected", False, [], []),
+        "WashingtonPost---slow.json": ("timeout", False, [], []),
+    }
+    assert by_file["Handwritten---lookbehind.json"]["reason"] == (
+        "xgrammar cannot compile this json_schema: Regex parsing error at position 3: Lookbehind is not supported yet."
+    )
+    assert by_file["Handwritten---badtype.json"]["reason"].startswith("grammar#/type: not a valid JSON Schema: ")
+    assert by_file["WashingtonPost---slow.json"]["phase"] == "compile"
+    assert by_file["WashingtonPost---slow.json"]["reason"] == "compile did not finish within 3 s"
+    assert by_file["Handwritten---order.json"]["valid_rejected"][0]["at"] == "...{\" | 'b'"
+    assert by_file["Synthesized_1.json"]["invalid_accepted"][0]["violation"] == "[1, 1] has non-unique elements"
+    for name in ("Handwritten---closed.json", "Handwritten---order.json", "Synthesized_1.json"):
+        assert by_file[name]["mask_mismatches"] == 0 and by_file[name]["untokenizable"] == []
+    assert doc["respawns"] == 0
+    assert doc["subsets"]["Handwritten"] == {
+        "schemas": 4, "spec_rejected": 1, "compile_error": 1, "timeout": 0, "crash": 0, "error": 0, "bad_file": 0,
+        "compiled": 2, "passed": 1, "over_schemas": 1, "valid_rejected": 1, "valid_total": 6, "under_schemas": 0,
+        "invalid_accepted": 0, "caught": 0, "invalid_total": 5, "untokenizable": 0, "mask_mismatches": 0,
+    }
+    totals = doc["totals"]
+    assert (totals["schemas"], totals["passed"], totals["timeout"], totals["invalid_accepted"], totals["caught"]) == (
+        6, 1, 1, 1, 1)
+    assert "TOTAL" in proc.stdout and "LLGuidance 8909" in proc.stdout
+
+
+# ------------------------------------------------------------ grammar_bench
+
+
+def test_grammar_bench_outcomes(tmp_path: Path) -> None:
+    qwen = _qwen_dir()
+    data = _write_cases(tmp_path / "data", CASES)
+    out = tmp_path / "bench.json"
+    proc = _run("grammar_bench.py", [str(data), "--quick", "--tokenizer", str(qwen), "--vocab-size",
+                                     str(QWEN_PADDED), "--limit", "10", "--budget", "60", "--timeout", "20",
+                                     "--json", str(out), "--quiet"], timeout=120)
+    doc = json.loads(out.read_text())
+    (res,) = doc["tokenizers"]
+    assert (res["vocab_size"], res["tokenizer_size"], res["stop_token_ids"]) == (QWEN_PADDED, 151_669, [151_645])
+    by_file = {r["file"]: r for r in res["schemas"]}
+    assert {name: (r["status"], r.get("valid_rejected")) for name, r in by_file.items()} == {
+        "Handwritten---closed.json": ("ok", 0),
+        "Handwritten---order.json": ("ok", 1),
+        "Synthesized_1.json": ("ok", 0),
+        "Handwritten---lookbehind.json": ("compile_error", None),
+        "Handwritten---badtype.json": ("spec_rejected", None),
+    }
+    assert res["counts"] == {"ok": 3, "spec_rejected": 1, "compile_error": 1, "timeout": 0, "crash": 0,
+                             "error": 0, "bad_file": 0}
+    # Raw fill and raw accept+fill are timed at the same tokens; ours at the same tokens too.
+    for r in (by_file[n] for n in ("Handwritten---closed.json", "Synthesized_1.json")):
+        assert r["ours_step_tokens"] == r["raw_fill_tokens"] == r["raw_step_tokens"] > 0
+    rows = {row["figure"]: row for row in res["rows"]}
+    assert rows["compile (cold key)"]["n"] == 3 and rows["cache hit"]["n"] == 3
+    assert rows["parse_constraint (per request)"]["n"] == 4  # every schema the spec accepted
+    for name in ("compile (cold key)", "cache hit", "mask 1 seq: step vs accept+fill", "batch fill B=256 threads=2"):
+        row = rows[name]
+        assert row["ours_p50"] > 0 and row["raw_p50"] > 0 and row["ratio_p50"] > 0
+    # The batch phase uses the schemas whose valid instances were all accepted (not "order").
+    assert res["batch_schemas"] == ["Handwritten---closed.json"]
+    assert [f for f in rows if f.startswith("batch fill")] == [
+        f"batch fill B={b} threads={t}" for t in (1, 2) for b in (1, 16, 64, 256)
+    ]
+    assert "XGrammar 9 us / 5700 us" in proc.stdout

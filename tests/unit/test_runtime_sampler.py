@@ -1,0 +1,194 @@
+"""Sampler: bitmask application, greedy, temperature / top-k / top-p, seeded draws."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+import xgrammar
+
+from llm_runtime.errors import RequestError
+from llm_runtime.mask import bitmask_width
+from llm_runtime.sampler import Sampler, SamplingParams
+
+V = 70  # not a multiple of 32: the last bitmask word is partly padding
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """Tiny tensors gain nothing from intra-op threads, and on a loaded 2-core machine
+    OpenMP's spinning threads slow these tests 10x (measured 42-107 s vs 5 s)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+
+def pack(allowed: np.ndarray) -> np.ndarray:
+    """bool [B, V] -> packed int32 [B, ceil(V/32)], bit j of word w = token 32*w + j."""
+    b, v = allowed.shape
+    w = bitmask_width(v)
+    bits = np.zeros((b, w * 32), dtype=np.uint64)
+    bits[:, :v] = allowed
+    words = (bits.reshape(b, w, 32) << np.arange(32, dtype=np.uint64)).sum(axis=2)
+    return words.astype(np.uint32).view(np.int32)
+
+
+def random_case(seed: int, b: int = 4, density: float = 0.3) -> tuple[torch.Tensor, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    logits = torch.from_numpy(rng.normal(0, 3, size=(b, V)).astype(np.float32))
+    allowed = rng.random((b, V)) < density
+    allowed[:, 0] = True  # never empty
+    return logits, allowed
+
+
+def test_pack_matches_xgrammar_layout() -> None:
+    """Our test packing agrees with xgrammar's own bitmask (filled by a real matcher)."""
+    allowed = np.zeros((1, V), dtype=bool)
+    allowed[0, [0, 31, 32, 33, 69]] = True
+    logits = torch.zeros((1, V))
+    xgrammar.apply_token_bitmask_inplace(logits, torch.from_numpy(pack(allowed)), vocab_size=V)
+    assert torch.isneginf(logits[0]).numpy().tolist() == (~allowed[0]).tolist()
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=2.0),
+        SamplingParams(temperature=5.0, top_k=20),
+        SamplingParams(temperature=3.0, top_p=0.99),
+        SamplingParams(temperature=1.0, top_k=50, top_p=0.9),
+    ],
+)
+def test_masked_token_never_sampled(params: SamplingParams) -> None:
+    sampler = Sampler(V)
+    gens = [sampler.generator(i) for i in range(4)]
+    for trial in range(150):
+        logits, allowed = random_case(trial)
+        sampler.apply_mask(logits, torch.from_numpy(pack(allowed)), [0, 1, 2, 3])
+        tokens, dead = sampler.sample(logits, [params] * 4, gens)
+        assert not dead.any()
+        assert all(allowed[i, t] for i, t in enumerate(tokens)), (trial, tokens)
+
+
+def test_greedy_picks_best_allowed_and_unconstrained_rows_are_untouched() -> None:
+    sampler = Sampler(V)
+    logits, allowed = random_case(7)
+    original = logits.clone()
+    allowed[2] = False  # an all-zero row that must be ignored (row 2 carries no constraint)
+    sampler.apply_mask(logits, torch.from_numpy(pack(allowed)), [0, 1, 3])
+    assert torch.equal(logits[2], original[2])
+    tokens, dead = sampler.sample(logits, [SamplingParams(temperature=0.0)] * 4, [sampler.generator(0)] * 4)
+    best_allowed = np.where(allowed, original.numpy(), -np.inf).argmax(axis=1)
+    assert tokens.tolist() == [best_allowed[0], best_allowed[1], int(original[2].argmax()), best_allowed[3]]
+    assert not dead.any()
+
+
+def test_dead_row_reported() -> None:
+    sampler = Sampler(V)
+    logits, allowed = random_case(3, b=2)
+    allowed[1] = False
+    sampler.apply_mask(logits, torch.from_numpy(pack(allowed)), [0, 1])
+    _, dead = sampler.sample(logits, [SamplingParams(temperature=1.0)] * 2, [sampler.generator(1)] * 2)
+    assert dead.tolist() == [False, True]
+
+
+def test_seed_reproduces_and_differs() -> None:
+    sampler = Sampler(V)
+    logits, _ = random_case(11, b=1)
+
+    def draw(seed: int) -> list[int]:
+        gen = sampler.generator(seed)
+        p = SamplingParams(temperature=3.0, seed=seed)
+        return [int(sampler.sample(logits.clone(), [p], [gen])[0][0]) for _ in range(40)]
+
+    assert draw(123) == draw(123)
+    assert draw(123) != draw(124)
+
+
+def test_seeded_row_independent_of_batch() -> None:
+    """A request's draws depend on its own generator only, not on its batch neighbours."""
+    sampler = Sampler(V)
+    logits, _ = random_case(5, b=3)
+    p = SamplingParams(temperature=2.0)
+    alone_gen = sampler.generator(99)
+    alone = [int(sampler.sample(logits[1:2].clone(), [p], [alone_gen])[0][0]) for _ in range(30)]
+    gens = [sampler.generator(1), sampler.generator(99), sampler.generator(2)]
+    batched = [int(sampler.sample(logits.clone(), [p] * 3, gens)[0][1]) for _ in range(30)]
+    assert batched == alone
+
+
+@pytest.mark.parametrize("k", [1, 3, 10])
+def test_top_k_support(k: int) -> None:
+    sampler = Sampler(V)
+    logits, _ = random_case(21, b=1)
+    top = set(torch.topk(logits[0], k).indices.tolist())
+    gen = sampler.generator(0)
+    seen = {int(sampler.sample(logits.clone(), [SamplingParams(temperature=10.0, top_k=k)], [gen])[0][0])
+            for _ in range(400)}
+    assert seen <= top
+    assert len(seen) == k  # at temperature 10 every kept token shows up in 400 draws
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.6, 0.95])
+def test_top_p_support(top_p: float) -> None:
+    sampler = Sampler(V)
+    logits, _ = random_case(31, b=1)
+    probs = torch.softmax(logits[0], -1).double().numpy()
+    order = np.argsort(-probs)
+    cum = np.cumsum(probs[order])
+    nucleus = set(order[: int(np.searchsorted(cum, top_p)) + 1].tolist())
+    gen = sampler.generator(0)
+    seen = {int(sampler.sample(logits.clone(), [SamplingParams(top_p=top_p)], [gen])[0][0]) for _ in range(600)}
+    assert seen <= nucleus
+    # Tokens in the nucleus with probability >= 2% are all drawn in 600 tries (fixed seed).
+    assert {t for t in nucleus if probs[t] >= 0.02} <= seen
+
+
+def test_token_limit_excludes_padding_ids() -> None:
+    sampler = Sampler(V, token_limit=40)
+    logits = torch.zeros((2, V))
+    logits[:, 50] = 100.0  # best token is a padding id
+    tokens, _ = sampler.sample(
+        logits, [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)],
+        [sampler.generator(0), sampler.generator(1)],
+    )
+    assert all(t < 40 for t in tokens)
+
+
+def test_draw_frequencies_follow_softmax() -> None:
+    sampler = Sampler(4)
+    logits = torch.tensor([[0.0, math.log(2.0), math.log(3.0), -math.inf]])
+    gen = sampler.generator(2024)
+    counts = np.zeros(4)
+    for _ in range(6000):
+        counts[int(sampler.sample(logits.clone(), [SamplingParams(temperature=1.0)], [gen])[0][0])] += 1
+    assert counts[3] == 0
+    assert np.allclose(counts[:3] / 6000, [1 / 6, 2 / 6, 3 / 6], atol=0.02)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"temperature": -0.1}, "temperature: must be a finite number >= 0"),
+        ({"temperature": math.nan}, "temperature: must be a finite number >= 0"),
+        ({"top_k": -1}, "top_k: must be an integer >= 0"),
+        ({"top_k": 2.5}, "top_k: must be an integer >= 0"),
+        ({"top_p": 0.0}, r"top_p: must be in \(0, 1\]"),
+        ({"top_p": 1.5}, r"top_p: must be in \(0, 1\]"),
+        ({"seed": -1}, r"seed: must be an integer in \[0, 2\*\*64\)"),
+        ({"seed": 2**64}, r"seed: must be an integer in \[0, 2\*\*64\)"),
+    ],
+)
+def test_sampling_params_reject(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(RequestError, match=match):
+        SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def test_apply_mask_rejects_wrong_bitmask() -> None:
+    sampler = Sampler(V)
+    with pytest.raises(ValueError, match=r"bitmask: expected int32 \[B, 3\]"):
+        sampler.apply_mask(torch.zeros((1, V)), torch.zeros((1, 2), dtype=torch.int32), [0])

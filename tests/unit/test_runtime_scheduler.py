@@ -1,0 +1,544 @@
+"""Scheduler: in-flight batching, constrained decoding through a real xgrammar MaskProvider.
+
+The provider below is a real one (xgrammar compiler + one GrammarMatcher per
+sequence over the tiny model's vocabulary), written directly on xgrammar so
+these tests do not depend on grammar_backend.  It records every start and end,
+so each test can check that no grammar state leaks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import xgrammar as xgr
+from transformers import AutoTokenizer
+
+from grammar_backend.errors import (
+    CompileError,
+    ConstraintError,
+    DuplicateSequence,
+    UnknownSequence,
+)
+from llm_runtime.engine import EngineConfig, TorchEngine
+from llm_runtime.errors import Overloaded, RequestError, SchedulerClosed
+from llm_runtime.mask import ConstraintRequest, MaskStep
+from llm_runtime.scheduler import (
+    FinishEvent,
+    GenerationRequest,
+    Scheduler,
+    SchedulerConfig,
+    TokenEvent,
+)
+from llm_runtime.tiny_model import TinyModelInfo, build_tiny_llama
+
+TIMEOUT = 60.0
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """Tiny tensors gain nothing from intra-op threads, and on a loaded 2-core machine
+    OpenMP's spinning threads slow these tests 10x (measured 42-107 s vs 5 s)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+
+class XGrammarMaskProvider:
+    """A MaskProvider on xgrammar: ``regex`` and ``choice`` constraints."""
+
+    def __init__(self, compiler: xgr.GrammarCompiler, vocab_size: int) -> None:
+        self.compiler = compiler
+        self.vocab_size = vocab_size
+        self.lock = threading.Lock()
+        self.matchers: dict[int, xgr.GrammarMatcher] = {}
+        self.started: list[int] = []
+        self.ended: list[int] = []
+        self.step_calls = 0
+        self.start_gate: threading.Event | None = None  # when set by a test, start() waits for it
+
+    def _compile(self, c: ConstraintRequest) -> xgr.CompiledGrammar:
+        try:
+            if c.kind == "regex":
+                return self.compiler.compile_regex(c.payload)
+            if c.kind == "choice":
+                options = json.loads(c.payload)
+                return self.compiler.compile_grammar("root ::= " + " | ".join(json.dumps(o) for o in options))
+        except RuntimeError as err:
+            raise CompileError("grammar", str(err).splitlines()[-1]) from err
+        raise ConstraintError("grammar_type", f"unsupported kind {c.kind!r}")
+
+    def start(self, seq_id: int, constraint: ConstraintRequest) -> None:
+        if self.start_gate is not None and not self.start_gate.wait(TIMEOUT):
+            raise TimeoutError("start gate never opened")
+        matcher = xgr.GrammarMatcher(self._compile(constraint))
+        with self.lock:
+            if seq_id in self.matchers:
+                raise DuplicateSequence(seq_id, "already active")
+            self.matchers[seq_id] = matcher
+            self.started.append(seq_id)
+
+    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> MaskStep:
+        b = seq_ids.shape[0]
+        bitmask = xgr.allocate_token_bitmask(b, self.vocab_size)
+        terminated = np.zeros(b, dtype=bool)
+        errors: list[str | None] = [None] * b
+        with self.lock:
+            self.step_calls += 1
+            rows = [self.matchers.get(int(s)) for s in seq_ids]
+        for i, m in enumerate(rows):
+            if m is None:
+                errors[i] = f"sequence {int(seq_ids[i])} is not active"
+                continue
+            for t in tokens[i, : counts[i]]:
+                if not m.accept_token(int(t)):
+                    errors[i] = f"token {int(t)} rejected"
+                    break
+            if errors[i] is not None:
+                continue
+            if m.is_terminated():
+                terminated[i] = True
+            else:
+                m.fill_next_token_bitmask(bitmask, i)
+        return MaskStep(bitmask.numpy(), terminated, tuple(errors))
+
+    def end(self, seq_ids: Sequence[int]) -> None:
+        with self.lock:
+            for s in seq_ids:
+                if s not in self.matchers:
+                    raise UnknownSequence(s, "not active")
+                del self.matchers[s]
+                self.ended.append(s)
+
+    def assert_no_leak(self) -> None:
+        with self.lock:
+            assert self.matchers == {}
+            assert len(self.ended) == len(set(self.ended))  # end exactly once
+            assert sorted(self.ended) == sorted(self.started)
+
+
+class FaultyRowProvider(XGrammarMaskProvider):
+    """The real provider, except that one sequence's row reports an error on its n-th step."""
+
+    def __init__(self, compiler: xgr.GrammarCompiler, vocab_size: int, fail_payload: str, fail_at_step: int) -> None:
+        super().__init__(compiler, vocab_size)
+        self.fail_payload = fail_payload
+        self.fail_seq: int | None = None
+        self.fail_at_step = fail_at_step
+        self.seen = 0
+
+    def start(self, seq_id: int, constraint: ConstraintRequest) -> None:
+        super().start(seq_id, constraint)
+        if constraint.payload == self.fail_payload:
+            self.fail_seq = seq_id
+
+    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> MaskStep:
+        out = super().step(seq_ids, tokens, counts)
+        errors = list(out.errors)
+        for i, s in enumerate(seq_ids):
+            if int(s) == self.fail_seq:
+                self.seen += 1
+                if self.seen == self.fail_at_step:
+                    errors[i] = "injected row failure"
+        return MaskStep(out.bitmask, out.terminated, tuple(errors))
+
+
+@dataclass
+class Result:
+    events: list[TokenEvent | FinishEvent] = field(default_factory=list)
+    done: threading.Event = field(default_factory=threading.Event)
+    first_token: threading.Event = field(default_factory=threading.Event)
+
+    def __call__(self, event: TokenEvent | FinishEvent) -> None:
+        assert not self.done.is_set(), "event after FinishEvent"
+        self.events.append(event)
+        if isinstance(event, FinishEvent):
+            self.done.set()
+        elif event.token_ids:
+            self.first_token.set()
+
+    def wait(self) -> FinishEvent:
+        assert self.done.wait(TIMEOUT), "request did not finish"
+        fin = self.events[-1]
+        assert isinstance(fin, FinishEvent)
+        deltas = [e for e in self.events[:-1] if isinstance(e, TokenEvent)]
+        assert len(deltas) == len(self.events) - 1
+        assert "".join(e.text_delta for e in deltas) == fin.text
+        return fin
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for e in self.events if isinstance(e, TokenEvent) for t in e.token_ids]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModelInfo:
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny: TinyModelInfo) -> TorchEngine:
+    return TorchEngine(tiny.path, EngineConfig(max_batch_size=8, max_seq_len=320))
+
+
+@pytest.fixture(scope="module")
+def compiler(tiny: TinyModelInfo) -> xgr.GrammarCompiler:
+    hf = AutoTokenizer.from_pretrained(str(tiny.path), local_files_only=True)
+    info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=tiny.vocab_size)
+    return xgr.GrammarCompiler(info, max_threads=1)
+
+
+@pytest.fixture
+def provider(compiler: xgr.GrammarCompiler, tiny: TinyModelInfo) -> Iterator[XGrammarMaskProvider]:
+    p = XGrammarMaskProvider(compiler, tiny.vocab_size)
+    yield p
+    p.assert_no_leak()
+
+
+@pytest.fixture
+def sched(engine: TorchEngine, provider: XGrammarMaskProvider) -> Iterator[Scheduler]:
+    s = Scheduler(engine, provider, SchedulerConfig(max_tokens_cap=256))
+    yield s
+    s.close()
+    assert engine.live_count == 0
+
+
+def prompt(engine: TorchEngine, text: str) -> list[int]:
+    return engine.tokenizer.encode(text).ids
+
+
+def submit(s: Scheduler, req: GenerationRequest) -> Result:
+    r = Result()
+    s.submit(req, r)
+    return r
+
+
+PROMPTS = [
+    "hello world", "yes no", "the quick brown fox", "caf\u00e9", "0123", "{\"name\": 1}", "Stop here.", "emoji \U0001f600",
+]
+
+
+def test_eight_concurrent_requests_decode_in_one_batch(engine: TorchEngine, sched: Scheduler) -> None:
+    reqs = [GenerationRequest(prompt(engine, p), max_tokens=12, temperature=0.0) for p in PROMPTS]
+    alone = []
+    for req in reqs:  # one at a time: the reference
+        r = submit(sched, req)
+        fin = r.wait()
+        assert (fin.finish_reason, fin.completion_tokens) == ("length", 12)
+        alone.append(r.token_ids)
+    assert sched.stats().max_batch_size_seen == 1
+    sched.reset_stats()
+    results = [submit(sched, req) for req in reqs]
+    fins = [r.wait() for r in results]
+    assert sched.stats().max_batch_size_seen == 8
+    assert [f.finish_reason for f in fins] == ["length"] * 8
+    assert [r.token_ids for r in results] == alone
+    assert [f.prompt_tokens for f in fins] == [len(r.prompt_token_ids) for r in reqs]
+
+
+@pytest.mark.parametrize(
+    ("kind", "payload", "temperature"),
+    [
+        ("regex", r"(yes|no|maybe), [0-9]{2}\.", 0.0),
+        ("regex", r"(yes|no|maybe), [0-9]{2}\.", 1.0),
+        ("regex", r"[a-c]{3}-[xyz]{1,2}!", 0.7),
+        ("regex", r"\{\"n\": [1-9][0-9]?\}", 0.0),
+        ("regex", "caf\u00e9 [\U0001f600\U0001f680]", 1.0),
+        ("choice", json.dumps(["red", "green", "blue sky"]), 0.0),
+        ("choice", json.dumps(["red", "green", "blue sky"]), 2.0),
+    ],
+)
+def test_mixed_constrained_and_free_requests_share_a_batch(
+    engine: TorchEngine, sched: Scheduler, provider: XGrammarMaskProvider, kind: str, payload: str, temperature: float
+) -> None:
+    constraint = ConstraintRequest(kind, payload, "")
+    constrained = [
+        submit(sched, GenerationRequest(prompt(engine, p), constraint=constraint, max_tokens=64,
+                                        temperature=temperature, seed=i))
+        for i, p in enumerate(PROMPTS[:4])
+    ]
+    free = [submit(sched, GenerationRequest(prompt(engine, p), max_tokens=20, temperature=temperature, seed=9))
+            for p in PROMPTS[4:]]
+    for r in constrained:
+        fin = r.wait()
+        assert fin.finish_reason == "stop", fin
+        if kind == "regex":
+            assert re.fullmatch(payload, fin.text), fin.text
+        else:
+            assert fin.text in json.loads(payload)
+        # The end token was sampled (forced by the grammar) and counted, not streamed.
+        assert fin.completion_tokens == len(r.token_ids) + 1
+        assert engine.tokenizer.decode(r.token_ids) == fin.text
+    for r in free:
+        assert r.wait().finish_reason == "length"
+    stats = sched.stats()
+    assert stats.max_batch_size_seen == 8
+    with_grammar = stats.constrained_rows > 0
+    assert with_grammar.any()
+    assert np.all(stats.grammar_s[with_grammar] > 0)
+    assert np.all(stats.mask_wait_s[with_grammar] >= 0)
+    assert np.all(np.isnan(stats.grammar_s[~with_grammar]))
+    assert np.all(stats.forward_s > 0)
+    assert len(provider.started) == 4
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 7])
+@pytest.mark.parametrize("constrained", [False, True])
+def test_max_tokens_gives_length(engine: TorchEngine, sched: Scheduler, max_tokens: int, constrained: bool) -> None:
+    c = ConstraintRequest("regex", "[a-z]+", "") if constrained else None
+    r = submit(sched, GenerationRequest(prompt(engine, "hello"), constraint=c, max_tokens=max_tokens, temperature=0.0))
+    fin = r.wait()
+    assert (fin.finish_reason, fin.completion_tokens, len(r.token_ids)) == ("length", max_tokens, max_tokens)
+    if constrained:
+        assert re.fullmatch("[a-z]+", fin.text)
+
+
+@pytest.mark.parametrize(("start", "length"), [(0, 1), (3, 2), (6, 4)])
+def test_stop_string_cuts_the_output(engine: TorchEngine, sched: Scheduler, start: int, length: int) -> None:
+    base = GenerationRequest(prompt(engine, "the quick brown fox"), max_tokens=24, temperature=0.0)
+    full = submit(sched, base).wait().text
+    stop = full[start : start + length]
+    assert len(stop) == length
+    cut = full.find(stop)
+    r = submit(sched, GenerationRequest(base.prompt_token_ids, max_tokens=24, temperature=0.0, stop=(stop, "\x00")))
+    fin = r.wait()
+    assert (fin.finish_reason, fin.text) == ("stop", full[:cut])
+    assert fin.completion_tokens == len(r.token_ids) < 24
+
+
+def test_start_error_only_affects_its_request(
+    engine: TorchEngine, sched: Scheduler, provider: XGrammarMaskProvider
+) -> None:
+    bad = submit(sched, GenerationRequest(prompt(engine, "a"), constraint=ConstraintRequest("regex", "(ab", ""),
+                                          max_tokens=8))
+    unsupported = submit(sched, GenerationRequest(prompt(engine, "a"), constraint=ConstraintRequest("lark", "x", ""),
+                                                  max_tokens=8))
+    good = submit(sched, GenerationRequest(prompt(engine, "b"), constraint=ConstraintRequest("regex", "ok|fine", ""),
+                                           max_tokens=8))
+    free = submit(sched, GenerationRequest(prompt(engine, "c"), max_tokens=8))
+    fin = bad.wait()
+    assert (fin.finish_reason, fin.error_status, fin.completion_tokens, fin.text) == ("error", "INVALID_ARGUMENT", 0, "")
+    assert fin.error is not None and fin.error.startswith("grammar: ")
+    assert fin.error.endswith("Regex parsing error at position 4: The parenthesis is not closed.")
+    fin = unsupported.wait()
+    assert (fin.finish_reason, fin.error_status, fin.error) == (
+        "error", "INVALID_ARGUMENT", "grammar_type: unsupported kind 'lark'")
+    assert good.wait().finish_reason == "stop"
+    assert free.wait().finish_reason == "length"
+    assert len(provider.started) == 1  # end is called for started sequences only (checked on teardown)
+
+
+def test_row_error_only_affects_its_sequence(engine: TorchEngine, compiler: xgr.GrammarCompiler,
+                                             tiny: TinyModelInfo) -> None:
+    provider = FaultyRowProvider(compiler, tiny.vocab_size, fail_payload="[a-y]{30}", fail_at_step=3)
+    with Scheduler(engine, provider) as s:
+        c = ConstraintRequest("regex", "[a-z]{30}", "")
+        victim = submit(s, GenerationRequest(prompt(engine, "x"), constraint=ConstraintRequest("regex", "[a-y]{30}", ""),
+                                             max_tokens=40))
+        other = submit(s, GenerationRequest(prompt(engine, "y"), constraint=c, max_tokens=40))
+        free = submit(s, GenerationRequest(prompt(engine, "z"), max_tokens=10))
+        fin = victim.wait()
+        assert (fin.finish_reason, fin.error, fin.error_status) == ("error", "injected row failure", "INTERNAL")
+        assert fin.completion_tokens == 2  # two tokens were accepted before its third step failed
+        fin = other.wait()
+        assert fin.finish_reason == "stop" and re.fullmatch("[a-z]{30}", fin.text)
+        assert free.wait().finish_reason == "length"
+    provider.assert_no_leak()
+
+
+@pytest.mark.parametrize("stage", ["compiling", "waiting", "decoding"])
+def test_cancel_frees_the_grammar_sequence(
+    engine: TorchEngine, compiler: xgr.GrammarCompiler, tiny: TinyModelInfo, stage: str
+) -> None:
+    provider = XGrammarMaskProvider(compiler, tiny.vocab_size)
+    c = ConstraintRequest("regex", "[a-z]{250}", "")
+    with Scheduler(engine, provider, SchedulerConfig(max_batch_size=1)) as s:
+        blocker = Result()
+        blocker_rid = ""
+        if stage == "compiling":
+            provider.start_gate = threading.Event()
+        elif stage == "waiting":  # the batch (size 1) is busy: the compiled request waits outside it
+            blocker_rid = s.submit(GenerationRequest(prompt(engine, "b"), max_tokens=250), blocker)
+            assert blocker.first_token.wait(TIMEOUT)
+        victim = Result()
+        rid = s.submit(GenerationRequest(prompt(engine, "a"), constraint=c, max_tokens=250), victim)
+        if stage == "decoding":
+            assert victim.first_token.wait(TIMEOUT)
+        elif stage == "waiting":
+            deadline = time.monotonic() + TIMEOUT
+            while not provider.started and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert provider.started and s.active_count == 1
+        assert s.cancel(rid)
+        fin = victim.wait()
+        assert (fin.finish_reason, fin.error_status, fin.error) == ("error", "CANCELLED", "request cancelled")
+        assert fin.completion_tokens < 250
+        assert not s.cancel(rid)  # no longer in flight
+        if provider.start_gate is not None:
+            provider.start_gate.set()  # the compile finishes after the cancel: its state is freed then
+        if blocker_rid:
+            assert s.cancel(blocker_rid)
+            assert blocker.wait().error_status == "CANCELLED"
+        deadline = time.monotonic() + TIMEOUT
+        while not provider.ended and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert len(provider.started) == 1
+        provider.assert_no_leak()
+        assert s.live_count == 0
+
+
+def test_compile_never_stalls_the_batch(engine: TorchEngine, sched: Scheduler, provider: XGrammarMaskProvider) -> None:
+    provider.start_gate = threading.Event()
+    slow = submit(sched, GenerationRequest(prompt(engine, "a"), constraint=ConstraintRequest("regex", "ok", ""),
+                                           max_tokens=8))
+    fast = submit(sched, GenerationRequest(prompt(engine, "b"), max_tokens=10))
+    assert fast.wait().finish_reason == "length"
+    assert not slow.done.is_set() and provider.started == []
+    provider.start_gate.set()
+    fin = slow.wait()
+    assert (fin.finish_reason, fin.text) == ("stop", "ok")
+
+
+def test_seed_reproduces_whatever_the_batch(engine: TorchEngine, sched: Scheduler) -> None:
+    req = GenerationRequest(prompt(engine, "hello world"), max_tokens=16, temperature=1.0, seed=1234)
+    alone = submit(sched, req)
+    alone.wait()
+    crowd = [submit(sched, GenerationRequest(prompt(engine, p), max_tokens=16, temperature=1.0))
+             for p in PROMPTS[:3]]
+    again = submit(sched, req)
+    again.wait()
+    for r in crowd:
+        r.wait()
+    assert again.token_ids == alone.token_ids
+    other = submit(sched, GenerationRequest(req.prompt_token_ids, max_tokens=16, temperature=1.0, seed=1235))
+    other.wait()
+    assert other.token_ids != alone.token_ids
+
+
+def test_callback_error_cancels_only_that_request(engine: TorchEngine, sched: Scheduler,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    calls: list[TokenEvent | FinishEvent] = []
+
+    def broken(event: TokenEvent | FinishEvent) -> None:
+        calls.append(event)
+        if len(calls) == 1:  # the first event is a TokenEvent
+            raise ConnectionError("client went away")
+
+    c = ConstraintRequest("regex", "[a-z]{40}", "")
+    sched.submit(GenerationRequest(prompt(engine, "a"), constraint=c, max_tokens=40), broken)
+    ok = submit(sched, GenerationRequest(prompt(engine, "b"), max_tokens=30))
+    assert ok.wait().finish_reason == "length"
+    deadline = time.monotonic() + TIMEOUT
+    while sched.live_count and time.monotonic() < deadline:
+        time.sleep(0.005)
+    fin = calls[-1]
+    assert isinstance(fin, FinishEvent) and fin.error_status == "CANCELLED"
+    assert len(calls) <= 3
+    assert "event callback of request" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "match"),
+    [
+        ({"max_tokens": 0}, RequestError, r"max_tokens: must be an integer in \[1, 256\], got 0"),
+        ({"max_tokens": 257}, RequestError, r"max_tokens: must be an integer in \[1, 256\], got 257"),
+        ({"max_tokens": 250, "prompt_token_ids": [5] * 100}, RequestError,
+         r"max_tokens: prompt \(100 tokens\) \+ max_tokens \(250\) exceed the context length 320"),
+        ({"prompt_token_ids": []}, RequestError, "prompt_token_ids: must not be empty"),
+        ({"prompt_token_ids": [5, 448]}, RequestError, r"prompt_token_ids: ids must be in \[0, 448\), got \[5, 448\]"),
+        ({"prompt_token_ids": ["a"]}, RequestError, "prompt_token_ids: must be a sequence of integers"),
+        ({"temperature": -1.0}, RequestError, "temperature: must be a finite number >= 0"),
+        ({"top_p": 0.0}, RequestError, r"top_p: must be in \(0, 1\]"),
+        ({"top_k": -2}, RequestError, "top_k: must be an integer >= 0"),
+        ({"seed": -5}, RequestError, "seed: must be an integer"),
+        ({"stop": ("",)}, RequestError, r"stop\[0\]: must be a non-empty string"),
+        ({"stop": ("x" * 300,)}, RequestError, r"stop\[0\]: longer than 256 characters"),
+        ({"stop": tuple("abcdefghijklmnopq")}, RequestError, "stop: at most 16 stop strings, got 17"),
+        ({"constraint": "regex"}, RequestError, "constraint: must be a ConstraintRequest or None, got str"),
+        ({"request_id": ""}, RequestError, "request_id: must be a non-empty string or None"),
+    ],
+)
+def test_submit_rejects_bad_requests(
+    engine: TorchEngine, sched: Scheduler, changes: dict[str, object], error: type[Exception], match: str
+) -> None:
+    fields: dict[str, object] = {"prompt_token_ids": [5, 6], "max_tokens": 4}
+    fields.update(changes)
+    with pytest.raises(error, match=match):
+        sched.submit(GenerationRequest(**fields), Result())  # type: ignore[arg-type]
+    assert sched.live_count == 0
+
+
+def test_duplicate_request_id_and_overload(engine: TorchEngine, provider: XGrammarMaskProvider) -> None:
+    provider.start_gate = threading.Event()
+    c = ConstraintRequest("regex", "ok", "")
+    with Scheduler(engine, provider, SchedulerConfig(max_queued=2)) as s:
+        a = Result()
+        assert s.submit(GenerationRequest([5], request_id="r1", constraint=c, max_tokens=4), a) == "r1"
+        with pytest.raises(RequestError, match="request_id: 'r1' is already in flight"):
+            s.submit(GenerationRequest([5], request_id="r1", max_tokens=4), Result())
+        b = Result()
+        assert s.submit(GenerationRequest([5], constraint=c, max_tokens=4), b).startswith("req-")
+        with pytest.raises(Overloaded, match=r"2 requests are queued \(max_queued 2\)"):
+            s.submit(GenerationRequest([5], max_tokens=4), Result())
+        provider.start_gate.set()
+        assert a.wait().text == b.wait().text == "ok"
+
+
+def test_close_fails_what_is_left(engine: TorchEngine, provider: XGrammarMaskProvider) -> None:
+    provider.start_gate = threading.Event()
+    s = Scheduler(engine, provider)
+    compiling = submit(s, GenerationRequest([5], constraint=ConstraintRequest("regex", "[a-z]{200}", ""),
+                                            max_tokens=200))
+    running = submit(s, GenerationRequest([6], max_tokens=250))
+    assert running.first_token.wait(TIMEOUT)
+    threading.Timer(0.2, provider.start_gate.set).start()  # the compile completes while closing
+    s.close()
+    for r in (compiling, running):
+        fin = r.wait()
+        assert (fin.finish_reason, fin.error_status) == ("error", "UNAVAILABLE")
+    with pytest.raises(SchedulerClosed, match="the scheduler is closed"):
+        s.submit(GenerationRequest([5], max_tokens=4), Result())
+    assert engine.live_count == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_batch_size": 9}, "scheduler.max_batch_size: 9 exceeds the engine's 8 cache slots"),
+        ({"max_batch_size": 0}, "scheduler.max_batch_size: must be a positive integer"),
+        ({"idle_wait_s": 0}, r"scheduler.idle_wait_s: must be in \(0, 10\] seconds"),
+        ({"seq_id_namespace": 2**24}, r"scheduler.seq_id_namespace: must be an integer in \[0, 2\*\*24\)"),
+        ({"compile_workers": 0}, "scheduler.compile_workers: must be a positive integer"),
+    ],
+)
+def test_scheduler_config_rejects(engine: TorchEngine, provider: XGrammarMaskProvider,
+                                  kwargs: dict[str, object], match: str) -> None:
+    from grammar_backend.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        Scheduler(engine, provider, SchedulerConfig(**kwargs))  # type: ignore[arg-type]
+
+
+def test_seq_ids_carry_the_namespace(engine: TorchEngine, provider: XGrammarMaskProvider) -> None:
+    with Scheduler(engine, provider, SchedulerConfig(seq_id_namespace=5)) as s:
+        r = submit(s, GenerationRequest([5], constraint=ConstraintRequest("regex", "ok", ""), max_tokens=4))
+        r.wait()
+    assert [sid >> 40 for sid in provider.started] == [5]
+
+
+def test_tiny_checkpoint_is_a_plain_folder(tmp_path: Path) -> None:
+    """The tiny checkpoint loads from a plain folder (nothing is downloaded)."""
+    info = build_tiny_llama(tmp_path / "m", num_layers=1)
+    assert sorted(p.name for p in info.path.iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors", "tiny_model.json",
+        "tokenizer.json", "tokenizer_config.json",
+    ]
