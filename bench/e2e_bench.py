@@ -126,7 +126,7 @@ def pct(values: Sequence[float], q: float) -> float:
 
 def ms(seconds: float) -> str:
     """Seconds as a right-aligned millisecond figure."""
-    return "-" if math.isnan(seconds) else f"{seconds * 1e3:9.2f}"
+    return "-" if math.isnan(seconds) else f"{seconds * 1e3:9.3f}"
 
 
 def ratio(num: float, den: float) -> str:

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 MODEL_DIR = REPO / "build" / "models" / "smollm2-135m-instruct"
 SCHEMAS = REPO / "tests" / "fixtures" / "schemas"
 
-pytestmark = pytest.mark.triton
+pytestmark = [pytest.mark.triton, pytest.mark.e2e]
 
 
 def _schema(name: str) -> dict[str, Any]:

@@ -147,6 +147,7 @@ def test_server_environment_puts_venv_first(tmp_path: Path) -> None:
     env = server_environment(dist, venv, {"PATH": "/usr/bin:/bin", "LD_LIBRARY_PATH": "/opt/lib", "KEEP": "1"})
     assert env == {
         "PATH": f"{venv}/bin:/usr/bin:/bin",
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
         "LD_LIBRARY_PATH": f"/opt/lib:{dist.libs_dir}",
         "KEEP": "1",
     }
