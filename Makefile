@@ -65,7 +65,7 @@ RENDER_EXTRA ?=
 CLIENT_SCHEMA := {"type":"object","properties":{"name":{"type":"string"},"age":{"type":"integer"}},"required":["name","age"]}
 CLIENT_HINT   := $(PY) -m client --url $(HOST):$(GRPC_PORT) --schema '$(CLIENT_SCHEMA)' "Invent a person."
 
-.PHONY: help venv model tokenizers render serve test test-e2e lint bench clean
+.PHONY: help venv model tokenizers render serve test lint bench clean
 
 help:
 	@sed -n '1p;3,11p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
@@ -120,11 +120,7 @@ serve: venv model render
 # --------------------------------------------------------------------- test
 # pytest orders unit tests before integration tests (tests/conftest.py).
 test: venv model tokenizers
-	$(PY) -m pytest tests -q -m "not e2e"
-
-# The end-to-end ensemble tests (real model, real server); see README "Limits".
-test-e2e: venv model tokenizers
-	$(PY) -m pytest tests -q -m e2e
+	$(PY) -m pytest tests -q
 
 # --------------------------------------------------------------------- lint
 lint: venv

@@ -9,23 +9,22 @@ worker threads), so each request yields exactly one response.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
-from grammar_backend.errors import (
-    ALREADY_EXISTS,
-    INTERNAL,
-    INVALID_ARGUMENT,
-    NOT_FOUND,
-    UNAVAILABLE,
-    GrammarError,
-)
+from grammar_backend.errors import INTERNAL, GrammarError
 from llm_runtime.mask import ConstraintRequest, MaskStep
 
-_STEP_OUTPUTS = ["BITMASK", "TERMINATED", "ROW_ERROR"]
+# Every call asks for ERROR: the grammar model then returns request-level
+# errors as data, because Triton 2.51's BLS resets error codes to INTERNAL
+# (triton-inference-server/server#7804) and a bad constraint must reach the
+# client as INVALID_ARGUMENT.
+_STEP_OUTPUTS = ["BITMASK", "TERMINATED", "ROW_ERROR", "ERROR"]
+_CONTROL_OUTPUTS = ["ACTIVE_SEQUENCES", "ERROR"]
 
 
 class RemoteGrammarError(GrammarError):
@@ -50,13 +49,6 @@ class BlsMaskProvider:
     def __init__(self, pb_utils: ModuleType, model_name: str = "grammar") -> None:
         self._pb = pb_utils
         self._model = model_name
-        err = pb_utils.TritonError
-        self._status = {
-            err.INVALID_ARG: INVALID_ARGUMENT,
-            err.NOT_FOUND: NOT_FOUND,
-            err.ALREADY_EXISTS: ALREADY_EXISTS,
-            err.UNAVAILABLE: UNAVAILABLE,
-        }
         self._op_step = pb_utils.Tensor("OP", np.array([b"step"], np.object_))
         self._op_end = pb_utils.Tensor("OP", np.array([b"end"], np.object_))
         self._op_start = pb_utils.Tensor("OP", np.array([b"start"], np.object_))
@@ -67,13 +59,16 @@ class BlsMaskProvider:
         )
         reply = None
         for response in request.exec(decoupled=True):
-            if response.has_error():
-                error = response.error()
-                raise RemoteGrammarError(error.message(), self._status.get(error.code(), INTERNAL))
+            if response.has_error():  # a fault of the grammar model itself (its code is lost: INTERNAL)
+                raise RemoteGrammarError(response.error().message(), INTERNAL)
             if response.output_tensors():
                 reply = response
         if reply is None:
             raise RemoteGrammarError(f"{self._model}: no response", INTERNAL)
+        error = self._pb.get_output_tensor_by_name(reply, "ERROR")
+        if error is not None:
+            doc = json.loads(bytes(error.as_numpy().reshape(-1)[0]))
+            raise RemoteGrammarError(doc["message"], doc["status"])
         return reply
 
     def start(self, seq_id: int, constraint: ConstraintRequest) -> None:
@@ -87,7 +82,7 @@ class BlsMaskProvider:
                 pb.Tensor("GRAMMAR", np.array([constraint.payload.encode("utf-8")], np.object_)),
                 pb.Tensor("GRAMMAR_OPTIONS", np.array([constraint.options_json.encode("utf-8")], np.object_)),
             ],
-            ["ACTIVE_SEQUENCES"],
+            _CONTROL_OUTPUTS,
         )
 
     def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> MaskStep:
@@ -114,5 +109,5 @@ class BlsMaskProvider:
         """Free the sequences' matchers."""
         self._call(
             [self._op_end, self._pb.Tensor("SEQUENCE_ID", np.array(list(seq_ids), np.uint64))],
-            ["ACTIVE_SEQUENCES"],
+            _CONTROL_OUTPUTS,
         )

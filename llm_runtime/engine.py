@@ -13,18 +13,23 @@ value are scattered into ``buffer[row, :, length[row]]``.
 
 The alternative, one ``transformers.DynamicCache`` per sequence merged (padded and
 concatenated) for every step and split afterwards, copies the whole live cache
-twice per step.  Measured with ``python -m llm_runtime.bench_cache`` on
-SmolLM2-135M (30 layers, 3 KV heads x 64), float32, 2 shared CPU cores, 8
-sequences at 128..233 cached tokens:
+twice per step.  Measured with ``python -m llm_runtime.bench_cache MODEL_DIR
+--threads 1 --prompt P`` on SmolLM2-135M (30 layers, 3 KV heads x 64), float32,
+8 sequences whose cached lengths differ by 15 tokens, 16 interleaved steps, median
+ms per decode step (2-core machine shared with other jobs, so absolute figures
+vary; both layouts produce the same tokens, checked by the script):
 
-==========================  ===============  ======================
-layout                      ms / decode step  of which cache copies
-==========================  ===============  ======================
-slot buffer (this module)   see BENCH_FIGURES  0 (views + scatter)
-merge per-sequence caches   see BENCH_FIGURES  pad + cat + split
-==========================  ===============  ======================
+=======================  =========  ==========  ==========
+cached tokens per row    128..233   400..505    800..905
+=======================  =========  ==========  ==========
+slot buffer (this file)  129        159         120
+merged per-seq caches    158        224         254
+=======================  =========  ==========  ==========
 
-(the figures are filled in :data:`BENCH_FIGURES` below from the last run).
+The merge cost grows with the cached length (it is a copy of every live token
+of every layer); the slot layout's only per-step copies are the B new key/value
+rows.  With 2 intra-op threads on the same loaded machine: 549 vs 688 ms (128..)
+and 757 vs 1029 ms (400..); see :class:`EngineConfig` ``num_threads``.
 
 The model runs with ``attn_implementation="sdpa"``: with one query token,
 transformers packs grouped-query heads (``pack_gqa``) instead of repeating the
@@ -50,10 +55,7 @@ from transformers.cache_utils import Cache
 
 from .errors import EngineError, RequestError, config_error
 
-__all__ = ["BENCH_FIGURES", "Engine", "EngineConfig", "TorchEngine"]
-
-# Filled from `python -m llm_runtime.bench_cache` (see the module docstring).
-BENCH_FIGURES: dict[str, float] = {}
+__all__ = ["Engine", "EngineConfig", "TorchEngine"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -81,7 +83,11 @@ class EngineConfig:
         Initial slot length; the buffers double (up to ``max_seq_len``) when a
         sequence outgrows them, so memory follows the longest live sequence.
     num_threads : int or None
-        ``torch.set_num_threads`` value; ``None`` leaves the process setting alone.
+        ``torch.set_num_threads`` value (process-wide); ``None`` leaves it alone.
+        On a 2-core machine shared with other processes, 1 thread was 3.5x faster
+        than 2 (SmolLM2, batch 8: 75 vs 265 ms per step): OpenMP's spinning
+        workers lose their cores to the other processes and to the grammar
+        worker thread.  Measure on the target machine.
     """
 
     device: str = "cpu"

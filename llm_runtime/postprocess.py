@@ -14,7 +14,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from grammar_backend.fidelity import UnenforcedKeyword, result_json, unenforced_keywords, validate_output
+from grammar_backend.fidelity import (
+    UnenforcedKeyword,
+    result_json,
+    unenforced_keywords,
+    validate_output,
+)
 
 FINISH_REASONS = ("stop", "length", "error")
 

@@ -14,6 +14,12 @@ step ``t`` the loop
 4. retires finished rows (engine slot freed, ``MaskProvider.end`` called once for
    all of them).
 
+Measured (SmolLM2-135M float32 on the 2-core CPU, 1 torch thread, 8 rows
+constrained by one JSON schema through an in-process xgrammar provider, 60
+steps): forward 74 ms median per step, ``MaskProvider.step`` 0.17 ms median
+(p90 0.25 ms) on the worker, mask wait after the forward 0.011 ms median (p90
+0.013 ms): the grammar step is hidden behind the forward.
+
 ``MaskProvider.start`` (grammar compile) runs on a pool of compile workers; a
 request waits outside the batch until its grammar is ready, so a slow compile
 never stalls the batch.
@@ -289,7 +295,6 @@ class _Seq:
     detok: IncrementalDetokenizer
     started: bool = False  # MaskProvider.start returned
     ended: bool = False  # MaskProvider.end issued
-    start_done: bool = False
     in_engine: bool = False
     finished: bool = False
     generated: int = 0
@@ -373,6 +378,11 @@ class Scheduler:
         """Requests not finished yet (compiling, waiting, or in the batch)."""
         with self._lock:
             return len(self._live)
+
+    @property
+    def max_batch_size_seen(self) -> int:
+        """Largest batch since the last reset (cheap: no snapshot of the ring buffers)."""
+        return self._stats.max_batch
 
     @property
     def max_batch_size(self) -> int:
@@ -557,13 +567,11 @@ class Scheduler:
         ends: list[int] = []
         for seq in inbox:
             if seq.constraint is None:
-                seq.start_done = True
                 self._ready.append(seq)
             else:
                 self._starting[seq.rid] = seq
                 self._compile_pool.submit(self._run_start, seq, seq.constraint)
         for seq, err in started:
-            seq.start_done = True
             self._starting.pop(seq.rid, None)
             if err is None:
                 seq.started = True
@@ -838,7 +846,6 @@ class Scheduler:
     def _shutdown(self, inbox: list[_Seq], started: list[tuple[_Seq, BaseException | None]]) -> None:
         ends: list[int] = []
         for seq, err in started:
-            seq.start_done = True
             self._starting.pop(seq.rid, None)
             if err is None:
                 seq.started = True
@@ -849,6 +856,5 @@ class Scheduler:
                 self._ready.append(seq)
         self._end(ends)
         for seq in inbox:
-            seq.start_done = True
             self._ready.append(seq)
         self._fail_all("the scheduler is shutting down", "UNAVAILABLE")

@@ -35,7 +35,7 @@ _MARKERS = {
     "triton": "needs the tritonserver bundled in nvidia-pytriton (skipped when it cannot be found)",
     "gpu": "needs a CUDA device (skipped when torch.cuda.is_available() is false)",
     "slow": "takes more than a few seconds (deselect with -m 'not slow')",
-    "e2e": "full ensemble on the real model over gRPC (`make test-e2e`; not yet verified green in CI)",
+    "e2e": "the full ensemble on the real model over gRPC (select with -m e2e)",
 }
 
 _UNIT_DIR = Path(__file__).parent / "unit"

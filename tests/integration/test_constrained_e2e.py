@@ -10,6 +10,7 @@ import json
 import re
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,15 @@ def grammar_active(server: TritonServer) -> int:
     return int(stats["active"])
 
 
+def metric(server: TritonServer, name: str) -> float:
+    """A gauge from Triton's Prometheus endpoint."""
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as resp:
+        text = resp.read().decode()
+    values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith((name + "{", name + " "))]
+    assert len(values) == 1, f"{name} not exported once: {values}"
+    return values[0]
+
+
 def wait_active_zero(server: TritonServer, timeout_s: float = 60) -> int:
     deadline = time.monotonic() + timeout_s
     active = grammar_active(server)
@@ -104,10 +114,11 @@ def test_every_completed_json_output_parses_and_validates(client: Client, name: 
     `length`, never reported as a success."""
     schema = _schema(name)
     for prompt in PROMPTS[:2]:
+        prompt = f"{prompt} Reply with JSON matching this schema: {json.dumps(schema)}"
         result = client.generate(prompt, constraint=Constraint.json_schema(schema), max_tokens=96,
                                  require_complete=False)
         if not result.complete:
-            assert result.finish_reason == "length" and result.usage["completion_tokens"] == 96
+            assert result.finish_reason == "length" and result.usage.completion_tokens == 96
             continue
         COMPLETED[name] = COMPLETED.get(name, 0) + 1
         assert result.finish_reason == "stop"
@@ -136,13 +147,23 @@ def test_text_constraints_match(client: Client, constraint: Constraint, pattern:
     assert re.fullmatch(pattern, result.text), result.text
 
 
-def test_structural_tag_tool_call(client: Client) -> None:
+@pytest.mark.parametrize("at_least_one", [False, True])
+def test_structural_tag_tool_call(client: Client, at_least_one: bool) -> None:
     tool = _schema("tool_weather")
-    constraint = Constraint.structural_tag(
-        ["<tool_call>"], [{"begin": "<tool_call>", "schema": tool, "end": "</tool_call>"}])
-    result = client.generate("Call the weather tool for Paris. <tool_call>", constraint=constraint, max_tokens=120,
+    if at_least_one:  # xgrammar's own format: the output must contain a tool call
+        constraint = Constraint.structural_tag_raw({"type": "structural_tag", "format": {
+            "type": "triggered_tags", "triggers": ["<tool_call>"], "at_least_one": True, "stop_after_first": True,
+            "tags": [{"type": "tag", "begin": "<tool_call>", "end": "</tool_call>",
+                      "content": {"type": "json_schema", "json_schema": tool}}]}})
+    else:  # the short form: free text, tool calls optional
+        constraint = Constraint.structural_tag(
+            ["<tool_call>"], [{"begin": "<tool_call>", "schema": tool, "end": "</tool_call>"}])
+    result = client.generate("Call the weather tool for Paris.", constraint=constraint, max_tokens=120,
                              require_complete=False)
-    for call in re.findall(r"<tool_call>(.*?)</tool_call>", result.text, flags=re.S):
+    calls = re.findall(r"<tool_call>(.*?)</tool_call>", result.text, flags=re.DOTALL)
+    if at_least_one:
+        assert result.complete and len(calls) == 1, result.text
+    for call in calls:
         jsonschema.Draft202012Validator(tool).validate(json.loads(call))
 
 
@@ -159,7 +180,7 @@ def test_max_tokens_truncation_is_length_not_success(client: Client) -> None:
     with pytest.raises(TruncatedOutput) as info:
         client.generate("Invent a person.", constraint=Constraint.json_schema(_schema("person")), max_tokens=3)
     result = info.value.result
-    assert (result.finish_reason, result.complete, result.usage["completion_tokens"]) == ("length", False, 3)
+    assert (result.finish_reason, result.complete, result.usage.completion_tokens) == ("length", False, 3)
 
 
 def test_bad_schema_is_invalid_argument_while_others_complete(client: Client, server: TritonServer) -> None:
@@ -197,6 +218,7 @@ def test_eight_concurrent_requests_share_one_batch(client: Client, server: Trito
     for t in threads:
         t.join()
     assert sorted(results) == list(range(8))
+    assert metric(server, "llm_batch_size_max") == 8
     for i, result in results.items():
         assert result.finish_reason in ("stop", "length")
         if i % 2 and result.complete:
@@ -212,3 +234,4 @@ def test_cancelled_stream_frees_its_matcher(client: Client, server: TritonServer
             break
     stream.close()  # closes the gRPC stream: the server cancels the request
     assert wait_active_zero(server, timeout_s=90) == 0
+    assert metric(server, "grammar_active_sequences") == 0

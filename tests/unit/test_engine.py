@@ -11,9 +11,20 @@ import xgrammar as xgr
 
 from grammar_backend.bitmask import BitmaskBuffer, allowed_tokens, bitmask_width
 from grammar_backend.engine import EngineConfig, GrammarEngine
-from grammar_backend.errors import CompileError, ConfigError, DuplicateSequence, GrammarError
+from grammar_backend.errors import (
+    CompileError,
+    ConfigError,
+    DuplicateSequence,
+    GrammarError,
+)
 from grammar_backend.spec import parse_constraint
-from tests.unit.conftest import TINY_STOP, TINY_VOCAB, TINY_VOCAB_SIZE, load_schema, tiny_encode
+from tests.unit.conftest import (
+    TINY_STOP,
+    TINY_VOCAB,
+    TINY_VOCAB_SIZE,
+    load_schema,
+    tiny_encode,
+)
 
 
 @pytest.fixture()

@@ -9,7 +9,12 @@ from typing import Any
 import pytest
 
 from grammar_backend.errors import ConstraintError, InvalidArgument
-from llm_runtime.preprocess import GenerationParams, PreprocessConfig, Preprocessor, RawRequest
+from llm_runtime.preprocess import (
+    GenerationParams,
+    PreprocessConfig,
+    Preprocessor,
+    RawRequest,
+)
 
 MODEL = Path(__file__).resolve().parents[2] / "build" / "models" / "smollm2-135m-instruct"
 CONFIG = PreprocessConfig(tokenizer=str(MODEL), max_prompt_tokens=64, max_tokens_limit=100, default_max_tokens=50)

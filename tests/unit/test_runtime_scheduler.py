@@ -54,7 +54,7 @@ def one_torch_thread() -> Iterator[None]:
 
 
 class XGrammarMaskProvider:
-    """A MaskProvider on xgrammar: ``regex`` and ``choice`` constraints."""
+    """A MaskProvider on xgrammar: ``regex``, ``choice`` and ``json_schema`` constraints."""
 
     def __init__(self, compiler: xgr.GrammarCompiler, vocab_size: int) -> None:
         self.compiler = compiler
@@ -73,6 +73,8 @@ class XGrammarMaskProvider:
             if c.kind == "choice":
                 options = json.loads(c.payload)
                 return self.compiler.compile_grammar("root ::= " + " | ".join(json.dumps(o) for o in options))
+            if c.kind == "json_schema":
+                return self.compiler.compile_json_schema(c.payload, any_whitespace=False, separators=(",", ":"))
         except RuntimeError as err:
             raise CompileError("grammar", str(err).splitlines()[-1]) from err
         raise ConstraintError("grammar_type", f"unsupported kind {c.kind!r}")

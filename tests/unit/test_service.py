@@ -11,7 +11,12 @@ import pytest
 import xgrammar as xgr
 
 from grammar_backend.engine import EngineConfig, GrammarEngine
-from grammar_backend.errors import CompileError, ConfigError, ConstraintError, DuplicateSequence
+from grammar_backend.errors import (
+    CompileError,
+    ConfigError,
+    ConstraintError,
+    DuplicateSequence,
+)
 from grammar_backend.params import from_parameters, parameter_values
 from grammar_backend.service import GrammarModelConfig, GrammarRequest, GrammarService
 from tests.unit.conftest import TINY_STOP, tiny_encode

@@ -20,11 +20,16 @@ Outputs (exactly one response per request, sent with the FINAL flag)
     FORCED_COUNT     INT32 [B]              step with JUMP_FORWARD
     ACTIVE_SEQUENCES INT32 [1]              sequences holding a matcher after this request
     STATS            BYTES [1]              stats: JSON of cache and table counters
+    ERROR            BYTES [1]              only when requested: a request-level error as data,
+                                            JSON {"status": gRPC status name, "message": ...}
 
 A request-level error (bad constraint, compile failure, duplicate start,
 malformed batch) is an error response whose code comes from
-``grammar_backend.errors.triton_code_name``; one bad row of a step is only
-reported in ROW_ERROR.
+``grammar_backend.errors.triton_code_name`` -- unless the request asked for
+the ERROR output: Triton 2.51's BLS resets every error code to INTERNAL
+(triton-inference-server/server#7804), so the ``llm`` model asks for ERROR to
+keep INVALID_ARGUMENT distinct from a server fault. One bad row of a step is
+only reported in ROW_ERROR.
 """
 
 from __future__ import annotations
@@ -38,7 +43,12 @@ import triton_python_backend_utils as pb_utils
 
 from grammar_backend.errors import GrammarError, triton_code_name
 from grammar_backend.params import from_parameters, parameter_values
-from grammar_backend.service import GrammarModelConfig, GrammarReply, GrammarRequest, GrammarService
+from grammar_backend.service import (
+    GrammarModelConfig,
+    GrammarReply,
+    GrammarRequest,
+    GrammarService,
+)
 
 
 def _array(request: Any, name: str) -> np.ndarray | None:
@@ -82,7 +92,10 @@ def _to_response(reply: GrammarReply) -> Any:
     return pb_utils.InferenceResponse(output_tensors=tensors)
 
 
-def _error_response(err: GrammarError) -> Any:
+def _error_response(err: GrammarError, as_data: bool) -> Any:
+    if as_data:
+        doc = json.dumps({"status": err.status, "message": str(err)}).encode()
+        return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("ERROR", np.array([doc], np.object_))])
     code = getattr(pb_utils.TritonError, triton_code_name(err))
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(err), code))
 
@@ -96,28 +109,39 @@ class TritonPythonModel:
         # Starts compile on these threads so a slow compile never delays the
         # step requests of the running batch (served inline in execute).
         self.starts = ThreadPoolExecutor(config.compile_workers, thread_name_prefix="grammar-start")
+        # Prometheus gauges on Triton's metrics endpoint, updated after each response.
+        # The families must outlive their metrics, so they are kept too.
+        gauge = pb_utils.MetricFamily.GAUGE
+        self.families = [
+            pb_utils.MetricFamily("grammar_active_sequences", "Sequences holding an xgrammar matcher", gauge),
+            pb_utils.MetricFamily("grammar_cache_bytes", "Bytes of compiled grammars in the compile cache", gauge),
+        ]
+        self.active_gauge, self.cache_gauge = (family.Metric() for family in self.families)
 
-    def _serve(self, request: Any, req: GrammarRequest) -> None:
+    def _serve(self, request: Any, req: GrammarRequest, errors_as_data: bool) -> None:
         sender = request.get_response_sender()
         try:
             response = _to_response(self.service.handle(req))
         except GrammarError as err:
-            response = _error_response(err)
+            response = _error_response(err, errors_as_data)
         except Exception as err:  # noqa: BLE001 - a bug must reach the caller as INTERNAL, never hang it
             pb_utils.Logger.log_error(f"grammar: {req.op} failed: {err!r}")
             response = pb_utils.InferenceResponse(
                 error=pb_utils.TritonError(f"grammar: internal error in {req.op}: {err!r}", pb_utils.TritonError.INTERNAL)
             )
         sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        self.active_gauge.set(self.service.engine.active_count)
+        if req.op != "step":  # the cache only changes on start; steps skip the stats lock
+            self.cache_gauge.set(self.service.engine.cache.stats().bytes_in_use)
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
             req = _to_request(request)
+            errors_as_data = "ERROR" in request.requested_output_names()
             if req.op == "start":
-                self.starts.submit(self._serve, request, req)
+                self.starts.submit(self._serve, request, req, errors_as_data)
             else:
-                self._serve(request, req)
-        return None
+                self._serve(request, req, errors_as_data)
 
     def finalize(self) -> None:
         self.starts.shutdown(wait=False, cancel_futures=True)

@@ -61,11 +61,12 @@ def _to_request(request: Any) -> tuple[dict[str, str] | None, GenerationRequest]
 class _Stream:
     """Sends one request's scheduler events as Triton responses."""
 
-    __slots__ = ("sender", "rid", "scheduler", "constraint")
+    __slots__ = ("constraint", "metrics", "rid", "scheduler", "sender")
 
-    def __init__(self, sender: Any, scheduler: Any) -> None:
+    def __init__(self, sender: Any, scheduler: Any, metrics: dict[str, Any]) -> None:
         self.sender = sender
         self.scheduler = scheduler
+        self.metrics = metrics
         self.rid = ""
         self.constraint: dict[str, str] | None = None
 
@@ -79,6 +80,8 @@ class _Stream:
                     pb_utils.Tensor("TEXT_DELTA", np.array([event.text_delta.encode("utf-8")], np.object_)),
                     pb_utils.Tensor("FINISH", _EMPTY)]))
             return
+        self.metrics["max_batch"].set(self.scheduler.max_batch_size_seen)
+        self.metrics["live"].set(self.scheduler.live_count)
         if event.error_status == "CANCELLED":
             self.sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         elif event.error is not None and event.completion_tokens == 0 and event.error_status != "INTERNAL":
@@ -99,16 +102,23 @@ class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         config = from_parameters(LlmModelConfig, parameter_values(json.loads(args["model_config"])), "llm")
         self.scheduler = bls_scheduler(config, pb_utils)
+        # Prometheus gauges on Triton's metrics endpoint, updated once per finished request.
+        # The families must outlive their metrics, so they are kept too.
+        gauge = pb_utils.MetricFamily.GAUGE
+        self.families = {
+            "max_batch": pb_utils.MetricFamily("llm_batch_size_max", "Largest batch decoded in one step", gauge),
+            "live": pb_utils.MetricFamily("llm_live_requests", "Requests not finished yet", gauge),
+        }
+        self.metrics = {name: family.Metric() for name, family in self.families.items()}
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
-            stream = _Stream(request.get_response_sender(), self.scheduler)
+            stream = _Stream(request.get_response_sender(), self.scheduler, self.metrics)
             try:
                 stream.constraint, gen_request = _to_request(request)
                 stream.rid = self.scheduler.submit(gen_request, stream)
             except GrammarError as err:
                 stream.sender.send(_error(str(err), err.status), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        return None
 
     def finalize(self) -> None:
         # One line per process lifetime: the per-step figures the benchmarks read.
