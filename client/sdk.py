@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import logging
 import math
 import queue
 import threading
@@ -35,6 +36,9 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from client.constraints import Constraint
+
+_log = logging.getLogger(__name__)
+_CANCEL_WAIT_S: Final = 5.0
 from client.errors import (
     ClientError,
     DeadlineExceeded,
@@ -637,6 +641,10 @@ class Client:
     timeout_s : float or None
         Deadline of one whole call in seconds (the gRPC stream deadline);
         ``None`` waits without bound.
+    cancel_model : str or None
+        Model that cancels a request by id when a stream is closed early
+        (``llm``, which Triton's ensemble does not tell of a cancelled stream);
+        None: rely on the gRPC cancellation alone.
     verbose : bool
         tritonclient's verbose logging.
 
@@ -652,6 +660,7 @@ class Client:
         model: str = DEFAULT_MODEL,
         timeout_s: float | None = DEFAULT_TIMEOUT_S,
         *,
+        cancel_model: str | None = "llm",
         verbose: bool = False,
     ) -> None:
         if not isinstance(url, str) or not url:
@@ -662,11 +671,34 @@ class Client:
             raise InvalidRequest("timeout_s", f"must be > 0 or None, got {timeout_s}")
         self.url = url
         self.model = model
+        self.cancel_model = cancel_model
         self.timeout_s = None if timeout_s is None else float(timeout_s)
         self._verbose = verbose
         self._idle: list[grpcclient.InferenceServerClient] = []
         self._lock = threading.Lock()
         self._closed = False
+
+    def _cancel(self, conn: grpcclient.InferenceServerClient, request_id: str) -> None:
+        """Ask ``cancel_model`` to cancel ``request_id`` (it ignores ids not in flight).
+
+        The stream cancellation above does not reach models inside an ensemble
+        in Triton 2.51 (server#6739), so the SDK names the request explicitly.
+        Best effort during cleanup: a failure is logged, never raised over the
+        caller's own exception or early exit.
+        """
+        done: queue.SimpleQueue[InferenceServerException | None] = queue.SimpleQueue()
+        cancel = grpcclient.InferInput("CANCEL", [1], "BYTES")
+        cancel.set_data_from_numpy(np.array([request_id.encode()], np.object_))
+        try:
+            conn.start_stream(callback=lambda result, error: done.put(error), headers=dict(_STREAM_HEADERS))
+            conn.async_stream_infer(self.cancel_model, [cancel], enable_empty_final_response=True)
+            error = done.get(timeout=_CANCEL_WAIT_S)
+            if error is not None:
+                _log.warning("cancel of request %s failed: %s", request_id, error)
+        except (InferenceServerException, queue.Empty) as err:
+            _log.warning("cancel of request %s failed: %r", request_id, err)
+        finally:
+            conn.stop_stream(cancel_requests=False)
 
     # ------------------------------------------------------------------ pool
     def _acquire(self) -> grpcclient.InferenceServerClient:
@@ -857,13 +889,14 @@ class Client:
         conn = self._acquire()
         stopped = False
         healthy = True
+        request_id = uuid.uuid4().hex
         assembler = StreamAssembler(kind)
         deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s + _LOCAL_GRACE_S
         try:
             try:
                 conn.start_stream(callback=on_response, stream_timeout=self.timeout_s, headers=dict(_STREAM_HEADERS))
                 conn.async_stream_infer(
-                    self.model, inputs, request_id=uuid.uuid4().hex, enable_empty_final_response=True
+                    self.model, inputs, request_id=request_id, enable_empty_final_response=True
                 )
             except InferenceServerException as err:
                 # When the connection fails at once (server down), tritonclient's
@@ -911,6 +944,8 @@ class Client:
                 # does not (the ensemble only checks between steps), so the
                 # server side must not rely on it alone to free a sequence.
                 conn.stop_stream(cancel_requests=True)
+                if healthy and self.cancel_model:
+                    self._cancel(conn, request_id)
             self._release(conn, healthy=healthy)
         yield final
         check_result(final_result, require_complete=require_complete)

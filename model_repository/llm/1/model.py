@@ -5,6 +5,10 @@ Tensor contract (``max_batch_size: 0``):
 Inputs
     INPUT_IDS   INT32 [T]   prompt token ids (from preprocessing)
     REQUEST     BYTES [1]   validated parameters + canonical constraint (JSON, from preprocessing)
+    CANCEL      BYTES [1]   alone: cancel the in-flight request whose Triton request id this is
+                            (answered with an empty final response). Triton 2.51 does not pass a
+                            client's stream cancellation into ensemble steps (server#6739), so
+                            the client SDK sends this when a stream is closed early.
 Outputs (streamed; the last response carries the FINAL flag)
     TEXT_DELTA  BYTES [1]   UTF-8 text of the tokens since the previous response
     FINISH      BYTES [1]   "" until the last response; then a JSON object {finish_reason, text,
@@ -26,7 +30,7 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from grammar_backend.errors import TRITON_CODE_NAMES, GrammarError
+from grammar_backend.errors import TRITON_CODE_NAMES, GrammarError, InvalidArgument
 from grammar_backend.params import from_parameters, parameter_values
 from llm_runtime.mask import ConstraintRequest
 from llm_runtime.model_config import LlmModelConfig, bls_scheduler, stats_summary
@@ -42,12 +46,18 @@ def _error(message: str, status: str) -> Any:
 
 
 def _to_request(request: Any) -> tuple[dict[str, str] | None, GenerationRequest]:
-    ids = pb_utils.get_input_tensor_by_name(request, "INPUT_IDS").as_numpy().reshape(-1)
-    raw = pb_utils.get_input_tensor_by_name(request, "REQUEST").as_numpy().reshape(-1)[0]
+    ids_tensor = pb_utils.get_input_tensor_by_name(request, "INPUT_IDS")
+    raw_tensor = pb_utils.get_input_tensor_by_name(request, "REQUEST")
+    if ids_tensor is None or raw_tensor is None:
+        raise InvalidArgument("INPUT_IDS", "INPUT_IDS and REQUEST are required unless CANCEL is given")
+    ids = ids_tensor.as_numpy().reshape(-1)
+    raw = raw_tensor.as_numpy().reshape(-1)[0]
     params = GenerationParams.from_json(bytes(raw))
     c = params.constraint
     return c, GenerationRequest(
         prompt_token_ids=ids.tolist(),
+        # The ensemble passes the client's request id down: it is what CANCEL names.
+        request_id=request.request_id() or None,
         constraint=None if c is None else ConstraintRequest(c["kind"], c["payload"], c["options"]),
         max_tokens=params.max_tokens,
         temperature=params.temperature,
@@ -113,6 +123,11 @@ class TritonPythonModel:
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
+            cancel = pb_utils.get_input_tensor_by_name(request, "CANCEL")
+            if cancel is not None:
+                self.scheduler.cancel(bytes(cancel.as_numpy().reshape(-1)[0]).decode("utf-8", "replace"))
+                request.get_response_sender().send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                continue
             stream = _Stream(request.get_response_sender(), self.scheduler, self.metrics)
             try:
                 stream.constraint, gen_request = _to_request(request)
