@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,18 @@ TINY_VOCAB_SIZE = 320  # padded past len(TINY_VOCAB), like a model's logits widt
 def load_schema(name: str) -> dict[str, Any]:
     """A hand-written schema fixture by file stem."""
     return json.loads((SCHEMAS / f"{name}.json").read_text())  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Tiny tensors gain nothing from intra-op threads, and on a loaded 2-core machine
+    OpenMP's spinning threads slow the runtime tests 10x (measured 42-107 s vs 5 s)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

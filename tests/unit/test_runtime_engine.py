@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -21,14 +21,7 @@ SMOLLM2_DIR = Path(os.environ.get("SMOLLM2_DIR", REPO / "build" / "models" / "sm
 
 PROMPTS = ("hello world", "yes no maybe true false null, the quick brown fox", "caf\u00e9 \U0001f600")
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """Tiny tensors gain nothing from intra-op threads, and on a loaded 2-core machine
-    OpenMP's spinning threads slow these tests 10x (measured 42-107 s vs 5 s)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -16,14 +15,7 @@ from llm_runtime.sampler import Sampler, SamplingParams
 
 V = 70  # not a multiple of 32: the last bitmask word is partly padding
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """Tiny tensors gain nothing from intra-op threads, and on a loaded 2-core machine
-    OpenMP's spinning threads slow these tests 10x (measured 42-107 s vs 5 s)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 

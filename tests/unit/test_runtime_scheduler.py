@@ -18,10 +18,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 import xgrammar as xgr
 from transformers import AutoTokenizer
 
+from grammar_backend.engine import EngineConfig as GrammarEngineConfig
+from grammar_backend.engine import GrammarEngine
 from grammar_backend.errors import (
     CompileError,
     ConstraintError,
@@ -30,6 +31,7 @@ from grammar_backend.errors import (
 )
 from llm_runtime.engine import EngineConfig, TorchEngine
 from llm_runtime.errors import Overloaded, RequestError, SchedulerClosed
+from llm_runtime.local_mask import LocalMaskProvider
 from llm_runtime.mask import ConstraintRequest, MaskStep
 from llm_runtime.scheduler import (
     FinishEvent,
@@ -42,14 +44,7 @@ from llm_runtime.tiny_model import TinyModelInfo, build_tiny_llama
 
 TIMEOUT = 60.0
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """Tiny tensors gain nothing from intra-op threads, and on a loaded 2-core machine
-    OpenMP's spinning threads slow these tests 10x (measured 42-107 s vs 5 s)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 
@@ -544,3 +539,35 @@ def test_tiny_checkpoint_is_a_plain_folder(tmp_path: Path) -> None:
         "config.json", "generation_config.json", "model.safetensors", "tiny_model.json",
         "tokenizer.json", "tokenizer_config.json",
     ]
+
+
+@pytest.mark.parametrize(
+    ("kind", "payload", "pattern"),
+    [
+        ("regex", "[a-z]{2,6}", r"[a-z]{2,6}"),
+        ("choice", '["north", "south"]', r"north|south"),
+        ("json_schema", ('{"type":"object","properties":{"n":{"type":"integer"}},"required":["n"],'
+                        '"additionalProperties":false}'), r'\{"n":-?[0-9]+\}'),
+    ],
+)
+def test_scheduler_over_the_real_grammar_engine(engine: TorchEngine, tiny: TinyModelInfo, kind: str, payload: str,
+                                                pattern: str) -> None:
+    """The in-process composition the Triton models split across BLS: Scheduler + LocalMaskProvider(GrammarEngine)."""
+    hf = AutoTokenizer.from_pretrained(str(tiny.path), local_files_only=True)
+    info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=tiny.vocab_size, stop_token_ids=[tiny.eos_token_id])
+    grammar = GrammarEngine(info, "tiny", GrammarEngineConfig(max_batch=8))
+    try:
+        with Scheduler(engine, LocalMaskProvider(grammar), SchedulerConfig(max_batch_size=8)) as s:
+            results = [submit(s, GenerationRequest(prompt(engine, p), constraint=ConstraintRequest(kind, payload, ""),
+                                                   max_tokens=40, temperature=0.8, seed=i))
+                       for i, p in enumerate(PROMPTS[:4])]
+            finals = [r.wait() for r in results]
+        for fin in finals:
+            if fin.finish_reason == "stop":
+                assert re.fullmatch(pattern, fin.text), fin.text
+            else:
+                assert (fin.finish_reason, fin.completion_tokens) == ("length", 40)
+        assert any(f.finish_reason == "stop" for f in finals)
+        assert grammar.active_count == 0
+    finally:
+        grammar.close()

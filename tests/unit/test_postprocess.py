@@ -1,0 +1,58 @@
+"""The final RESULT built by the postprocessing model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llm_runtime.postprocess import FinalState, build_result
+from tests.unit.conftest import load_schema
+
+PERSON = {"kind": "json_schema", "payload": json.dumps(load_schema("person")), "options": '{"strict": false}'}
+UNIQUE = {"kind": "json_schema", "payload": '{"type":"array","items":{"type":"integer"},"uniqueItems":true}',
+          "options": ""}
+
+
+@pytest.mark.parametrize(
+    ("final", "constraint", "expected_json"),
+    [
+        (FinalState("stop", '{"name":"Al","age":3}', 5, 9), PERSON,
+         {"parsed": True, "parse_error": None, "valid": True, "violations": [], "unenforced": []}),
+        (FinalState("stop", '{"name":"Al","age":200,"email":"x"}', 5, 9), PERSON,
+         {"parsed": True, "parse_error": None, "valid": False, "unenforced": [],
+          "violations": [{"pointer": "/age", "message": "200 is greater than the maximum of 150"},
+                         {"pointer": "/email", "message": "'x' is not a 'email'"}]}),
+        (FinalState("length", '{"name":"Al"', 5, 3), PERSON,
+         {"parsed": False, "parse_error": "line 1 column 13: Expecting ',' delimiter", "valid": None,
+          "violations": [], "unenforced": []}),
+        (FinalState("stop", "[1,1]", 5, 4), UNIQUE,
+         {"parsed": True, "parse_error": None, "valid": False,
+          "violations": [{"pointer": "", "message": "[1, 1] has non-unique elements"}],
+          "unenforced": [{"pointer": "/uniqueItems", "keyword": "uniqueItems"}]}),
+    ],
+)
+def test_json_result(final: FinalState, constraint: dict[str, str], expected_json: dict[str, object]) -> None:
+    result = build_result(final, constraint)
+    assert result["json"] == expected_json
+    assert result["complete"] is (final.finish_reason == "stop")
+    assert result["usage"] == {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens}
+
+
+@pytest.mark.parametrize(
+    ("final", "constraint"),
+    [
+        (FinalState("stop", "abc", 1, 2), {"kind": "regex", "payload": "[a-c]+", "options": ""}),
+        (FinalState("stop", "free text", 1, 2), None),
+        (FinalState("error", "", 1, 0, error="sequence 7: token 5 at position 0 is rejected by the grammar"), PERSON),
+    ],
+)
+def test_non_json_results_have_no_report(final: FinalState, constraint: dict[str, str] | None) -> None:
+    result = build_result(final, constraint)
+    assert result["json"] is None
+    assert (result["finish_reason"], result["error"]) == (final.finish_reason, final.error)
+
+
+def test_unknown_finish_reason_is_a_bug() -> None:
+    with pytest.raises(ValueError, match=r"^finish_reason must be one of"):
+        build_result(FinalState("done", "", 0, 0), None)
