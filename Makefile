@@ -41,7 +41,7 @@ METRICS_PORT ?= 8002
 # of its composing models).
 SERVE_MODELS ?= constrained_llm
 
-LINT_PACKAGES := grammar_backend llm_runtime client deploy
+LINT_PACKAGES := grammar_backend llm_runtime client deploy bench
 
 VENV_STAMP      := $(BUILD)/.stamp-venv
 MODEL_STAMP     := $(MODEL_DIR)/.prepared.json
@@ -124,7 +124,7 @@ test: venv model tokenizers
 
 # --------------------------------------------------------------------- lint
 lint: venv
-	$(VENV)/bin/ruff check $(LINT_PACKAGES)
+	$(VENV)/bin/ruff check $(LINT_PACKAGES) model_repository tests
 	$(VENV)/bin/mypy --ignore-missing-imports $(LINT_PACKAGES)
 
 # --------------------------------------------------------------------- bench
