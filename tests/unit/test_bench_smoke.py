@@ -181,7 +181,7 @@ def test_maskbench_outcomes(tmp_path: Path) -> None:
     assert doc["subsets"]["Handwritten"] == {
         "schemas": 4, "spec_rejected": 1, "compile_error": 1, "timeout": 0, "crash": 0, "error": 0, "bad_file": 0,
         "compiled": 2, "passed": 1, "over_schemas": 1, "valid_rejected": 1, "valid_total": 6, "under_schemas": 0,
-        "invalid_accepted": 0, "caught": 0, "invalid_total": 5, "untokenizable": 0, "mask_mismatches": 0,
+        "invalid_accepted": 0, "caught": 0, "validator_errors": 0, "invalid_total": 5, "untokenizable": 0, "mask_mismatches": 0,
     }
     totals = doc["totals"]
     assert (totals["schemas"], totals["passed"], totals["timeout"], totals["invalid_accepted"], totals["caught"]) == (
