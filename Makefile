@@ -62,7 +62,7 @@ RENDER_VALUES_FILE ?= deploy/values.json
 RENDER_EXTRA ?=
 # ---------------------------------------------------------------------------
 
-CLIENT_SCHEMA := {"type":"object","properties":{"name":{"type":"string"},"age":{"type":"integer"}},"required":["name","age"]}
+CLIENT_SCHEMA := {"type":"object","properties":{"name":{"type":"string","maxLength":40},"age":{"type":"integer","minimum":0,"maximum":120}},"required":["name","age"],"additionalProperties":false}
 CLIENT_HINT   := $(PY) -m client --url $(HOST):$(GRPC_PORT) --schema '$(CLIENT_SCHEMA)' "Invent a person."
 
 .PHONY: help venv model tokenizers render serve test lint bench clean
