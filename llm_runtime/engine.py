@@ -13,7 +13,7 @@ value are scattered into ``buffer[row, :, length[row]]``.
 
 The alternative, one ``transformers.DynamicCache`` per sequence merged (padded and
 concatenated) for every step and split afterwards, copies the whole live cache
-twice per step.  Measured with ``python -m llm_runtime.bench_cache MODEL_DIR
+twice per step.  Measured with ``python bench/kv_cache_bench.py MODEL_DIR
 --threads 1 --prompt P`` on SmolLM2-135M (30 layers, 3 KV heads x 64), float32,
 8 sequences whose cached lengths differ by 15 tokens, 16 interleaved steps, median
 ms per decode step (2-core machine shared with other jobs, so absolute figures

@@ -12,7 +12,7 @@ Compares, on the same model, prompts and greedy tokens:
 Both paths must produce the same greedy tokens (checked), so the figures compare
 equal work.  Run::
 
-    python -m llm_runtime.bench_cache MODEL_DIR [--batch 8] [--steps 24] [--prompt 128]
+    python bench/kv_cache_bench.py MODEL_DIR [--batch 8] [--steps 24] [--prompt 128]
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,10 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
-from .engine import EngineConfig, TorchEngine
+# Run as a script, sys.path[0] is bench/; the packages live at the repository root.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from llm_runtime.engine import EngineConfig, TorchEngine
 
 
 class _MergeCache(Cache):
