@@ -101,6 +101,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Final
 
+import jsonschema.validators
 import referencing
 import referencing.exceptions
 import referencing.jsonschema
@@ -616,7 +617,7 @@ def _check_schema(schema: Any) -> None:
     if not isinstance(schema, (Mapping, bool)):
         raise ConstraintError("grammar", f"a JSON Schema must be an object or a boolean, not {type(schema).__name__}")
     try:
-        Draft202012Validator.check_schema(schema)
+        jsonschema.validators.validator_for(schema, default=Draft202012Validator).check_schema(schema)
     except SchemaError as err:
         where = _pointer(list(err.absolute_path))
         raise ConstraintError(f"grammar#{where}", f"invalid JSON Schema: {_cut(err.message)}") from err
@@ -1087,9 +1088,11 @@ def _int_bound(node: Mapping[str, Any], inclusive: str, exclusive: str, *, lower
 
 
 def _root_validator(schema: Any) -> Any:
-    return Draft202012Validator(
-        schema, registry=_NO_RETRIEVE_REGISTRY, format_checker=Draft202012Validator.FORMAT_CHECKER
-    )
+    # The schema's own draft when it names one ($schema): draft-04/06/07
+    # keywords such as `dependencies` are then checked (the dev set's only
+    # uncaught under-constraints were draft-04 `dependencies`); Draft 2020-12 otherwise.
+    cls = jsonschema.validators.validator_for(schema, default=Draft202012Validator)
+    return cls(schema, registry=_NO_RETRIEVE_REGISTRY, format_checker=cls.FORMAT_CHECKER)
 
 
 def _walk(schema: Any, strict_mode: bool, root_validator: Any) -> tuple[UnenforcedKeyword, ...]:

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
+import jsonschema.validators
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
@@ -340,7 +341,7 @@ def json_depth(text: str) -> int:
 
 
 def check_schema(schema: Any, field_name: str) -> None:
-    """Check ``schema`` against the Draft 2020-12 meta-schema.
+    """Check ``schema`` against its draft's meta-schema (``$schema``; Draft 2020-12 by default).
 
     Raises
     ------
@@ -350,7 +351,8 @@ def check_schema(schema: Any, field_name: str) -> None:
     if not isinstance(schema, Mapping):
         raise ConstraintError(field_name, f"a JSON schema must be an object, got {type(schema).__name__}")
     try:
-        Draft202012Validator.check_schema(schema)
+        # The schema's own draft when it names one ($schema), else Draft 2020-12.
+        jsonschema.validators.validator_for(schema, default=Draft202012Validator).check_schema(schema)
     except SchemaError as err:
         pointer = "".join(f"/{_escape_pointer(p)}" for p in err.absolute_path)
         # ``field_name`` may already be a pointer (a schema embedded in a structural tag).

@@ -56,3 +56,13 @@ def test_non_json_results_have_no_report(final: FinalState, constraint: dict[str
 def test_unknown_finish_reason_is_a_bug() -> None:
     with pytest.raises(ValueError, match=r"^finish_reason must be one of"):
         build_result(FinalState("done", "", 0, 0), None)
+
+
+def test_the_schema_draft_is_honoured() -> None:
+    """Draft-04 `dependencies` (decoding does not enforce it) is checked after decoding."""
+    schema = {"$schema": "http://json-schema.org/draft-04/schema#", "type": "object",
+              "properties": {"card": {"type": "string"}, "billing": {"type": "string"}},
+              "dependencies": {"card": ["billing"]}}
+    constraint = {"kind": "json_schema", "payload": json.dumps(schema), "options": ""}
+    report = build_result(FinalState("stop", '{"card":"1234"}', 1, 6), constraint)["json"]
+    assert (report["valid"], report["violations"]) == (False, [{"pointer": "", "message": "'billing' is a dependency of 'card'"}])

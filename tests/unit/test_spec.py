@@ -151,3 +151,11 @@ def test_key_order_is_kept_because_it_changes_the_grammar() -> None:
 def test_fixture_schemas_parse(name: str) -> None:
     spec = parse_constraint("json_schema", json.dumps(load_schema(name)))
     assert spec.schema == load_schema(name)
+
+
+def test_the_schema_draft_is_honoured() -> None:
+    """`exclusiveMinimum: true` is draft-04 syntax: valid there, invalid under Draft 2020-12."""
+    body = '"type": "number", "minimum": 0, "exclusiveMinimum": true'
+    parse_constraint("json_schema", '{"$schema": "http://json-schema.org/draft-04/schema#", ' + body + "}")
+    with pytest.raises(ConstraintError, match=r"^grammar#/exclusiveMinimum: not a valid JSON Schema: True is not"):
+        parse_constraint("json_schema", "{" + body + "}")
