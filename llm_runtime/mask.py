@@ -14,12 +14,10 @@ from typing import Protocol
 
 import numpy as np
 
+# One definition of the packed-mask width, shared with the grammar side.
+from grammar_backend.bitmask import bitmask_width
+
 __all__ = ["ConstraintRequest", "MaskProvider", "MaskStep", "bitmask_width"]
-
-
-def bitmask_width(vocab_size: int) -> int:
-    """Number of int32 words of one bitmask row: ``ceil(vocab_size / 32)``."""
-    return (vocab_size + 31) // 32
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ naming the request field and the reason; the constraint is validated here
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -143,10 +144,7 @@ def parse_params(raw: RawRequest, config: PreprocessConfig) -> tuple[GenerationP
     if kind:
         limits = SpecLimits(max_payload_bytes=config.max_payload_bytes, max_depth=config.max_depth)
         spec = parse_constraint(kind, raw.grammar or b"", raw.grammar_options, limits)
-        options = json.dumps(
-            {"strict": spec.options.strict, "whitespace": spec.options.whitespace,
-             "indent": spec.options.indent, "any_order": spec.options.any_order}
-        ) if spec.kind.is_json else ""
+        options = json.dumps(dataclasses.asdict(spec.options)) if spec.kind.is_json else ""
         constraint = {"kind": spec.kind.value, "payload": spec.payload, "options": options}
     elif raw.grammar or raw.grammar_options:
         raise InvalidArgument("grammar_type", "is required when GRAMMAR or GRAMMAR_OPTIONS is given")

@@ -321,7 +321,7 @@ def test_start_error_only_affects_its_request(
                                                   max_tokens=8))
     good = submit(sched, GenerationRequest(prompt(engine, "b"), constraint=ConstraintRequest("regex", "ok|fine", ""),
                                            max_tokens=8))
-    free = submit(sched, GenerationRequest(prompt(engine, "c"), max_tokens=8))
+    free = submit(sched, GenerationRequest(prompt(engine, "c"), max_tokens=8, temperature=0.0))
     fin = bad.wait()
     assert (fin.finish_reason, fin.error_status, fin.completion_tokens, fin.text) == ("error", "INVALID_ARGUMENT", 0, "")
     assert fin.error is not None and fin.error.startswith("grammar: ")
@@ -342,7 +342,7 @@ def test_row_error_only_affects_its_sequence(engine: TorchEngine, compiler: xgr.
         victim = submit(s, GenerationRequest(prompt(engine, "x"), constraint=ConstraintRequest("regex", "[a-y]{30}", ""),
                                              max_tokens=40))
         other = submit(s, GenerationRequest(prompt(engine, "y"), constraint=c, max_tokens=40))
-        free = submit(s, GenerationRequest(prompt(engine, "z"), max_tokens=10))
+        free = submit(s, GenerationRequest(prompt(engine, "z"), max_tokens=10, temperature=0.0))
         fin = victim.wait()
         assert (fin.finish_reason, fin.error, fin.error_status) == ("error", "injected row failure", "INTERNAL")
         assert fin.completion_tokens == 2  # two tokens were accepted before its third step failed
@@ -397,7 +397,7 @@ def test_compile_never_stalls_the_batch(engine: TorchEngine, sched: Scheduler, p
     provider.start_gate = threading.Event()
     slow = submit(sched, GenerationRequest(prompt(engine, "a"), constraint=ConstraintRequest("regex", "ok", ""),
                                            max_tokens=8))
-    fast = submit(sched, GenerationRequest(prompt(engine, "b"), max_tokens=10))
+    fast = submit(sched, GenerationRequest(prompt(engine, "b"), max_tokens=10, temperature=0.0))
     assert fast.wait().finish_reason == "length"
     assert not slow.done.is_set() and provider.started == []
     provider.start_gate.set()
@@ -432,7 +432,8 @@ def test_callback_error_cancels_only_that_request(engine: TorchEngine, sched: Sc
 
     c = ConstraintRequest("regex", "[a-z]{40}", "")
     sched.submit(GenerationRequest(prompt(engine, "a"), constraint=c, max_tokens=40), broken)
-    ok = submit(sched, GenerationRequest(prompt(engine, "b"), max_tokens=30))
+    # Greedy: the end token's logit is 0 against tops near +5, so only sampling could end it early.
+    ok = submit(sched, GenerationRequest(prompt(engine, "b"), max_tokens=30, temperature=0.0))
     assert ok.wait().finish_reason == "length"
     deadline = time.monotonic() + TIMEOUT
     while sched.live_count and time.monotonic() < deadline:

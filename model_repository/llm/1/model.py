@@ -24,6 +24,7 @@ token is an error response with its code (INVALID_ARG for a bad constraint).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -34,6 +35,7 @@ from grammar_backend.errors import TRITON_CODE_NAMES, GrammarError, InvalidArgum
 from grammar_backend.params import from_parameters, parameter_values
 from llm_runtime.mask import ConstraintRequest
 from llm_runtime.model_config import LlmModelConfig, bls_scheduler, stats_summary
+from llm_runtime.postprocess import FinalState
 from llm_runtime.preprocess import GenerationParams
 from llm_runtime.scheduler import FinishEvent, GenerationRequest, TokenEvent
 
@@ -97,10 +99,9 @@ class _Stream:
         elif event.error is not None and event.completion_tokens == 0 and event.error_status != "INTERNAL":
             self.sender.send(_error(event.error, event.error_status), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         else:
-            finish = json.dumps({"finish_reason": event.finish_reason, "text": event.text,
-                                 "prompt_tokens": event.prompt_tokens,
-                                 "completion_tokens": event.completion_tokens, "error": event.error,
-                                 "constraint": self.constraint}, ensure_ascii=False)
+            final = FinalState(event.finish_reason, event.text, event.prompt_tokens, event.completion_tokens,
+                               event.error)
+            finish = json.dumps({**dataclasses.asdict(final), "constraint": self.constraint}, ensure_ascii=False)
             self.sender.send(pb_utils.InferenceResponse(output_tensors=[
                 pb_utils.Tensor("TEXT_DELTA", _EMPTY),
                 pb_utils.Tensor("FINISH", np.array([finish.encode("utf-8")], np.object_))]), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
