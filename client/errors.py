@@ -24,6 +24,7 @@ __all__ = [
     "InvalidRequest",
     "ServerUnavailable",
     "TruncatedOutput",
+    "error_for_status",
     "from_server_error",
     "status_name",
 ]
@@ -149,8 +150,15 @@ def status_name(status: str | None) -> str | None:
     return name or None
 
 
-def from_server_error(err: InferenceServerException) -> ClientError:
-    """Translate a tritonclient exception into the matching :class:`ClientError`.
+# The gateway's own in-band refusals read "STATUS_NAME: message" (deploy/gateway.py).
+_IN_BAND_STATUS: Final = re.compile(
+    r"^(?P<status>INVALID_ARGUMENT|PERMISSION_DENIED|RESOURCE_EXHAUSTED|UNAVAILABLE|NOT_FOUND): (?P<message>.+)$",
+    re.DOTALL,
+)
+
+
+def error_for_status(status: str | None, message: str, *, result: Result | None = None) -> ClientError:
+    """The :class:`ClientError` for a gRPC status name: the SDK's one status mapping.
 
     ===================  ==========================
     gRPC status          raised
@@ -160,6 +168,42 @@ def from_server_error(err: InferenceServerException) -> ClientError:
     DEADLINE_EXCEEDED    :class:`DeadlineExceeded`
     anything else, none  :class:`GenerationError`
     ===================  ==========================
+
+    Used for gRPC statuses and for the ``status`` of an error ``RESULT``
+    (errors as data, see :mod:`client.sdk`).
+
+    Parameters
+    ----------
+    status : str or None
+        Bare gRPC status name (``"INVALID_ARGUMENT"``), or None when unknown.
+    message : str
+        The server's message (``"field: reason"`` for INVALID_ARGUMENT).
+    result : client.sdk.Result, optional
+        The final result that carried the error (kept on :class:`GenerationError`).
+
+    Returns
+    -------
+    ClientError
+    """
+    if status == "INVALID_ARGUMENT":
+        match = _FIELD_MESSAGE.match(message)
+        if match is not None:
+            return InvalidConstraint(match["field"], match["reason"], status=status)
+        return InvalidConstraint(None, message, status=status)
+    if status == "UNAVAILABLE":
+        return ServerUnavailable(f"server unavailable: {message}", status=status)
+    if status == "DEADLINE_EXCEEDED":
+        return DeadlineExceeded(f"deadline exceeded: {message}", status=status)
+    label = status if status is not None else "server error"
+    return GenerationError(f"{label}: {message}", status=status, result=result)
+
+
+def from_server_error(err: InferenceServerException) -> ClientError:
+    """Translate a tritonclient exception into the matching :class:`ClientError`.
+
+    The status is the gRPC status of the call, or for an in-band stream error
+    from the gateway the ``STATUS_NAME:`` prefix of its message; the mapping is
+    :func:`error_for_status`.
 
     Parameters
     ----------
@@ -174,14 +218,8 @@ def from_server_error(err: InferenceServerException) -> ClientError:
     status = status_name(err.status())
     raw = err.message()
     message = _ENSEMBLE_PREFIX.sub("", raw if raw is not None else str(err)).strip()
-    if status == "INVALID_ARGUMENT":
-        match = _FIELD_MESSAGE.match(message)
+    if status is None:
+        match = _IN_BAND_STATUS.match(message)
         if match is not None:
-            return InvalidConstraint(match["field"], match["reason"], status=status)
-        return InvalidConstraint(None, message, status=status)
-    if status == "UNAVAILABLE":
-        return ServerUnavailable(f"server unavailable: {message}", status=status)
-    if status == "DEADLINE_EXCEEDED":
-        return DeadlineExceeded(f"deadline exceeded: {message}", status=status)
-    label = status if status is not None else "server error"
-    return GenerationError(f"{label}: {message}", status=status)
+            status, message = match["status"], match["message"]
+    return error_for_status(status, message)

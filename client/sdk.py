@@ -1,11 +1,14 @@
 """Python SDK for the ``constrained_llm`` Triton ensemble.
 
 One call is one gRPC bidirectional stream (``start_stream`` +
-``async_stream_infer``): the server streams a text delta per response and a
-final ``RESULT`` JSON on the last one (see the ensemble tensor contract).
-Streams are opened with the ``triton_grpc_error: true`` header so that a
-request error arrives as a real gRPC status (``INVALID_ARGUMENT``, ...) and
-closes the stream, instead of an in-band message without a status code.
+``async_stream_infer``) to the server's gateway (``deploy/gateway.py``): the
+server streams a text delta per response and a final ``RESULT`` JSON on the
+last one (see the ensemble tensor contract).  A refused request is data too:
+its ``RESULT`` has ``finish_reason: "error"`` and a gRPC ``status`` name,
+which :func:`check_result` turns into the same typed errors as a gRPC status
+(``INVALID_ARGUMENT`` -> :class:`~client.errors.InvalidConstraint`, ...).
+Streams never send the ``triton_grpc_error`` header: on Triton 2.51 error
+responses on such streams crash the server (the gateway strips it anyway).
 
 Example
 -------
@@ -19,8 +22,8 @@ Example
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import json
-import logging
 import math
 import queue
 import threading
@@ -36,9 +39,6 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from client.constraints import Constraint
-
-_log = logging.getLogger(__name__)
-_CANCEL_WAIT_S: Final = 5.0
 from client.errors import (
     ClientError,
     DeadlineExceeded,
@@ -46,6 +46,7 @@ from client.errors import (
     InvalidRequest,
     ServerUnavailable,
     TruncatedOutput,
+    error_for_status,
     from_server_error,
 )
 
@@ -79,7 +80,6 @@ _UINT64_MAX: Final = 2**64 - 1
 _LOCAL_GRACE_S: Final = 5.0
 # How long to wait for the stream thread's error after async_stream_infer fails.
 _STREAM_ERROR_WAIT_S: Final = 1.0
-_STREAM_HEADERS: Final[Mapping[str, str]] = MappingProxyType({"triton_grpc_error": "true"})
 
 
 # --------------------------------------------------------------------------- results
@@ -178,6 +178,8 @@ class Result:
         The server's JSON report, present for JSON constraints.
     error : str or None
         The server's error text when ``finish_reason`` is ``"error"``.
+    status : str or None
+        The gRPC status name of that error (``"INVALID_ARGUMENT"``, ``"UNAVAILABLE"``, ...).
     raw : Mapping[str, Any]
         The ``RESULT`` object as received.
     """
@@ -189,7 +191,8 @@ class Result:
     parsed: Any
     json: JsonReport | None
     error: str | None
-    raw: Mapping[str, Any] = field(repr=False, compare=False)
+    status: str | None = None
+    raw: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -305,6 +308,7 @@ def parse_result(text: str, kind: str | None) -> Result:
         parsed=None,
         json=None if report_obj is None else _parse_json_report(report_obj),
         error=_get(obj, "error", str, "RESULT", nullable=True) if "error" in obj else None,
+        status=_get(obj, "status", str, "RESULT", nullable=True) if "status" in obj else None,
         raw=MappingProxyType(obj),
     )
     if kind in _JSON_KINDS and complete:
@@ -316,16 +320,7 @@ def parse_result(text: str, kind: str | None) -> Result:
                 f"(line {err.lineno} column {err.colno}: {err.msg})",
                 result=result,
             ) from err
-        result = Result(
-            text=result.text,
-            finish_reason=result.finish_reason,
-            complete=result.complete,
-            usage=result.usage,
-            parsed=parsed,
-            json=result.json,
-            error=result.error,
-            raw=result.raw,
-        )
+        result = dataclasses.replace(result, parsed=parsed)
     return result
 
 
@@ -613,13 +608,17 @@ def check_result(result: Result, *, require_complete: bool) -> None:
 
     Raises
     ------
-    GenerationError
-        ``finish_reason`` is ``"error"`` (carries the result).
+    ClientError
+        ``finish_reason`` is ``"error"``: the type follows ``result.status``
+        (:func:`client.errors.error_for_status`: ``INVALID_ARGUMENT`` ->
+        :class:`~client.errors.InvalidConstraint`, ``UNAVAILABLE`` ->
+        :class:`~client.errors.ServerUnavailable`, others ->
+        :class:`~client.errors.GenerationError`, carrying the result).
     TruncatedOutput
         The output is incomplete and ``require_complete`` is true.
     """
     if result.finish_reason == "error":
-        raise GenerationError(f"generation failed: {result.error or 'no reason given'}", result=result)
+        raise error_for_status(result.status, result.error or "no reason given", result=result)
     if require_complete and not result.complete:
         raise TruncatedOutput(result)
 
@@ -641,10 +640,6 @@ class Client:
     timeout_s : float or None
         Deadline of one whole call in seconds (the gRPC stream deadline);
         ``None`` waits without bound.
-    cancel_model : str or None
-        Model that cancels a request by id when a stream is closed early
-        (``llm``, which Triton's ensemble does not tell of a cancelled stream);
-        None: rely on the gRPC cancellation alone.
     verbose : bool
         tritonclient's verbose logging.
 
@@ -660,7 +655,6 @@ class Client:
         model: str = DEFAULT_MODEL,
         timeout_s: float | None = DEFAULT_TIMEOUT_S,
         *,
-        cancel_model: str | None = "llm",
         verbose: bool = False,
     ) -> None:
         if not isinstance(url, str) or not url:
@@ -671,34 +665,11 @@ class Client:
             raise InvalidRequest("timeout_s", f"must be > 0 or None, got {timeout_s}")
         self.url = url
         self.model = model
-        self.cancel_model = cancel_model
         self.timeout_s = None if timeout_s is None else float(timeout_s)
         self._verbose = verbose
         self._idle: list[grpcclient.InferenceServerClient] = []
         self._lock = threading.Lock()
         self._closed = False
-
-    def _cancel(self, conn: grpcclient.InferenceServerClient, request_id: str) -> None:
-        """Ask ``cancel_model`` to cancel ``request_id`` (it ignores ids not in flight).
-
-        The stream cancellation above does not reach models inside an ensemble
-        in Triton 2.51 (server#6739), so the SDK names the request explicitly.
-        Best effort during cleanup: a failure is logged, never raised over the
-        caller's own exception or early exit.
-        """
-        done: queue.SimpleQueue[InferenceServerException | None] = queue.SimpleQueue()
-        cancel = grpcclient.InferInput("CANCEL", [1], "BYTES")
-        cancel.set_data_from_numpy(np.array([request_id.encode()], np.object_))
-        try:
-            conn.start_stream(callback=lambda result, error: done.put(error), headers=dict(_STREAM_HEADERS))
-            conn.async_stream_infer(self.cancel_model, [cancel], enable_empty_final_response=True)
-            error = done.get(timeout=_CANCEL_WAIT_S)
-            if error is not None:
-                _log.warning("cancel of request %s failed: %s", request_id, error)
-        except (InferenceServerException, queue.Empty) as err:
-            _log.warning("cancel of request %s failed: %r", request_id, err)
-        finally:
-            conn.stop_stream(cancel_requests=False)
 
     # ------------------------------------------------------------------ pool
     def _acquire(self) -> grpcclient.InferenceServerClient:
@@ -894,7 +865,7 @@ class Client:
         deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s + _LOCAL_GRACE_S
         try:
             try:
-                conn.start_stream(callback=on_response, stream_timeout=self.timeout_s, headers=dict(_STREAM_HEADERS))
+                conn.start_stream(callback=on_response, stream_timeout=self.timeout_s)
                 conn.async_stream_infer(
                     self.model, inputs, request_id=request_id, enable_empty_final_response=True
                 )
@@ -938,14 +909,10 @@ class Client:
         finally:
             if not stopped:
                 # Consumer stopped early or an error ended the call: cancel the
-                # gRPC call so Triton marks the request cancelled.  Measured on
-                # Triton 2.51: a decoupled Python model called directly sees
-                # request.is_cancelled(); the same model as an ensemble step
-                # does not (the ensemble only checks between steps), so the
-                # server side must not rely on it alone to free a sequence.
+                # gRPC call.  The gateway sees the departure, cancels the request
+                # inside the server (CANCEL to `llm`) and drains it; the client
+                # never needs to know the server's internals.
                 conn.stop_stream(cancel_requests=True)
-                if healthy and self.cancel_model:
-                    self._cancel(conn, request_id)
             self._release(conn, healthy=healthy)
         yield final
         check_result(final_result, require_complete=require_complete)

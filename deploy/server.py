@@ -35,6 +35,7 @@ import ctypes
 import ctypes.util
 import filecmp
 import importlib.util
+import logging
 import os
 import shutil
 import signal
@@ -48,7 +49,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
-from typing import Final, Self, TextIO
+from typing import Final, Literal, Self, TextIO
+
+from deploy.gateway import (
+    GRPC_SECRET_METADATA,
+    Gateway,
+    GatewayConfig,
+    GatewayError,
+    new_secret,
+    restriction_args,
+)
 
 __all__ = [
     "ServerConfig",
@@ -82,6 +92,8 @@ _BIND_RETRIES: Final = 3
 _BIND_FAILURE_MARKER: Final = "already in use"
 _TCP_LISTEN: Final = "0A"  # TCP_LISTEN in /proc/net/tcp's `st` column
 _PR_SET_PDEATHSIG: Final = 1
+# tritonserver's gRPC endpoint behind the gateway: never reachable from outside the host.
+_INTERNAL_HOST: Final = "127.0.0.1"
 
 
 class ServerError(RuntimeError):
@@ -345,6 +357,17 @@ class ServerConfig:
         Virtualenv the Python backend stubs use (default: this interpreter's).
     extra_args : tuple[str, ...]
         Further ``tritonserver`` arguments, appended verbatim.
+    gateway : bool
+        Serve clients through :class:`deploy.gateway.Gateway` on ``grpc_port``
+        (the default, and the only safe way with Triton 2.51: see that module).
+        ``tritonserver``'s own gRPC endpoint then binds 127.0.0.1 on
+        ``internal_grpc_port`` and its inference, control and statistics APIs
+        (gRPC and HTTP) require a secret generated at each start.  False: clients
+        reach ``tritonserver`` directly on ``grpc_port`` (tests of the server itself).
+    public_models : tuple[str, ...]
+        Models the gateway serves to clients.
+    internal_grpc_port : int
+        ``tritonserver``'s gRPC port behind the gateway; 0 picks a free one.
     """
 
     model_repository: Path
@@ -360,11 +383,14 @@ class ServerConfig:
     exit_timeout_s: int = 20
     python_env: Path = field(default_factory=lambda: Path(sys.prefix))
     extra_args: tuple[str, ...] = ()
+    gateway: bool = True
+    public_models: tuple[str, ...] = ("constrained_llm",)
+    internal_grpc_port: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("grpc_port", "http_port", "metrics_port"):
+        for name in ("grpc_port", "http_port", "metrics_port", "internal_grpc_port"):
             _validate_port(name, getattr(self, name))
-        explicit = [p for p in (self.grpc_port, self.http_port, self.metrics_port) if p]
+        explicit = [p for p in (self.grpc_port, self.http_port, self.metrics_port, self.internal_grpc_port) if p]
         if len(explicit) != len(set(explicit)):
             raise ValueError(f"ports: grpc/http/metrics ports must differ, got {explicit}")
         if self.log_verbose < 0:
@@ -387,7 +413,7 @@ class ServerConfig:
 
 def _pick_ports(config: ServerConfig) -> ServerConfig:
     """Fill every 0 port with a distinct free port."""
-    taken = {p for p in (config.grpc_port, config.http_port, config.metrics_port) if p}
+    taken = {p for p in (config.grpc_port, config.http_port, config.metrics_port, config.internal_grpc_port) if p}
 
     def pick(port: int) -> int:
         while not port or port in taken:
@@ -400,6 +426,7 @@ def _pick_ports(config: ServerConfig) -> ServerConfig:
         grpc_port=config.grpc_port or pick(0),
         http_port=config.http_port or pick(0),
         metrics_port=config.metrics_port or pick(0),
+        internal_grpc_port=(config.internal_grpc_port or pick(0)) if config.gateway else 0,
     )
 
 
@@ -447,12 +474,32 @@ class TritonServer:
         self._log_handle: TextIO | None = None
         self._log_path: Path | None = config.log_file
         self._lock = threading.Lock()
+        self._gateway: Gateway | None = None
+        # Fresh per start; only the gateway (and this object) ever holds it.
+        self._secret = new_secret()
 
     # ------------------------------------------------------------------ info
     @property
     def grpc_url(self) -> str:
         """``host:port`` of the gRPC endpoint (the form tritonclient.grpc takes)."""
         return f"{self.config.host}:{self.config.grpc_port}"
+
+    @property
+    def internal_grpc_url(self) -> str:
+        """``host:port`` of tritonserver's own gRPC endpoint (behind the gateway; needs :attr:`internal_headers`)."""
+        if not self.config.gateway:
+            return self.grpc_url
+        return f"{_INTERNAL_HOST}:{self.config.internal_grpc_port}"
+
+    @property
+    def internal_headers(self) -> dict[str, str]:
+        """The gRPC headers that tritonserver's restricted APIs require (empty without the gateway)."""
+        return {GRPC_SECRET_METADATA: self._secret} if self.config.gateway else {}
+
+    @property
+    def gateway(self) -> Gateway | None:
+        """The running gateway (None before start or without one)."""
+        return self._gateway
 
     @property
     def http_url(self) -> str:
@@ -496,15 +543,19 @@ class TritonServer:
         """The ``tritonserver`` command line for the current config."""
         dist = locate_tritonserver()
         cfg = self.config
+        # Behind the gateway tritonserver's gRPC endpoint is loopback only and
+        # its inference/control APIs need the secret; health and metadata stay
+        # open (probes, the readiness loop below).
+        restricted = restriction_args(self._secret) if cfg.gateway else ()
         return [
             str(dist.binary),
             f"--model-repository={cfg.model_repository.resolve()}",
             f"--backend-directory={dist.backend_dir}",
             f"--cache-directory={dist.cache_dir}",
-            f"--grpc-address={cfg.host}",
+            f"--grpc-address={_INTERNAL_HOST if cfg.gateway else cfg.host}",
             f"--http-address={cfg.host}",
             f"--metrics-address={cfg.host}",
-            f"--grpc-port={cfg.grpc_port}",
+            f"--grpc-port={cfg.internal_grpc_port if cfg.gateway else cfg.grpc_port}",
             f"--http-port={cfg.http_port}",
             f"--metrics-port={cfg.metrics_port}",
             f"--log-verbose={cfg.log_verbose}",
@@ -512,6 +563,7 @@ class TritonServer:
             # No GPU metrics on CPU machines: without this Triton probes DCGM at
             # start and logs an error line per probe.
             "--allow-gpu-metrics=false",
+            *restricted,
             *cfg.extra_args,
         ]
 
@@ -543,22 +595,66 @@ class TritonServer:
                 os.close(fd)
                 self._log_path = Path(name)
             self._log_path.parent.mkdir(parents=True, exist_ok=True)
-            self._close_log()
-            self._log_handle = self._log_path.open("w", encoding="utf-8")
-            self._process = subprocess.Popen(
-                self.command(),
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=self._log_handle,
-                stderr=subprocess.STDOUT,
-                # Own session: a Ctrl-C in the terminal reaches only the
-                # launcher, which then stops the server in order; and stop()
-                # can signal the whole group (server + Python stubs).
-                start_new_session=True,
-                # preexec_fn is unsafe only if the child touches a lock another
-                # thread held at fork; the hook makes one pre-resolved prctl call.
-                preexec_fn=_parent_death_signal_hook(),  # noqa: PLW1509
-            )
+            self._spawn(env, mode="w")
+            if self.config.gateway:
+                self._start_gateway()
+
+    def restart_process(self, *, graceful: bool = True) -> None:
+        """Replace the tritonserver process (same ports, same secret); the gateway stays up.
+
+        Used by :class:`deploy.supervisor.Supervisor` when the server died or a
+        composing model is broken.  Requests in flight on the old process end
+        with UNAVAILABLE at the gateway.  The log is appended to, not replaced.
+        Does not wait for readiness (see :meth:`wait_ready`).  ``graceful=False``
+        kills at once: a server with a dead stub spends its whole exit timeout
+        (20 s) waiting on it.
+        """
+        with self._lock:
+            process = self._process
+            if process is None:
+                raise ServerError("restart_process() called before start()")
+            if process.poll() is None and graceful:
+                self._signal_group(process, signal.SIGTERM)
+                try:
+                    process.wait(timeout=self.config.stop_grace_s)
+                except subprocess.TimeoutExpired:
+                    self._signal_group(process, signal.SIGKILL)
+                    process.wait()
+            self._signal_group(process, signal.SIGKILL)  # stubs left behind
+            dist = locate_tritonserver()
+            self._spawn(server_environment(dist, self._requested.python_env), mode="a")
+
+    def _spawn(self, env: dict[str, str], mode: Literal["w", "a"]) -> None:
+        if self._log_path is None:
+            raise ServerError("no log path")
+        self._close_log()
+        self._log_handle = self._log_path.open(mode, encoding="utf-8")
+        self._process = subprocess.Popen(
+            self.command(),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_handle,
+            stderr=subprocess.STDOUT,
+            # Own session: a Ctrl-C in the terminal reaches only the
+            # launcher, which then stops the server in order; and stop()
+            # can signal the whole group (server + Python stubs).
+            start_new_session=True,
+            # preexec_fn is unsafe only if the child touches a lock another
+            # thread held at fork; the hook makes one pre-resolved prctl call.
+            preexec_fn=_parent_death_signal_hook(),  # noqa: PLW1509
+        )
+
+    def _start_gateway(self) -> None:
+        cfg = self.config
+        if self._gateway is not None:
+            self._gateway.stop()
+        self._gateway = Gateway(GatewayConfig(
+            upstream=f"{_INTERNAL_HOST}:{cfg.internal_grpc_port}", secret=self._secret, host=cfg.host,
+            port=cfg.grpc_port, public_models=cfg.public_models))
+        try:
+            self._gateway.start()
+        except GatewayError as err:
+            raise ServerStartError(f"gateway on {cfg.host}:{cfg.grpc_port}: {err}") from err
 
     def wait_ready(self, models: Sequence[str] | None = None, timeout_s: float | None = None) -> None:
         """Block until the server and ``models`` are ready.
@@ -609,7 +705,7 @@ class TritonServer:
         pending = list(models)
         last_error = "no answer yet"
         cfg = self.config
-        client = grpcclient.InferenceServerClient(self.grpc_url)
+        client = grpcclient.InferenceServerClient(self.internal_grpc_url)
         try:
             while True:
                 code = self._process.poll()
@@ -621,7 +717,8 @@ class TritonServer:
                 # Triton binds gRPC, then HTTP, then metrics, and exits if any
                 # bind fails, so a ready gRPC endpoint alone does not mean the
                 # server will stay up: require all three sockets to be ours.
-                endpoints = {cfg.grpc_port, cfg.http_port, cfg.metrics_port}
+                triton_grpc = cfg.internal_grpc_port if cfg.gateway else cfg.grpc_port
+                endpoints = {triton_grpc, cfg.http_port, cfg.metrics_port}
                 try:
                     bound = endpoints <= listening_ports(self._process.pid)
                 except ProcessLookupError:
@@ -662,6 +759,10 @@ class TritonServer:
             process = self._process
             if process is None:
                 return None
+            if self._gateway is not None:
+                # First: no new client request reaches a server that is stopping.
+                self._gateway.stop()
+                self._gateway = None
             if process.poll() is None:
                 self._signal_group(process, signal.SIGTERM)
                 try:
@@ -729,6 +830,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run a server in the foreground until Ctrl-C/SIGTERM; returns the exit status."""
     args = _parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="server: %(message)s", stream=sys.stderr)
     try:
         config = ServerConfig(
             model_repository=args.model_repository,
@@ -783,14 +885,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.client_hint:
         print(f"server: try: {args.client_hint}", flush=True)
     print("server: Ctrl-C to stop", flush=True)
+    # Supervision: a dead tritonserver, or one whose grammar/llm stub died, is
+    # restarted with backoff while the gateway reports not ready (deploy/supervisor.py).
+    from deploy.supervisor import Supervisor, default_probes
+
+    repo = config.model_repository
+    probes = tuple(p for p in default_probes() if (repo / p.model).is_dir())
+    supervisor = Supervisor(server, probes)
+    watcher = threading.Thread(target=supervisor.run, name="supervisor", daemon=True)
+    watcher.start()
     while not stop_requested.wait(0.5):
-        if not server.is_running():
-            print(
-                f"server: error: tritonserver exited with status {server.returncode}:\n{server.log_tail()}",
-                file=sys.stderr,
-            )
-            server.stop()
-            return 1
+        pass
+    supervisor.stop()
+    watcher.join(60)
     code = server.stop()
     print(f"server: stopped (tritonserver exit status {code})", flush=True)
     return 0

@@ -228,6 +228,13 @@ def parse_constraint(
     elif ckind is ConstraintKind.STRUCTURAL_TAG:
         doc = _normalize_structural_tag(doc)
     canonical = json.dumps(doc, ensure_ascii=False, separators=(",", ":"))
+    try:
+        canonical.encode("utf-8")
+    except UnicodeEncodeError as err:
+        # A JSON escape such as "\\ud800" decodes to an unpaired surrogate: no
+        # compiler or tokenizer can take it (it raised UnicodeEncodeError as INTERNAL).
+        raise ConstraintError("grammar", f"contains an unpaired surrogate escape "
+                                         f"(\\u{ord(canonical[err.start]):04x})") from err
     if ckind is ConstraintKind.JSON_SCHEMA:
         _check_schema_once(doc, canonical)
     return ConstraintSpec(ckind, canonical, opts, doc)

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from grammar_backend.errors import INTERNAL, GrammarError
+from grammar_backend.errors import UNAVAILABLE, GrammarError
 from llm_runtime.mask import ConstraintRequest, MaskStep
 
 # Every call asks for ERROR: the grammar model then returns request-level
@@ -59,12 +59,16 @@ class BlsMaskProvider:
         )
         reply = None
         for response in request.exec(decoupled=True):
-            if response.has_error():  # a fault of the grammar model itself (its code is lost: INTERNAL)
-                raise RemoteGrammarError(response.error().message(), INTERNAL)
+            if response.has_error():
+                # Request errors come back as data (ERROR below), so an error
+                # response means the grammar model itself failed (its stub died:
+                # "Stub process 'grammar_0_0' is not healthy"): the caller may
+                # retry once the supervisor has restarted it.
+                raise RemoteGrammarError(f"{self._model} failed: {response.error().message()}", UNAVAILABLE)
             if response.output_tensors():
                 reply = response
         if reply is None:
-            raise RemoteGrammarError(f"{self._model}: no response", INTERNAL)
+            raise RemoteGrammarError(f"{self._model}: no response", UNAVAILABLE)
         error = self._pb.get_output_tensor_by_name(reply, "ERROR")
         if error is not None:
             doc = json.loads(bytes(error.as_numpy().reshape(-1)[0]))

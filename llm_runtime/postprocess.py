@@ -5,15 +5,27 @@ RESULT JSON: finish reason, completeness, usage and, for JSON constraints,
 whether the output parses, its validation against the *full* schema
 (``jsonschema`` Draft 2020-12 with format checking) and the keywords that
 decoding did not enforce (the fidelity report).
+
+Errors travel as data: a rejected request (bad constraint, out-of-range
+field) or a failure ends with an ordinary final response whose RESULT has
+``finish_reason: "error"``, ``status`` (a gRPC status name such as
+``INVALID_ARGUMENT``) and ``error`` (``"field: reason"``).  No model of the
+client-facing ensemble ever sends a Triton error response: on Triton 2.51
+error responses on gRPC streams are what crashes the server (see
+``deploy/gateway.py``), and as data they keep their status through the
+ensemble and BLS on every Triton release (server#7804 resets BLS error codes).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
+from grammar_backend.errors import INTERNAL, status_of
 from grammar_backend.fidelity import (
     UnenforcedKeyword,
     result_json,
@@ -22,6 +34,15 @@ from grammar_backend.fidelity import (
 )
 
 FINISH_REASONS = ("stop", "length", "error")
+#: Longest ``RESULT.error`` sent to a client: messages that quote a value (an
+#: unknown kind, a bad option) must never echo a megabyte payload back.
+MAX_ERROR_CHARS = 1000
+
+
+def _cut(message: str | None) -> str | None:
+    if message is None or len(message) <= MAX_ERROR_CHARS:
+        return message
+    return f"{message[:MAX_ERROR_CHARS]}... ({len(message)} characters)"
 
 
 @dataclass(frozen=True)
@@ -33,6 +54,12 @@ class FinalState:
     prompt_tokens: int
     completion_tokens: int
     error: str | None = None
+    status: str | None = None
+
+    @classmethod
+    def rejected(cls, err: BaseException) -> FinalState:
+        """The final state of a request refused before generation (no tokens)."""
+        return cls("error", "", 0, 0, error=str(err), status=status_of(err))
 
 
 @functools.lru_cache(maxsize=256)
@@ -64,9 +91,37 @@ def build_result(final: FinalState, constraint: dict[str, str] | None) -> dict[s
         "complete": complete,
         "text": final.text,
         "usage": {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens},
-        "error": final.error,
+        "error": _cut(final.error),
+        "status": final.status,
         "json": None,
     }
     if constraint is not None and constraint["kind"] in ("json_schema", "json_object") and final.error is None:
         result["json"] = json_report(constraint, final.text)
     return result
+
+
+_log = logging.getLogger(__name__)
+
+
+def finish_json(final: FinalState, constraint: dict[str, str] | None) -> str:
+    """The ``FINISH`` tensor of ``llm``'s last response: the final state plus the constraint."""
+    return json.dumps({**dataclasses.asdict(final), "constraint": constraint}, ensure_ascii=False)
+
+
+def result_of_finish(finish: bytes) -> tuple[str, str]:
+    """``(finish_reason, RESULT JSON)`` for ``llm``'s ``FINISH`` document; never raises.
+
+    A ``FINISH`` that cannot be read or checked (a bug, never a client's
+    input) becomes an ``INTERNAL`` error RESULT, logged, instead of an error
+    response that would reach a 2.51 gRPC stream.
+    """
+    try:
+        doc = json.loads(finish)
+        constraint = doc.pop("constraint")
+        final = FinalState(**doc)
+        result = build_result(final, constraint)
+    except Exception as err:  # noqa: BLE001 - turned into an INTERNAL result, see above
+        _log.exception("postprocessing: cannot build RESULT")
+        final = FinalState("error", "", 0, 0, error=f"internal error in postprocessing: {err!r}", status=INTERNAL)
+        result = build_result(final, None)
+    return final.finish_reason, json.dumps(result, ensure_ascii=False)

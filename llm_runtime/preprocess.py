@@ -13,7 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from grammar_backend.errors import ConfigError, InvalidArgument
+from grammar_backend.errors import ConfigError, GrammarError, InvalidArgument, status_of
+from grammar_backend.fidelity import validator_for
 from grammar_backend.spec import ConstraintSpec, SpecLimits, parse_constraint
 
 _ROLES = ("system", "user", "assistant")
@@ -79,12 +80,39 @@ class GenerationParams:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> GenerationParams:
-        """Inverse of :meth:`to_json`."""
+        """Inverse of :meth:`to_json`.
+
+        Raises
+        ------
+        RejectedRequest
+            ``text`` is :func:`rejection_json` of a request preprocessing refused.
+        """
         doc = json.loads(text)
+        rejected = doc.get("rejected")
+        if rejected is not None:
+            raise RejectedRequest(rejected["message"], rejected["status"])
         return cls(
             max_tokens=int(doc["max_tokens"]), temperature=float(doc["temperature"]), top_p=float(doc["top_p"]),
             top_k=int(doc["top_k"]), seed=int(doc["seed"]), stop=tuple(doc["stop"]), constraint=doc["constraint"],
         )
+
+
+class RejectedRequest(GrammarError):
+    """A request that preprocessing refused, as ``llm`` receives it (status kept)."""
+
+    def __init__(self, message: str, status: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def rejection_json(err: BaseException) -> str:
+    """The REQUEST tensor of a refused request: ``llm`` answers it with an error RESULT.
+
+    Preprocessing never sends a Triton error response (see
+    :mod:`llm_runtime.postprocess`): the refusal travels as data through
+    ``llm`` and ``postprocessing`` to the client's final RESULT.
+    """
+    return json.dumps({"rejected": {"status": status_of(err), "message": str(err)}}, ensure_ascii=False)
 
 
 def _text(name: str, value: bytes) -> str:
@@ -107,6 +135,8 @@ def parse_messages(raw: RawRequest) -> list[dict[str, str]]:
         doc = json.loads(_text("messages", raw.messages or b""))
     except json.JSONDecodeError as err:
         raise InvalidArgument("messages", f"invalid JSON at line {err.lineno} column {err.colno}: {err.msg}") from err
+    except RecursionError as err:
+        raise InvalidArgument("messages", "nested too deeply (expected an array of {role, content})") from err
     if not isinstance(doc, list) or not doc:
         raise InvalidArgument("messages", "must be a non-empty JSON array of {role, content}")
     for i, msg in enumerate(doc):
@@ -116,7 +146,17 @@ def parse_messages(raw: RawRequest) -> list[dict[str, str]]:
             raise InvalidArgument(f"messages[{i}].role", f"must be one of {', '.join(_ROLES)}, got {msg['role']!r}")
         if not isinstance(msg["content"], str):
             raise InvalidArgument(f"messages[{i}].content", "must be a string")
+        _check_encodable(f"messages[{i}].content", msg["content"])
     return doc
+
+
+def _check_encodable(name: str, text: str) -> None:
+    """JSON escapes can spell lone surrogates (``"\\ud800"``), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InvalidArgument(name, f"contains an unpaired surrogate (\\u{ord(text[err.start]):04x}) at "
+                                    f"character {err.start}") from err
 
 
 def parse_params(raw: RawRequest, config: PreprocessConfig) -> tuple[GenerationParams, ConstraintSpec | None]:
@@ -144,6 +184,10 @@ def parse_params(raw: RawRequest, config: PreprocessConfig) -> tuple[GenerationP
     if kind:
         limits = SpecLimits(max_payload_bytes=config.max_payload_bytes, max_depth=config.max_depth)
         spec = parse_constraint(kind, raw.grammar or b"", raw.grammar_options, limits)
+        if spec.kind.value == "json_schema":
+            # The post-validator postprocessing will need: built now so a schema it
+            # cannot use (an unresolvable or remote $ref) is refused before any token.
+            validator_for(json.loads(spec.payload))
         options = json.dumps(dataclasses.asdict(spec.options)) if spec.kind.is_json else ""
         constraint = {"kind": spec.kind.value, "payload": spec.payload, "options": options}
     elif raw.grammar or raw.grammar_options:

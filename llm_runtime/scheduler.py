@@ -33,8 +33,8 @@ request is cancelled (no further events).
 
 from __future__ import annotations
 
-import itertools
 import logging
+import secrets
 import threading
 import time
 from collections import deque
@@ -72,7 +72,6 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 FinishReason = Literal["stop", "length", "error"]
-_SEQ_COUNTER_BITS = 40
 
 
 @dataclass(frozen=True)
@@ -94,9 +93,6 @@ class SchedulerConfig:
         Threads running ``MaskProvider.start``.
     max_stop_strings, max_stop_length : int
         Limits on the ``stop`` field.
-    seq_id_namespace : int
-        High 24 bits of the uint64 grammar sequence ids, so several schedulers
-        (model instances) can share one grammar model without id clashes.
     stats_capacity : int
         Steps kept in the per-step counters (a ring buffer).
     """
@@ -108,7 +104,6 @@ class SchedulerConfig:
     compile_workers: int = 2
     max_stop_strings: int = 16
     max_stop_length: int = 256
-    seq_id_namespace: int = 0
     stats_capacity: int = 65536
 
     def __post_init__(self) -> None:
@@ -124,9 +119,6 @@ class SchedulerConfig:
         wait = self.idle_wait_s
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait <= 10:
             raise config_error("scheduler.idle_wait_s", f"must be in (0, 10] seconds, got {wait!r}")
-        ns = self.seq_id_namespace
-        if isinstance(ns, bool) or not isinstance(ns, int) or not 0 <= ns < 2 ** (64 - _SEQ_COUNTER_BITS):
-            raise config_error("scheduler.seq_id_namespace", f"must be an integer in [0, 2**24), got {ns!r}")
 
 
 @dataclass(frozen=True)
@@ -355,8 +347,6 @@ class Scheduler:
         self._started_q: deque[tuple[_Seq, BaseException | None]] = deque()
         self._live: dict[str, _Seq] = {}  # every request not yet finished (guarded by _lock)
         self._closing = False
-        self._rid_counter = itertools.count(1)
-        self._seq_counter = itertools.count(1)
 
         self._starting: dict[str, _Seq] = {}
         self._ready: deque[_Seq] = deque()
@@ -426,15 +416,15 @@ class Scheduler:
                 raise SchedulerClosed("the scheduler is closed")
             if len(self._live) >= self._cfg.max_queued:
                 raise Overloaded(f"{len(self._live)} requests are queued (max_queued {self._cfg.max_queued})")
+            # Unguessable ids (128-bit request ids, 64-bit grammar sequence ids):
+            # nothing that names a request or a matcher can be derived from
+            # another one, and schedulers of several `llm` instances sharing one
+            # grammar model cannot clash (a collision is a 2**-64 event per pair).
             if request.request_id is None:
-                seq.rid = f"req-{next(self._rid_counter)}"
-                while seq.rid in self._live:
-                    seq.rid = f"req-{next(self._rid_counter)}"
+                seq.rid = f"req-{secrets.token_hex(16)}"
             elif seq.rid in self._live:
                 raise RequestError("request_id", f"{seq.rid!r} is already in flight")
-            seq.seq_id = (self._cfg.seq_id_namespace << _SEQ_COUNTER_BITS) | (
-                next(self._seq_counter) % (1 << _SEQ_COUNTER_BITS)
-            )
+            seq.seq_id = secrets.randbits(64) or 1
             self._live[seq.rid] = seq
             self._inbox.append(seq)
             self._cond.notify()

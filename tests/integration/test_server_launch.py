@@ -159,7 +159,8 @@ def test_stub_sees_venv_over_grpc_and_stops_cleanly(
     tmp_path: Path, start_triton: Callable[..., TritonServer]
 ) -> None:
     repo = write_repository(tmp_path / "repo", MODEL_PY)
-    server = start_triton(repo, models=(MODEL,), ready_timeout_s=180.0)
+    # Without the gateway: this test is about tritonserver and its stubs themselves.
+    server = start_triton(repo, models=(MODEL,), ready_timeout_s=180.0, gateway=False)
     cfg = server.config
     ports = (cfg.grpc_port, cfg.http_port, cfg.metrics_port)
     assert cfg.host == "127.0.0.1"

@@ -25,7 +25,9 @@ from client import (
     Client,
     ClientError,
     Constraint,
+    DeadlineExceeded,
     GenerationError,
+    InvalidConstraint,
     InvalidRequest,
     JsonReport,
     ServerUnavailable,
@@ -322,7 +324,8 @@ def test_parse_result_complete_but_not_json_is_an_error_with_the_result() -> Non
 )
 def test_check_result(finish_reason: str, complete: bool, require_complete: bool, raises: type | None) -> None:
     text = _result_json(finish_reason=finish_reason, complete=complete, text="x", json=None,
-                        error="engine failed" if finish_reason == "error" else None)
+                        error="engine failed" if finish_reason == "error" else None,
+                        status="INTERNAL" if finish_reason == "error" else None)
     result = parse_result(text, None)
     if raises is None:
         check_result(result, require_complete=require_complete)
@@ -331,7 +334,39 @@ def test_check_result(finish_reason: str, complete: bool, require_complete: bool
         check_result(result, require_complete=require_complete)
     assert info.value.result is result  # type: ignore[attr-defined]
     if raises is GenerationError:
-        assert str(info.value) == "generation failed: engine failed"
+        assert str(info.value) == "INTERNAL: engine failed"
+
+
+@pytest.mark.parametrize(
+    ("status", "error", "raises", "message", "field"),
+    [
+        ("INVALID_ARGUMENT", "max_tokens: must be in 1..1024, got 0", InvalidConstraint,
+         "max_tokens: must be in 1..1024, got 0", "max_tokens"),
+        ("INVALID_ARGUMENT", "grammar#/properties/age/minimum: must be a number", InvalidConstraint,
+         "grammar#/properties/age/minimum: must be a number", "grammar#/properties/age/minimum"),
+        ("UNAVAILABLE", "the scheduler is shutting down", ServerUnavailable,
+         "server unavailable: the scheduler is shutting down", None),
+        ("DEADLINE_EXCEEDED", "compile took longer than 20 s", DeadlineExceeded,
+         "deadline exceeded: compile took longer than 20 s", None),
+        ("RESOURCE_EXHAUSTED", "1024 requests are queued", GenerationError,
+         "RESOURCE_EXHAUSTED: 1024 requests are queued", None),
+        (None, "no status given", GenerationError, "server error: no status given", None),
+    ],
+)
+def test_error_result_raises_by_its_status(
+    status: str | None, error: str, raises: type[ClientError], message: str, field: str | None
+) -> None:
+    """Errors arrive as data (RESULT.status); the SDK raises the same types as for a gRPC status."""
+    result = parse_result(_result_json(finish_reason="error", complete=False, text="", json=None, error=error,
+                                       status=status), None)
+    assert result.status == status
+    with pytest.raises(raises) as info:
+        check_result(result, require_complete=False)
+    assert type(info.value) is raises
+    assert str(info.value) == message
+    assert info.value.status == status
+    if field is not None:
+        assert info.value.field == field  # type: ignore[attr-defined]
 
 
 # ----------------------------------------------------------------------------- response stream

@@ -514,7 +514,6 @@ def test_close_fails_what_is_left(engine: TorchEngine, provider: XGrammarMaskPro
         ({"max_batch_size": 9}, "scheduler.max_batch_size: 9 exceeds the engine's 8 cache slots"),
         ({"max_batch_size": 0}, "scheduler.max_batch_size: must be a positive integer"),
         ({"idle_wait_s": 0}, r"scheduler.idle_wait_s: must be in \(0, 10\] seconds"),
-        ({"seq_id_namespace": 2**24}, r"scheduler.seq_id_namespace: must be an integer in \[0, 2\*\*24\)"),
         ({"compile_workers": 0}, "scheduler.compile_workers: must be a positive integer"),
     ],
 )
@@ -526,11 +525,18 @@ def test_scheduler_config_rejects(engine: TorchEngine, provider: XGrammarMaskPro
         Scheduler(engine, provider, SchedulerConfig(**kwargs))  # type: ignore[arg-type]
 
 
-def test_seq_ids_carry_the_namespace(engine: TorchEngine, provider: XGrammarMaskProvider) -> None:
-    with Scheduler(engine, provider, SchedulerConfig(seq_id_namespace=5)) as s:
-        r = submit(s, GenerationRequest([5], constraint=ConstraintRequest("regex", "ok", ""), max_tokens=4))
-        r.wait()
-    assert [sid >> 40 for sid in provider.started] == [5]
+def test_ids_are_unguessable(engine: TorchEngine, provider: XGrammarMaskProvider) -> None:
+    """Request and grammar sequence ids are random, not counters (no client can name another's)."""
+    with Scheduler(engine, provider) as s:
+        results = [submit(s, GenerationRequest([5], constraint=ConstraintRequest("regex", "ok", ""), max_tokens=4))
+                   for _ in range(4)]
+        rids = [s.submit(GenerationRequest([5], max_tokens=1), Result()) for _ in range(2)]
+        for r in results:
+            r.wait()
+    ids = provider.started
+    assert len(set(ids)) == 4 and all(0 < sid < 2**64 for sid in ids)
+    assert max(ids) - min(ids) > 2**32  # a counter would give neighbours
+    assert all(re.fullmatch(r"req-[0-9a-f]{32}", rid) for rid in rids) and rids[0] != rids[1]
 
 
 def test_tiny_checkpoint_is_a_plain_folder(tmp_path: Path) -> None:

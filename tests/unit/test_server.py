@@ -71,7 +71,8 @@ def test_server_config_defaults_bind_loopback_and_this_venv() -> None:
 
 
 def test_command_line_is_loopback_and_complete(tmp_path: Path) -> None:
-    cfg = ServerConfig(tmp_path, grpc_port=18001, http_port=18000, metrics_port=18002, extra_args=("--strict-readiness=true",))
+    cfg = ServerConfig(tmp_path, grpc_port=18001, http_port=18000, metrics_port=18002, gateway=False,
+                       extra_args=("--strict-readiness=true",))
     server = TritonServer(cfg)
     dist = locate_tritonserver()
     assert server.command() == [
@@ -92,6 +93,35 @@ def test_command_line_is_loopback_and_complete(tmp_path: Path) -> None:
     ]
     assert (server.grpc_url, server.http_url) == ("127.0.0.1:18001", "127.0.0.1:18000")
     assert server.metrics_url == "http://127.0.0.1:18002/metrics"
+    assert server.internal_headers == {}
+
+
+def test_behind_the_gateway_tritonserver_is_loopback_and_restricted(tmp_path: Path) -> None:
+    cfg = ServerConfig(tmp_path, host="0.0.0.0", grpc_port=18001, http_port=18000, metrics_port=18002,
+                       internal_grpc_port=18003)
+    server = TritonServer(cfg)
+    command = server.command()
+    (secret,) = server.internal_headers.values()
+    assert len(secret) >= 40
+    restricted = "inference,model-repository,shared-memory,trace,logging,statistics,model-config"
+    assert command[4:14] == [
+        "--grpc-address=127.0.0.1",  # only the gateway reaches it
+        "--http-address=0.0.0.0",
+        "--metrics-address=0.0.0.0",
+        "--grpc-port=18003",
+        "--http-port=18000",
+        "--metrics-port=18002",
+        "--log-verbose=0",
+        "--exit-timeout-secs=20",
+        "--allow-gpu-metrics=false",
+        f"--grpc-restricted-protocol={restricted}:x-constrained-llm-internal={secret}",
+    ]
+    assert command[14:] == [f"--http-restricted-api={restricted}:x-constrained-llm-internal={secret}"]
+    assert server.grpc_url == "0.0.0.0:18001"
+    assert server.internal_grpc_url == "127.0.0.1:18003"
+    assert server.internal_headers == {"triton-grpc-protocol-x-constrained-llm-internal": secret}
+    # A new server object never reuses a secret.
+    assert TritonServer(cfg).internal_headers != server.internal_headers
 
 
 # ---------------------------------------------------------------- distribution

@@ -49,6 +49,7 @@ from grammar_backend.service import (
     GrammarRequest,
     GrammarService,
 )
+from grammar_backend.teardown import quiesce_for_exit
 
 
 def _array(request: Any, name: str) -> np.ndarray | None:
@@ -146,3 +147,7 @@ class TritonPythonModel:
     def finalize(self) -> None:
         self.starts.shutdown(wait=False, cancel_futures=True)
         self.service.engine.close()
+        # pb_utils objects are freed while the stub is still up (see the llm model).
+        del self.active_gauge, self.cache_gauge
+        self.families.clear()
+        quiesce_for_exit()

@@ -12,39 +12,37 @@ Inputs
 Outputs (streamed; the last response carries the FINAL flag)
     TEXT_DELTA  BYTES [1]   UTF-8 text of the tokens since the previous response
     FINISH      BYTES [1]   "" until the last response; then a JSON object {finish_reason, text,
-                            prompt_tokens, completion_tokens, error, constraint} (the constraint
-                            rides on the last response only, so postprocessing can validate
-                            without a copy of the schema on every streamed token)
+                            prompt_tokens, completion_tokens, error, status, constraint} (the
+                            constraint rides on the last response only, so postprocessing can
+                            validate without a copy of the schema on every streamed token)
 
 Each request joins the in-flight batch at a step boundary. Per step, one BLS
 request to ``grammar`` computes the bitmask of every constrained row while
-the batched forward runs. A constraint that fails to compile before any
-token is an error response with its code (INVALID_ARG for a bad constraint).
+the batched forward runs. Every failure -- a request preprocessing refused, a
+constraint that fails to compile, an overloaded scheduler -- ends with one final
+FINISH carrying ``finish_reason: "error"`` and its gRPC status name: this model
+never sends an error response (see llm_runtime.postprocess and deploy/gateway.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Any
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from grammar_backend.errors import TRITON_CODE_NAMES, GrammarError, InvalidArgument
+from grammar_backend.errors import GrammarError, InvalidArgument
 from grammar_backend.params import from_parameters, parameter_values
+from grammar_backend.teardown import quiesce_for_exit
+from llm_runtime.errors import CANCELLED
 from llm_runtime.mask import ConstraintRequest
 from llm_runtime.model_config import LlmModelConfig, bls_scheduler, stats_summary
-from llm_runtime.postprocess import FinalState
+from llm_runtime.postprocess import FinalState, finish_json
 from llm_runtime.preprocess import GenerationParams
 from llm_runtime.scheduler import FinishEvent, GenerationRequest, TokenEvent
 
 _EMPTY = np.array([b""], np.object_)
-
-
-def _error(message: str, status: str) -> Any:
-    code = getattr(pb_utils.TritonError, TRITON_CODE_NAMES.get(status, "INTERNAL"))
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, code))
 
 
 def _to_request(request: Any) -> tuple[dict[str, str] | None, GenerationRequest]:
@@ -94,17 +92,21 @@ class _Stream:
             return
         self.metrics["max_batch"].set(self.scheduler.max_batch_size_seen)
         self.metrics["live"].set(self.scheduler.live_count)
-        if event.error_status == "CANCELLED":
+        if event.error_status == CANCELLED:
+            # Cancelled through CANCEL: the client has left, an empty final response ends the request.
             self.sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        elif event.error is not None and event.completion_tokens == 0 and event.error_status != "INTERNAL":
-            self.sender.send(_error(event.error, event.error_status), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        else:
-            final = FinalState(event.finish_reason, event.text, event.prompt_tokens, event.completion_tokens,
-                               event.error)
-            finish = json.dumps({**dataclasses.asdict(final), "constraint": self.constraint}, ensure_ascii=False)
-            self.sender.send(pb_utils.InferenceResponse(output_tensors=[
-                pb_utils.Tensor("TEXT_DELTA", _EMPTY),
-                pb_utils.Tensor("FINISH", np.array([finish.encode("utf-8")], np.object_))]), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
+        final = FinalState(event.finish_reason, event.text, event.prompt_tokens, event.completion_tokens,
+                           event.error, event.error_status)
+        self.finish(final)
+
+    def finish(self, final: FinalState) -> None:
+        """The last response: errors are data in FINISH (llm_runtime.postprocess), never an error response."""
+        finish = finish_json(final, self.constraint)
+        self.sender.send(pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("TEXT_DELTA", _EMPTY),
+            pb_utils.Tensor("FINISH", np.array([finish.encode("utf-8")], np.object_))]),
+            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
 
 class TritonPythonModel:
@@ -134,9 +136,21 @@ class TritonPythonModel:
                 stream.constraint, gen_request = _to_request(request)
                 stream.rid = self.scheduler.submit(gen_request, stream)
             except GrammarError as err:
-                stream.sender.send(_error(str(err), err.status), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                stream.finish(FinalState.rejected(err))
+            except Exception as err:  # noqa: BLE001 - a bug: INTERNAL as data, never an error response
+                pb_utils.Logger.log_error(f"llm: request failed: {err!r}")
+                stream.finish(FinalState.rejected(err))
 
     def finalize(self) -> None:
         # One line per process lifetime: the per-step figures the benchmarks read.
         pb_utils.Logger.log_info(f"llm step stats: {json.dumps(stats_summary(self.scheduler))}")
         self.scheduler.close()
+        # Every pb_utils object (metrics before their families, the BLS provider's
+        # cached tensors, BLS responses held by exception tracebacks) is freed
+        # here, while the stub's shared memory still exists: left to interpreter
+        # teardown their destructors segfaulted the stub on SIGTERM shutdowns
+        # (MetricFamily 2 of 2; PbTensor and InferResponse once each).
+        self.metrics.clear()
+        self.families.clear()
+        del self.scheduler
+        quiesce_for_exit()

@@ -9,18 +9,19 @@ Inputs
 Outputs
     TEXT           BYTES [1]  the text delta, passed through
     FINISH_REASON  BYTES [1]  "" or stop | length | error
-    RESULT         BYTES [1]  "" or the final result JSON (see README, "Responses")
+    RESULT         BYTES [1]  "" or the final result JSON (see README, "Responses"); errors are
+                              data here (finish_reason "error", status, error), never an error response
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from llm_runtime.postprocess import FinalState, build_result
+from grammar_backend.teardown import quiesce_for_exit
+from llm_runtime.postprocess import result_of_finish
 
 _EMPTY = np.array([b""], np.object_)
 
@@ -41,13 +42,13 @@ class TritonPythonModel:
                 responses.append(pb_utils.InferenceResponse(output_tensors=[
                     text, pb_utils.Tensor("FINISH_REASON", _EMPTY), pb_utils.Tensor("RESULT", _EMPTY)]))
                 continue
-            doc = json.loads(finish)
-            constraint = doc.pop("constraint")
-            final = FinalState(**doc)
-            result = json.dumps(build_result(final, constraint), ensure_ascii=False)
+            finish_reason, result = result_of_finish(finish)
             responses.append(pb_utils.InferenceResponse(output_tensors=[
                 text,
-                pb_utils.Tensor("FINISH_REASON", np.array([final.finish_reason.encode()], np.object_)),
+                pb_utils.Tensor("FINISH_REASON", np.array([finish_reason.encode()], np.object_)),
                 pb_utils.Tensor("RESULT", np.array([result.encode("utf-8")], np.object_)),
             ]))
         return responses
+
+    def finalize(self) -> None:
+        quiesce_for_exit()

@@ -11,10 +11,12 @@ Inputs
     MAX_TOKENS INT32 [1], TEMPERATURE FP32 [1], TOP_P FP32 [1], TOP_K INT32 [1], SEED UINT64 [1]
     STOP             BYTES [N]   stop strings
 Outputs
-    INPUT_IDS        INT32 [T]   prompt token ids
-    REQUEST          BYTES [1]   validated parameters + canonical constraint (JSON)
+    INPUT_IDS        INT32 [T]   prompt token ids ([0] when the request is refused)
+    REQUEST          BYTES [1]   validated parameters + canonical constraint (JSON), or
+                                 {"rejected": {"status", "message"}} naming the field and the reason
 
-A bad field is an INVALID_ARG error naming the field and the reason.
+A refused request is data, never an error response (see llm_runtime.postprocess):
+``llm`` answers it with one final error RESULT.
 """
 
 from __future__ import annotations
@@ -25,9 +27,15 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from grammar_backend.errors import GrammarError, triton_code_name
+from grammar_backend.errors import GrammarError
 from grammar_backend.params import from_parameters, parameter_values
-from llm_runtime.preprocess import PreprocessConfig, Preprocessor, RawRequest
+from grammar_backend.teardown import quiesce_for_exit
+from llm_runtime.preprocess import (
+    PreprocessConfig,
+    Preprocessor,
+    RawRequest,
+    rejection_json,
+)
 
 
 def _first(request: Any, name: str) -> Any:
@@ -70,12 +78,17 @@ class TritonPythonModel:
         for request in requests:
             try:
                 ids, params = self.preprocess(_to_raw(request))
+                request_json = params.to_json()
             except GrammarError as err:
-                code = getattr(pb_utils.TritonError, triton_code_name(err))
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(err), code)))
-                continue
+                ids, request_json = [], rejection_json(err)
+            except Exception as err:  # noqa: BLE001 - a bug: INTERNAL as data, never an error response
+                pb_utils.Logger.log_error(f"preprocessing failed: {err!r}")
+                ids, request_json = [], rejection_json(err)
             responses.append(pb_utils.InferenceResponse(output_tensors=[
                 pb_utils.Tensor("INPUT_IDS", np.array(ids, np.int32)),
-                pb_utils.Tensor("REQUEST", np.array([params.to_json().encode("utf-8")], np.object_)),
+                pb_utils.Tensor("REQUEST", np.array([request_json.encode("utf-8")], np.object_)),
             ]))
         return responses
+
+    def finalize(self) -> None:
+        quiesce_for_exit()

@@ -1,0 +1,85 @@
+"""Helpers for integration tests against the served ensemble (a real tritonserver behind the gateway)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+
+from deploy.render import load_values, render_repository
+from deploy.server import ServerConfig, TritonServer
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL_DIR = REPO / "build" / "models" / "smollm2-135m-instruct"
+
+
+def start_ensemble(tmp: Path, **fields: Any) -> TritonServer:
+    """Render the repository for the default model and start a ready server (gateway included)."""
+    values = load_values(REPO / "deploy" / "values.json")
+    values["MODEL_DIR"] = str(MODEL_DIR)
+    render_repository(REPO / "model_repository", tmp / "repo", values)
+    fields.setdefault("log_file", tmp / "tritonserver.log")
+    server = TritonServer(ServerConfig(model_repository=tmp / "repo", models=("constrained_llm", "grammar"),
+                                       **fields))
+    server.start()
+    try:
+        server.wait_ready()
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def grammar_active(server: TritonServer) -> int:
+    """The grammar model's active-sequence count (its `stats` op, over gRPC streaming).
+
+    `grammar` is internal: only tritonserver's own endpoint behind the gateway,
+    with the secret, reaches it.
+    """
+    results: list[Any] = []
+    done = threading.Event()
+
+    def callback(result: Any, error: Any) -> None:
+        results.append(error if error is not None else result)
+        done.set()
+
+    c = grpcclient.InferenceServerClient(server.internal_grpc_url)
+    op = grpcclient.InferInput("OP", [1], "BYTES")
+    op.set_data_from_numpy(np.array([b"stats"], np.object_))
+    ids = grpcclient.InferInput("SEQUENCE_ID", [0], "UINT64")
+    ids.set_data_from_numpy(np.zeros(0, np.uint64))
+    c.start_stream(callback, headers=server.internal_headers)
+    try:
+        c.async_stream_infer("grammar", [op, ids])
+        assert done.wait(30)
+    finally:
+        c.stop_stream()
+        c.close()
+    stats = json.loads(results[0].as_numpy("STATS")[0])
+    return int(stats["active"])
+
+
+def metric(server: TritonServer, name: str) -> float:
+    """A gauge from Triton's Prometheus endpoint."""
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as resp:
+        text = resp.read().decode()
+    values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith((name + "{", name + " "))]
+    assert len(values) == 1, f"{name} not exported once: {values}"
+    return values[0]
+
+
+def wait_active_zero(server: TritonServer, timeout_s: float = 60) -> int:
+    deadline = time.monotonic() + timeout_s
+    active = grammar_active(server)
+    while active and time.monotonic() < deadline:
+        time.sleep(0.2)
+        active = grammar_active(server)
+    return active
+
+

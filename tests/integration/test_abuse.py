@@ -1,0 +1,390 @@
+"""What a hostile or careless client can do over real gRPC, and what it gets.
+
+One served ensemble (real tritonserver 2.51 behind the gateway, SmolLM2-135M,
+xgrammar) for the module.  Raw ``tritonclient`` streams bypass the SDK on
+purpose: they send the ``triton_grpc_error`` header, call internal models,
+cancel mid-stream, and die without closing.  Every bad request must get its
+exact status, the server must stay up and ready, and every sequence and batch
+slot must be freed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from client import Client, Constraint
+from client.errors import InvalidConstraint
+from deploy.server import TritonServer
+from tests.integration.served import REPO, grammar_active, metric
+
+pytestmark = [pytest.mark.triton, pytest.mark.e2e]
+
+Event = tuple[grpcclient.InferResult | None, InferenceServerException | None]
+
+
+def _tensor(name: str, datatype: str, values: Any) -> grpcclient.InferInput:
+    array = np.asarray(values, dtype=np.object_ if datatype == "BYTES" else None)
+    tensor = grpcclient.InferInput(name, list(array.shape), datatype)
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+def _prompt(text: bytes = b"Say hi.") -> grpcclient.InferInput:
+    return _tensor("PROMPT", "BYTES", [text])
+
+
+def _ints(name: str, value: int) -> grpcclient.InferInput:
+    return _tensor(name, "INT32", np.array([value], np.int32))
+
+
+def raw_call(url: str, model: str, inputs: list[grpcclient.InferInput], *, header: bool = True,
+             timeout_s: float = 60.0) -> tuple[dict[str, Any] | None, str | None]:
+    """One request on its own raw stream (with ``triton_grpc_error`` unless told), closed afterwards.
+
+    Returns ``(RESULT, None)`` for a final RESULT or ``(None, error message)`` for an error.
+    """
+    events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: events.put((result, error)),
+                        headers={"triton_grpc_error": "true"} if header else None)
+    try:
+        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            result, error = events.get(timeout=max(0.0, deadline - time.monotonic()))
+            if error is not None:
+                return None, error.message()
+            assert result is not None
+            text = result.as_numpy("RESULT")
+            if text is not None and text.reshape(-1)[0]:
+                return json.loads(text.reshape(-1)[0]), None
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                return None, "final response without RESULT"
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+GRAMMAR_START = [
+    _tensor("OP", "BYTES", [b"start"]),
+    _tensor("SEQUENCE_ID", "UINT64", np.array([12345], np.uint64)),
+    _tensor("GRAMMAR_TYPE", "BYTES", [b"regex"]),
+    _tensor("GRAMMAR", "BYTES", [b"(a"]),
+]
+CONSTRAINED_LLM = "constrained_llm"
+
+
+@pytest.fixture
+def cpu_load() -> Iterator[None]:
+    """Two busy processes: the 2.51 race shows under CPU load (0 crashes in 800 on an idle machine)."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: sum(i * i for i in range(10_000))"])
+             for _ in range(2)]
+    yield
+    for proc in procs:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_rejected_requests_on_error_header_streams_do_not_crash_the_server(
+    server: TritonServer, cpu_load: None
+) -> None:
+    """Regression: without the gateway this cycle killed tritonserver 2.51 after 59 requests (signal 11,
+    after `HandleCancellation called even when the context was not cancelled`), under the same load."""
+    url = server.grpc_url
+    for _ in range(40):
+        result, error = raw_call(url, CONSTRAINED_LLM, [_prompt(), _ints("MAX_TOKENS", 0)])
+        assert error is None and result is not None
+        assert (result["finish_reason"], result["status"], result["error"]) == (
+            "error", "INVALID_ARGUMENT", "max_tokens: must be in 1..1024, got 0")
+        result, error = raw_call(url, CONSTRAINED_LLM, [
+            _prompt(), _tensor("GRAMMAR_TYPE", "BYTES", [b"regex"]), _tensor("GRAMMAR", "BYTES", [b"(a"]),
+            _ints("MAX_TOKENS", 5)])
+        assert result is not None and (result["finish_reason"], result["status"]) == ("error", "INVALID_ARGUMENT")
+        assert result["error"].startswith("grammar: xgrammar cannot compile this regex")
+        result, error = raw_call(url, "grammar", GRAMMAR_START)
+        assert result is None and error == (
+            "PERMISSION_DENIED: model 'grammar' is not served to clients; call constrained_llm")
+        assert server.is_running()
+    assert "Signal (11)" not in server.log_tail(200_000)
+    assert "HandleCancellation called even when" not in server.log_tail(200_000)
+
+
+DEEP = ("[" * 10_000 + "]" * 10_000).encode()
+
+BAD_INPUTS = [
+    # (inputs, exact status, exact message or prefix)
+    ([_prompt(), _ints("MAX_TOKENS", 0)], "INVALID_ARGUMENT", "max_tokens: must be in 1..1024, got 0"),
+    ([_prompt(), _tensor("TEMPERATURE", "FP32", np.array([5.0], np.float32))], "INVALID_ARGUMENT",
+     "temperature: must be in 0..2, got 5.0"),
+    ([_prompt(b"\xff\xfe")], "INVALID_ARGUMENT", "prompt: not valid UTF-8 at byte 0"),
+    ([_prompt(b"   ")], "INVALID_ARGUMENT", "prompt: is empty"),
+    ([_tensor("MESSAGES", "BYTES", [b'[{"role":"user","content":"\\ud800"}]'])], "INVALID_ARGUMENT",
+     "messages[0].content: contains an unpaired surrogate (\\ud800) at character 0"),
+    ([_tensor("MESSAGES", "BYTES", [DEEP])], "INVALID_ARGUMENT",
+     "messages: nested too deeply (expected an array of {role, content})"),
+    ([_prompt(), _tensor("GRAMMAR_TYPE", "BYTES", [b"cobol"]), _tensor("GRAMMAR", "BYTES", [b"x"])],
+     "INVALID_ARGUMENT", "grammar_type: "),
+    ([_prompt(), _tensor("GRAMMAR_TYPE", "BYTES", [b"json_schema"]), _tensor("GRAMMAR", "BYTES", [b"{nope"])],
+     "INVALID_ARGUMENT", "grammar: invalid JSON at line 1 column 2"),
+    ([_prompt(), _tensor("GRAMMAR_TYPE", "BYTES", [b"json_schema"]),
+      _tensor("GRAMMAR", "BYTES", [b'{"type":"string","const":"\\ud800"}'])],
+     "INVALID_ARGUMENT", "grammar: contains an unpaired surrogate escape (\\ud800)"),
+    ([_prompt(), _tensor("GRAMMAR_TYPE", "BYTES", [b"json_schema"]),
+      _tensor("GRAMMAR", "BYTES", [json.dumps({"type": "object", "properties": {
+          "a": {"$ref": "https://example.com/remote.json"}}}).encode()])],
+     "INVALID_ARGUMENT", "grammar#/properties/a/$ref: cannot resolve 'https://example.com/remote.json'"),
+    ([_prompt(), _tensor("GRAMMAR_TYPE", "BYTES", [b"json_schema"]),
+      _tensor("GRAMMAR_OPTIONS", "BYTES", [b'{"colour":"red"}']), _tensor("GRAMMAR", "BYTES", [b"{}"])],
+     "INVALID_ARGUMENT", "grammar_options.colour: "),
+    ([_prompt(), _tensor("GRAMMAR_TYPE", "BYTES", [b"regex"]), _tensor("GRAMMAR", "BYTES", [b"(a"])],
+     "INVALID_ARGUMENT", "grammar: xgrammar cannot compile this regex"),
+]
+
+
+@pytest.mark.parametrize(("inputs", "status", "message"), BAD_INPUTS)
+def test_bad_input_gets_its_exact_status_as_data(server: TritonServer, inputs: list[grpcclient.InferInput],
+                                                 status: str, message: str) -> None:
+    result, error = raw_call(server.grpc_url, CONSTRAINED_LLM, inputs)
+    assert error is None and result is not None
+    assert (result["finish_reason"], result["complete"], result["status"]) == ("error", False, status)
+    assert result["error"].startswith(message), result["error"]
+
+
+@pytest.mark.parametrize(
+    ("model", "inputs", "message"),
+    [
+        (CONSTRAINED_LLM, [_prompt(), _tensor("MAX_TOKENS", "FP32", np.array([3.0], np.float32))],
+         "inference input 'MAX_TOKENS' data-type is 'FP32', but model 'constrained_llm' expects 'INT32'"),
+        (CONSTRAINED_LLM, [_prompt(), _ints("NOT_AN_INPUT", 1)], "unexpected inference input 'NOT_AN_INPUT'"),
+        ("grammar", GRAMMAR_START, "PERMISSION_DENIED: model 'grammar' is not served to clients"),
+        ("llm", [_tensor("CANCEL", "BYTES", [b"req-1"])], "PERMISSION_DENIED: model 'llm' is not served to clients"),
+        ("preprocessing", [_prompt()], "PERMISSION_DENIED: model 'preprocessing' is not served to clients"),
+    ],
+)
+def test_malformed_and_internal_calls_get_in_band_errors(server: TritonServer, model: str,
+                                                         inputs: list[grpcclient.InferInput], message: str) -> None:
+    result, error = raw_call(server.grpc_url, model, inputs)
+    assert result is None and error is not None and message in error, error
+
+
+def test_internal_models_and_control_apis_are_not_reachable(server: TritonServer) -> None:
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        for call in (lambda: client.is_model_ready("grammar"), lambda: client.get_model_config("llm"),
+                     lambda: client.load_model("grammar"), lambda: client.get_log_settings()):
+            with pytest.raises(InferenceServerException) as info:
+                call()
+            assert info.value.status() == "StatusCode.PERMISSION_DENIED"
+        assert client.is_server_ready() and client.is_model_ready(CONSTRAINED_LLM)
+    finally:
+        client.close()
+    # tritonserver's own endpoint (loopback, behind the gateway) refuses inference without the secret.
+    result, error = raw_call(server.internal_grpc_url, "grammar", GRAMMAR_START, header=False)
+    assert result is None and error is not None and "This protocol is restricted" in error
+    # HTTP inference (generate_stream included) is restricted the same way; health stays open.
+    request = urllib.request.Request(f"http://{server.http_url}/v2/models/{CONSTRAINED_LLM}/generate_stream",
+                                     data=b'{"PROMPT":"hi"}', method="POST")
+    with pytest.raises(urllib.error.HTTPError) as http_info:
+        urllib.request.urlopen(request, timeout=10)
+    assert http_info.value.code == 403
+    with urllib.request.urlopen(f"http://{server.http_url}/v2/health/ready", timeout=10) as resp:
+        assert resp.status == 200
+
+
+def test_sdk_raises_typed_errors_from_data(server: TritonServer) -> None:
+    with Client(server.grpc_url) as sdk:
+        with pytest.raises(InvalidConstraint, match=r"^grammar#/properties/a/\$ref: cannot resolve") as info:
+            sdk.generate("x", constraint=Constraint.json_schema(
+                {"type": "object", "properties": {"a": {"$ref": "https://example.com/x.json"}}}), max_tokens=5)
+        assert info.value.status == "INVALID_ARGUMENT"
+
+
+# ------------------------------------------------------------------ leaving frees everything
+LONG = {"prompt": "Write a long list of words.", "regex": "[a-z ]{1,4000}", "max_tokens": 1000}
+
+# A client in its own process: starts a long constrained stream, reports the first
+# token, then waits to be killed (or cancels / times out itself, by mode).
+CHILD = textwrap.dedent("""
+    import sys, time, queue, numpy as np, tritonclient.grpc as g
+    url, mode = sys.argv[1], sys.argv[2]
+    q = queue.SimpleQueue()
+    c = g.InferenceServerClient(url)
+    c.start_stream(callback=lambda result, error: q.put((result, error)),
+                   stream_timeout=8.0 if mode == "deadline" else None)
+    def t(n, d, v):
+        x = g.InferInput(n, [1], d); x.set_data_from_numpy(np.array([v], dtype=object if d == "BYTES" else "int32"))
+        return x
+    c.async_stream_infer("constrained_llm", [t("PROMPT", "BYTES", {prompt!r}.encode()),
+        t("GRAMMAR_TYPE", "BYTES", b"regex"), t("GRAMMAR", "BYTES", {regex!r}.encode()),
+        t("MAX_TOKENS", "INT32", {max_tokens})], enable_empty_final_response=True)
+    result, error = q.get(timeout=120)
+    print("streaming" if error is None else f"error {{error}}", flush=True)
+    if mode == "cancel":
+        c.stop_stream(cancel_requests=True)
+        print("cancelled", flush=True)
+    time.sleep(600)
+""").format(**LONG)
+
+
+def _wait_freed(server: TritonServer, timeout_s: float = 20.0) -> tuple[int, float]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        active, live = grammar_active(server), metric(server, "llm_live_requests")
+        if (active == 0 and live == 0) or time.monotonic() > deadline:
+            return active, live
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("mode", ["cancel", "deadline", "sigkill", "sigterm"])
+def test_every_way_of_leaving_frees_the_sequence(server: TritonServer, mode: str) -> None:
+    """A departed client's sequence is cancelled inside the server (the gateway sends CANCEL to `llm`),
+    not decoded to max_tokens (1,000 tokens: minutes here)."""
+    child = subprocess.Popen([sys.executable, "-c", CHILD, server.grpc_url, mode], stdout=subprocess.PIPE,
+                             text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "streaming"
+        assert grammar_active(server) == 1
+        started = time.monotonic()
+        if mode == "sigkill":
+            child.send_signal(signal.SIGKILL)
+        elif mode == "sigterm":
+            child.send_signal(signal.SIGTERM)
+        assert _wait_freed(server) == (0, 0)
+        assert time.monotonic() - started < 20
+    finally:
+        child.kill()
+        child.wait(10)
+    assert server.is_running()
+
+
+# ------------------------------------------------------------------ the mix
+def _group_rss_mib(pgid: int) -> float:
+    total = 0
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            if os.getpgid(int(status.parent.name)) != pgid:
+                continue
+            fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        total += int(fields.get("VmRSS", "0 kB").split()[0])
+    return total / 1024
+
+
+def _early_close(url: str) -> str:
+    """A raw client that cancels its stream right after the first token (no SDK, header on)."""
+    events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: events.put((result, error)),
+                        headers={"triton_grpc_error": "true"})
+    client.async_stream_infer(CONSTRAINED_LLM, [_prompt(b"Count to a hundred."), _ints("MAX_TOKENS", 200)],
+                              enable_empty_final_response=True)
+    events.get(timeout=120)
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    return "closed"
+
+
+SOAK_REQUESTS = int(os.environ.get("ABUSE_REQUESTS", "2000"))
+# Bound on the growth of the server's resident memory (tritonserver + 4 stubs,
+# about 2.3 GB at rest here) over the mix, after a warm-up round.
+RSS_GROWTH_MIB = 200.0
+
+
+def test_abuse_mix_keeps_the_server_up_and_clean(server: TritonServer) -> None:
+    """SOAK_REQUESTS bad requests of every kind, raw early closes and valid streams, concurrently.
+
+    Every bad request gets its exact answer, every valid one completes validly,
+    and afterwards no sequence, batch slot or memory is left behind.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    url = server.grpc_url
+    bad = [(CONSTRAINED_LLM, inputs, status, message) for inputs, status, message in BAD_INPUTS]
+    internal = [(model, inputs, None, message) for model, inputs, message in [
+        ("grammar", GRAMMAR_START, "PERMISSION_DENIED: model 'grammar' is not served to clients"),
+        ("llm", [_tensor("CANCEL", "BYTES", [b"req-1"])], "PERMISSION_DENIED: model 'llm' is not served"),
+        (CONSTRAINED_LLM, [_prompt(), _tensor("MAX_TOKENS", "FP32", np.array([3.0], np.float32))],
+         "inference input 'MAX_TOKENS' data-type is 'FP32'"),
+    ]]
+    table = bad + internal
+
+    def one(i: int) -> str:
+        if i % 50 == 49:
+            return _early_close(url)
+        model, inputs, status, message = table[i % len(table)]
+        result, error = raw_call(url, model, inputs, header=i % 2 == 0)
+        if status is None:
+            assert result is None and error is not None and message in error, (i, error)
+        else:
+            assert error is None and result is not None, (i, error)
+            assert (result["finish_reason"], result["status"]) == ("error", status), (i, result)
+            assert result["error"].startswith(message), (i, result["error"])
+        return "ok"
+
+    valid: list[str] = []
+    stop = threading.Event()
+
+    def valid_streams() -> None:
+        schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                  "additionalProperties": False}
+        with Client(url) as sdk:
+            while not stop.is_set():
+                result = sdk.generate("Is the sky blue? Answer as JSON.", constraint=Constraint.json_schema(schema),
+                                      max_tokens=16)
+                assert result.complete and result.json is not None and result.json.valid, result
+                valid.append(result.text)
+
+    with ThreadPoolExecutor(6) as pool:
+        list(pool.map(one, range(len(table) * 2)))  # warm-up: every path once
+        assert server.pid is not None
+        rss_before = _group_rss_mib(server.pid)
+        streams = threading.Thread(target=valid_streams)
+        streams.start()
+        started = time.monotonic()
+        outcomes = list(pool.map(one, range(SOAK_REQUESTS)))
+        elapsed = time.monotonic() - started
+        stop.set()
+        streams.join(120)
+    assert outcomes.count("ok") + outcomes.count("closed") == SOAK_REQUESTS
+    assert len(valid) >= 3, valid
+    assert server.is_running() and _gateway_ready(server)
+    assert _wait_freed(server) == (0, 0)
+    rss_after = _group_rss_mib(server.pid)
+    print(f"abuse mix: {SOAK_REQUESTS} requests in {elapsed:.0f} s, {len(valid)} valid streams completed, "
+          f"server RSS {rss_before:.0f} -> {rss_after:.0f} MiB")
+    assert rss_after - rss_before < RSS_GROWTH_MIB
+
+
+def _gateway_ready(server: TritonServer) -> bool:
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        return bool(client.is_server_ready() and client.is_model_ready(CONSTRAINED_LLM))
+    finally:
+        client.close()
+
+
+def test_sigterm_shutdown_is_clean(server: TritonServer) -> None:
+    """Runs last in this module: stopping the server must not segfault any stub (MetricFamily teardown)."""
+    assert server.stop() == 0
+    log = server.log_tail(500_000)
+    assert "Segfault encountered" not in log and "Signal (11)" not in log

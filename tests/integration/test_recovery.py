@@ -1,0 +1,109 @@
+"""Killing a stub or the server: streams end with UNAVAILABLE, readiness turns false, the server comes back.
+
+The module's server runs under :class:`deploy.supervisor.Supervisor` (fast
+timings), as ``make serve`` does.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from client import Client, Constraint
+from client.errors import ServerUnavailable
+from deploy.server import TritonServer
+from deploy.supervisor import Supervisor, SupervisorConfig, default_probes
+
+pytestmark = [pytest.mark.triton, pytest.mark.e2e, pytest.mark.slow]
+
+FAST = SupervisorConfig(interval_s=1.0, probe_timeout_s=5.0, failures_to_restart=2, backoff_s=1.0,
+                        ready_timeout_s=300.0)
+
+
+@pytest.fixture(scope="module")
+def supervised(server: TritonServer) -> Iterator[Supervisor]:
+    supervisor = Supervisor(server, default_probes(), FAST)
+    thread = threading.Thread(target=supervisor.run, name="test-supervisor", daemon=True)
+    thread.start()
+    yield supervisor
+    supervisor.stop()
+    thread.join(60)
+
+
+def _stub_pid(server: TritonServer, model: str) -> int:
+    """The Python-backend stub of ``model`` (its command line names the model's model.py)."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+            pgid = os.getpgid(int(cmdline.parent.name))
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if pgid == server.pid and any(arg.endswith(f"/{model}/1/model.py".encode()) for arg in args):
+            return int(cmdline.parent.name)
+    raise LookupError(f"no stub for {model}")
+
+
+def _gateway_ready(server: TritonServer) -> bool:
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        return bool(client.is_server_ready() and client.is_model_ready("constrained_llm"))
+    except InferenceServerException:
+        return False
+    finally:
+        client.close()
+
+
+def _wait(predicate: object, timeout_s: float) -> float:
+    start = time.monotonic()
+    while not predicate():  # type: ignore[operator]
+        if time.monotonic() - start > timeout_s:
+            raise TimeoutError(f"not within {timeout_s} s")
+        time.sleep(0.25)
+    return time.monotonic() - start
+
+
+@pytest.mark.parametrize("victim", ["grammar", "llm", "tritonserver"])
+def test_killed_part_ends_streams_and_recovers(server: TritonServer, supervised: Supervisor, victim: str) -> None:
+    restarts = supervised.restarts
+    outcome: dict[str, object] = {}
+
+    def long_stream() -> None:
+        with Client(server.grpc_url, timeout_s=240) as sdk:
+            try:
+                for chunk in sdk.stream("Write a long list of words.", constraint=Constraint.regex("[a-z ]{1,4000}"),
+                                        max_tokens=1000, require_complete=False):
+                    outcome.setdefault("first", time.monotonic())
+                outcome["end"] = "finished"
+            except ServerUnavailable as err:
+                outcome["end"] = err
+
+    thread = threading.Thread(target=long_stream)
+    thread.start()
+    _wait(lambda: "first" in outcome, 120)
+    killed_at = time.monotonic()
+    pid = server.pid if victim == "tritonserver" else _stub_pid(server, victim)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    thread.join(60)
+    assert not thread.is_alive(), "the client stream hung after the kill"
+    assert isinstance(outcome["end"], ServerUnavailable), outcome
+    ended_after = time.monotonic() - killed_at
+    recovered_after = _wait(lambda: supervised.restarts > restarts and _gateway_ready(server), 240)
+    assert ended_after < 30, ended_after
+    cause = {"grammar": "model 'grammar' failed its probe", "llm": "model 'llm' failed its probe",
+             "tritonserver": "tritonserver exited with status -9"}[victim]
+    assert supervised.last_cause.startswith(cause), supervised.last_cause
+    # Back in service: a new request completes.
+    with Client(server.grpc_url) as sdk:
+        result = sdk.generate("Pick one.", constraint=Constraint.choice(["yes", "no"]), max_tokens=5)
+    assert result.text in ("yes", "no")
+    print(f"{victim}: stream ended {ended_after:.1f} s after the kill, ready again after {recovered_after:.1f} s "
+          f"more; cause: {supervised.last_cause}")
