@@ -6,7 +6,13 @@ import json
 
 import pytest
 
-from llm_runtime.postprocess import FinalState, build_result
+from llm_runtime.postprocess import (
+    MAX_ERROR_CHARS,
+    FinalState,
+    build_result,
+    finish_json,
+    result_of_finish,
+)
 from tests.unit.conftest import load_schema
 
 PERSON = {"kind": "json_schema", "payload": json.dumps(load_schema("person")), "options": '{"strict": false}'}
@@ -66,3 +72,24 @@ def test_the_schema_draft_is_honoured() -> None:
     constraint = {"kind": "json_schema", "payload": json.dumps(schema), "options": ""}
     report = build_result(FinalState("stop", '{"card":"1234"}', 1, 6), constraint)["json"]
     assert (report["valid"], report["violations"]) == (False, [{"pointer": "", "message": "'billing' is a dependency of 'card'"}])
+
+
+def test_finish_round_trip_and_errors_as_data() -> None:
+    final = FinalState("error", "", 0, 0, error="max_tokens: must be in 1..1024, got 0", status="INVALID_ARGUMENT")
+    reason, text = result_of_finish(finish_json(final, None).encode())
+    result = json.loads(text)
+    assert reason == "error"
+    assert (result["finish_reason"], result["complete"], result["status"], result["error"]) == (
+        "error", False, "INVALID_ARGUMENT", "max_tokens: must be in 1..1024, got 0")
+
+
+def test_an_unreadable_finish_is_an_internal_result_not_an_exception() -> None:
+    reason, text = result_of_finish(b"{not json")
+    result = json.loads(text)
+    assert (reason, result["status"]) == ("error", "INTERNAL")
+    assert result["error"].startswith("internal error in postprocessing: JSONDecodeError(")
+
+
+def test_long_errors_are_cut() -> None:
+    result = build_result(FinalState("error", "", 0, 0, error="x" * 5000, status="INVALID_ARGUMENT"), None)
+    assert result["error"] == "x" * MAX_ERROR_CHARS + "... (5000 characters)"

@@ -14,6 +14,8 @@ from llm_runtime.preprocess import (
     PreprocessConfig,
     Preprocessor,
     RawRequest,
+    RejectedRequest,
+    rejection_json,
 )
 
 MODEL = Path(__file__).resolve().parents[2] / "build" / "models" / "smollm2-135m-instruct"
@@ -51,6 +53,15 @@ def pre() -> Preprocessor:
          r"^grammar#/type: not a valid JSON Schema"),
         (RawRequest(prompt=b"x" * 300), InvalidArgument,
          r"^prompt: is \d+ tokens after the chat template; the limit is 64$"),
+        (RawRequest(messages=b'[{"role":"user","content":"a\\ud800"}]'), InvalidArgument,
+         r"^messages\[0\]\.content: contains an unpaired surrogate \(\\ud800\) at character 1$"),
+        (RawRequest(messages=b"[" * 10_000 + b"]" * 10_000), InvalidArgument,
+         r"^messages: nested too deeply \(expected an array of \{role, content\}\)$"),
+        (RawRequest(prompt=b"x", grammar_type=b"json_schema", grammar=b'{"const":"\\udc00"}'), ConstraintError,
+         r"^grammar: contains an unpaired surrogate escape \(\\udc00\)$"),
+        (RawRequest(prompt=b"x", grammar_type=b"json_schema",
+                    grammar=b'{"properties":{"a":{"$ref":"https://example.com/s.json"}}}'), ConstraintError,
+         r"^grammar#/properties/a/\$ref: cannot resolve 'https://example.com/s.json' \(remote references"),
     ],
 )
 def test_bad_requests_name_field_and_reason(pre: Preprocessor, raw: RawRequest, error: type[Exception],
@@ -78,3 +89,17 @@ def test_request_round_trip(pre: Preprocessor) -> None:
     assert params.constraint == expected
     assert GenerationParams.from_json(params.to_json()) == params
     assert (params.max_tokens, params.temperature, params.top_k, params.seed, params.stop) == (7, 0.5, 40, 3, ("\n\n",))
+
+
+@pytest.mark.parametrize(
+    ("err", "status"),
+    [
+        (InvalidArgument("max_tokens", "must be in 1..100, got 0"), "INVALID_ARGUMENT"),
+        (KeyError("bug"), "INTERNAL"),
+    ],
+)
+def test_a_refusal_travels_as_data_with_its_status(err: Exception, status: str) -> None:
+    """Preprocessing never sends an error response: llm reads the refusal back with its status."""
+    with pytest.raises(RejectedRequest) as info:
+        GenerationParams.from_json(rejection_json(err))
+    assert (info.value.status, str(info.value)) == (status, str(err))
