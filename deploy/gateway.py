@@ -229,14 +229,25 @@ class _StreamSession:
         param = request.parameters.get(_EMPTY_FINAL)
         wants_empty_final = bool(param is not None and param.bool_param)
         internal_id = secrets.token_hex(16)
-        self.pending[internal_id] = _Pending(request.id, model, wants_empty_final)
+        client_id = request.id
+        self.pending[internal_id] = _Pending(client_id, model, wants_empty_final)
         self.idle.clear()
         request.id = internal_id
         # Always ask for the FINAL marker: it is how the gateway knows a request is over.
         request.parameters[_EMPTY_FINAL].bool_param = True
         if self.upstream is None:
             await self._open_upstream()
-        await self.upstream.write(request)
+        try:
+            await self.upstream.write(request)
+        except (grpc.RpcError, asyncio.InvalidStateError) as err:
+            # tritonserver is down or restarting: this request ends now, in-band.
+            entry = self.pending.pop(internal_id, None)
+            if not self.pending:
+                self.idle.set()
+            if entry is not None:  # else the pump has already answered it
+                reason = err.details() if isinstance(err, grpc.aio.AioRpcError) else "upstream stream closed"
+                request.id = client_id
+                await self._write(_in_band_error(request, "UNAVAILABLE", f"tritonserver failed: {reason}"))
 
     async def _write(self, response: pb.ModelStreamInferResponse) -> None:
         if self.client_gone:

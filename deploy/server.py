@@ -904,4 +904,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Through the package, not this `__main__` copy: deploy.supervisor catches
+    # deploy.server.ServerError, which a class defined in `__main__` is not.
+    from deploy.server import main as package_main
+
+    sys.exit(package_main())

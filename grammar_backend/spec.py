@@ -70,14 +70,25 @@ class SpecLimits:
         stack of the JSON parser.
     max_choices : int
         Most alternatives in a ``choice`` constraint.
+    max_key_chars : int
+        Longest object key in a JSON constraint.  xgrammar builds property
+        names into a trie recursively, and the ``grammar`` stub's threads have
+        small stacks: measured through the served ensemble, a 1 MB property
+        name (``JSONSchemaConverter::BuildTrieBody``, ~30,800 frames) and a
+        60,000-character one both killed the stub.  The longest key in the
+        2,890 maskbench-dev schemas is 151 characters.
+    max_string_chars : int
+        Longest string value (longest in maskbench-dev: 9,369 characters).
     """
 
     max_payload_bytes: int = 2 * 1024 * 1024
     max_depth: int = 128
     max_choices: int = 4096
+    max_key_chars: int = 1024
+    max_string_chars: int = 65_536
 
     def __post_init__(self) -> None:
-        for name in ("max_payload_bytes", "max_depth", "max_choices"):
+        for name in ("max_payload_bytes", "max_depth", "max_choices", "max_key_chars", "max_string_chars"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"SpecLimits.{name} must be positive")
 
@@ -223,6 +234,7 @@ def parse_constraint(
         return ConstraintSpec(ckind, text, opts, None)
 
     doc = parse_json("grammar", text, limits.max_depth)
+    _check_string_lengths(doc, limits.max_key_chars, limits.max_string_chars)
     if ckind is ConstraintKind.CHOICE:
         _check_choices(doc, limits.max_choices)
     elif ckind is ConstraintKind.STRUCTURAL_TAG:
@@ -323,6 +335,23 @@ def parse_json(field_name: str, text: str, max_depth: int) -> Any:
         raise ConstraintError(
             field_name, f"invalid JSON at line {err.lineno} column {err.colno}: {err.msg}"
         ) from err
+
+
+def _check_string_lengths(doc: Any, key_limit: int, limit: int) -> None:
+    """Refuse a key or string value over its limit (iterative: no recursion)."""
+    stack: list[tuple[Any, str]] = [(doc, "")]
+    while stack:
+        node, pointer = stack.pop()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                where = f"{pointer}/{_escape_pointer(key[:40])}"
+                if len(key) > key_limit:
+                    raise ConstraintError(f"grammar#{where}", f"key is {len(key)} characters; the limit is {key_limit}")
+                stack.append((value, where))
+        elif isinstance(node, list):
+            stack.extend((value, f"{pointer}/{i}") for i, value in enumerate(node))
+        elif isinstance(node, str) and len(node) > limit:
+            raise ConstraintError(f"grammar#{pointer}", f"string is {len(node)} characters; the limit is {limit}")
 
 
 def json_depth(text: str) -> int:

@@ -156,6 +156,10 @@ BAD_INPUTS = [
      "INVALID_ARGUMENT", "grammar_options.colour: "),
     ([_prompt(), _tensor("GRAMMAR_TYPE", "BYTES", [b"regex"]), _tensor("GRAMMAR", "BYTES", [b"(a"])],
      "INVALID_ARGUMENT", "grammar: xgrammar cannot compile this regex"),
+    # Killed the grammar stub before keys were bounded (xgrammar's recursive key trie; 60,000 characters did too).
+    ([_prompt(), _tensor("GRAMMAR_TYPE", "BYTES", [b"json_schema"]), _tensor("GRAMMAR", "BYTES", [json.dumps(
+        {"type": "object", "properties": {"k" * 70_000: {"type": "string"}}}).encode()])],
+     "INVALID_ARGUMENT", "grammar#/properties/" + "k" * 40 + ": key is 70000 characters; the limit is 1024"),
 ]
 
 

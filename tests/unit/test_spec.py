@@ -159,3 +159,18 @@ def test_the_schema_draft_is_honoured() -> None:
     parse_constraint("json_schema", '{"$schema": "http://json-schema.org/draft-04/schema#", ' + body + "}")
     with pytest.raises(ConstraintError, match=r"^grammar#/exclusiveMinimum: not a valid JSON Schema: True is not"):
         parse_constraint("json_schema", "{" + body + "}")
+
+
+@pytest.mark.parametrize(
+    ("doc", "match"),
+    [
+        ({"type": "object", "properties": {"k" * 1025: {"type": "string"}}},
+         r"^grammar#/properties/k{40}: key is 1025 characters; the limit is 1024$"),
+        ({"enum": ["ok", "v" * 65_537]}, r"^grammar#/enum/1: string is 65537 characters; the limit is 65536$"),
+    ],
+)
+def test_overlong_keys_and_strings_are_refused(doc: dict[str, object], match: str) -> None:
+    """A 60,000-character property name killed the grammar stub (xgrammar's recursive key trie)."""
+    with pytest.raises(ConstraintError, match=match):
+        parse_constraint("json_schema", json.dumps(doc).encode(), None)
+    parse_constraint("json_schema", json.dumps({"properties": {"k" * 1024: {}}}).encode(), None)
