@@ -54,7 +54,9 @@ is that client, whatever the real client does:
   readiness false even while Triton still reports ready.
 
 Cost: one more loopback hop and a protobuf parse + serialize per streamed
-response (about 30-60 us here, against a 43 ms decode step).
+response.  Measured on the 2-core machine, 10 interleaved streaming requests
+each way on one server: time per request gateway/direct 0.97 (within noise),
+inter-token p50 94.6 vs 97.8 ms, time to first token p50 217 vs 216 ms.
 """
 
 from __future__ import annotations
