@@ -613,14 +613,7 @@ class TritonServer:
             process = self._process
             if process is None:
                 raise ServerError("restart_process() called before start()")
-            if process.poll() is None and graceful:
-                self._signal_group(process, signal.SIGTERM)
-                try:
-                    process.wait(timeout=self.config.stop_grace_s)
-                except subprocess.TimeoutExpired:
-                    self._signal_group(process, signal.SIGKILL)
-                    process.wait()
-            self._signal_group(process, signal.SIGKILL)  # stubs left behind
+            self._terminate(process, graceful=graceful)
             dist = locate_tritonserver()
             self._spawn(server_environment(dist, self._requested.python_env), mode="a")
 
@@ -763,18 +756,22 @@ class TritonServer:
                 # First: no new client request reaches a server that is stopping.
                 self._gateway.stop()
                 self._gateway = None
-            if process.poll() is None:
-                self._signal_group(process, signal.SIGTERM)
-                try:
-                    process.wait(timeout=self.config.stop_grace_s)
-                except subprocess.TimeoutExpired:
-                    self._signal_group(process, signal.SIGKILL)
-                    process.wait()
-            # Stubs exit when their server does; a stub that survived a SIGKILLed
-            # server would still be in the group.
-            self._signal_group(process, signal.SIGKILL)
+            self._terminate(process, graceful=True)
             self._close_log()
             return process.returncode
+
+    def _terminate(self, process: subprocess.Popen[bytes], *, graceful: bool) -> None:
+        """SIGTERM (if graceful) then SIGKILL after ``stop_grace_s``; reaps the process."""
+        if process.poll() is None and graceful:
+            self._signal_group(process, signal.SIGTERM)
+            try:
+                process.wait(timeout=self.config.stop_grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        # Stubs exit when their server does; a stub that survived a SIGKILLed
+        # server would still be in the group.
+        self._signal_group(process, signal.SIGKILL)
+        process.wait()
 
     @staticmethod
     def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
