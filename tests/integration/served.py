@@ -83,3 +83,16 @@ def wait_active_zero(server: TritonServer, timeout_s: float = 60) -> int:
     return active
 
 
+
+
+def gateway_ready(server: TritonServer) -> bool:
+    """Readiness as clients see it: the gateway's ServerReady and ModelReady of the ensemble."""
+    from tritonclient.utils import InferenceServerException
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        return bool(client.is_server_ready() and client.is_model_ready("constrained_llm"))
+    except InferenceServerException:
+        return False
+    finally:
+        client.close()

@@ -33,7 +33,7 @@ from tritonclient.utils import InferenceServerException
 from client import Client, Constraint
 from client.errors import InvalidConstraint
 from deploy.server import TritonServer
-from tests.integration.served import REPO, grammar_active, metric
+from tests.integration.served import REPO, gateway_ready, grammar_active, metric
 
 pytestmark = [pytest.mark.triton, pytest.mark.e2e]
 
@@ -371,20 +371,12 @@ def test_abuse_mix_keeps_the_server_up_and_clean(server: TritonServer) -> None:
         streams.join(120)
     assert outcomes.count("ok") + outcomes.count("closed") == SOAK_REQUESTS
     assert len(valid) >= 3, valid
-    assert server.is_running() and _gateway_ready(server)
+    assert server.is_running() and gateway_ready(server)
     assert _wait_freed(server) == (0, 0)
     rss_after = _group_rss_mib(server.pid)
     print(f"abuse mix: {SOAK_REQUESTS} requests in {elapsed:.0f} s, {len(valid)} valid streams completed, "
           f"server RSS {rss_before:.0f} -> {rss_after:.0f} MiB")
     assert rss_after - rss_before < RSS_GROWTH_MIB
-
-
-def _gateway_ready(server: TritonServer) -> bool:
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    try:
-        return bool(client.is_server_ready() and client.is_model_ready(CONSTRAINED_LLM))
-    finally:
-        client.close()
 
 
 def test_sigterm_shutdown_is_clean(server: TritonServer) -> None:

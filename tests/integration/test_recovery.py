@@ -14,13 +14,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import tritonclient.grpc as grpcclient
-from tritonclient.utils import InferenceServerException
 
 from client import Client, Constraint
 from client.errors import ServerUnavailable
 from deploy.server import TritonServer
 from deploy.supervisor import Supervisor, SupervisorConfig, default_probes
+from tests.integration.served import gateway_ready
 
 pytestmark = [pytest.mark.triton, pytest.mark.e2e, pytest.mark.slow]
 
@@ -49,16 +48,6 @@ def _stub_pid(server: TritonServer, model: str) -> int:
         if pgid == server.pid and any(arg.endswith(f"/{model}/1/model.py".encode()) for arg in args):
             return int(cmdline.parent.name)
     raise LookupError(f"no stub for {model}")
-
-
-def _gateway_ready(server: TritonServer) -> bool:
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    try:
-        return bool(client.is_server_ready() and client.is_model_ready("constrained_llm"))
-    except InferenceServerException:
-        return False
-    finally:
-        client.close()
 
 
 def _wait(predicate: object, timeout_s: float) -> float:
@@ -96,7 +85,7 @@ def test_killed_part_ends_streams_and_recovers(server: TritonServer, supervised:
     assert not thread.is_alive(), "the client stream hung after the kill"
     assert isinstance(outcome["end"], ServerUnavailable), outcome
     ended_after = time.monotonic() - killed_at
-    recovered_after = _wait(lambda: supervised.restarts > restarts and _gateway_ready(server), 240)
+    recovered_after = _wait(lambda: supervised.restarts > restarts and gateway_ready(server), 240)
     assert ended_after < 30, ended_after
     cause = {"grammar": "model 'grammar' failed its probe", "llm": "model 'llm' failed its probe",
              "tritonserver": "tritonserver exited with status -9"}[victim]

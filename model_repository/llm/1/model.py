@@ -56,7 +56,7 @@ def _to_request(request: Any) -> tuple[dict[str, str] | None, GenerationRequest]
     c = params.constraint
     return c, GenerationRequest(
         prompt_token_ids=ids.tolist(),
-        # The ensemble passes the client's request id down: it is what CANCEL names.
+        # The ensemble passes the request id down (the gateway's 128-bit internal id): CANCEL names it.
         request_id=request.request_id() or None,
         constraint=None if c is None else ConstraintRequest(c["kind"], c["payload"], c["options"]),
         max_tokens=params.max_tokens,
