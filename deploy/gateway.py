@@ -90,8 +90,9 @@ _EMPTY_FINAL: Final = "triton_enable_empty_final_response"
 # 2 MiB (grammar_backend.spec), so 64 MiB leaves room for any valid request and
 # keeps one message from taking the gateway's memory.
 MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
-_PASS_THROUGH: Final = ("ServerLive", "ServerMetadata")
-_PER_MODEL: Final = ("ModelMetadata", "ModelConfig", "ModelStatistics")
+_PER_MODEL: Final = ("ModelReady", "ModelMetadata", "ModelConfig", "ModelStatistics")
+# Unary calls forwarded to tritonserver (the per-model ones for public models only).
+_FORWARDED: Final = ("ServerLive", "ServerReady", "ServerMetadata", *_PER_MODEL)
 _REFUSED: Final = (
     "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload",
     "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
@@ -180,6 +181,12 @@ def _in_band_error(request: pb.ModelInferRequest, status: str, message: str) -> 
     return response
 
 
+def _unavailable(model: str, client_id: str, err: BaseException) -> pb.ModelStreamInferResponse:
+    reason = err.details() if isinstance(err, grpc.aio.AioRpcError) else "upstream stream closed"
+    return _in_band_error(pb.ModelInferRequest(model_name=model, id=client_id), "UNAVAILABLE",
+                          f"tritonserver failed: {reason}")
+
+
 class _StreamSession:
     """One client ``ModelStreamInfer`` call and its upstream stream."""
 
@@ -192,7 +199,7 @@ class _StreamSession:
         self.client_gone = False
         self.idle = asyncio.Event()  # set whenever nothing is pending
         self.idle.set()
-        self.upstream_error: grpc.aio.AioRpcError | None = None
+        self.upstream_error: grpc.RpcError | None = None
 
     async def _open_upstream(self) -> None:
         self.upstream = self.gw.stream_stub(metadata=self.gw.upstream_metadata)
@@ -207,8 +214,10 @@ class _StreamSession:
                 await self._forward(request)
             # Normal half-close: answer everything pending, then end.
             await self._finish_upstream()
-        except asyncio.CancelledError:
-            # The client cancelled, hit its deadline, disconnected or was killed.
+        except BaseException:
+            # The client cancelled, hit its deadline, disconnected or was killed
+            # (CancelledError), or the handler failed: either way the upstream
+            # stream is drained, never dropped (dropping it cancels it upstream).
             self.client_gone = True
             self.gw.spawn(self._after_departure())
             raise
@@ -226,7 +235,7 @@ class _StreamSession:
                                              f"(limit {self.gw.config.max_in_flight_per_stream})"))
             return
         if self.upstream_error is not None:
-            await self._write(_in_band_error(request, "UNAVAILABLE", f"tritonserver failed: {self.upstream_error.details()}"))
+            await self._write(_unavailable(model, request.id, self.upstream_error))
             return
         param = request.parameters.get(_EMPTY_FINAL)
         wants_empty_final = bool(param is not None and param.bool_param)
@@ -247,9 +256,7 @@ class _StreamSession:
             if not self.pending:
                 self.idle.set()
             if entry is not None:  # else the pump has already answered it
-                reason = err.details() if isinstance(err, grpc.aio.AioRpcError) else "upstream stream closed"
-                request.id = client_id
-                await self._write(_in_band_error(request, "UNAVAILABLE", f"tritonserver failed: {reason}"))
+                await self._write(_unavailable(model, client_id, err))
 
     async def _write(self, response: pb.ModelStreamInferResponse) -> None:
         if self.client_gone:
@@ -291,10 +298,9 @@ class _StreamSession:
             # tritonserver died or refused the stream: every pending request ends
             # now with UNAVAILABLE instead of hanging its client.
             self.upstream_error = err
-            _log.error("gateway: upstream stream failed: %s", err.details())
+            _log.error("gateway: upstream stream failed: %s", err)
             for entry in list(self.pending.values()):
-                request = pb.ModelInferRequest(model_name=entry.model, id=entry.client_id)
-                await self._write(_in_band_error(request, "UNAVAILABLE", f"tritonserver failed: {err.details()}"))
+                await self._write(_unavailable(entry.model, entry.client_id, err))
         finally:
             self.pending.clear()
             self.idle.set()
@@ -317,7 +323,7 @@ class _StreamSession:
         except TimeoutError:
             _log.error("gateway: %d cancelled requests did not finish within %.0f s; the upstream stream "
                        "is kept open", len(self.pending), self.gw.config.drain_timeout_s)
-            self.gw.leaked.append(self.upstream)
+            self.gw.keep_open(self.upstream)
 
 
 class Gateway:
@@ -333,7 +339,7 @@ class Gateway:
         self.config = config
         self.upstream_metadata = ((GRPC_SECRET_METADATA, config.secret),)
         self.port = config.port
-        self.leaked: list[Any] = []
+        self._kept_open: list[Any] = []  # upstream calls that must not be garbage-collected (= cancelled)
         self._health = _Health()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -342,8 +348,6 @@ class Gateway:
         self._tasks: set[asyncio.Task[None]] = set()
         self.stream_stub: Any = None
         self._unary: dict[str, Any] = {}
-        self.departures = 0
-        self.cancels_sent = 0
         self._stop = asyncio.Event()
         self._grace_s = 5.0
 
@@ -407,13 +411,15 @@ class Gateway:
                 self._model_stream_infer, request_deserializer=pb.ModelInferRequest.FromString,
                 response_serializer=ser),
         }
-        for name in (*_PASS_THROUGH, "ServerReady", "ModelReady", *_PER_MODEL, "ModelInfer", *_REFUSED):
-            method = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods_by_name[name]
-            req_cls = _message_class(method.input_type.name)
-            resp_cls = _message_class(method.output_type.name)
-            self._unary[name] = self._channel.unary_unary(
-                f"/{SERVICE}/{name}", request_serializer=req_cls.SerializeToString,
-                response_deserializer=resp_cls.FromString)
+        service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+        for name in (*_FORWARDED, "ModelInfer", *_REFUSED):
+            method = service.methods_by_name[name]
+            req_cls = getattr(pb, method.input_type.name)
+            resp_cls = getattr(pb, method.output_type.name)
+            if name in _FORWARDED:
+                self._unary[name] = self._channel.unary_unary(
+                    f"/{SERVICE}/{name}", request_serializer=req_cls.SerializeToString,
+                    response_deserializer=resp_cls.FromString)
             handlers[name] = grpc.unary_unary_rpc_method_handler(
                 self._unary_handler(name), request_deserializer=req_cls.FromString,
                 response_serializer=resp_cls.SerializeToString)
@@ -448,6 +454,10 @@ class Gateway:
         return self._health.ready, self._health.reason
 
     # ------------------------------------------------------------------ handlers
+    def keep_open(self, call: Any) -> None:
+        """Hold a reference to an upstream call that must stay open until the gateway stops."""
+        self._kept_open.append(call)
+
     def spawn(self, coro: Any) -> None:
         """Run ``coro`` detached from the calling RPC (it outlives a cancelled client call)."""
         task = asyncio.get_running_loop().create_task(coro)
@@ -467,7 +477,7 @@ class Gateway:
         if name in _REFUSED:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{name} is not available to clients")
         model = getattr(request, "name", "") or getattr(request, "model_name", "")
-        if name in (*_PER_MODEL, "ModelReady", "ModelInfer") and model not in self.config.public_models:
+        if name in (*_PER_MODEL, "ModelInfer") and model not in self.config.public_models:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"model {model!r} is not served to clients")
         if name == "ModelInfer":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -484,7 +494,6 @@ class Gateway:
 
     async def cancel_requests(self, request_ids: list[str]) -> None:
         """Send ``CANCEL`` for each id to ``cancel_model`` on one upstream stream and wait for the answers."""
-        self.departures += 1
         call = self.stream_stub(metadata=self.upstream_metadata)
         for rid in request_ids:
             req = pb.ModelInferRequest(model_name=self.config.cancel_model, id=f"cancel-{secrets.token_hex(8)}")
@@ -494,7 +503,6 @@ class Gateway:
             # BYTES tensors travel as 4-byte little-endian length + bytes.
             req.raw_input_contents.append(len(encoded).to_bytes(4, "little") + encoded)
             await call.write(req)
-            self.cancels_sent += 1
         await call.done_writing()
         try:
             async for response in call:
@@ -510,10 +518,6 @@ async def _gather(tasks: set[asyncio.Task[Any]]) -> None:
 
 async def _await(call: Any) -> Any:
     return await call
-
-
-def _message_class(name: str) -> Any:
-    return getattr(pb, name)
 
 
 def new_secret() -> str:

@@ -159,11 +159,11 @@ class Supervisor:
             while True:
                 result, error = events.get(timeout=max(0.0, deadline - time.monotonic()))
                 if error is not None:
-                    client.stop_stream(cancel_requests=False)
-                    return str(error.message())
+                    failure: str | None = str(error.message())
+                    break
                 if result.get_response().parameters["triton_final_response"].bool_param:
-                    client.stop_stream(cancel_requests=False)
-                    return None
+                    failure = None
+                    break
         except queue.Empty:
             # The probe is still in flight: its stream stays open (closing it
             # would cancel a request in flight, see deploy/gateway.py) until the
@@ -171,7 +171,11 @@ class Supervisor:
             self._unanswered.append(client)
             return f"no answer within {self.config.probe_timeout_s} s"
         except InferenceServerException as err:
-            return f"transport error: {err}"
+            failure = f"transport error: {err}"
+        client.stop_stream(cancel_requests=False)
+        client.close()
+        return failure
+
     def run(self) -> None:
         """Probe every ``interval_s`` until :meth:`stop`; restart on failure."""
         failures = 0

@@ -187,7 +187,7 @@ def parse_params(raw: RawRequest, config: PreprocessConfig) -> tuple[GenerationP
         if spec.kind.value == "json_schema":
             # The post-validator postprocessing will need: built now so a schema it
             # cannot use (an unresolvable or remote $ref) is refused before any token.
-            validator_for(json.loads(spec.payload))
+            validator_for(spec.document)
         options = json.dumps(dataclasses.asdict(spec.options)) if spec.kind.is_json else ""
         constraint = {"kind": spec.kind.value, "payload": spec.payload, "options": options}
     elif raw.grammar or raw.grammar_options:
