@@ -141,6 +141,7 @@ def _init_worker(tokenizer: str, vocab_size: int | None, settings: Settings) -> 
     from grammar_backend.cache import CacheConfig
     from grammar_backend.engine import EngineConfig, GrammarEngine
     from grammar_backend.tokenizer import load_tokenizer
+    from grammar_backend.workers import WorkerConfig
 
     bundle = load_tokenizer(tokenizer, vocab_size=vocab_size)
     engine = GrammarEngine(
@@ -148,9 +149,9 @@ def _init_worker(tokenizer: str, vocab_size: int | None, settings: Settings) -> 
         bundle.fingerprint,
         EngineConfig(
             max_batch=1,
-            compile_threads=1,
-            # The parent's kill is the limit; this in-process backstop never fires first.
+            # The parent's kill is the limit; these backstops never fire first.
             cache=CacheConfig(max_bytes=256 * 1024 * 1024, workers=1, timeout_s=4 * settings.timeout_s + 60),
+            workers=WorkerConfig(cpu_s=4 * settings.timeout_s + 60),
         ),
     )
     raw = xgr.GrammarCompiler(bundle.info, max_threads=1, cache_enabled=True, cache_limit_bytes=256 * 1024 * 1024)

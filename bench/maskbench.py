@@ -459,6 +459,7 @@ def _init_worker(config: RunConfig) -> _State:
     from grammar_backend.cache import CacheConfig
     from grammar_backend.engine import EngineConfig, GrammarEngine
     from grammar_backend.tokenizer import load_tokenizer
+    from grammar_backend.workers import WorkerConfig
 
     bundle = load_tokenizer(config.tokenizer, vocab_size=config.vocab_size)
     engine = GrammarEngine(
@@ -471,6 +472,7 @@ def _init_worker(config: RunConfig) -> _State:
             cache=CacheConfig(
                 max_bytes=256 * 1024 * 1024, workers=1, timeout_s=4 * config.timeout_s + 60, negative_ttl_s=0
             ),
+            workers=WorkerConfig(cpu_s=4 * config.timeout_s + 60),
         ),
     )
     # The bytes xgrammar sees for each token: used to check that the HF

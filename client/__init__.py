@@ -10,6 +10,7 @@ from client.errors import (
     GenerationError,
     InvalidConstraint,
     InvalidRequest,
+    ServerBusy,
     ServerUnavailable,
     TruncatedOutput,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "InvalidRequest",
     "JsonReport",
     "Result",
+    "ServerBusy",
     "ServerUnavailable",
     "TruncatedOutput",
     "Unenforced",

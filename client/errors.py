@@ -22,6 +22,7 @@ __all__ = [
     "GenerationError",
     "InvalidConstraint",
     "InvalidRequest",
+    "ServerBusy",
     "ServerUnavailable",
     "TruncatedOutput",
     "error_for_status",
@@ -99,6 +100,14 @@ class ServerUnavailable(ClientError):
     """The server cannot be reached or is not serving (gRPC ``UNAVAILABLE``)."""
 
 
+class ServerBusy(ServerUnavailable):
+    """The server refused the request for lack of capacity (gRPC ``RESOURCE_EXHAUSTED``): retry later.
+
+    Full request queue, sequence table or compile queue; nothing of the
+    request was kept.
+    """
+
+
 class DeadlineExceeded(ClientError):
     """The call ran past its deadline (gRPC ``DEADLINE_EXCEEDED`` or the local timeout)."""
 
@@ -165,6 +174,7 @@ def error_for_status(status: str | None, message: str, *, result: Result | None 
     ===================  ==========================
     INVALID_ARGUMENT     :class:`InvalidConstraint`
     UNAVAILABLE          :class:`ServerUnavailable`
+    RESOURCE_EXHAUSTED   :class:`ServerBusy` (a :class:`ServerUnavailable`)
     DEADLINE_EXCEEDED    :class:`DeadlineExceeded`
     anything else, none  :class:`GenerationError`
     ===================  ==========================
@@ -192,6 +202,8 @@ def error_for_status(status: str | None, message: str, *, result: Result | None 
         return InvalidConstraint(None, message, status=status)
     if status == "UNAVAILABLE":
         return ServerUnavailable(f"server unavailable: {message}", status=status)
+    if status == "RESOURCE_EXHAUSTED":
+        return ServerBusy(f"server busy: {message}", status=status)
     if status == "DEADLINE_EXCEEDED":
         return DeadlineExceeded(f"deadline exceeded: {message}", status=status)
     label = status if status is not None else "server error"

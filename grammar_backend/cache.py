@@ -1,17 +1,19 @@
-"""Compile cache: bounded in bytes, single-flight, off-thread with a timeout.
+"""Compile cache: bounded in bytes, single-flight, bounded queue, off-thread with a timeout.
 
-Shared by every sequence of a grammar model instance.  A compile runs on a
-worker thread of a small pool (xgrammar releases the GIL while compiling, so
-the step path keeps running); N concurrent requests for one key wait on one
-future.  A compile that exceeds the timeout raises :class:`CompileTimeout` to
-its callers but keeps its future in flight: a retry joins the same compile
-instead of starting another, and its result is cached when it finishes.
-xgrammar offers no way to interrupt a compile, so a compile that never ends
-holds one worker for good; the pool size bounds that damage (the conformance
-runner, which must survive segfaults, compiles in child processes instead).
+Shared by every sequence of a grammar model instance.  A compile runs on one
+of ``workers`` compile threads, each of which hands it to its own worker
+process (:mod:`grammar_backend.workers`), so the decoding process keeps
+running and a compile that breaks a limit is killed there.  N concurrent
+requests for one key wait on one future.  At most ``workers + max_queued``
+distinct keys are compiling or waiting; one more is refused at once with
+:class:`CompileQueueFull` (RESOURCE_EXHAUSTED), so a storm of slow schemas
+cannot queue up unbounded work.  A caller that waits past its timeout gets
+:class:`CompileTimeout` while the compile goes on (up to the workers' own
+limit): a retry joins it, and its result is cached when it finishes.
 
-Failures (:class:`CompileError`) are cached as negative entries for a short
-TTL, so a client retrying a bad schema costs a dictionary lookup, not a compile.
+Failures (:class:`CompileError`, including compiles stopped by a worker
+limit) are cached as negative entries for a short TTL, so a client retrying
+a bad schema costs a dictionary lookup, not a compile.
 """
 
 from __future__ import annotations
@@ -36,7 +38,12 @@ from typing import Final
 import xgrammar as xgr
 
 from grammar_backend.compile import XGRAMMAR_VERSION
-from grammar_backend.errors import CompileError, CompileTimeout, ConfigError
+from grammar_backend.errors import (
+    CompileError,
+    CompileQueueFull,
+    CompileTimeout,
+    ConfigError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +59,9 @@ class CacheConfig:
     max_bytes : int
         Bound on the summed ``CompiledGrammar.memory_size_bytes`` of cached entries.
     workers : int
-        Compile threads.
+        Compile threads (each drives one worker process).
+    max_queued : int
+        Most distinct compiles waiting for a free worker.
     timeout_s : float
         How long a caller waits for a compile.
     negative_ttl_s : float
@@ -65,14 +74,15 @@ class CacheConfig:
 
     max_bytes: int = 512 * 1024 * 1024
     workers: int = 2
+    max_queued: int = 8
     timeout_s: float = 20.0
     negative_ttl_s: float = 30.0
     max_negative: int = 1024
     store_dir: str | None = None
 
     def __post_init__(self) -> None:
-        if self.max_bytes <= 0 or self.workers <= 0 or self.max_negative <= 0:
-            raise ConfigError("cache: max_bytes, workers and max_negative must be positive")
+        if self.max_bytes <= 0 or self.workers <= 0 or self.max_negative <= 0 or self.max_queued < 0:
+            raise ConfigError("cache: max_bytes, workers and max_negative must be positive, max_queued >= 0")
         if self.timeout_s <= 0 or self.negative_ttl_s < 0:
             raise ConfigError("cache: timeout_s must be positive and negative_ttl_s non-negative")
 
@@ -89,6 +99,7 @@ class CacheStats:
     compiles: int
     compile_failures: int
     timeouts: int
+    refused: int
     compile_seconds: float
     evictions: int
     entries: int
@@ -125,7 +136,7 @@ class CompileCache:
         self._pool = ThreadPoolExecutor(config.workers, thread_name_prefix="grammar-compile")
         self._store = GrammarStore(Path(config.store_dir), tokenizer_info) if config.store_dir else None
         self._counts = dict.fromkeys(
-            ("hits", "misses", "negative_hits", "compiles", "compile_failures", "timeouts", "evictions"), 0
+            ("hits", "misses", "negative_hits", "compiles", "compile_failures", "timeouts", "refused", "evictions"), 0
         )
         self._compile_seconds = 0.0
 
@@ -148,18 +159,30 @@ class CompileCache:
             The compile failed now or within the negative TTL.
         CompileTimeout
             The compile did not finish in time (it continues in the background).
+        CompileQueueFull
+            ``key`` is not compiling and the queue is full.
         """
         future = self.get_future(key, compile_fn)
         limit = self.config.timeout_s if timeout_s is None else timeout_s
         try:
             return future.result(timeout=limit)
         except FutureTimeout as err:
-            with self._lock:
-                self._counts["timeouts"] += 1
-            raise CompileTimeout(f"grammar: compile did not finish within {limit:g} s") from err
+            raise self.timed_out(limit) from err
+
+    def timed_out(self, limit_s: float) -> CompileTimeout:
+        """Count a caller that stopped waiting after ``limit_s``, and return its error."""
+        with self._lock:
+            self._counts["timeouts"] += 1
+        return CompileTimeout(f"grammar: compile did not finish within {limit_s:g} s (it goes on; retry later)")
 
     def get_future(self, key: str, compile_fn: CompileFn) -> Future[xgr.CompiledGrammar]:
-        """Non-blocking form of :meth:`get`: a future of the compiled grammar."""
+        """Non-blocking form of :meth:`get`: a future of the compiled grammar.
+
+        Raises
+        ------
+        CompileQueueFull
+            ``key`` is not compiling and the queue is full.
+        """
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
@@ -176,6 +199,12 @@ class CompileCache:
             if future is not None:
                 self._counts["hits"] += 1
                 return future
+            if len(self._in_flight) >= self.config.workers + self.config.max_queued:
+                self._counts["refused"] += 1
+                raise CompileQueueFull(
+                    f"grammar: {len(self._in_flight)} compiles are running or queued "
+                    f"({self.config.workers} workers, queue of {self.config.max_queued}); retry later"
+                )
             self._counts["misses"] += 1
             future = Future()
             self._in_flight[key] = future
@@ -194,6 +223,21 @@ class CompileCache:
                 bytes_in_use=self._bytes,
                 in_flight=len(self._in_flight),
             )
+
+    def on_each_thread(self, fn: Callable[[], object]) -> None:
+        """Run ``fn`` once on each compile thread and wait (starting their worker processes).
+
+        Each call blocks its thread until all have started, so every call gets a
+        thread of its own.
+        """
+        barrier = threading.Barrier(self.config.workers)
+
+        def run() -> None:
+            fn()
+            barrier.wait()
+
+        for future in [self._pool.submit(run) for _ in range(self.config.workers)]:
+            future.result()
 
     def close(self) -> None:
         """Stop accepting compiles; running ones finish in the background."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -10,7 +12,8 @@ import xgrammar as xgr
 
 from grammar_backend.bitmask import BitmaskBuffer
 from grammar_backend.cache import CacheConfig, CompileCache
-from grammar_backend.compile import XGRAMMAR_VERSION, compile_spec
+from grammar_backend.compile import XGRAMMAR_VERSION
+from grammar_backend.deadlines import Deadlines
 from grammar_backend.errors import (
     ConfigError,
     DuplicateSequence,
@@ -19,6 +22,10 @@ from grammar_backend.errors import (
 )
 from grammar_backend.sequences import SequenceTable, TableConfig
 from grammar_backend.spec import ConstraintSpec, SpecLimits
+from grammar_backend.workers import CompileWorkers, WorkerConfig
+
+#: Called once with None (the sequence's matcher exists) or the start's error.
+StartCallback = Callable[[GrammarError | None], None]
 
 
 @dataclass(frozen=True)
@@ -31,25 +38,21 @@ class EngineConfig:
         Most rows of one step (the bitmask buffer's height).
     fill_threads : int
         Threads of the batched bitmask fill.
-    compile_threads : int
-        Threads of xgrammar's compiler for one compile.
-    xgrammar_cache_bytes : int
-        Bound of xgrammar's internal compiler cache (shared sub-structures).
-    cache, table, limits
-        See :class:`CacheConfig`, :class:`TableConfig`, :class:`SpecLimits`.
+    cache, workers, table, limits
+        See :class:`CacheConfig`, :class:`WorkerConfig`, :class:`TableConfig`,
+        :class:`SpecLimits`.
     """
 
     max_batch: int = 256
     fill_threads: int = 1
-    compile_threads: int = 1
-    xgrammar_cache_bytes: int = 64 * 1024 * 1024
     cache: CacheConfig = field(default_factory=CacheConfig)
+    workers: WorkerConfig = field(default_factory=WorkerConfig)
     table: TableConfig = field(default_factory=TableConfig)
     limits: SpecLimits = field(default_factory=SpecLimits)
 
     def __post_init__(self) -> None:
-        if min(self.max_batch, self.fill_threads, self.compile_threads, self.xgrammar_cache_bytes) <= 0:
-            raise ConfigError("engine: max_batch, fill_threads, compile_threads and xgrammar_cache_bytes must be positive")
+        if min(self.max_batch, self.fill_threads) <= 0:
+            raise ConfigError("engine: max_batch and fill_threads must be positive")
 
 
 @dataclass(frozen=True)
@@ -93,18 +96,16 @@ class GrammarEngine:
         self.tokenizer_info = tokenizer_info
         self.fingerprint = fingerprint
         self.vocab_size = int(tokenizer_info.vocab_size)
-        # xgrammar's own compiler cache stays on, bounded: besides whole
-        # grammars it shares compiled sub-structures (strings, numbers, common
-        # rules) across schemas. Measured on 80 maskbench-dev schemas with the
+        # Compiles run in worker processes (grammar_backend.workers), each with
+        # xgrammar's own compiler cache on, bounded: besides whole grammars it
+        # shares compiled sub-structures (strings, numbers, common rules)
+        # across schemas. Measured on 80 maskbench-dev schemas with the
         # SmolLM2 vocabulary, one thread: cold-key compile p50 0.029 s with it
-        # vs 0.200 s without (total 22 s vs 38 s). CompileCache stays the one
-        # that bounds what sequences can reuse; both hold the same objects.
-        self._compiler = xgr.GrammarCompiler(
-            tokenizer_info,
-            max_threads=config.compile_threads,
-            cache_enabled=True,
-            cache_limit_bytes=config.xgrammar_cache_bytes,
-        )
+        # vs 0.200 s without (total 22 s vs 38 s); but a 10k-item enum takes
+        # 7.0 s with it vs 1.1 s without. CompileCache bounds what sequences
+        # can reuse.
+        self.workers = CompileWorkers(tokenizer_info, config.workers)
+        self._deadlines = Deadlines()
         self.cache = CompileCache(config.cache, tokenizer_info)
         self.table = SequenceTable(config.table)
         self.bitmask = BitmaskBuffer(config.max_batch, self.vocab_size, config.fill_threads)
@@ -117,30 +118,87 @@ class GrammarEngine:
         """Number of sequences holding a matcher."""
         return len(self.table)
 
+    def warm_up(self) -> None:
+        """Start every compile worker process now (1-4 s each), instead of on the first compiles."""
+        self.cache.on_each_thread(self.workers.ensure_started)
+
     def compile(self, spec: ConstraintSpec, timeout_s: float | None = None) -> xgr.CompiledGrammar:
-        """The compiled grammar of ``spec`` (cached; single-flight; off this thread with a timeout).
+        """The compiled grammar of ``spec`` (cached; single-flight; in a worker process; with a timeout).
 
         Raises
         ------
-        CompileError, CompileTimeout
+        CompileError, CompileTimeout, CompileQueueFull
         """
-        key = spec.cache_key(self.fingerprint, XGRAMMAR_VERSION)
-        return self.cache.get(key, lambda: compile_spec(self._compiler, spec), timeout_s)
+        return self.cache.get(self._key(spec), self._compile_fn(spec), timeout_s)
 
     def start(self, seq_id: int, spec: ConstraintSpec, timeout_s: float | None = None) -> None:
-        """Compile (or fetch) the grammar of ``spec`` and create the sequence's matcher.
-
-        Blocking: call it off the step path.
+        """Blocking form of :meth:`start_async`.
 
         Raises
         ------
-        CompileError, CompileTimeout, DuplicateSequence, CapacityExceeded
+        CompileError, CompileTimeout, CompileQueueFull, DuplicateSequence, CapacityExceeded
+        """
+        done = threading.Event()
+        outcome: list[GrammarError | None] = []
+
+        def finish(err: GrammarError | None) -> None:
+            outcome.append(err)
+            done.set()
+
+        self.start_async(seq_id, spec, finish, timeout_s)
+        done.wait()
+        if outcome[0] is not None:
+            raise outcome[0]
+
+    def start_async(
+        self, seq_id: int, spec: ConstraintSpec, done: StartCallback, timeout_s: float | None = None
+    ) -> None:
+        """Compile (or fetch) the grammar of ``spec``, then create the sequence's matcher.
+
+        Never blocks on a compile: ``done`` is called exactly once, with None
+        once the matcher exists or with the error, from this thread (cache
+        hit, immediate failure), a compile thread, or the deadline thread
+        when the compile outlives ``timeout_s`` (default: the cache's).  A
+        start that timed out never creates its matcher later.
+
+        Raises
+        ------
+        DuplicateSequence, CompileQueueFull
+            Before anything is queued (``done`` is not called).
         """
         if seq_id in self.table:
             # Checked before compiling too, so a duplicate costs no compile.
             raise DuplicateSequence(seq_id, "already started")
-        compiled = self.compile(spec, timeout_s)
-        self.table.start(seq_id, spec, compiled)
+        future = self.cache.get_future(self._key(spec), self._compile_fn(spec))
+        claimed = threading.Lock()  # whoever acquires it answers: the compile or the deadline
+
+        def on_compiled(fut: Future[xgr.CompiledGrammar]) -> None:
+            if not claimed.acquire(blocking=False):
+                return
+            if deadline is not None:
+                deadline.cancel()
+            try:
+                self.table.start(seq_id, spec, fut.result())
+            except GrammarError as err:
+                done(err)
+                return
+            done(None)
+
+        def on_deadline() -> None:
+            if claimed.acquire(blocking=False):
+                done(self.cache.timed_out(limit))
+
+        deadline = None
+        if not future.done():
+            limit = self.cache.config.timeout_s if timeout_s is None else timeout_s
+            deadline = self._deadlines.call_later(limit, on_deadline)
+        future.add_done_callback(on_compiled)
+
+    def _key(self, spec: ConstraintSpec) -> str:
+        return spec.cache_key(self.fingerprint, XGRAMMAR_VERSION)
+
+    def _compile_fn(self, spec: ConstraintSpec) -> Callable[[], xgr.CompiledGrammar]:
+        return lambda: self.workers.compile(spec)
 
     def step(
         self,
@@ -232,5 +290,7 @@ class GrammarEngine:
         return sum(self.table.end(int(seq_id)) for seq_id in seq_ids)
 
     def close(self) -> None:
-        """Release the compile workers."""
+        """Stop the compile threads and worker processes."""
+        self._deadlines.close()
         self.cache.close()
+        self.workers.close()

@@ -60,6 +60,12 @@ class CompileTimeout(GrammarError):
     status = DEADLINE_EXCEEDED
 
 
+class CompileQueueFull(GrammarError):
+    """Every compile worker is busy and the queue of waiting compiles is full."""
+
+    status = RESOURCE_EXHAUSTED
+
+
 class SequenceError(GrammarError):
     """An operation on the sequence table is not valid for that sequence."""
 
@@ -120,7 +126,7 @@ def status_of(err: BaseException) -> str:
 #: Our status names -> ``pb_utils.TritonError`` code names.  The Python
 #: backend has no DEADLINE_EXCEEDED or RESOURCE_EXHAUSTED, so those become
 #: UNAVAILABLE (the client may retry: a timed-out compile keeps running and
-#: is cached when it finishes; a full table frees up).  Triton's gRPC
+#: is cached when it finishes; a full table or compile queue frees up).  Triton's gRPC
 #: frontend turns INVALID_ARG into INVALID_ARGUMENT.
 TRITON_CODE_NAMES: Final = {
     INVALID_ARGUMENT: "INVALID_ARG",

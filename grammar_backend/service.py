@@ -7,16 +7,18 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
 from grammar_backend.cache import CacheConfig
 from grammar_backend.engine import EngineConfig, GrammarEngine
-from grammar_backend.errors import ConstraintError
+from grammar_backend.errors import ConstraintError, GrammarError
 from grammar_backend.sequences import TableConfig
-from grammar_backend.spec import SpecLimits, parse_constraint
+from grammar_backend.spec import ConstraintSpec, SpecLimits, parse_constraint
 from grammar_backend.tokenizer import load_tokenizer
+from grammar_backend.workers import WorkerConfig
 
 OPS = ("start", "step", "rollback", "end", "stats")
 
@@ -28,6 +30,12 @@ class GrammarModelConfig:
     ``tokenizer`` is a local Hugging Face folder or GGUF file; ``vocab_size``
     must equal the language model's logits width (0: take it from the
     folder's config.json); ``stop_token_ids`` empty: the tokenizer's own.
+    ``compile_workers`` worker processes compile (``compile_queue`` more
+    distinct compiles may wait; beyond, RESOURCE_EXHAUSTED); a start waits
+    ``compile_timeout_s`` for its compile; a compile is stopped past
+    ``compile_cpu_s`` CPU seconds (twice that in wall time) or
+    ``compile_memory_bytes`` of memory, and refused when its grammar exceeds
+    ``max_grammar_bytes`` (see :mod:`grammar_backend.workers`).
     """
 
     tokenizer: str
@@ -37,7 +45,11 @@ class GrammarModelConfig:
     fill_threads: int = 1
     compile_threads: int = 1
     compile_workers: int = 2
+    compile_queue: int = 8
     compile_timeout_s: float = 20.0
+    compile_cpu_s: float = 30.0
+    compile_memory_bytes: int = 1024 * 1024 * 1024
+    max_grammar_bytes: int = 64 * 1024 * 1024
     cache_max_bytes: int = 512 * 1024 * 1024
     negative_ttl_s: float = 30.0
     store_dir: str | None = None
@@ -51,13 +63,19 @@ class GrammarModelConfig:
         return EngineConfig(
             max_batch=self.max_batch,
             fill_threads=self.fill_threads,
-            compile_threads=self.compile_threads,
             cache=CacheConfig(
                 max_bytes=self.cache_max_bytes,
                 workers=self.compile_workers,
+                max_queued=self.compile_queue,
                 timeout_s=self.compile_timeout_s,
                 negative_ttl_s=self.negative_ttl_s,
                 store_dir=self.store_dir,
+            ),
+            workers=WorkerConfig(
+                cpu_s=self.compile_cpu_s,
+                memory_bytes=self.compile_memory_bytes,
+                max_grammar_bytes=self.max_grammar_bytes,
+                compile_threads=self.compile_threads,
             ),
             table=TableConfig(capacity=self.capacity, idle_ttl_s=self.idle_ttl_s),
             limits=SpecLimits(max_payload_bytes=self.max_payload_bytes, max_depth=self.max_depth),
@@ -103,12 +121,33 @@ class GrammarReply:
 class GrammarService:
     """Dispatches grammar-model requests to a :class:`GrammarEngine`.
 
-    ``start`` compiles and may block (the model runs it on a worker thread);
-    every other op is fast and runs inline on the model thread.
+    The model serves ``start`` with :meth:`start_async` (a compile holds no
+    thread); every other op is fast and runs inline through :meth:`handle`.
     """
 
     def __init__(self, engine: GrammarEngine) -> None:
         self.engine = engine
+
+    def start_async(self, req: GrammarRequest, done: Callable[[GrammarReply | GrammarError], None]) -> None:
+        """Serve a ``start``: ``done`` gets the reply or the error, exactly once, maybe later.
+
+        Parsing happens on the calling thread (bounded by the spec limits);
+        the compile does not.
+        """
+        try:
+            seq_id, spec = self._start_args(req)
+            self.engine.start_async(
+                seq_id, spec, lambda err: done(err if err is not None else GrammarReply(active=self.engine.active_count))
+            )
+        except GrammarError as err:
+            done(err)
+
+    def _start_args(self, req: GrammarRequest) -> tuple[int, ConstraintSpec]:
+        if len(req.seq_ids) != 1:
+            raise ConstraintError("SEQUENCE_ID", f"start takes exactly one sequence, got {len(req.seq_ids)}")
+        return int(req.seq_ids[0]), parse_constraint(
+            req.grammar_type, req.grammar, req.grammar_options, self.engine.config.limits
+        )
 
     def handle(self, req: GrammarRequest) -> GrammarReply:
         """Serve one request.
@@ -124,16 +163,18 @@ class GrammarService:
         if req.op not in OPS:
             raise ConstraintError("OP", f"unknown op {req.op!r}; expected one of {', '.join(OPS)}")
         if req.op == "start":
-            if len(req.seq_ids) != 1:
-                raise ConstraintError("SEQUENCE_ID", f"start takes exactly one sequence, got {len(req.seq_ids)}")
-            spec = parse_constraint(req.grammar_type, req.grammar, req.grammar_options, eng.config.limits)
-            eng.start(int(req.seq_ids[0]), spec)
+            eng.start(*self._start_args(req))
             return GrammarReply(active=eng.active_count)
         if req.op == "end":
             eng.end([int(s) for s in req.seq_ids])
             return GrammarReply(active=eng.active_count)
         if req.op == "stats":
-            stats = {"active": eng.active_count, "evicted": eng.table.evicted, **asdict(eng.cache.stats())}
+            stats = {
+                "active": eng.active_count,
+                "evicted": eng.table.evicted,
+                **asdict(eng.cache.stats()),
+                "workers": asdict(eng.workers.stats()),
+            }
             return GrammarReply(active=eng.active_count, stats=json.dumps(stats))
         rows = len(req.seq_ids)
         counts = req.counts if req.counts is not None else np.zeros(rows, np.int32)

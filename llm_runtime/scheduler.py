@@ -20,9 +20,12 @@ steps): forward 74 ms median per step, ``MaskProvider.step`` 0.17 ms median
 (p90 0.25 ms) on the worker, mask wait after the forward 0.011 ms median (p90
 0.013 ms): the grammar step is hidden behind the forward.
 
-``MaskProvider.start`` (grammar compile) runs on a pool of compile workers; a
+``MaskProvider.start`` (grammar compile) runs on a pool of start threads; a
 request waits outside the batch until its grammar is ready, so a slow compile
-never stalls the batch.
+never stalls the batch.  A start thread only waits (the compile runs in the
+grammar model's worker processes, which bound and queue compiles), so the
+pool is large and grows on demand: requests with a cached grammar never wait
+behind slow compiles of others.
 
 Events go to the callback given at :meth:`Scheduler.submit`, on the loop thread:
 zero or more :class:`TokenEvent` and exactly one last :class:`FinishEvent`.  The
@@ -89,8 +92,8 @@ class SchedulerConfig:
         refused with :class:`llm_runtime.errors.Overloaded`.
     idle_wait_s : float
         How long the idle loop sleeps between checks (submit/cancel wake it at once).
-    compile_workers : int
-        Threads running ``MaskProvider.start``.
+    start_threads : int
+        Most threads waiting on ``MaskProvider.start`` at once (created on demand).
     max_stop_strings, max_stop_length : int
         Limits on the ``stop`` field.
     stats_capacity : int
@@ -101,7 +104,7 @@ class SchedulerConfig:
     max_tokens_cap: int = 4096
     max_queued: int = 1024
     idle_wait_s: float = 0.05
-    compile_workers: int = 2
+    start_threads: int = 64
     max_stop_strings: int = 16
     max_stop_length: int = 256
     stats_capacity: int = 65536
@@ -113,7 +116,7 @@ class SchedulerConfig:
 
         if self.max_batch_size is not None:
             positive_int("max_batch_size", self.max_batch_size)
-        for name in ("max_tokens_cap", "max_queued", "compile_workers", "max_stop_strings",
+        for name in ("max_tokens_cap", "max_queued", "start_threads", "max_stop_strings",
                      "max_stop_length", "stats_capacity"):
             positive_int(name, getattr(self, name))
         wait = self.idle_wait_s
@@ -352,7 +355,7 @@ class Scheduler:
         self._ready: deque[_Seq] = deque()
         self._active: list[_Seq] = []
         self._stats = _Stats(cfg.stats_capacity)
-        self._compile_pool = ThreadPoolExecutor(cfg.compile_workers, thread_name_prefix="llm-grammar-start")
+        self._compile_pool = ThreadPoolExecutor(cfg.start_threads, thread_name_prefix="llm-grammar-start")
         self._step_pool = ThreadPoolExecutor(1, thread_name_prefix="llm-grammar-step")
         self._thread = threading.Thread(target=self._loop, name="llm-decode-loop", daemon=True)
         self._thread.start()

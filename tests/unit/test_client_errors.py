@@ -11,6 +11,7 @@ from client.errors import (
     GenerationError,
     InvalidConstraint,
     InvalidRequest,
+    ServerBusy,
     ServerUnavailable,
     TruncatedOutput,
     from_server_error,
@@ -95,8 +96,10 @@ MAPPING = [
     ("StatusCode.INTERNAL", "boom", GenerationError, None, "INTERNAL: boom", "INTERNAL"),
     ("StatusCode.CANCELLED", "Locally cancelled by application!", GenerationError, None,
      "CANCELLED: Locally cancelled by application!", "CANCELLED"),
-    ("StatusCode.RESOURCE_EXHAUSTED", "sequence table is full", GenerationError, None,
-     "RESOURCE_EXHAUSTED: sequence table is full", "RESOURCE_EXHAUSTED"),
+    ("StatusCode.RESOURCE_EXHAUSTED", "sequence table is full", ServerBusy, None,
+     "server busy: sequence table is full", "RESOURCE_EXHAUSTED"),
+    ("RESOURCE_EXHAUSTED", "grammar: 10 compiles are running or queued", ServerBusy, None,
+     "server busy: grammar: 10 compiles are running or queued", "RESOURCE_EXHAUSTED"),
     # In-band stream errors (and Triton's unknown-model error) carry no status.
     (None, "Request for unknown model: 'nope' is not found", GenerationError, None,
      "server error: Request for unknown model: 'nope' is not found", None),
@@ -119,6 +122,7 @@ def test_hierarchy() -> None:
     assert issubclass(InvalidRequest, ValueError)
     for kind in (InvalidRequest, TruncatedOutput, ServerUnavailable, DeadlineExceeded, GenerationError):
         assert issubclass(kind, ClientError)
+    assert issubclass(ServerBusy, ServerUnavailable)
 
 
 def _result(finish_reason: str, complete: bool) -> Result:

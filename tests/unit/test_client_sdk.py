@@ -30,6 +30,7 @@ from client import (
     InvalidConstraint,
     InvalidRequest,
     JsonReport,
+    ServerBusy,
     ServerUnavailable,
     TruncatedOutput,
     Unenforced,
@@ -348,8 +349,8 @@ def test_check_result(finish_reason: str, complete: bool, require_complete: bool
          "server unavailable: the scheduler is shutting down", None),
         ("DEADLINE_EXCEEDED", "compile took longer than 20 s", DeadlineExceeded,
          "deadline exceeded: compile took longer than 20 s", None),
-        ("RESOURCE_EXHAUSTED", "1024 requests are queued", GenerationError,
-         "RESOURCE_EXHAUSTED: 1024 requests are queued", None),
+        ("RESOURCE_EXHAUSTED", "1024 requests are queued", ServerBusy,
+         "server busy: 1024 requests are queued", None),
         (None, "no status given", GenerationError, "server error: no status given", None),
     ],
 )

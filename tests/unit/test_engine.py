@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 import numpy as np
@@ -10,9 +11,12 @@ import pytest
 import xgrammar as xgr
 
 from grammar_backend.bitmask import BitmaskBuffer, allowed_tokens, bitmask_width
+from grammar_backend.cache import CacheConfig
 from grammar_backend.engine import EngineConfig, GrammarEngine
 from grammar_backend.errors import (
     CompileError,
+    CompileQueueFull,
+    CompileTimeout,
     ConfigError,
     DuplicateSequence,
     GrammarError,
@@ -109,6 +113,80 @@ def test_start_errors(engine: GrammarEngine) -> None:
         engine.start(2, parse_constraint("ebnf", "root ::= missing_rule"))
     assert engine.active_count == 1
     assert engine.cache.stats().compile_failures == 1
+
+
+def _slow(n: int) -> Any:
+    # About 6 s to compile with the tiny vocabulary and xgrammar's cache on
+    # (8k items: 0.2 s); the description only makes the keys distinct.
+    return parse_constraint(
+        "json_schema", json.dumps({"description": str(n), "enum": [f"value-{i}" for i in range(10_000)]})
+    )
+
+
+class _Outcomes:
+    """Collects start_async callbacks (each must come exactly once)."""
+
+    def __init__(self) -> None:
+        self.by_seq: dict[int, GrammarError | None] = {}
+        self.calls = 0
+        self.cond = threading.Condition()
+
+    def for_seq(self, seq_id: int) -> Any:
+        def done(err: GrammarError | None) -> None:
+            with self.cond:
+                self.calls += 1
+                self.by_seq[seq_id] = err
+                self.cond.notify_all()
+        return done
+
+    def wait(self, count: int, timeout: float = 120) -> None:
+        with self.cond:
+            assert self.cond.wait_for(lambda: self.calls >= count, timeout)
+
+
+def test_a_start_past_its_deadline_answers_and_never_creates_its_matcher(tiny_info: xgr.TokenizerInfo) -> None:
+    eng = GrammarEngine(tiny_info, "fp", EngineConfig(cache=CacheConfig(workers=1, timeout_s=0.3)))
+    try:
+        eng.warm_up()
+        out = _Outcomes()
+        eng.start_async(1, _slow(1), out.for_seq(1))
+        out.wait(1)
+        assert isinstance(out.by_seq[1], CompileTimeout)
+        assert str(out.by_seq[1]) == "grammar: compile did not finish within 0.3 s (it goes on; retry later)"
+        assert out.by_seq[1].status == "DEADLINE_EXCEEDED"
+        # The compile goes on and is cached; the timed-out start stays without a matcher.
+        eng.compile(_slow(1), timeout_s=120)
+        assert (out.calls, eng.active_count, 1 in eng.table) == (1, 0, False)
+        eng.start(2, _slow(1))  # a retry is a cache hit
+        assert eng.active_count == 1
+        stats = eng.cache.stats()
+        assert (stats.compiles, stats.timeouts) == (1, 1)
+    finally:
+        eng.close()
+
+
+def test_a_full_compile_queue_refuses_new_keys_but_not_cached_or_joining_ones(tiny_info: xgr.TokenizerInfo) -> None:
+    eng = GrammarEngine(tiny_info, "fp", EngineConfig(cache=CacheConfig(workers=1, max_queued=1, timeout_s=120)))
+    try:
+        eng.warm_up()
+        eng.start(9, parse_constraint("regex", "[a-z]+"))
+        out = _Outcomes()
+        eng.start_async(1, _slow(1), out.for_seq(1))  # compiling
+        eng.start_async(2, _slow(2), out.for_seq(2))  # queued
+        with pytest.raises(CompileQueueFull, match=r"^grammar: 2 compiles are running or queued \(1 workers, "
+                                                   r"queue of 1\); retry later$") as caught:
+            eng.start_async(3, _slow(3), out.for_seq(3))
+        assert caught.value.status == "RESOURCE_EXHAUSTED"
+        eng.start_async(4, _slow(1), out.for_seq(4))  # joins the running compile of the same key
+        eng.start(5, parse_constraint("regex", "[a-z]+"))  # a cache hit never waits behind the slow ones
+        assert eng.active_count == 2 and out.calls == 0
+        out.wait(3)
+        assert out.by_seq == {1: None, 2: None, 4: None}
+        assert eng.active_count == 5
+        stats = eng.cache.stats()
+        assert (stats.refused, stats.compiles, stats.in_flight) == (1, 3, 0)
+    finally:
+        eng.close()
 
 
 @pytest.mark.parametrize(

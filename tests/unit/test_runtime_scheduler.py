@@ -514,7 +514,7 @@ def test_close_fails_what_is_left(engine: TorchEngine, provider: XGrammarMaskPro
         ({"max_batch_size": 9}, "scheduler.max_batch_size: 9 exceeds the engine's 8 cache slots"),
         ({"max_batch_size": 0}, "scheduler.max_batch_size: must be a positive integer"),
         ({"idle_wait_s": 0}, r"scheduler.idle_wait_s: must be in \(0, 10\] seconds"),
-        ({"compile_workers": 0}, "scheduler.compile_workers: must be a positive integer"),
+        ({"start_threads": 0}, "scheduler.start_threads: must be a positive integer"),
     ],
 )
 def test_scheduler_config_rejects(engine: TorchEngine, provider: XGrammarMaskProvider,

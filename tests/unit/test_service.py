@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,9 +18,15 @@ from grammar_backend.errors import (
     ConfigError,
     ConstraintError,
     DuplicateSequence,
+    GrammarError,
 )
 from grammar_backend.params import from_parameters, parameter_values
-from grammar_backend.service import GrammarModelConfig, GrammarRequest, GrammarService
+from grammar_backend.service import (
+    GrammarModelConfig,
+    GrammarReply,
+    GrammarRequest,
+    GrammarService,
+)
 from tests.unit.conftest import TINY_STOP, tiny_encode
 
 
@@ -68,9 +76,14 @@ def test_parameter_values_reads_triton_config() -> None:
 
 def test_model_config_builds_engine_config() -> None:
     cfg = from_parameters(GrammarModelConfig, {"tokenizer": "/t", "max_batch": "16", "compile_timeout_s": "3",
-                                               "store_dir": ""}, "grammar")
+                                               "store_dir": "", "compile_queue": "5", "compile_cpu_s": "7",
+                                               "compile_memory_bytes": "1000000", "max_grammar_bytes": "2000"},
+                          "grammar")
     engine_cfg = cfg.engine_config()
     assert (engine_cfg.max_batch, engine_cfg.cache.timeout_s, engine_cfg.cache.store_dir) == (16, 3.0, None)
+    assert engine_cfg.cache.max_queued == 5
+    assert (engine_cfg.workers.cpu_s, engine_cfg.workers.memory_bytes, engine_cfg.workers.max_grammar_bytes) == (
+        7.0, 1_000_000, 2000)
 
 
 @pytest.fixture()
@@ -129,6 +142,22 @@ def test_request_errors(service: GrammarService, request_: GrammarRequest, error
     with pytest.raises(error, match=match):
         service.handle(request_)
     assert service.engine.active_count == 1
+    if request_.op == "start":  # the asynchronous start reports the same error through its callback
+        outcomes: list[GrammarReply | GrammarError] = []
+        done = threading.Event()
+        service.start_async(request_, lambda outcome: (outcomes.append(outcome), done.set()))
+        assert done.wait(60)
+        assert len(outcomes) == 1 and isinstance(outcomes[0], error) and re.search(match, str(outcomes[0]))
+
+
+def test_start_async_replies_once_the_matcher_exists(service: GrammarService) -> None:
+    outcomes: list[GrammarReply | GrammarError] = []
+    done = threading.Event()
+    service.start_async(GrammarRequest("start", np.array([3], np.uint64), grammar_type="regex", grammar=b"[0-9]+"),
+                        lambda outcome: (outcomes.append(outcome), done.set()))
+    assert done.wait(60)
+    assert outcomes == [GrammarReply(active=1)]
+    assert 3 in service.engine.table
 
 
 def test_build_engine_from_a_real_model_folder() -> None:

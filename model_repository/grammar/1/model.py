@@ -107,9 +107,13 @@ class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         config = from_parameters(GrammarModelConfig, parameter_values(json.loads(args["model_config"])), "grammar")
         self.service = GrammarService(config.build_engine())
-        # Starts compile on these threads so a slow compile never delays the
-        # step requests of the running batch (served inline in execute).
-        self.starts = ThreadPoolExecutor(config.compile_workers, thread_name_prefix="grammar-start")
+        # Ready means the compile workers run: the first compiles do not pay their start-up.
+        self.service.engine.warm_up()
+        # Starts are parsed here (a 2 MB schema takes tens of ms, which must
+        # not delay the step requests served inline in execute); their
+        # compiles run in worker processes and answer through a callback, so
+        # a slow compile holds none of these threads.
+        self.starts = ThreadPoolExecutor(2, thread_name_prefix="grammar-start")
         # Prometheus gauges on Triton's metrics endpoint, updated after each response.
         # The families must outlive their metrics, so they are kept too.
         gauge = pb_utils.MetricFamily.GAUGE
@@ -120,19 +124,31 @@ class TritonPythonModel:
         self.active_gauge, self.cache_gauge = (family.Metric() for family in self.families)
 
     def _serve(self, request: Any, req: GrammarRequest, errors_as_data: bool) -> None:
-        sender = request.get_response_sender()
         try:
-            response = _to_response(self.service.handle(req))
-        except GrammarError as err:
-            response = _error_response(err, errors_as_data)
-        except Exception as err:  # noqa: BLE001 - a bug must reach the caller as INTERNAL, never hang it
-            pb_utils.Logger.log_error(f"grammar: {req.op} failed: {err!r}")
+            outcome: GrammarReply | Exception = self.service.handle(req)
+        except Exception as err:  # noqa: BLE001 - sent to the caller by _send, never swallowed
+            outcome = err
+        self._send(request, req.op, outcome, errors_as_data)
+
+    def _start(self, request: Any, req: GrammarRequest, errors_as_data: bool) -> None:
+        try:
+            self.service.start_async(req, lambda outcome: self._send(request, "start", outcome, errors_as_data))
+        except Exception as err:  # noqa: BLE001 - sent to the caller by _send, never swallowed
+            self._send(request, "start", err, errors_as_data)
+
+    def _send(self, request: Any, op: str, outcome: GrammarReply | Exception, errors_as_data: bool) -> None:
+        if isinstance(outcome, GrammarReply):
+            response = _to_response(outcome)
+        elif isinstance(outcome, GrammarError):
+            response = _error_response(outcome, errors_as_data)
+        else:  # a bug must reach the caller as INTERNAL, never hang it
+            pb_utils.Logger.log_error(f"grammar: {op} failed: {outcome!r}")
             response = pb_utils.InferenceResponse(
-                error=pb_utils.TritonError(f"grammar: internal error in {req.op}: {err!r}", pb_utils.TritonError.INTERNAL)
+                error=pb_utils.TritonError(f"grammar: internal error in {op}: {outcome!r}", pb_utils.TritonError.INTERNAL)
             )
-        sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        request.get_response_sender().send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         self.active_gauge.set(self.service.engine.active_count)
-        if req.op != "step":  # the cache only changes on start; steps skip the stats lock
+        if op != "step":  # the cache only changes on start; steps skip the stats lock
             self.cache_gauge.set(self.service.engine.cache.stats().bytes_in_use)
 
     def execute(self, requests: list[Any]) -> None:
@@ -140,7 +156,7 @@ class TritonPythonModel:
             req = _to_request(request)
             errors_as_data = "ERROR" in request.requested_output_names()
             if req.op == "start":
-                self.starts.submit(self._serve, request, req, errors_as_data)
+                self.starts.submit(self._start, request, req, errors_as_data)
             else:
                 self._serve(request, req, errors_as_data)
 
