@@ -43,6 +43,13 @@ _EXTENSIONS: Final[Mapping[str, str]] = {
 }
 
 
+#: The server's default limit on a constraint payload (UTF-8 bytes):
+#: ``grammar_backend.spec.SpecLimits.max_payload_bytes``, which the client
+#: does not import (it would pull in xgrammar and torch); a unit test checks
+#: that the two agree.
+MAX_CONSTRAINT_BYTES: Final = 2 * 1024 * 1024
+
+
 def _dumps(value: object) -> str:
     """Serialise to compact JSON, keeping key order (xgrammar follows the schema's order)."""
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
@@ -66,6 +73,8 @@ def _load_json_text(text: str, field_name: str) -> Any:
         raise InvalidConstraint(
             field_name, f"invalid JSON at line {err.lineno} column {err.colno}: {err.msg}"
         ) from err
+    except RecursionError as err:
+        raise InvalidConstraint(field_name, "is nested too deeply") from err
 
 
 def _check_schema(schema: Mapping[str, Any], field_name: str) -> None:
@@ -117,10 +126,20 @@ def _schema_to_dict(schema: object, field_name: str) -> dict[str, Any]:
         hint = "; use Constraint.json_object() for any JSON" if isinstance(value, bool) else ""
         raise InvalidConstraint(field_name, f"must be a JSON object, got {type(value).__name__}{hint}")
     try:
-        _dumps(value)
+        size = len(_dumps(value).encode("utf-8"))
+    except UnicodeEncodeError as err:  # before ValueError, its base class
+        raise InvalidConstraint(field_name, f"is not valid Unicode: {err.reason} at character {err.start}") from err
     except (TypeError, ValueError) as err:
         raise InvalidConstraint(field_name, f"is not JSON-serialisable: {err}") from err
-    _check_schema(value, field_name)
+    except RecursionError as err:
+        raise InvalidConstraint(field_name, "is nested too deeply") from err
+    if size > MAX_CONSTRAINT_BYTES:
+        # Checked before the meta-schema check, which took 49 s on a 5 MB schema.
+        raise InvalidConstraint(field_name, f"is {size} bytes of JSON, over the {MAX_CONSTRAINT_BYTES}-byte limit")
+    try:
+        _check_schema(value, field_name)
+    except RecursionError as err:
+        raise InvalidConstraint(field_name, "is nested too deeply") from err
     return value
 
 

@@ -326,8 +326,17 @@ def parse_result(text: str, kind: str | None) -> Result:
 
 # --------------------------------------------------------------------------- requests
 def _bytes_input(name: str, values: Sequence[str]) -> grpcclient.InferInput:
+    encoded = []
+    for i, value in enumerate(values):
+        try:
+            encoded.append(value.encode("utf-8"))
+        except UnicodeEncodeError as err:
+            where = name.lower() if len(values) == 1 else f"{name.lower()}[{i}]"
+            raise InvalidRequest(
+                where, f"is not valid Unicode: {err.reason} at character {err.start} ({value[err.start]!r})"
+            ) from err
     tensor = grpcclient.InferInput(name, [len(values)], "BYTES")
-    tensor.set_data_from_numpy(np.array([value.encode("utf-8") for value in values], dtype=np.object_))
+    tensor.set_data_from_numpy(np.array(encoded, dtype=np.object_))
     return tensor
 
 

@@ -71,6 +71,7 @@ from typing import Any, Final
 
 import grpc
 from grpc import aio
+from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as pb
 
 __all__ = ["GRPC_SECRET_METADATA", "SECRET_HEADER", "Gateway", "GatewayConfig", "GatewayError"]
@@ -181,6 +182,36 @@ def _in_band_error(request: pb.ModelInferRequest, status: str, message: str) -> 
     return response
 
 
+def input_error(request: pb.ModelInferRequest, config: mc.ModelConfig) -> str | None:
+    """Why ``request``'s tensors do not fit ``config``'s declared inputs, or None when they do.
+
+    tritonserver 2.51 answers a wrong datatype, shape or tensor name on a
+    stream with an in-band message that carries no status; checked here, the
+    client gets ``INVALID_ARGUMENT`` naming the input.
+    """
+    declared = {spec.name: spec for spec in config.input}
+    seen: set[str] = set()
+    for tensor in request.inputs:
+        spec = declared.get(tensor.name)
+        where = f"input {tensor.name!r}"
+        if spec is None:
+            return f"{where}: not an input of {config.name}; expected one of {', '.join(sorted(declared))}"
+        if tensor.name in seen:
+            return f"{where}: given more than once"
+        seen.add(tensor.name)
+        expected = mc.DataType.Name(spec.data_type).removeprefix("TYPE_").replace("STRING", "BYTES")
+        if tensor.datatype != expected:
+            return f"{where}: datatype {tensor.datatype or '(none)'}, expected {expected}"
+        dims = ([-1] if config.max_batch_size > 0 else []) + list(spec.dims)
+        shape = list(tensor.shape)
+        if len(shape) != len(dims) or any(d != -1 and d != n for d, n in zip(dims, shape, strict=True)):
+            return f"{where}: shape {shape}, expected {dims} (-1: any size)"
+    missing = sorted(name for name, spec in declared.items() if not spec.optional and name not in seen)
+    if missing:
+        return f"input {missing[0]!r}: is required"
+    return None
+
+
 def _unavailable(model: str, client_id: str, err: BaseException) -> pb.ModelStreamInferResponse:
     reason = err.details() if isinstance(err, grpc.aio.AioRpcError) else "upstream stream closed"
     return _in_band_error(pb.ModelInferRequest(model_name=model, id=client_id), "UNAVAILABLE",
@@ -236,6 +267,15 @@ class _StreamSession:
             return
         if self.upstream_error is not None:
             await self._write(_unavailable(model, request.id, self.upstream_error))
+            return
+        try:
+            config = await self.gw.model_config(model)
+        except grpc.RpcError as err:
+            await self._write(_unavailable(model, request.id, err))
+            return
+        problem = input_error(request, config)
+        if problem is not None:
+            await self._write(_in_band_error(request, "INVALID_ARGUMENT", problem))
             return
         param = request.parameters.get(_EMPTY_FINAL)
         wants_empty_final = bool(param is not None and param.bool_param)
@@ -348,6 +388,7 @@ class Gateway:
         self._tasks: set[asyncio.Task[None]] = set()
         self.stream_stub: Any = None
         self._unary: dict[str, Any] = {}
+        self._configs: dict[str, mc.ModelConfig] = {}
         self._stop = asyncio.Event()
         self._grace_s = 5.0
 
@@ -491,6 +532,21 @@ class Gateway:
         if name in ("ServerReady", "ModelReady") and not self._health.ready:
             response.ready = False
         return response
+
+    async def model_config(self, model: str) -> mc.ModelConfig:
+        """A public model's configuration, fetched from tritonserver once.
+
+        Raises
+        ------
+        grpc.RpcError
+            tritonserver cannot answer (not cached: the next request asks again).
+        """
+        config = self._configs.get(model)
+        if config is None:
+            call = self._unary["ModelConfig"](pb.ModelConfigRequest(name=model), metadata=self.upstream_metadata)
+            config = (await asyncio.shield(_await(call))).config
+            self._configs[model] = config
+        return config
 
     async def cancel_requests(self, request_ids: list[str]) -> None:
         """Send ``CANCEL`` for each id to ``cancel_model`` on one upstream stream and wait for the answers."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -23,6 +24,8 @@ from grammar_backend.errors import (
 from grammar_backend.sequences import SequenceTable, TableConfig
 from grammar_backend.spec import ConstraintSpec, SpecLimits
 from grammar_backend.workers import CompileWorkers, WorkerConfig
+
+log = logging.getLogger(__name__)
 
 #: Called once with None (the sequence's matcher exists) or the start's error.
 StartCallback = Callable[[GrammarError | None], None]
@@ -181,6 +184,12 @@ class GrammarEngine:
                 self.table.start(seq_id, spec, fut.result())
             except GrammarError as err:
                 done(err)
+                return
+            except Exception as err:
+                log.exception("grammar: start of sequence %d failed", seq_id)
+                failure = GrammarError(f"grammar: internal error starting sequence {seq_id}: {err!r}")
+                failure.__cause__ = err
+                done(failure)
                 return
             done(None)
 

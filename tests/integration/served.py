@@ -19,11 +19,15 @@ REPO = Path(__file__).resolve().parents[2]
 MODEL_DIR = REPO / "build" / "models" / "smollm2-135m-instruct"
 
 
-def start_ensemble(tmp: Path, **fields: Any) -> TritonServer:
-    """Render the repository for the default model and start a ready server (gateway included)."""
-    values = load_values(REPO / "deploy" / "values.json")
-    values["MODEL_DIR"] = str(MODEL_DIR)
-    render_repository(REPO / "model_repository", tmp / "repo", values)
+def start_ensemble(tmp: Path, values: dict[str, str] | None = None, **fields: Any) -> TritonServer:
+    """Render the repository for the default model and start a ready server (gateway included).
+
+    ``values`` override entries of ``deploy/values.json``; ``fields`` go to :class:`ServerConfig`.
+    """
+    rendered = load_values(REPO / "deploy" / "values.json")
+    rendered["MODEL_DIR"] = str(MODEL_DIR)
+    rendered.update(values or {})
+    render_repository(REPO / "model_repository", tmp / "repo", rendered)
     fields.setdefault("log_file", tmp / "tritonserver.log")
     server = TritonServer(ServerConfig(model_repository=tmp / "repo", models=("constrained_llm", "grammar"),
                                        **fields))
@@ -36,8 +40,8 @@ def start_ensemble(tmp: Path, **fields: Any) -> TritonServer:
     return server
 
 
-def grammar_active(server: TritonServer) -> int:
-    """The grammar model's active-sequence count (its `stats` op, over gRPC streaming).
+def grammar_stats(server: TritonServer) -> dict[str, Any]:
+    """The grammar model's counters (its `stats` op, over gRPC streaming).
 
     `grammar` is internal: only tritonserver's own endpoint behind the gateway,
     with the secret, reaches it.
@@ -61,8 +65,12 @@ def grammar_active(server: TritonServer) -> int:
     finally:
         c.stop_stream()
         c.close()
-    stats = json.loads(results[0].as_numpy("STATS")[0])
-    return int(stats["active"])
+    return json.loads(results[0].as_numpy("STATS")[0])  # type: ignore[no-any-return]
+
+
+def grammar_active(server: TritonServer) -> int:
+    """The grammar model's active-sequence count."""
+    return int(grammar_stats(server)["active"])
 
 
 def metric(server: TritonServer, name: str) -> float:
@@ -81,8 +89,6 @@ def wait_active_zero(server: TritonServer, timeout_s: float = 60) -> int:
         time.sleep(0.2)
         active = grammar_active(server)
     return active
-
-
 
 
 def gateway_ready(server: TritonServer) -> bool:

@@ -65,6 +65,13 @@ def test_json_schema_from_path_str_and_pathlike(tmp_path: Path) -> None:
     assert Constraint.json_schema(path).payload == ORDERED_PAYLOAD
 
 
+def _nested(depth: int) -> dict[str, Any]:
+    node: dict[str, Any] = {}
+    for _ in range(depth):
+        node = {"not": node}
+    return node
+
+
 @pytest.mark.parametrize(
     ("schema", "message"),
     [
@@ -79,9 +86,13 @@ def test_json_schema_from_path_str_and_pathlike(tmp_path: Path) -> None:
         ({"properties": {"a": {"minLength": -1}}}, r"^schema#/properties/a/minLength: -1 is less than the minimum of 0$"),
         ({"const": float("nan")}, r"^schema: is not JSON-serialisable: Out of range float values"),
         ({"const": object()}, r"^schema: is not JSON-serialisable: Object of type object"),
+        (_nested(100_000), r"^schema: is nested too deeply$"),
+        ("[" * 100_000 + "]" * 100_000, r"^schema: is nested too deeply$"),
+        ({"const": "\ud800"}, r"^schema: is not valid Unicode: surrogates not allowed at character 10$"),
+        ({"enum": ["x" * 1000] * 5000}, r"^schema: is 5015010 bytes of JSON, over the 2097152-byte limit$"),
     ],
     ids=["int", "bool", "array", "empty", "bad-json", "missing-file", "not-a-model", "meta-type",
-         "meta-nested", "nan", "object"],
+         "meta-nested", "nan", "object", "deep-dict", "deep-text", "surrogate", "too-large"],
 )
 def test_json_schema_rejects(schema: Any, message: str) -> None:
     with pytest.raises(InvalidConstraint, match=message):
@@ -363,3 +374,29 @@ def test_from_file_missing(tmp_path: Path) -> None:
     with pytest.raises(InvalidConstraint, match=r"^path: no such file: '.*missing\.lark'$") as info:
         Constraint.from_file(tmp_path / "missing.lark")
     assert isinstance(info.value.__cause__, FileNotFoundError)
+
+
+def test_the_payload_limit_matches_the_server_default() -> None:
+    from client.constraints import MAX_CONSTRAINT_BYTES
+    from grammar_backend.spec import SpecLimits
+
+    assert MAX_CONSTRAINT_BYTES == SpecLimits().max_payload_bytes
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        ({"prompt": "a\ud800b"}, r"^prompt: is not valid Unicode: surrogates not allowed at character 1 \('\\ud800'\)$"),
+        ({"messages": [{"role": "user", "content": "\udfff"}]},
+         r"^messages: is not valid Unicode: surrogates not allowed at character 27"),
+        ({"prompt": "x", "constraint": Constraint.regex("a\ud800")},
+         r"^grammar: is not valid Unicode: surrogates not allowed at character 1"),
+        ({"prompt": "x", "stop": ["ok", "\ud800"]}, r"^stop\[1\]: is not valid Unicode"),
+    ],
+    ids=["prompt", "messages", "regex", "stop"],
+)
+def test_lone_surrogates_are_invalid_requests(call: dict[str, Any], message: str) -> None:
+    from client.sdk import build_inputs
+
+    with pytest.raises(InvalidRequest, match=message):
+        build_inputs(**call)

@@ -11,6 +11,7 @@ from deploy.gateway import (
     Gateway,
     GatewayConfig,
     GatewayError,
+    input_error,
     new_secret,
     restriction_args,
 )
@@ -60,3 +61,41 @@ def test_start_binds_and_stop_is_idempotent() -> None:
     finally:
         gateway.stop()
     gateway.stop()
+
+
+def _config(max_batch_size: int = 0) -> object:
+    from tritonclient.grpc.model_config_pb2 import DataType, ModelConfig, ModelInput
+
+    return ModelConfig(name="m", max_batch_size=max_batch_size, input=[
+        ModelInput(name="TEXT", data_type=DataType.TYPE_STRING, dims=[1]),
+        ModelInput(name="IDS", data_type=DataType.TYPE_INT32, dims=[-1], optional=True),
+    ])
+
+
+def _request(*tensors: tuple[str, str, list[int]]) -> object:
+    from tritonclient.grpc import service_pb2 as pb
+
+    request = pb.ModelInferRequest(model_name="m")
+    for name, datatype, shape in tensors:
+        request.inputs.add(name=name, datatype=datatype, shape=shape)
+    return request
+
+
+@pytest.mark.parametrize(
+    ("tensors", "batch", "problem"),
+    [
+        ([("TEXT", "BYTES", [1])], 0, None),
+        ([("TEXT", "BYTES", [1]), ("IDS", "INT32", [7])], 0, None),
+        ([("TEXT", "BYTES", [4, 1]), ("IDS", "INT32", [4, 7])], 8, None),
+        ([("TEXT", "INT32", [1])], 0, "input 'TEXT': datatype INT32, expected BYTES"),
+        ([("TEXT", "", [1])], 0, "input 'TEXT': datatype (none), expected BYTES"),
+        ([("TEXT", "BYTES", [2])], 0, "input 'TEXT': shape [2], expected [1] (-1: any size)"),
+        ([("TEXT", "BYTES", [1])], 8, "input 'TEXT': shape [1], expected [-1, 1] (-1: any size)"),
+        ([("IDS", "INT32", [3])], 0, "input 'TEXT': is required"),
+        ([("TEXT", "BYTES", [1]), ("X", "BYTES", [1])], 0, "input 'X': not an input of m; expected one of IDS, TEXT"),
+        ([("TEXT", "BYTES", [1]), ("TEXT", "BYTES", [1])], 0, "input 'TEXT': given more than once"),
+    ],
+)
+def test_input_error_names_the_input_and_the_reason(tensors: list[tuple[str, str, list[int]]], batch: int,
+                                                     problem: str | None) -> None:
+    assert input_error(_request(*tensors), _config(batch)) == problem  # type: ignore[arg-type]

@@ -1,0 +1,270 @@
+"""Do slow compiles starve other requests?  Inter-token latency of ordinary streams, quiet vs storm.
+
+Usage (from the repository root, after ``make model``)::
+
+    .venv/bin/python bench/compile_storm.py             # ~5 min on 2 shared cores
+    .venv/bin/python bench/compile_storm.py --quick     # ~2 min
+    .venv/bin/python bench/compile_storm.py --url 127.0.0.1:8001   # against a running server
+
+What it does:
+
+1. Starts its own server (rendered like ``make render``) unless ``--url``.
+2. Quiet phase: ``--streams`` threads each stream ``--requests`` ordinary
+   requests (one small JSON schema, compiled once at warm-up, greedy,
+   ``--max-tokens``).  Records the time of every streamed chunk.
+3. Storm phase: the same ordinary requests again, while ``--storm`` threads
+   send never-seen slow constraints back to back (each made distinct, so
+   none is a cache or negative-cache hit): a 100k-item enum, an object with
+   5,000 required properties, a 20,000-fold bounded repetition regex, a
+   4,096-entry choice.  Their outcomes are counted by status (most are
+   refused at a worker limit, by the bounded compile queue, or time out).
+4. Prints inter-token latency (gaps between consecutive chunks of one
+   stream) p50/p99 and time to first token p50/p99 for both phases, the
+   storm/quiet ratios, the storm's outcomes, and the peak resident memory
+   of the ``grammar`` stub and of its compile workers when the server is
+   local.
+
+Nothing here asserts a time; read ratios from one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Final
+
+REPO: Final = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+# Imported after the sys.path entry above.
+from e2e_bench import MODEL_DIR, PERSON_SCHEMA, PROMPTS, pct, render_repository
+
+from client import Client, ClientError, Constraint, ServerBusy
+from deploy.server import ServerConfig, TritonServer
+
+ENSEMBLE: Final = "constrained_llm"
+
+
+def slow_constraint(kind: str, n: int) -> Constraint:
+    """A never-seen slow constraint of ``kind``; ``n`` makes it distinct."""
+    tag = f"storm-{n}"
+    if kind == "enum":
+        return Constraint.json_schema({"description": tag, "enum": [f"value-{i}" for i in range(100_000)]})
+    if kind == "required":
+        props = {f"p{i}": {"type": "integer"} for i in range(5_000)}
+        return Constraint.json_schema({"description": tag, "type": "object", "properties": props,
+                                       "required": list(props)})
+    if kind == "regex":
+        return Constraint.regex(f"{tag}[a-z]{{1,20000}}")
+    return Constraint.choice([f"{tag}-{i:04d}" for i in range(4_096)])
+
+
+STORM_KINDS: Final = ("enum", "required", "regex", "choice")
+
+
+def ordinary(client: Client, prompt: str, max_tokens: int) -> tuple[float, list[float]]:
+    """One ordinary streamed request: (TTFT, inter-chunk gaps)."""
+    t0 = time.perf_counter()
+    times: list[float] = []
+    for chunk in client.stream(prompt, constraint=Constraint.json_schema(PERSON_SCHEMA), max_tokens=max_tokens,
+                               temperature=0.0, require_complete=False):
+        if chunk.text:
+            times.append(time.perf_counter())
+    if not times:
+        raise RuntimeError("an ordinary request streamed no text")
+    return times[0] - t0, [b - a for a, b in itertools.pairwise(times)]
+
+
+def phase(url: str, streams: int, requests: int, max_tokens: int) -> dict[str, list[float]]:
+    """Run ``streams`` threads of ``requests`` ordinary requests; raise on any failure."""
+    ttfts: list[float] = []
+    gaps: list[float] = []
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+
+    def run(idx: int) -> None:
+        with Client(url) as client:
+            for r in range(requests):
+                try:
+                    ttft, g = ordinary(client, PROMPTS[(idx + r) % len(PROMPTS)], max_tokens)
+                except BaseException as err:  # noqa: BLE001 - re-raised below: a failed request fails the run
+                    with lock:
+                        errors.append(err)
+                    return
+                with lock:
+                    ttfts.append(ttft)
+                    gaps.extend(g)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(f"{len(errors)} ordinary request(s) failed; first: {errors[0]!r}") from errors[0]
+    return {"ttft": ttfts, "gap": gaps}
+
+
+def storm(url: str, threads: int, stop: threading.Event, outcomes: Counter[str]) -> list[threading.Thread]:
+    """Start ``threads`` senders of slow constraints; they run until ``stop``.
+
+    The constraints are built first (a 1.5 MB schema costs the client about
+    0.4 s to check, on the same cores as the server), and a sender refused
+    with RESOURCE_EXHAUSTED backs off for 5 s, as a client should: the storm
+    is a steady load of about ``threads`` slow compiles in flight, not a
+    parse flood (every refused 1.5 MB request still costs the server about
+    0.8 s of parsing in preprocessing and grammar).
+    """
+    pending = [slow_constraint(STORM_KINDS[n % len(STORM_KINDS)], n) for n in range(threads * 8)]
+    order = itertools.count()
+    lock = threading.Lock()
+
+    def run() -> None:
+        with Client(url, timeout_s=600) as client:
+            while not stop.is_set():
+                n = next(order)
+                if n >= len(pending):
+                    return
+                kind = STORM_KINDS[n % len(STORM_KINDS)]
+                try:
+                    client.generate("x", constraint=pending[n], max_tokens=1, require_complete=False)
+                    status = "OK"
+                except ServerBusy as err:
+                    status = err.status or type(err).__name__
+                    stop.wait(5.0)
+                except ClientError as err:
+                    status = err.status or type(err).__name__
+                with lock:
+                    outcomes[f"{kind}:{status}"] += 1
+
+    started = [threading.Thread(target=run, daemon=True) for _ in range(threads)]
+    for t in started:
+        t.start()
+    return started
+
+
+class PeakRss:
+    """Samples the resident memory of the grammar stub and its compile workers."""
+
+    def __init__(self) -> None:
+        self.peak = {"grammar stub": 0, "compile workers": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            sums = {"grammar stub": 0, "compile workers": 0}
+            for proc in Path("/proc").iterdir():
+                if not proc.name.isdigit():
+                    continue
+                try:
+                    cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ")
+                    rss = next(int(line.split()[1]) for line in (proc / "status").read_text().splitlines()
+                               if line.startswith("VmRSS:"))
+                except (OSError, StopIteration, ValueError):
+                    continue
+                if b"triton_python_backend_stub" in cmd and b"grammar_0" in cmd:
+                    sums["grammar stub"] += rss
+                elif b"grammar_backend.compile_worker" in cmd:
+                    sums["compile workers"] += rss
+            for key, value in sums.items():
+                self.peak[key] = max(self.peak[key], value)
+
+
+def report(quiet: dict[str, list[float]], loud: dict[str, list[float]], outcomes: Counter[str],
+           rss: dict[str, int] | None) -> None:
+    def ms(x: float) -> str:
+        return "n/a" if math.isnan(x) else f"{x * 1e3:.0f} ms"
+
+    print(f"\n{'':24s}{'quiet':>12s}{'storm':>12s}{'storm/quiet':>13s}")
+    for name, key, q in (("inter-token p50", "gap", 50), ("inter-token p99", "gap", 99),
+                         ("time to first token p50", "ttft", 50), ("time to first token p99", "ttft", 99)):
+        a, b = pct(quiet[key], q), pct(loud[key], q)
+        print(f"{name:24s}{ms(a):>12s}{ms(b):>12s}{b / a:>12.2f}x")
+    print(f"samples: {len(quiet['gap'])} / {len(loud['gap'])} gaps, {len(quiet['ttft'])} / {len(loud['ttft'])} requests")
+    print("storm outcomes: " + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())))
+    if rss is not None:
+        print("peak RSS during the storm: " + ", ".join(f"{k} {v / 1024:.0f} MiB" for k, v in rss.items()))
+    print(f"inter-token p99 storm/quiet: {pct(loud['gap'], 99) / pct(quiet['gap'], 99):.2f}")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", help="a running server's gRPC address (default: start one)")
+    ap.add_argument("--streams", type=int, default=4)
+    ap.add_argument("--requests", type=int, default=6, help="ordinary requests per stream and phase")
+    ap.add_argument("--storm", type=int, default=10, help="threads sending slow constraints")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--quick", action="store_true", help="2 streams x 3 requests")
+    ap.add_argument("--json", type=Path, help="write every figure here")
+    return ap.parse_args(argv)
+
+
+def run(url: str, args: argparse.Namespace, local: bool) -> dict[str, Any]:
+    with Client(url) as client:  # warm-up: compiles the ordinary schema once
+        ordinary(client, PROMPTS[0], 4)
+    quiet = phase(url, args.streams, args.requests, args.max_tokens)
+    print(f"quiet phase done: {len(quiet['ttft'])} requests", flush=True)
+    stop = threading.Event()
+    outcomes: Counter[str] = Counter()
+    peak = PeakRss() if local else None
+    senders = storm(url, args.storm, stop, outcomes)
+    try:
+        if peak is not None:
+            peak.start()
+        time.sleep(3.0)  # let the storm fill the compile workers and queue
+        loud = phase(url, args.streams, args.requests, args.max_tokens)
+    finally:
+        stop.set()
+        if peak is not None:
+            peak.stop()
+    print(f"storm phase done: {len(loud['ttft'])} requests; waiting for the storm senders", flush=True)
+    for t in senders:
+        t.join(timeout=120)
+    report(quiet, loud, outcomes, peak.peak if peak else None)
+    return {"quiet": quiet, "storm": loud, "outcomes": dict(outcomes), "peak_rss_kib": peak.peak if peak else None}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark; returns the exit status."""
+    args = parse_args(argv)
+    if args.quick:
+        args.streams, args.requests, args.storm = 2, 3, 6
+    if args.url:
+        figures = run(args.url, args, local=False)
+    else:
+        with tempfile.TemporaryDirectory(prefix="compile-storm-") as tmp:
+            repo = Path(tmp) / "model_repository"
+            render_repository(repo, MODEL_DIR)
+            server = TritonServer(ServerConfig(model_repository=repo, models=(ENSEMBLE,),
+                                               log_file=Path(tmp) / "tritonserver.log"))
+            server.start()
+            try:
+                server.wait_ready()
+                figures = run(server.grpc_url, args, local=True)
+            finally:
+                server.stop()
+    if args.json is not None:
+        args.json.write_text(json.dumps(figures), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

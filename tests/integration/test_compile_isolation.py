@@ -1,0 +1,106 @@
+"""Slow compiles run in bounded worker processes: they cannot starve other requests or the server.
+
+The module's server has small compile limits (10 s of CPU per compile, a
+queue of one), so the slow constraints here end within seconds instead of
+holding the workers for the rest of the run.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from client import Client, Constraint
+from client.errors import ClientError, InvalidConstraint, ServerBusy
+from deploy.server import TritonServer
+from tests.integration.served import (
+    MODEL_DIR,
+    gateway_ready,
+    grammar_stats,
+    start_ensemble,
+    wait_active_zero,
+)
+
+pytestmark = [pytest.mark.triton, pytest.mark.e2e, pytest.mark.slow]
+
+LIMITS = {"GRAMMAR_COMPILE_CPU_S": "10", "GRAMMAR_COMPILE_QUEUE": "1", "GRAMMAR_COMPILE_TIMEOUT_S": "120"}
+SMALL = Constraint.json_schema({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+                                "additionalProperties": False})
+#: Killed at the compile limit: with xgrammar's compiler cache on (as in the
+#: workers) a 100k-item enum takes minutes.
+KILLED = r"^grammar: compiling this json_schema (used more than 10 s of CPU|ran past 20 s)"
+
+
+def _slow(n: int) -> Constraint:
+    return Constraint.json_schema({"description": f"slow-{n}", "enum": [f"value-{i}" for i in range(100_000)]})
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
+    if not (MODEL_DIR / "config.json").is_file():
+        pytest.skip(f"{MODEL_DIR} missing (run `make model`)")
+    srv = start_ensemble(tmp_path_factory.mktemp("isolation"), values=LIMITS)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _wait_in_flight(server: TritonServer, count: int, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while grammar_stats(server)["in_flight"] < count:
+        assert time.monotonic() < deadline, f"fewer than {count} compiles in flight after {timeout_s} s"
+        time.sleep(0.2)
+
+
+def test_slow_compiles_are_bounded_and_others_go_on(server: TritonServer) -> None:
+    outcomes: dict[int, BaseException | None] = {}
+
+    def send(n: int) -> None:
+        with Client(server.grpc_url, timeout_s=300) as c:
+            try:
+                c.generate("x", constraint=_slow(n), max_tokens=1, require_complete=False)
+                outcomes[n] = None
+            except ClientError as err:
+                outcomes[n] = err
+
+    with Client(server.grpc_url) as client:
+        client.generate("A number:", constraint=SMALL, max_tokens=12)  # compiled and cached before the storm
+        senders = [threading.Thread(target=send, args=(n,)) for n in range(3)]
+        for t in senders:
+            t.start()
+        _wait_in_flight(server, 3)  # two compiling, one queued: the bound
+
+        with pytest.raises(ServerBusy, match=r"grammar: 3 compiles are running or queued \(2 workers, queue of 1\); "
+                                             r"retry later$") as busy:
+            client.generate("x", constraint=_slow(99), max_tokens=1, require_complete=False)
+        assert busy.value.status == "RESOURCE_EXHAUSTED"
+
+        result = client.generate("A number:", constraint=SMALL, max_tokens=12)
+        assert result.complete and result.json is not None and result.json.valid
+        assert grammar_stats(server)["in_flight"] > 0  # it did not wait for the slow compiles
+
+        for t in senders:
+            t.join(300)
+        assert sorted(outcomes) == [0, 1, 2]
+        for err in outcomes.values():
+            assert isinstance(err, InvalidConstraint) and err.status == "INVALID_ARGUMENT", err
+            assert err.field == "grammar"
+            assert re.match(KILLED, str(err)), str(err)
+
+        start = time.monotonic()
+        with pytest.raises(InvalidConstraint, match=KILLED):  # remembered: no second compile
+            client.generate("x", constraint=_slow(0), max_tokens=1, require_complete=False)
+        assert time.monotonic() - start < 10
+
+        assert client.generate("A number:", constraint=SMALL, max_tokens=12).complete
+    stats = grammar_stats(server)
+    assert stats["workers"]["cpu_kills"] + stats["workers"]["wall_kills"] == 3
+    assert (stats["refused"], stats["in_flight"]) == (1, 0)
+    assert wait_active_zero(server) == 0
+    assert gateway_ready(server)
+
