@@ -86,8 +86,8 @@ def test_a_compiled_grammar_comes_back_usable(make_workers: type[CompileWorkers]
         (parse_constraint("regex", "a("), {}, r"^grammar: xgrammar cannot compile this regex: Regex parsing error", None),
         # On a loaded machine (nice 19) the wall limit, twice the CPU limit, may come first.
         (_enum(10_000), {"cpu_s": 1.0},
-         r"^grammar: compiling this json_schema (used more than 1 s of CPU \(the compile limit\)|ran past 2 s "
-         r"\(the compile time limit\)) and was stopped$",
+         (r"^grammar: compiling this json_schema (used more than 1 s of CPU \(the compile limit\)|ran past 2 s "
+         r"\(the compile time limit\)) and was stopped$"),
          "cpu_kills"),
         (_enum(10_000), {"memory_bytes": 32 * MIB},
          r"^grammar: compiling this json_schema needed more than 32 MiB \(the compile memory limit\)$",
