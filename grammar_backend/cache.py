@@ -233,7 +233,11 @@ class CompileCache:
         barrier = threading.Barrier(self.config.workers)
 
         def run() -> None:
-            fn()
+            try:
+                fn()
+            except BaseException:
+                barrier.abort()  # the others stop waiting (BrokenBarrierError); this error is raised below
+                raise
             barrier.wait()
 
         for future in [self._pool.submit(run) for _ in range(self.config.workers)]:

@@ -160,3 +160,19 @@ def test_store_secret_is_private(tmp_path: Path, tiny_info: xgr.TokenizerInfo) -
 def test_config_rejects_bad_values(kwargs: dict[str, float]) -> None:
     with pytest.raises(ConfigError, match=r"^cache: "):
         CacheConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_on_each_thread_runs_once_per_thread_and_a_failure_does_not_hang(tiny_info: xgr.TokenizerInfo) -> None:
+    cache = CompileCache(CacheConfig(workers=3), tiny_info)
+    try:
+        names: list[str] = []
+        cache.on_each_thread(lambda: names.append(threading.current_thread().name))
+        assert len(set(names)) == 3
+
+        def fail() -> None:
+            raise RuntimeError("worker did not start")
+
+        with pytest.raises(RuntimeError, match=r"^worker did not start$"):
+            cache.on_each_thread(fail)
+    finally:
+        cache.close()

@@ -129,10 +129,8 @@ def test_a_stalled_worker_is_killed_at_twice_the_cpu_limit(make_workers: type[Co
         os.kill(pid, signal.SIGSTOP)  # a stopped process uses no CPU: only the wall limit can end it
 
     threading.Thread(target=stop_it).start()
-    start = time.monotonic()
     with pytest.raises(CompileError, match=r"^grammar: compiling this json_schema ran past 1 s \(the compile time limit\)"):
         workers.compile(_enum(10_000))
-    assert 1.0 <= time.monotonic() - start < 5.0
     workers.compile(parse_constraint("regex", "y"))
     assert workers.stats() == _stats(started=2, wall_kills=1)
 
