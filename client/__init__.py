@@ -6,6 +6,7 @@
 from client.constraints import Constraint
 from client.errors import (
     ClientError,
+    ClosedEarly,
     DeadlineExceeded,
     GenerationError,
     InvalidConstraint,
@@ -20,6 +21,7 @@ __all__ = [
     "Chunk",
     "Client",
     "ClientError",
+    "ClosedEarly",
     "Constraint",
     "DeadlineExceeded",
     "GenerationError",

@@ -7,7 +7,10 @@ Exit codes
 0  success
 1  any other failure (generation error, deadline, malformed response)
 2  invalid request or constraint (locally, or the server's INVALID_ARGUMENT)
-3  output truncated at ``--max-tokens`` (incomplete)
+3  output incomplete: truncated at ``--max-tokens``, or cut by a ``--stop``
+   string under a constraint
+5  output closed early by the server (``--on-budget``/``--on-repeat close``):
+   it matches the constraint, but values may be cut short
 4  server unavailable
 130  interrupted (Ctrl-C); the request is cancelled on the server
 """
@@ -21,9 +24,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final, TextIO
 
-from client.constraints import Constraint, Whitespace
+from client.constraints import ON_BUDGET, ON_REPEAT, Constraint, Whitespace
 from client.errors import (
     ClientError,
+    ClosedEarly,
     GenerationError,
     InvalidConstraint,
     InvalidRequest,
@@ -39,7 +43,7 @@ from client.sdk import (
     Result,
 )
 
-__all__ = ["EXIT_INVALID", "EXIT_OK", "EXIT_OTHER", "EXIT_TRUNCATED", "EXIT_UNAVAILABLE", "build_parser",
+__all__ = ["EXIT_CLOSED", "EXIT_INVALID", "EXIT_OK", "EXIT_OTHER", "EXIT_TRUNCATED", "EXIT_UNAVAILABLE", "build_parser",
            "constraint_from_args", "main"]
 
 EXIT_OK: Final = 0
@@ -47,6 +51,7 @@ EXIT_OTHER: Final = 1
 EXIT_INVALID: Final = 2
 EXIT_TRUNCATED: Final = 3
 EXIT_UNAVAILABLE: Final = 4
+EXIT_CLOSED: Final = 5
 EXIT_INTERRUPTED: Final = 130
 
 
@@ -74,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m client",
         description="Grammar-constrained generation on a Triton server; streams text to stdout.",
-        epilog="exit codes: 0 ok, 1 other error, 2 invalid constraint/request, 3 truncated, 4 server unavailable",
+        epilog="exit codes: 0 ok, 1 other error, 2 invalid constraint/request, 3 incomplete (truncated or cut "
+               "by a stop string), 4 server unavailable, 5 closed early (valid, values may be cut short)",
     )
     parser.add_argument("prompt", nargs="?", help="user prompt ('-' reads stdin); or use --messages")
     parser.add_argument("--messages", metavar="FILE", help="JSON file with a [{role, content}, ...] chat history")
@@ -101,6 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
     options.add_argument("--indent", type=int, metavar="N", help="pretty-print indentation")
     options.add_argument("--any-order", action="store_true", default=None, help="allow properties in any order")
 
+    policies = parser.add_argument_group("decoding policies (any constraint)")
+    policies.add_argument("--on-budget", choices=ON_BUDGET,
+                          help="close: end with the shortest valid completion when --max-tokens runs out "
+                               "(server default); truncate: cut the output there")
+    policies.add_argument("--on-repeat", choices=ON_REPEAT,
+                          help="close: end an output that keeps repeating itself the same way (server default)")
+
     sampling = parser.add_argument_group("sampling")
     sampling.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
                           help=f"generation budget (default {DEFAULT_MAX_TOKENS})")
@@ -113,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     output = parser.add_argument_group("output")
     output.add_argument("--print-result", action="store_true", help="print the final RESULT JSON after the text")
     output.add_argument("--allow-incomplete", action="store_true",
-                        help="exit 0 on truncated output instead of 3")
+                        help="exit 0 on incomplete output instead of 3 (or 5: closed early)")
     return parser
 
 
@@ -135,7 +148,7 @@ def _load_json_file(path: str, flag: str) -> Any:
 
 
 def constraint_from_args(args: argparse.Namespace) -> Constraint | None:
-    """Build the :class:`Constraint` selected by parsed arguments.
+    """Build the :class:`Constraint` selected by parsed arguments, with its decoding policies.
 
     Parameters
     ----------
@@ -146,6 +159,23 @@ def constraint_from_args(args: argparse.Namespace) -> Constraint | None:
     -------
     Constraint or None
         ``None`` when no constraint flag is given.
+
+    Raises
+    ------
+    InvalidConstraint
+        As :func:`_constraint_kind`, or a policy flag without a constraint.
+    """
+    constraint = _constraint_kind(args)
+    if args.on_budget is None and args.on_repeat is None:
+        return constraint
+    if constraint is None:
+        flag = "--on-budget" if args.on_budget is not None else "--on-repeat"
+        raise InvalidConstraint(flag, "applies only with a constraint")
+    return constraint.with_policies(on_budget=args.on_budget, on_repeat=args.on_repeat)
+
+
+def _constraint_kind(args: argparse.Namespace) -> Constraint | None:
+    """The constraint flag's :class:`Constraint` (None without one).
 
     Raises
     ------
@@ -263,6 +293,9 @@ def main(argv: Sequence[str] | None = None, *, stdin: TextIO | None = None, stdo
     except KeyboardInterrupt:
         stderr.write("\ninterrupted\n")
         return EXIT_INTERRUPTED
+    except ClosedEarly as err:
+        stderr.write(f"note: {err}\n")
+        return EXIT_CLOSED
     except TruncatedOutput as err:
         stderr.write(f"error: {err}\n")
         return EXIT_TRUNCATED

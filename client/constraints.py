@@ -19,14 +19,21 @@ from typing import Any, Final, Literal, TypeAlias
 
 from client.errors import InvalidConstraint
 
-__all__ = ["KINDS", "Constraint", "Whitespace"]
+__all__ = ["KINDS", "ON_BUDGET", "ON_REPEAT", "Constraint", "Whitespace"]
 
 #: Every ``GRAMMAR_TYPE`` value of the tensor contract.
 KINDS: Final = frozenset({"json_schema", "json_object", "regex", "ebnf", "lark", "choice", "structural_tag"})
 
 # Options shape JSON output, so they only mean something where JSON is generated.
 _JSON_KINDS: Final = frozenset({"json_schema", "json_object", "structural_tag"})
-_OPTION_NAMES: Final = ("strict", "whitespace", "indent", "any_order")
+_JSON_OPTION_NAMES: Final = ("strict", "whitespace", "indent", "any_order")
+#: Decoding policies, valid for every kind; the server's values are
+#: ``grammar_backend.spec.ON_BUDGET``/``ON_REPEAT`` (default first), which the
+#: client does not import (it would pull in xgrammar); a unit test checks they agree.
+ON_BUDGET: Final = ("close", "truncate")
+ON_REPEAT: Final = ("close", "continue")
+_POLICIES: Final[Mapping[str, tuple[str, ...]]] = MappingProxyType({"on_budget": ON_BUDGET, "on_repeat": ON_REPEAT})
+_OPTION_NAMES: Final = (*_JSON_OPTION_NAMES, *_POLICIES)
 
 #: ``whitespace`` option: ``"compact"``, ``"any"`` or the longest whitespace run allowed.
 Whitespace: TypeAlias = Literal["compact", "any"] | int
@@ -179,9 +186,12 @@ def _validate_options(kind: str, options: Mapping[str, object]) -> dict[str, obj
         where = f"grammar_options.{name}"
         if name not in _OPTION_NAMES:
             raise InvalidConstraint(where, f"unknown option; expected one of {', '.join(_OPTION_NAMES)}")
-        if kind not in _JSON_KINDS:
+        if name in _POLICIES:
+            if value not in _POLICIES[name]:
+                raise InvalidConstraint(where, f"must be one of {', '.join(map(repr, _POLICIES[name]))}, got {value!r}")
+        elif kind not in _JSON_KINDS:
             raise InvalidConstraint(where, f"does not apply to {kind} constraints (JSON constraints only)")
-        if name in ("strict", "any_order"):
+        elif name in ("strict", "any_order"):
             if not isinstance(value, bool):
                 raise InvalidConstraint(where, f"must be a bool, got {type(value).__name__}")
         elif name == "whitespace":
@@ -224,7 +234,8 @@ class Constraint:
     options : Mapping[str, object]
         ``GRAMMAR_OPTIONS`` entries: ``strict`` (bool), ``whitespace``
         (``"compact"`` | ``"any"`` | int), ``indent`` (int or None),
-        ``any_order`` (bool).  Only JSON-producing kinds accept options.
+        ``any_order`` (bool), which only JSON-producing kinds accept; and
+        ``on_budget``, ``on_repeat`` (see :meth:`with_policies`), for every kind.
 
     Raises
     ------
@@ -255,6 +266,29 @@ class Constraint:
         if not self.options:
             return ""
         return json.dumps(dict(self.options), sort_keys=True, separators=(",", ":"))
+
+    def with_policies(self, *, on_budget: str | None = None, on_repeat: str | None = None) -> Constraint:
+        """This constraint with decoding policies set (``None`` keeps the current or server default).
+
+        Parameters
+        ----------
+        on_budget : {"close", "truncate"}, optional
+            ``"close"`` (server default): when ``max_tokens`` is about to run
+            out, the server forces the shortest completion, so the output still
+            parses and matches the constraint; ``RESULT.closed_early`` says so.
+            ``"truncate"``: the output is cut at ``max_tokens`` (incomplete).
+        on_repeat : {"close", "continue"}, optional
+            ``"close"`` (server default): an output that keeps repeating one
+            short unit (``"bin/bin/bin..."``) is closed the same way.
+
+        Raises
+        ------
+        InvalidConstraint
+            A value outside the choices above.
+        """
+        given = {"on_budget": on_budget, "on_repeat": on_repeat}
+        options = {**self.options, **{k: v for k, v in given.items() if v is not None}}
+        return Constraint(self.kind, self.payload, options)
 
     # ------------------------------------------------------------------ builders
     @classmethod

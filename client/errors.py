@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ClientError",
+    "ClosedEarly",
     "DeadlineExceeded",
     "GenerationError",
     "InvalidConstraint",
@@ -80,18 +81,42 @@ class InvalidConstraint(InvalidRequest):
 
 
 class TruncatedOutput(ClientError):
-    """Generation stopped at ``max_tokens`` before the constraint was complete.
+    """Generation stopped before the constraint was complete.
+
+    At ``max_tokens`` (with ``on_budget: "truncate"``, or when no completion
+    fitted), or at a stop string under a constraint.
 
     Parameters
     ----------
     result : client.sdk.Result
-        The partial result (``complete`` is false, ``finish_reason`` is ``"length"``).
+        The partial result (``complete`` is false).
     """
 
     def __init__(self, result: Result) -> None:
+        where = "cut at a stop string" if result.stop_string else f"truncated at {result.usage.completion_tokens} tokens"
         super().__init__(
-            f"output truncated at {result.usage.completion_tokens} tokens "
-            f"(finish_reason={result.finish_reason!r}); the constraint is not complete"
+            f"output {where} (finish_reason={result.finish_reason!r}); the constraint is not complete"
+        )
+        self.result = result
+
+
+class ClosedEarly(TruncatedOutput):
+    """The server ended the output early with the shortest valid completion (``on_budget``/``on_repeat``).
+
+    The output parses and matches the constraint (``result.parsed`` is set
+    for JSON), but values may be cut short, so it is not ``complete``.
+
+    Parameters
+    ----------
+    result : client.sdk.Result
+        The result (``closed_early`` is true; ``close_reason`` says why).
+    """
+
+    def __init__(self, result: Result) -> None:
+        ClientError.__init__(
+            self,
+            f"output closed early ({result.close_reason}) at {result.usage.completion_tokens} tokens: "
+            "it matches the constraint but values may be cut short",
         )
         self.result = result
 

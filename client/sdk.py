@@ -41,6 +41,7 @@ from tritonclient.utils import InferenceServerException
 from client.constraints import Constraint
 from client.errors import (
     ClientError,
+    ClosedEarly,
     DeadlineExceeded,
     GenerationError,
     InvalidRequest,
@@ -71,6 +72,9 @@ DEFAULT_MODEL: Final = "constrained_llm"
 DEFAULT_MAX_TOKENS: Final = 256
 DEFAULT_TIMEOUT_S: Final = 300.0
 FINISH_REASONS: Final = frozenset({"stop", "length", "error"})
+#: ``RESULT.close_reason`` values (the server's are
+#: ``grammar_backend.closing.CLOSE_REASONS``; a unit test checks they agree).
+CLOSE_REASONS: Final = frozenset({"budget", "repetition"})
 _JSON_KINDS: Final = frozenset({"json_schema", "json_object"})
 _MESSAGE_KEYS: Final = frozenset({"role", "content"})
 _UINT64_MAX: Final = 2**64 - 1
@@ -167,19 +171,32 @@ class Result:
     finish_reason : str
         ``"stop"``, ``"length"`` or ``"error"``.
     complete : bool
-        The output is a complete sentence of the constraint's language (false
-        whenever ``finish_reason`` is ``"length"``).
+        The model finished the output on its own (a complete sentence of the
+        constraint's language): false when it was truncated at
+        ``max_tokens``, cut by a stop string under a constraint, or closed
+        early by the server.
     usage : Usage
         Token counts.
     parsed : Any
-        For ``json_schema``/``json_object`` constraints and a complete output,
-        the parsed Python object; else ``None``.
+        For ``json_schema``/``json_object`` constraints and a complete or
+        closed-early output, the parsed Python object; else ``None``.
     json : JsonReport or None
         The server's JSON report, present for JSON constraints.
     error : str or None
         The server's error text when ``finish_reason`` is ``"error"``.
     status : str or None
         The gRPC status name of that error (``"INVALID_ARGUMENT"``, ``"UNAVAILABLE"``, ...).
+    closed_early : bool
+        The server forced the shortest completion of the constraint to end
+        the output (option ``on_budget``/``on_repeat`` ``"close"``): it parses
+        and matches the constraint, but values may be cut short, so
+        ``complete`` is false.
+    close_reason : str or None
+        Why: one of :data:`CLOSE_REASONS` (``"budget"``: ``max_tokens`` was
+        about to run out, ``finish_reason`` is ``"length"``; ``"repetition"``:
+        the output kept repeating itself).
+    stop_string : bool
+        The output ended at one of the request's stop strings.
     raw : Mapping[str, Any]
         The ``RESULT`` object as received.
     """
@@ -192,6 +209,9 @@ class Result:
     json: JsonReport | None
     error: str | None
     status: str | None = None
+    closed_early: bool = False
+    close_reason: str | None = None
+    stop_string: bool = False
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
 
@@ -291,8 +311,13 @@ def parse_result(text: str, kind: str | None) -> Result:
     if finish_reason not in FINISH_REASONS:
         raise _malformed("RESULT.finish_reason", f"expected one of {sorted(FINISH_REASONS)}, got {finish_reason!r}")
     complete = _get(obj, "complete", bool, "RESULT")
-    if complete and finish_reason != "stop":
-        raise _malformed("RESULT.complete", f"true with finish_reason {finish_reason!r}")
+    closed_early = _get(obj, "closed_early", bool, "RESULT") if "closed_early" in obj else False
+    close_reason = _get(obj, "close_reason", str, "RESULT", nullable=True) if "close_reason" in obj else None
+    if closed_early != (close_reason is not None) or close_reason not in (None, *CLOSE_REASONS):
+        raise _malformed("RESULT.close_reason", f"{close_reason!r} with closed_early {closed_early}")
+    if complete and (finish_reason != "stop" or closed_early):
+        reason = "closed_early" if closed_early else f"finish_reason {finish_reason!r}"
+        raise _malformed("RESULT.complete", f"true with {reason}")
     usage_obj = _get(obj, "usage", dict, "RESULT")
     usage = Usage(
         prompt_tokens=_get(usage_obj, "prompt_tokens", int, "RESULT.usage"),
@@ -309,14 +334,18 @@ def parse_result(text: str, kind: str | None) -> Result:
         json=None if report_obj is None else _parse_json_report(report_obj),
         error=_get(obj, "error", str, "RESULT", nullable=True) if "error" in obj else None,
         status=_get(obj, "status", str, "RESULT", nullable=True) if "status" in obj else None,
+        closed_early=closed_early,
+        close_reason=close_reason,
+        stop_string=_get(obj, "stop_string", bool, "RESULT") if "stop_string" in obj else False,
         raw=MappingProxyType(obj),
     )
-    if kind in _JSON_KINDS and complete:
+    if kind in _JSON_KINDS and (complete or closed_early):
         try:
             parsed = json.loads(output)
         except json.JSONDecodeError as err:
+            state = "complete" if complete else "closed early"
             raise GenerationError(
-                f"output is complete under a {kind} constraint but is not JSON "
+                f"output is {state} under a {kind} constraint but is not JSON "
                 f"(line {err.lineno} column {err.colno}: {err.msg})",
                 result=result,
             ) from err
@@ -624,12 +653,13 @@ def check_result(result: Result, *, require_complete: bool) -> None:
         :class:`~client.errors.ServerUnavailable`, others ->
         :class:`~client.errors.GenerationError`, carrying the result).
     TruncatedOutput
-        The output is incomplete and ``require_complete`` is true.
+        The output is incomplete and ``require_complete`` is true
+        (:class:`~client.errors.ClosedEarly` when the server closed it early).
     """
     if result.finish_reason == "error":
         raise error_for_status(result.status, result.error or "no reason given", result=result)
     if require_complete and not result.complete:
-        raise TruncatedOutput(result)
+        raise ClosedEarly(result) if result.closed_early else TruncatedOutput(result)
 
 
 # --------------------------------------------------------------------------- client

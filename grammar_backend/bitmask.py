@@ -74,6 +74,30 @@ class BitmaskBuffer:
             self._batch.batch_fill_next_token_bitmask(active, self.buffer, indices)
         return self.buffer[:rows]
 
+    def force(self, row: int, token: int) -> None:
+        """Make ``token`` the only allowed token of ``row``."""
+        words = self.buffer[row]
+        words.fill(0)
+        words[token >> 5] = _bit(token)
+
+    def restrict(self, row: int, allowed: np.ndarray, token: int) -> None:
+        """Keep only the tokens of ``row`` that ``allowed`` (a packed row) also allows, plus ``token``."""
+        words = self.buffer[row]
+        np.bitwise_and(words, allowed, out=words)
+        words[token >> 5] |= _bit(token)
+
+
+def _bit(token: int) -> np.int32:
+    """The word of a packed row in which only ``token``'s bit is set."""
+    return np.uint32(1 << (token & 31)).view(np.int32)  # type: ignore[no-any-return]
+
+
+def pack_tokens(tokens: Sequence[int], vocab_size: int) -> np.ndarray:
+    """A packed int32 row (``[ceil(V/32)]``) with the bits of ``tokens`` set."""
+    bits = np.zeros(bitmask_width(vocab_size) * 32, dtype=bool)
+    bits[np.asarray(tokens, dtype=np.int64)] = True
+    return np.packbits(bits, bitorder="little").view(np.int32)
+
 
 def allowed_tokens(row: np.ndarray, vocab_size: int) -> np.ndarray:
     """Token ids allowed by one bitmask row (for tests and diagnostics, not the hot path)."""

@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import xgrammar as xgr
 
-from grammar_backend.bitmask import BitmaskBuffer
+from grammar_backend.bitmask import BitmaskBuffer, pack_tokens
 from grammar_backend.cache import CacheConfig, CompileCache
+from grammar_backend.closing import Closer, ClosingConfig
 from grammar_backend.compile import XGRAMMAR_VERSION
 from grammar_backend.deadlines import Deadlines
 from grammar_backend.errors import (
@@ -21,7 +22,7 @@ from grammar_backend.errors import (
     GrammarError,
     SequenceError,
 )
-from grammar_backend.sequences import SequenceTable, TableConfig
+from grammar_backend.sequences import FREE, SequenceTable, TableConfig
 from grammar_backend.spec import ConstraintSpec, SpecLimits
 from grammar_backend.workers import CompileWorkers, WorkerConfig
 
@@ -41,13 +42,14 @@ class EngineConfig:
         Most rows of one step (the bitmask buffer's height).
     fill_threads : int
         Threads of the batched bitmask fill.
-    cache, workers, table, limits
+    cache, workers, table, limits, closing
         See :class:`CacheConfig`, :class:`WorkerConfig`, :class:`TableConfig`,
-        :class:`SpecLimits`.
+        :class:`SpecLimits`, :class:`ClosingConfig`.
     """
 
     max_batch: int = 256
     fill_threads: int = 1
+    closing: ClosingConfig = field(default_factory=ClosingConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     workers: WorkerConfig = field(default_factory=WorkerConfig)
     table: TableConfig = field(default_factory=TableConfig)
@@ -74,12 +76,17 @@ class StepResult:
         token); an error row's mask is all ones and must not be sampled.
     forced : tuple
         Per row, jump-forward tokens (empty unless requested and available).
+    closing : numpy.ndarray
+        int8 ``[B]``: the row's :class:`~grammar_backend.closing.CloseState`
+        (non-zero: its mask forces a completion because the budget runs out or
+        the output repeats itself).  A view of a reused buffer, like ``bitmask``.
     """
 
     bitmask: np.ndarray
     terminated: np.ndarray
     errors: tuple[SequenceError | None, ...]
     forced: tuple[tuple[int, ...], ...]
+    closing: np.ndarray
 
 
 class GrammarEngine:
@@ -113,6 +120,15 @@ class GrammarEngine:
         self.table = SequenceTable(config.table)
         self.bitmask = BitmaskBuffer(config.max_batch, self.vocab_size, config.fill_threads)
         self._terminated = np.zeros(config.max_batch, dtype=bool)
+        self._closing = np.zeros(config.max_batch, dtype=np.int8)
+        self._forced_rows: list[tuple[int, int]] = []  # reused: (row, token) forced this step
+        self._calm_rows: list[tuple[int, int]] = []  # reused: (row, completion token) of calm rows
+        self.closer = Closer(tokenizer_info, config.closing.search)
+        self._calm_row = pack_tokens(self.closer.calm_tokens(), self.vocab_size)
+        stops = [int(t) for t in tokenizer_info.stop_token_ids]
+        if not stops:
+            raise ConfigError("engine: the tokenizer has no stop token (closing forces one)")
+        self._stop_token = stops[0]
         self._no_errors: tuple[None, ...] = (None,) * config.max_batch
         self._no_forced: tuple[tuple[int, ...], ...] = ((),) * config.max_batch
 
@@ -134,7 +150,7 @@ class GrammarEngine:
         """
         return self.cache.get(self._key(spec), self._compile_fn(spec), timeout_s)
 
-    def start(self, seq_id: int, spec: ConstraintSpec, timeout_s: float | None = None) -> None:
+    def start(self, seq_id: int, spec: ConstraintSpec, timeout_s: float | None = None, budget: int = 0) -> None:
         """Blocking form of :meth:`start_async`.
 
         Raises
@@ -148,15 +164,23 @@ class GrammarEngine:
             outcome.append(err)
             done.set()
 
-        self.start_async(seq_id, spec, finish, timeout_s)
+        self.start_async(seq_id, spec, finish, timeout_s, budget)
         done.wait()
         if outcome[0] is not None:
             raise outcome[0]
 
     def start_async(
-        self, seq_id: int, spec: ConstraintSpec, done: StartCallback, timeout_s: float | None = None
+        self,
+        seq_id: int,
+        spec: ConstraintSpec,
+        done: StartCallback,
+        timeout_s: float | None = None,
+        budget: int = 0,
     ) -> None:
         """Compile (or fetch) the grammar of ``spec``, then create the sequence's matcher.
+
+        ``budget`` is the request's ``max_tokens`` (0: unknown, no budget
+        closing; see :class:`~grammar_backend.sequences.GrammarSequence`).
 
         Never blocks on a compile: ``done`` is called exactly once, with None
         once the matcher exists or with the error, from this thread (cache
@@ -181,7 +205,7 @@ class GrammarEngine:
             if deadline is not None:
                 deadline.cancel()
             try:
-                self.table.start(seq_id, spec, fut.result())
+                self.table.start(seq_id, spec, fut.result(), budget, self.config.closing)
             except GrammarError as err:
                 done(err)
                 return
@@ -250,6 +274,11 @@ class GrammarEngine:
         self.table.evict_idle()
         terminated = self._terminated[:rows]
         terminated.fill(False)
+        closing = self._closing[:rows]
+        closing.fill(0)
+        forced_rows, calm_rows = self._forced_rows, self._calm_rows
+        forced_rows.clear()
+        calm_rows.clear()
         matchers: list[xgr.GrammarMatcher | None] = [None] * rows
         errors: list[SequenceError | None] | None = None
         for i in range(rows):
@@ -268,9 +297,21 @@ class GrammarEngine:
                 continue
             if seq.terminated:
                 terminated[i] = True
-            else:
-                matchers[i] = seq.matcher
+                continue
+            if seq.closes:
+                token = seq.plan(self.closer, self._stop_token)
+                closing[i] = seq.close_state
+                if seq.forcing:
+                    forced_rows.append((i, token))
+                    continue  # its row is all ones after the fill, then one bit below
+                if token != FREE:
+                    calm_rows.append((i, token))
+            matchers[i] = seq.matcher
         bitmask = self.bitmask.fill(matchers)
+        for i, token in forced_rows:
+            self.bitmask.force(i, token)
+        for i, token in calm_rows:
+            self.bitmask.restrict(i, self._calm_row, token)
         forced = self._no_forced[:rows]
         if jump_forward:
             forced = tuple(
@@ -281,6 +322,7 @@ class GrammarEngine:
             terminated=terminated,
             errors=self._no_errors[:rows] if errors is None else tuple(errors),
             forced=forced,
+            closing=closing,
         )
 
     def rollback(self, seq_ids: Sequence[int], counts: Sequence[int]) -> tuple[SequenceError | None, ...]:

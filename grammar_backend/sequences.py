@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import xgrammar as xgr
 
+from grammar_backend.closing import Closer, CloseState, ClosingConfig, RepeatDetector
 from grammar_backend.errors import (
     CapacityExceeded,
     ConfigError,
@@ -47,6 +48,10 @@ class TableConfig:
             raise ConfigError("sequences: capacity must be positive and idle_ttl_s >= 0")
 
 
+#: :meth:`GrammarSequence.plan` result of a row the grammar mask decides alone.
+FREE = -1
+
+
 class GrammarSequence:
     """One sequence's matcher and counters (the request-level object).
 
@@ -57,11 +62,27 @@ class GrammarSequence:
     compiled : xgrammar.CompiledGrammar
     now : float
         Creation time on the table's clock.
+    budget : int
+        The request's ``max_tokens`` (the stop token included); 0 = unknown.
+        Budget closing applies when it is positive and ``spec.options.on_budget``
+        is ``"close"``; runaway closing when ``on_repeat`` is ``"close"``.
+    closing : ClosingConfig
     """
 
-    __slots__ = ("created", "last_used", "matcher", "seq_id", "spec", "steps", "tokens_accepted")
+    __slots__ = (
+        "budget", "close_state", "closing", "created", "forced", "forced_at", "last_used", "matcher",
+        "next_check", "next_repeat_check", "repeats", "seq_id", "spec", "steps", "tokens_accepted",
+    )
 
-    def __init__(self, seq_id: int, spec: ConstraintSpec, compiled: xgr.CompiledGrammar, now: float) -> None:
+    def __init__(
+        self,
+        seq_id: int,
+        spec: ConstraintSpec,
+        compiled: xgr.CompiledGrammar,
+        now: float,
+        budget: int = 0,
+        closing: ClosingConfig | None = None,
+    ) -> None:
         self.seq_id = seq_id
         self.spec = spec
         self.matcher = xgr.GrammarMatcher(compiled)
@@ -69,6 +90,16 @@ class GrammarSequence:
         self.steps = 0
         self.created = now
         self.last_used = now
+        self.closing = closing if closing is not None else ClosingConfig()
+        self.budget = budget if spec.options.on_budget == "close" else 0
+        self.repeats = RepeatDetector(self.closing.repeat) if spec.options.on_repeat == "close" else None
+        self.close_state = CloseState.OPEN
+        #: The completion being forced (None: not forcing) and how much of it is accepted.
+        self.forced: tuple[int, ...] | None = None
+        self.forced_at = 0
+        #: ``tokens_accepted`` at which the budget (resp. the repetition) is checked next.
+        self.next_check = 0 if self.budget else -1
+        self.next_repeat_check = self.closing.repeat.min_tokens
 
     @property
     def terminated(self) -> bool:
@@ -90,6 +121,18 @@ class GrammarSequence:
                     matcher.rollback(i)
                 raise TokenRejected(self.seq_id, int(token), self.tokens_accepted + i)
         self.tokens_accepted += len(tokens)
+        if self.repeats is not None:
+            for token in tokens:
+                self.repeats.push(int(token))
+        if self.forced is not None:
+            for token in tokens:
+                if self.forced_at < len(self.forced) and int(token) == self.forced[self.forced_at]:
+                    self.forced_at += 1
+                else:  # the engine did not take the forced token (never with our mask): plan again
+                    self.forced = None
+                    self.close_state = CloseState.OPEN
+                    self.next_check = self.tokens_accepted if self.budget else -1
+                    break
 
     def rollback(self, count: int) -> None:
         """Undo the last ``count`` accepted tokens.
@@ -105,6 +148,80 @@ class GrammarSequence:
         if count:
             self.matcher.rollback(count)
             self.tokens_accepted -= count
+            if self.repeats is not None:
+                self.repeats.rollback(count)
+            if self.forced is not None:
+                self.forced = None
+                self.close_state = CloseState.OPEN
+            if self.budget:
+                self.next_check = min(self.next_check, self.tokens_accepted)
+
+    def plan(self, closer: Closer, stop_token: int) -> int:
+        """This step's closing token, or :data:`FREE`; :attr:`close_state` says what it means.
+
+        Called once per step, after :meth:`accept`.  Budget: the sequence may
+        still sample ``left = budget - tokens_accepted`` tokens, the stop
+        token included; ``spare`` is what a completion found now leaves.
+
+        * ``spare > margin``: free; the next check comes a quarter of the
+          way to the margin, so a 1,000-token budget costs about 20 searches
+          (p50 0.09 ms, p99 2 ms on maskbench-dev).
+        * ``1 < spare <= margin``: ``CALM``, checked every token: the row may
+          take only tokens that open no structure (:meth:`Closer.calm_tokens`)
+          or the returned token (the completion's next one), so the model
+          can still finish on its own while the completion cannot grow.
+        * ``0 <= spare <= 1``: ``BUDGET``: the completion is forced token by
+          token (the returned token is the only one allowed), then the stop token.
+        * ``spare < 0`` (or no completion found at the end): given up; the
+          output ends at ``max_tokens`` as it would without closing.
+
+        Repetition: every ``every`` tokens the tail is checked; a runaway
+        forces the completion at once (``REPETITION``).
+        """
+        if self.forced is not None:
+            if self.forced_at < len(self.forced):
+                return self.forced[self.forced_at]
+            return stop_token
+        accepted = self.tokens_accepted
+        if self.repeats is not None and accepted >= self.next_repeat_check:
+            self.next_repeat_check = accepted + self.closing.repeat.every
+            if self.repeats.repeating():
+                found = closer.complete(self.matcher)
+                if found is not None and (not self.budget or len(found) < self.budget - accepted):
+                    return self._force(found, CloseState.REPETITION, stop_token)
+        if not 0 <= self.next_check <= accepted:
+            return FREE
+        left = self.budget - accepted
+        found = closer.complete(self.matcher)
+        spare = left - 1 - (len(found) if found is not None else 0)
+        self.close_state = CloseState.OPEN
+        if found is not None and 0 <= spare <= 1:
+            return self._force(found, CloseState.BUDGET, stop_token)
+        if spare < 0 or (found is None and left <= 1):
+            self.next_check = -1  # it cannot fit any more: give up
+            return FREE
+        if found is not None and spare <= self.closing.margin:
+            self.close_state = CloseState.CALM
+            self.next_check = accepted + 1
+            return found[0] if found else stop_token
+        self.next_check = accepted + max(1, (spare - self.closing.margin) // 4)
+        return FREE
+
+    @property
+    def forcing(self) -> bool:
+        """Whether this step's mask is the single token :meth:`plan` returned."""
+        return self.forced is not None
+
+    def _force(self, tokens: tuple[int, ...], state: CloseState, stop_token: int) -> int:
+        self.forced = tokens
+        self.forced_at = 0
+        self.close_state = state
+        return tokens[0] if tokens else stop_token
+
+    @property
+    def closes(self) -> bool:
+        """Whether this sequence may be closed early (budget or repetition)."""
+        return self.budget > 0 or self.repeats is not None
 
 
 class SequenceTable:
@@ -134,8 +251,15 @@ class SequenceTable:
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._seqs
 
-    def start(self, seq_id: int, spec: ConstraintSpec, compiled: xgr.CompiledGrammar) -> GrammarSequence:
-        """Create the matcher of a new sequence.
+    def start(
+        self,
+        seq_id: int,
+        spec: ConstraintSpec,
+        compiled: xgr.CompiledGrammar,
+        budget: int = 0,
+        closing: ClosingConfig | None = None,
+    ) -> GrammarSequence:
+        """Create the matcher of a new sequence (``budget``, ``closing``: see :class:`GrammarSequence`).
 
         Raises
         ------
@@ -151,7 +275,7 @@ class SequenceTable:
             self._evict_idle_locked(now)
             if len(self._seqs) >= self.config.capacity:
                 raise CapacityExceeded(f"sequence {seq_id}: {self.config.capacity} sequences are active")
-            seq = GrammarSequence(seq_id, spec, compiled, now)
+            seq = GrammarSequence(seq_id, spec, compiled, now, budget, closing)
             self._seqs[seq_id] = seq
             return seq
 

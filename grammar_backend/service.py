@@ -103,6 +103,7 @@ class GrammarRequest:
     grammar: bytes = b""
     grammar_options: bytes = b""
     jump_forward: bool = False
+    budget: int = 0
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,7 @@ class GrammarReply:
     row_errors: list[str] = field(default_factory=list)
     forced_tokens: np.ndarray | None = None
     forced_counts: np.ndarray | None = None
+    closing: np.ndarray | None = None
     stats: str | None = None
 
 
@@ -137,7 +139,10 @@ class GrammarService:
         try:
             seq_id, spec = self._start_args(req)
             self.engine.start_async(
-                seq_id, spec, lambda err: done(err if err is not None else GrammarReply(active=self.engine.active_count))
+                seq_id,
+                spec,
+                lambda err: done(err if err is not None else GrammarReply(active=self.engine.active_count)),
+                budget=req.budget,
             )
         except GrammarError as err:
             done(err)
@@ -145,6 +150,8 @@ class GrammarService:
     def _start_args(self, req: GrammarRequest) -> tuple[int, ConstraintSpec]:
         if len(req.seq_ids) != 1:
             raise ConstraintError("SEQUENCE_ID", f"start takes exactly one sequence, got {len(req.seq_ids)}")
+        if req.budget < 0:
+            raise ConstraintError("MAX_TOKENS", f"must be >= 0 (0: no budget closing), got {req.budget}")
         return int(req.seq_ids[0]), parse_constraint(
             req.grammar_type, req.grammar, req.grammar_options, self.engine.config.limits
         )
@@ -163,7 +170,7 @@ class GrammarService:
         if req.op not in OPS:
             raise ConstraintError("OP", f"unknown op {req.op!r}; expected one of {', '.join(OPS)}")
         if req.op == "start":
-            eng.start(*self._start_args(req))
+            eng.start(*self._start_args(req), budget=req.budget)
             return GrammarReply(active=eng.active_count)
         if req.op == "end":
             eng.end([int(s) for s in req.seq_ids])
@@ -198,4 +205,5 @@ class GrammarService:
             row_errors=[str(e) if e else "" for e in out.errors],
             forced_tokens=forced_tokens,
             forced_counts=forced_counts,
+            closing=out.closing,
         )

@@ -31,6 +31,13 @@ Whitespace = Literal["compact", "any"] | int
 #: possible again, which is what the compact default prevents.
 MAX_WHITESPACE_RUN: Final = 64
 MAX_INDENT: Final = 16
+#: ``on_budget`` values: ``"close"`` forces the shortest completion when
+#: ``max_tokens`` is about to run out (RESULT ``closed_early``), ``"truncate"``
+#: cuts the output at ``max_tokens`` as an unconstrained server does.
+ON_BUDGET: Final = ("close", "truncate")
+#: ``on_repeat`` values: ``"close"`` forces the completion once the output
+#: repeats one short unit (a runaway value), ``"continue"`` lets it run.
+ON_REPEAT: Final = ("close", "continue")
 
 
 class ConstraintKind(str, enum.Enum):
@@ -110,19 +117,31 @@ class ConstraintOptions:
         Pretty-print with this indent (JSON kinds only).
     any_order : bool
         Allow object keys in any order instead of the schema's order.
+    on_budget : {"close", "truncate"}
+        What happens when ``max_tokens`` runs out (see :data:`ON_BUDGET`).
+    on_repeat : {"close", "continue"}
+        What happens to a runaway value (see :data:`ON_REPEAT`).
+
+    ``on_budget`` and ``on_repeat`` apply to every kind and do not change
+    the compiled grammar, so they are not part of the cache key.
     """
 
     strict: bool = False
     whitespace: Whitespace = "compact"
     indent: int | None = None
     any_order: bool = False
+    on_budget: str = "close"
+    on_repeat: str = "close"
 
     def canonical(self) -> list[Any]:
-        """A JSON-serializable canonical form, used in the cache key."""
+        """A JSON-serializable canonical form of what shapes the grammar, used in the cache key."""
         return [self.strict, self.whitespace, self.indent, self.any_order]
 
 
-_OPTION_NAMES: Final = ("strict", "whitespace", "indent", "any_order")
+#: Options that shape JSON output (json_schema and json_object only).
+_JSON_OPTION_NAMES: Final = ("strict", "whitespace", "indent", "any_order")
+#: Every option name (the decoding policies apply to every kind).
+OPTION_NAMES: Final = (*_JSON_OPTION_NAMES, "on_budget", "on_repeat")
 
 
 @dataclass(frozen=True)
@@ -211,7 +230,7 @@ def parse_constraint(
         raise ConstraintError("grammar_type", f"unknown kind {kind!r}; expected one of {allowed}") from err
     opts = parse_options(options)
     if ckind not in _JSON_OPTION_KINDS:
-        for name in _OPTION_NAMES:
+        for name in _JSON_OPTION_NAMES:
             if getattr(opts, name) != getattr(ConstraintOptions(), name):
                 raise ConstraintError(
                     f"grammar_options.{name}",
@@ -293,11 +312,19 @@ def parse_options(options: str | bytes | Mapping[str, Any] | None) -> Constraint
         raw = options
     if not isinstance(raw, Mapping):
         raise ConstraintError("grammar_options", "must be a JSON object")
-    unknown = sorted(set(raw) - set(_OPTION_NAMES))
+    unknown = sorted(set(raw) - set(OPTION_NAMES))
     if unknown:
         raise ConstraintError(
-            f"grammar_options.{unknown[0]}", f"unknown option; expected one of {', '.join(_OPTION_NAMES)}"
+            f"grammar_options.{unknown[0]}", f"unknown option; expected one of {', '.join(OPTION_NAMES)}"
         )
+    policies: dict[str, str] = {}
+    for name, allowed in (("on_budget", ON_BUDGET), ("on_repeat", ON_REPEAT)):
+        value = raw.get(name, allowed[0])
+        if not isinstance(value, str) or value not in allowed:
+            raise ConstraintError(
+                f"grammar_options.{name}", f"must be one of {', '.join(map(repr, allowed))}, got {value!r}"
+            )
+        policies[name] = value
     strict = raw.get("strict", False)
     any_order = raw.get("any_order", False)
     for name, value in (("strict", strict), ("any_order", any_order)):
@@ -315,7 +342,7 @@ def parse_options(options: str | bytes | Mapping[str, Any] | None) -> Constraint
     indent = raw.get("indent")
     if indent is not None and (isinstance(indent, bool) or not isinstance(indent, int) or not 0 <= indent <= MAX_INDENT):
         raise ConstraintError("grammar_options.indent", f"must be null or an integer 0..{MAX_INDENT}, got {indent!r}")
-    return ConstraintOptions(strict=strict, whitespace=whitespace, indent=indent, any_order=any_order)
+    return ConstraintOptions(strict=strict, whitespace=whitespace, indent=indent, any_order=any_order, **policies)
 
 
 def parse_json(field_name: str, text: str, max_depth: int) -> Any:

@@ -23,7 +23,7 @@ from llm_runtime.mask import ConstraintRequest, MaskStep
 # errors as data, because Triton 2.51's BLS resets error codes to INTERNAL
 # (triton-inference-server/server#7804) and a bad constraint must reach the
 # client as INVALID_ARGUMENT.
-_STEP_OUTPUTS = ["BITMASK", "TERMINATED", "ROW_ERROR", "ERROR"]
+_STEP_OUTPUTS = ["BITMASK", "TERMINATED", "ROW_ERROR", "CLOSING", "ERROR"]
 _CONTROL_OUTPUTS = ["ACTIVE_SEQUENCES", "ERROR"]
 
 
@@ -85,6 +85,7 @@ class BlsMaskProvider:
                 pb.Tensor("GRAMMAR_TYPE", np.array([constraint.kind.encode()], np.object_)),
                 pb.Tensor("GRAMMAR", np.array([constraint.payload.encode("utf-8")], np.object_)),
                 pb.Tensor("GRAMMAR_OPTIONS", np.array([constraint.options_json.encode("utf-8")], np.object_)),
+                pb.Tensor("MAX_TOKENS", np.array([constraint.budget], np.int32)),
             ],
             _CONTROL_OUTPUTS,
         )
@@ -102,11 +103,13 @@ class BlsMaskProvider:
             _STEP_OUTPUTS,
         )
         rows = pb.get_output_tensor_by_name(reply, "ROW_ERROR")
+        closing = pb.get_output_tensor_by_name(reply, "CLOSING")
         errors = tuple((bytes(e).decode() or None) for e in rows.as_numpy()) if rows is not None else ()
         return MaskStep(
             bitmask=pb.get_output_tensor_by_name(reply, "BITMASK").as_numpy(),
             terminated=pb.get_output_tensor_by_name(reply, "TERMINATED").as_numpy(),
             errors=errors or (None,) * len(seq_ids),
+            closing=None if closing is None else closing.as_numpy(),
         )
 
     def end(self, seq_ids: Sequence[int]) -> None:

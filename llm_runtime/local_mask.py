@@ -27,7 +27,7 @@ class LocalMaskProvider:
         """Validate, compile (cached) and create the matcher."""
         spec = parse_constraint(constraint.kind, constraint.payload, constraint.options_json,
                                 self.engine.config.limits)
-        self.engine.start(seq_id, spec)
+        self.engine.start(seq_id, spec, budget=constraint.budget)
 
     def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> MaskStep:
         """Accept new tokens and fill the next masks."""
@@ -36,6 +36,7 @@ class LocalMaskProvider:
             bitmask=out.bitmask,
             terminated=out.terminated,
             errors=tuple(None if e is None else str(e) for e in out.errors),
+            closing=out.closing,
         )
 
     def end(self, seq_ids: Sequence[int]) -> None:

@@ -32,11 +32,15 @@ class ConstraintRequest:
         The schema, regex, grammar text, ... (empty for ``json_object``).
     options_json : str
         ``""`` or a JSON object of grammar options.
+    budget : int
+        The request's ``max_tokens`` (set by the scheduler), for budget
+        closing; 0: none.
     """
 
     kind: str
     payload: str
     options_json: str
+    budget: int = 0
 
 
 @dataclass(frozen=True)
@@ -53,11 +57,15 @@ class MaskStep:
     errors : tuple of (str or None)
         Per-row error (``None`` = ok).  A row error finishes only that sequence,
         with finish reason ``"error"``.
+    closing : np.ndarray or None
+        int8 ``[B]``: non-zero where the grammar side forces a completion
+        (:class:`grammar_backend.closing.CloseState`); None: no row is closing.
     """
 
     bitmask: np.ndarray
     terminated: np.ndarray
     errors: tuple[str | None, ...]
+    closing: np.ndarray | None = None
 
 
 class MaskProvider(Protocol):

@@ -55,6 +55,8 @@ class FinalState:
     completion_tokens: int
     error: str | None = None
     status: str | None = None
+    close_reason: str | None = None
+    stop_string: bool = False
 
     @classmethod
     def rejected(cls, err: BaseException) -> FinalState:
@@ -84,11 +86,17 @@ def build_result(final: FinalState, constraint: dict[str, str] | None) -> dict[s
     """The RESULT object of the ensemble's last response (see the client contract)."""
     if final.finish_reason not in FINISH_REASONS:
         raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {final.finish_reason!r}")
-    # Truncation is never a success: only a clean stop is complete.
-    complete = final.finish_reason == "stop"
+    # Only a clean stop is complete.  Truncated is not; closed early is not
+    # either (it parses and validates, but values may be cut short); a stop
+    # string cuts a constrained output wherever it matched.
+    closed = final.close_reason is not None
+    complete = final.finish_reason == "stop" and not closed and not (constraint is not None and final.stop_string)
     result: dict[str, Any] = {
         "finish_reason": final.finish_reason,
         "complete": complete,
+        "closed_early": closed,
+        "close_reason": final.close_reason,
+        "stop_string": final.stop_string,
         "text": final.text,
         "usage": {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens},
         "error": _cut(final.error),

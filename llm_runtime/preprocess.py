@@ -188,7 +188,9 @@ def parse_params(raw: RawRequest, config: PreprocessConfig) -> tuple[GenerationP
             # The post-validator postprocessing will need: built now so a schema it
             # cannot use (an unresolvable or remote $ref) is refused before any token.
             validator_for(spec.document)
-        options = json.dumps(dataclasses.asdict(spec.options)) if spec.kind.is_json else ""
+        # Every kind carries its options: the decoding policies (on_budget,
+        # on_repeat) apply to all of them.
+        options = json.dumps(dataclasses.asdict(spec.options))
         constraint = {"kind": spec.kind.value, "payload": spec.payload, "options": options}
     elif raw.grammar or raw.grammar_options:
         raise InvalidArgument("grammar_type", "is required when GRAMMAR or GRAMMAR_OPTIONS is given")

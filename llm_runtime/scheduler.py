@@ -36,6 +36,7 @@ request is cancelled (no further events).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import threading
@@ -48,6 +49,8 @@ from typing import Literal, Self
 
 import numpy as np
 import torch
+
+from grammar_backend.closing import CLOSE_REASONS, CloseState
 
 from .detok import IncrementalDetokenizer, special_token_ids
 from .engine import Engine
@@ -175,6 +178,10 @@ class FinishEvent:
     ``"length"`` (``max_tokens``) or ``"error"`` (``error`` says why,
     ``error_status`` is a gRPC status name; ``"CANCELLED"`` after :meth:`Scheduler.cancel`).
     ``completion_tokens`` counts every sampled token, the end token included.
+    ``close_reason``: the grammar side forced a completion that ended the
+    output (``"budget"``: ``finish_reason`` is then ``"length"``;
+    ``"repetition"``: ``"stop"``), see :mod:`grammar_backend.closing`.
+    ``stop_string``: the output ended at one of the request's stop strings.
     """
 
     finish_reason: FinishReason
@@ -183,6 +190,8 @@ class FinishEvent:
     completion_tokens: int
     error: str | None = None
     error_status: str | None = None
+    close_reason: str | None = None
+    stop_string: bool = False
 
 
 EventCallback = Callable[[TokenEvent | FinishEvent], None]
@@ -294,6 +303,7 @@ class _Seq:
     finished: bool = False
     generated: int = 0
     last_token: int = -1
+    close_state: int = CloseState.OPEN  # the grammar side's CLOSING of the last step
 
 
 class Scheduler:
@@ -516,7 +526,8 @@ class Scheduler:
             rid=req.request_id or "",
             seq_id=0,
             prompt=prompt,
-            constraint=req.constraint,
+            # The budget rides with the constraint: the grammar side closes the output before it runs out.
+            constraint=None if req.constraint is None else dataclasses.replace(req.constraint, budget=mt),
             max_tokens=mt,
             params=params,
             stop=stop,
@@ -696,6 +707,8 @@ class Scheduler:
                     s = order[i]
                     if s.finished:
                         continue
+                    if mstep.closing is not None:
+                        s.close_state = int(mstep.closing[j])
                     row_err = mstep.errors[j]
                     if row_err is not None:
                         # The grammar side reports row errors as text only; after
@@ -728,7 +741,7 @@ class Scheduler:
                 continue
             delta = s.detok.push(tok)
             if s.detok.stopped:
-                self._finish(s, "stop", ends, delta=delta, token=tok)
+                self._finish(s, "stop", ends, delta=delta, token=tok, stop_string=True)
             elif s.generated >= s.max_tokens:
                 self._finish(s, "length", ends, delta=delta, token=tok)
             else:
@@ -761,10 +774,16 @@ class Scheduler:
         delta: str = "",
         token: int | None = None,
         release: bool = True,
+        stop_string: bool = False,
     ) -> None:
         """Retire ``seq``: free its slot, queue its grammar end, send the last events."""
         if seq.finished:
             return
+        # A forced completion ended the output: only a clean stop (its stop
+        # token sampled) is a successful close; a budget close reports "length".
+        close_reason = CLOSE_REASONS.get(seq.close_state) if reason == "stop" and not stop_string else None
+        if close_reason == CLOSE_REASONS[CloseState.BUDGET]:
+            reason = "length"
         seq.finished = True
         if release and seq.in_engine:
             self._engine.release(seq.seq_id)
@@ -788,6 +807,8 @@ class Scheduler:
                 completion_tokens=seq.generated,
                 error=error,
                 error_status=status,
+                close_reason=close_reason,
+                stop_string=stop_string,
             ),
         )
 

@@ -230,7 +230,9 @@ def test_sdk_raises_typed_errors_from_data(server: TritonServer) -> None:
 
 
 # ------------------------------------------------------------------ leaving frees everything
-LONG = {"prompt": "Write a long list of words.", "regex": "[a-z ]{1,4000}", "max_tokens": 1000}
+# on_repeat "continue": the stream must stay long even if the model loops on a word.
+LONG = {"prompt": "Write a long list of words.", "regex": "[a-z ]{1,4000}", "max_tokens": 1000,
+        "options": '{"on_repeat": "continue"}'}
 
 # A client in its own process: starts a long constrained stream, reports the first
 # token, then waits to be killed (or cancels / times out itself, by mode).
@@ -246,7 +248,8 @@ CHILD = textwrap.dedent("""
         return x
     c.async_stream_infer("constrained_llm", [t("PROMPT", "BYTES", {prompt!r}.encode()),
         t("GRAMMAR_TYPE", "BYTES", b"regex"), t("GRAMMAR", "BYTES", {regex!r}.encode()),
-        t("MAX_TOKENS", "INT32", {max_tokens})], enable_empty_final_response=True)
+        t("GRAMMAR_OPTIONS", "BYTES", {options!r}.encode()), t("MAX_TOKENS", "INT32", {max_tokens})],
+        enable_empty_final_response=True)
     result, error = q.get(timeout=120)
     print("streaming" if error is None else f"error {{error}}", flush=True)
     if mode == "cancel":

@@ -7,6 +7,7 @@ this module (fixtures in tests/integration/conftest.py).
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import threading
@@ -17,7 +18,9 @@ import jsonschema
 import pytest
 
 from client import Client, Constraint
-from client.errors import InvalidConstraint, TruncatedOutput
+from client.__main__ import EXIT_CLOSED, EXIT_TRUNCATED
+from client.__main__ import main as client_main
+from client.errors import ClosedEarly, InvalidConstraint, TruncatedOutput
 from deploy.server import TritonServer
 from tests.integration.served import grammar_active, metric, wait_active_zero
 
@@ -36,19 +39,25 @@ COMPLETED: dict[str, int] = {}
 
 @pytest.mark.parametrize("name", ["person", "order", "tree", "tool_weather", "open_object"])
 def test_every_completed_json_output_parses_and_validates(client: Client, name: str) -> None:
-    """The guarantee: a completed output always parses and validates. Whether a 135M model
-    completes within max_tokens is the model's business (it may loop inside a string): that is
-    `length`, never reported as a success."""
+    """The guarantee: a completed output always parses and validates. A 135M model often loops
+    inside a string until max_tokens: budget closing (the default) then ends it with the shortest
+    valid completion, reported as `closed_early` (valid, not `complete`); a close that cannot fit
+    is `length`, never a success."""
     schema = _schema(name)
     for prompt in PROMPTS[:2]:
         prompt = f"{prompt} Reply with JSON matching this schema: {json.dumps(schema)}"
         result = client.generate(prompt, constraint=Constraint.json_schema(schema), max_tokens=96,
                                  require_complete=False)
-        if not result.complete:
+        assert result.usage.completion_tokens <= 96
+        if result.closed_early:
+            assert not result.complete
+            assert (result.finish_reason, result.close_reason) in (("length", "budget"), ("stop", "repetition"))
+        elif not result.complete:
             assert result.finish_reason == "length" and result.usage.completion_tokens == 96
             continue
+        else:
+            assert (result.finish_reason, result.close_reason) == ("stop", None)
         COMPLETED[name] = COMPLETED.get(name, 0) + 1
-        assert result.finish_reason == "stop"
         parsed = json.loads(result.text)
         assert result.parsed == parsed
         jsonschema.Draft202012Validator(schema).validate(parsed)
@@ -103,11 +112,64 @@ def test_streaming_deltas_concatenate_to_the_result(client: Client) -> None:
     assert sum(1 for c in chunks if c.text) >= 2  # streamed, not one blob
 
 
-def test_max_tokens_truncation_is_length_not_success(client: Client) -> None:
+@pytest.mark.parametrize(("max_tokens", "on_budget"), [(3, "close"), (6, "truncate")])
+def test_max_tokens_truncation_is_length_not_success(client: Client, max_tokens: int, on_budget: str) -> None:
+    """Truncated: on_budget "truncate", or a budget too small for any completion (3 tokens; 6 cannot fit one either)."""
+    constraint = Constraint.json_schema(_schema("person")).with_policies(on_budget=on_budget, on_repeat="continue")
+    prompt = "Invent a person with a very long name."
     with pytest.raises(TruncatedOutput) as info:
-        client.generate("Invent a person.", constraint=Constraint.json_schema(_schema("person")), max_tokens=3)
+        client.generate(prompt, constraint=constraint, max_tokens=max_tokens, temperature=1.0, seed=7)
     result = info.value.result
-    assert (result.finish_reason, result.complete, result.usage.completion_tokens) == ("length", False, 3)
+    assert (result.finish_reason, result.complete, result.closed_early) == ("length", False, False)
+    assert result.usage.completion_tokens == max_tokens
+    assert result.json is not None and not result.json.parsed
+
+
+@pytest.mark.parametrize("max_tokens", [16, 24])
+def test_budget_closing_keeps_a_short_budget_valid(client: Client, max_tokens: int) -> None:
+    """At temperature 1 the model rarely finishes a person in 16-24 tokens; every output is still valid."""
+    schema = _schema("person")
+    closed = 0
+    for seed in range(3):
+        result = client.generate("Invent a person with a very long name.", constraint=Constraint.json_schema(schema),
+                                 max_tokens=max_tokens, temperature=1.0, seed=seed, require_complete=False)
+        assert result.complete != result.closed_early and result.usage.completion_tokens <= max_tokens, result
+        assert result.json is not None and result.json.valid, result
+        jsonschema.Draft202012Validator(schema).validate(result.parsed)
+        if result.closed_early:
+            closed += 1
+            assert (result.finish_reason, result.close_reason) == ("length", "budget")
+    with pytest.raises(ClosedEarly, match=r"^output closed early \(budget\) at \d+ tokens") as info:
+        client.generate("Invent a person with a very long name.", constraint=Constraint.json_schema(schema),
+                        max_tokens=10, temperature=1.0, seed=0)
+    assert info.value.result.json is not None and info.value.result.json.valid
+    print(f"max_tokens {max_tokens}: {closed}/3 closed early, the rest finished by the model")
+
+
+@pytest.mark.parametrize(
+    ("extra", "code"),
+    [(["--max-tokens", "10"], EXIT_CLOSED), (["--max-tokens", "6", "--on-budget", "truncate"], EXIT_TRUNCATED),
+     (["--max-tokens", "48", "--stop", '"age"'], EXIT_TRUNCATED)],
+)
+def test_cli_exit_code_says_how_the_output_ended(server: TritonServer, extra: list[str], code: int) -> None:
+    out, err = io.StringIO(), io.StringIO()
+    argv = ["--url", server.grpc_url, "--schema", json.dumps(_schema("person")), *extra, "Invent a person."]
+    assert client_main(argv, stdout=out, stderr=err) == code, err.getvalue()
+    if code == EXIT_CLOSED:
+        jsonschema.Draft202012Validator(_schema("person")).validate(json.loads(out.getvalue()))
+        assert err.getvalue().startswith("note: output closed early (budget)")
+
+
+def test_a_stop_string_never_makes_a_constrained_output_complete(client: Client) -> None:
+    constraint = Constraint.json_schema(_schema("person"))
+    full = client.generate("Invent a person.", constraint=constraint, max_tokens=48, require_complete=False)
+    assert '"age"' in full.text
+    with pytest.raises(TruncatedOutput, match=r"^output cut at a stop string") as info:
+        client.generate("Invent a person.", constraint=constraint, max_tokens=48, stop=['"age"'])
+    result = info.value.result
+    assert (result.finish_reason, result.complete, result.stop_string) == ("stop", False, True)
+    assert result.text == full.text[: full.text.index('"age"')]
+    assert result.json is not None and not result.json.parsed
 
 
 def test_bad_schema_is_invalid_argument_while_others_complete(client: Client, server: TritonServer) -> None:
@@ -157,8 +219,9 @@ def test_eight_concurrent_requests_share_one_batch(client: Client, server: Trito
 
 def test_cancelled_stream_frees_its_matcher(client: Client, server: TritonServer) -> None:
     # 1,000 tokens would take a minute or more here; a cancelled request is freed within seconds.
-    stream = client.stream("Write a long list of words.", constraint=Constraint.regex("[a-z ]{1,4000}"),
-                           max_tokens=1000, require_complete=False)
+    long_words = Constraint.regex("[a-z ]{1,4000}").with_policies(on_repeat="continue")
+    stream = client.stream("Write a long list of words.", constraint=long_words, max_tokens=1000,
+                           require_complete=False)
     for chunk in stream:
         if chunk.text:
             break

@@ -67,7 +67,9 @@ def test_killed_part_ends_streams_and_recovers(server: TritonServer, supervised:
     def long_stream() -> None:
         with Client(server.grpc_url, timeout_s=240) as sdk:
             try:
-                for chunk in sdk.stream("Write a long list of words.", constraint=Constraint.regex("[a-z ]{1,4000}"),
+                # on_repeat "continue": the stream stays long even if the model loops on a word.
+                long_words = Constraint.regex("[a-z ]{1,4000}").with_policies(on_repeat="continue")
+                for chunk in sdk.stream("Write a long list of words.", constraint=long_words,
                                         max_tokens=1000, require_complete=False):
                     outcome.setdefault("first", time.monotonic())
                 outcome["end"] = "finished"

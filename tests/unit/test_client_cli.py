@@ -76,6 +76,10 @@ def parse(argv: list[str], files: dict[str, str]) -> Constraint | None:
         (["--tool-call", "@short.json", "--strict", "p"],
          lambda f: Constraint.structural_tag(SHORT_TAG["triggers"], SHORT_TAG["tags"], strict=True)),
         (["--tool-call", "@raw.json", "p"], lambda f: Constraint.structural_tag_raw(RAW_TAG)),
+        (["--regex", "a+", "--on-budget", "truncate", "--on-repeat", "continue", "p"],
+         lambda f: Constraint("regex", "a+", {"on_budget": "truncate", "on_repeat": "continue"})),
+        (["--schema", "@schema.json", "--on-repeat", "close", "p"],
+         lambda f: Constraint.json_schema(SCHEMA).with_policies(on_repeat="close")),
     ],
 )
 def test_constraint_from_args(argv: list[str], expected: Any, files: dict[str, str]) -> None:
@@ -102,6 +106,7 @@ def test_constraint_from_args(argv: list[str], expected: Any, files: dict[str, s
         (["--schema", "@list.json", "p"], r"^schema: must be a JSON object, got list$"),
         (["--regex", "", "p"], r"^regex: must not be empty$"),
         (["--choice", "a", "--choice", "a", "p"], r"^choices\[1\]: duplicate of choices\[0\]$"),
+        (["--on-budget", "truncate", "p"], r"^--on-budget: applies only with a constraint$"),
     ],
 )
 def test_constraint_from_args_rejects(argv: list[str], message: str, files: dict[str, str]) -> None:
@@ -116,6 +121,7 @@ def test_constraint_from_args_rejects(argv: list[str], message: str, files: dict
         (["--whitespace", "tabs", "p"], "must be \"compact\", \"any\" or an integer, got 'tabs'"),
         (["--whitespace", "-1", "p"], "must be a non-negative integer, got -1"),
         (["--max-tokens", "many", "p"], "invalid int value: 'many'"),
+        (["--regex", "a", "--on-budget", "stop", "p"], "argument --on-budget: invalid choice: 'stop'"),
     ],
 )
 def test_argparse_errors_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -383,6 +383,42 @@ def test_the_payload_limit_matches_the_server_default() -> None:
     assert MAX_CONSTRAINT_BYTES == SpecLimits().max_payload_bytes
 
 
+def test_decoding_policies_match_the_server() -> None:
+    from client.constraints import ON_BUDGET, ON_REPEAT
+    from client.sdk import CLOSE_REASONS
+    from grammar_backend import closing, spec
+
+    assert (ON_BUDGET, ON_REPEAT) == (spec.ON_BUDGET, spec.ON_REPEAT)
+    defaults = spec.ConstraintOptions()
+    assert (ON_BUDGET[0], ON_REPEAT[0]) == (defaults.on_budget, defaults.on_repeat)
+    assert set(CLOSE_REASONS) == set(closing.CLOSE_REASONS.values())
+
+
+@pytest.mark.parametrize(
+    ("constraint", "policies", "options_json"),
+    [
+        (Constraint.regex("[a-z]+"), {"on_budget": "truncate"}, '{"on_budget":"truncate"}'),
+        (Constraint.json_schema({"type": "object"}, strict=True), {"on_repeat": "continue", "on_budget": None},
+         '{"on_repeat":"continue","strict":true}'),
+        (Constraint.choice(["a", "b"]), {}, ""),
+    ],
+)
+def test_with_policies(constraint: Constraint, policies: dict[str, Any], options_json: str) -> None:
+    assert constraint.with_policies(**policies).options_json == options_json
+
+
+@pytest.mark.parametrize(
+    ("policies", "message"),
+    [
+        ({"on_budget": "stop"}, r"^grammar_options\.on_budget: must be one of 'close', 'truncate', got 'stop'$"),
+        ({"on_repeat": "close "}, r"^grammar_options\.on_repeat: must be one of 'close', 'continue', got 'close '$"),
+    ],
+)
+def test_with_policies_rejects(policies: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidConstraint, match=message):
+        Constraint.regex("a").with_policies(**policies)
+
+
 @pytest.mark.parametrize(
     ("call", "message"),
     [

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from tritonclient.utils import InferenceServerException
 
@@ -143,6 +145,13 @@ def test_truncated_output_carries_the_partial_result() -> None:
     error = TruncatedOutput(result)
     assert error.result is result
     assert str(error) == "output truncated at 16 tokens (finish_reason='length'); the constraint is not complete"
+
+
+def test_a_stop_string_is_named_as_the_cut() -> None:
+    result = dataclasses.replace(_result("stop", False), stop_string=True)
+    assert str(TruncatedOutput(result)) == (
+        "output cut at a stop string (finish_reason='stop'); the constraint is not complete"
+    )
 
 
 def test_generation_error_carries_optional_result() -> None:

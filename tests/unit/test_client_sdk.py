@@ -24,6 +24,7 @@ from client import (
     Chunk,
     Client,
     ClientError,
+    ClosedEarly,
     Constraint,
     DeadlineExceeded,
     GenerationError,
@@ -247,6 +248,15 @@ def test_parse_result_json_schema() -> None:
         ({"text": "1"}, "regex", {"parsed": None}),  # "json" optional members absent is fine too
         ({"finish_reason": "error", "complete": False, "text": "", "error": "engine failed", "json": None},
          "regex", {"error": "engine failed", "finish_reason": "error"}),
+        # Closed early: not complete, but parsed (it parses and validates).
+        ({"finish_reason": "length", "complete": False, "closed_early": True, "close_reason": "budget",
+          "stop_string": False},
+         "json_schema", {"complete": False, "parsed": {"n": 3}, "closed_early": True, "close_reason": "budget"}),
+        ({"complete": False, "closed_early": True, "close_reason": "repetition"}, "json_schema",
+         {"finish_reason": "stop", "parsed": {"n": 3}, "closed_early": True, "close_reason": "repetition"}),
+        # A stop string under a constraint: incomplete, not parsed.
+        ({"complete": False, "stop_string": True, "text": '{"n": '}, "json_schema",
+         {"complete": False, "parsed": None, "stop_string": True, "closed_early": False}),
     ],
 )
 def test_parse_result_variants(overrides: dict[str, Any], kind: str | None, expected: dict[str, Any]) -> None:
@@ -277,6 +287,11 @@ def _without(key: str) -> str:
         (_result_json(finish_reason="done"), r"RESULT\.finish_reason: expected one of \['error', 'length', 'stop'\]"),
         (_result_json(complete="yes"), r"RESULT\.complete: expected bool, got str$"),
         (_result_json(finish_reason="length"), r"RESULT\.complete: true with finish_reason 'length'$"),
+        (_result_json(closed_early=True, close_reason=None), r"RESULT\.close_reason: None with closed_early True$"),
+        (_result_json(closed_early=True, close_reason="budget"), r"RESULT\.complete: true with closed_early$"),
+        (_result_json(closed_early=True, close_reason="tired"),
+         r"RESULT\.close_reason: 'tired' with closed_early True$"),
+        (_result_json(closed_early="yes"), r"RESULT\.closed_early: expected bool, got str$"),
         (_without("usage"), r"RESULT\.usage: missing$"),
         (_result_json(usage={"prompt_tokens": "3", "completion_tokens": 1}),
          r"RESULT\.usage\.prompt_tokens: expected int, got str$"),
@@ -314,25 +329,31 @@ def test_parse_result_complete_but_not_json_is_an_error_with_the_result() -> Non
 
 
 @pytest.mark.parametrize(
-    ("finish_reason", "complete", "require_complete", "raises"),
+    ("finish_reason", "complete", "closed", "require_complete", "raises"),
     [
-        ("stop", True, True, None),
-        ("length", False, False, None),
-        ("length", False, True, TruncatedOutput),
-        ("error", False, False, GenerationError),
-        ("error", False, True, GenerationError),
+        ("stop", True, None, True, None),
+        ("length", False, None, False, None),
+        ("length", False, None, True, TruncatedOutput),
+        ("length", False, "budget", True, ClosedEarly),
+        ("length", False, "budget", False, None),
+        ("stop", False, "repetition", True, ClosedEarly),
+        ("error", False, None, False, GenerationError),
+        ("error", False, None, True, GenerationError),
     ],
 )
-def test_check_result(finish_reason: str, complete: bool, require_complete: bool, raises: type | None) -> None:
+def test_check_result(finish_reason: str, complete: bool, closed: str | None, require_complete: bool,
+                      raises: type | None) -> None:
     text = _result_json(finish_reason=finish_reason, complete=complete, text="x", json=None,
                         error="engine failed" if finish_reason == "error" else None,
-                        status="INTERNAL" if finish_reason == "error" else None)
+                        status="INTERNAL" if finish_reason == "error" else None,
+                        closed_early=closed is not None, close_reason=closed)
     result = parse_result(text, None)
     if raises is None:
         check_result(result, require_complete=require_complete)
         return
     with pytest.raises(raises) as info:
         check_result(result, require_complete=require_complete)
+    assert type(info.value) is raises
     assert info.value.result is result  # type: ignore[attr-defined]
     if raises is GenerationError:
         assert str(info.value) == "INTERNAL: engine failed"

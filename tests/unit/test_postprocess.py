@@ -46,6 +46,34 @@ def test_json_result(final: FinalState, constraint: dict[str, str], expected_jso
 
 
 @pytest.mark.parametrize(
+    ("final", "constraint", "expected"),
+    [
+        # Closed at the budget: "length", valid, yet not complete (values may be cut short).
+        (FinalState("length", '{"name":"Al","age":0}', 5, 12, close_reason="budget"), PERSON,
+         {"finish_reason": "length", "complete": False, "closed_early": True, "close_reason": "budget",
+          "stop_string": False, "valid": True}),
+        (FinalState("stop", '{"name":"Al","age":0}', 5, 40, close_reason="repetition"), PERSON,
+         {"finish_reason": "stop", "complete": False, "closed_early": True, "close_reason": "repetition",
+          "stop_string": False, "valid": True}),
+        # A stop string cuts a constrained output wherever it matched: never complete.
+        (FinalState("stop", '{"name":"namen",', 5, 6, stop_string=True), PERSON,
+         {"finish_reason": "stop", "complete": False, "closed_early": False, "close_reason": None,
+          "stop_string": True, "valid": None}),
+        # Without a constraint a stop string is the normal end.
+        (FinalState("stop", "Hello", 5, 2, stop_string=True), None,
+         {"finish_reason": "stop", "complete": True, "closed_early": False, "close_reason": None,
+          "stop_string": True, "valid": None}),
+    ],
+)
+def test_closed_early_and_stop_string(final: FinalState, constraint: dict[str, str] | None,
+                                      expected: dict[str, object]) -> None:
+    result = build_result(final, constraint)
+    report = result["json"]
+    assert {**{k: result[k] for k in expected if k != "valid"},
+            "valid": None if report is None else report["valid"]} == expected
+
+
+@pytest.mark.parametrize(
     ("final", "constraint"),
     [
         (FinalState("stop", "abc", 1, 2), {"kind": "regex", "payload": "[a-c]+", "options": ""}),

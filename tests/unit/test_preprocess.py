@@ -77,6 +77,13 @@ def test_prompt_gets_the_chat_template(pre: Preprocessor) -> None:
     assert params == GenerationParams(max_tokens=CONFIG.default_max_tokens)
 
 
+def test_every_kind_carries_its_decoding_policies(pre: Preprocessor) -> None:
+    raw = RawRequest(prompt=b"hi", grammar_type=b"regex", grammar=b"[a-z]+", grammar_options=b'{"on_budget": "truncate"}')
+    _, params = pre(raw)
+    assert params.constraint is not None
+    assert json.loads(params.constraint["options"])["on_budget"] == "truncate"
+
+
 def test_request_round_trip(pre: Preprocessor) -> None:
     raw = RawRequest(
         messages=json.dumps([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Zoë?"}]).encode(),
@@ -85,7 +92,8 @@ def test_request_round_trip(pre: Preprocessor) -> None:
     )
     _, params = pre(raw)
     expected: dict[str, Any] = {"kind": "json_schema", "payload": '{"type":"object"}',
-                                "options": '{"strict": true, "whitespace": "compact", "indent": null, "any_order": false}'}
+                                "options": '{"strict": true, "whitespace": "compact", "indent": null, "any_order": false, '
+                                           '"on_budget": "close", "on_repeat": "close"}'}
     assert params.constraint == expected
     assert GenerationParams.from_json(params.to_json()) == params
     assert (params.max_tokens, params.temperature, params.top_k, params.seed, params.stop) == (7, 0.5, 40, 3, ("\n\n",))

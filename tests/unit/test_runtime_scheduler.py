@@ -308,7 +308,7 @@ def test_stop_string_cuts_the_output(engine: TorchEngine, sched: Scheduler, star
     cut = full.find(stop)
     r = submit(sched, GenerationRequest(base.prompt_token_ids, max_tokens=24, temperature=0.0, stop=(stop, "\x00")))
     fin = r.wait()
-    assert (fin.finish_reason, fin.text) == ("stop", full[:cut])
+    assert (fin.finish_reason, fin.text, fin.stop_string) == ("stop", full[:cut], True)
     assert fin.completion_tokens == len(r.token_ids) < 24
 
 
@@ -570,11 +570,40 @@ def test_scheduler_over_the_real_grammar_engine(engine: TorchEngine, tiny: TinyM
                        for i, p in enumerate(PROMPTS[:4])]
             finals = [r.wait() for r in results]
         for fin in finals:
-            if fin.finish_reason == "stop":
-                assert re.fullmatch(pattern, fin.text), fin.text
+            # Budget closing (the default): an output that would run out of tokens
+            # is closed with a valid ending, reported as "length" + "budget".
+            assert re.fullmatch(pattern, fin.text), fin.text
+            if fin.finish_reason == "length":
+                assert fin.close_reason == "budget" and fin.completion_tokens <= 40
             else:
-                assert (fin.finish_reason, fin.completion_tokens) == ("length", 40)
+                assert (fin.finish_reason, fin.close_reason) == ("stop", None)
         assert any(f.finish_reason == "stop" for f in finals)
+        assert grammar.active_count == 0
+    finally:
+        grammar.close()
+
+
+@pytest.mark.parametrize("on_budget", ["close", "truncate"])
+def test_budget_closing_through_the_scheduler(engine: TorchEngine, tiny: TinyModelInfo, on_budget: str) -> None:
+    """A random model never closes its string in 12 tokens: "close" ends every output validly, "truncate" none."""
+    hf = AutoTokenizer.from_pretrained(str(tiny.path), local_files_only=True)
+    info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=tiny.vocab_size, stop_token_ids=[tiny.eos_token_id])
+    grammar = GrammarEngine(info, "tiny", GrammarEngineConfig(max_batch=8))
+    schema = '{"type":"object","properties":{"s":{"type":"string"}},"required":["s"],"additionalProperties":false}'
+    options = json.dumps({"on_budget": on_budget, "on_repeat": "continue"})
+    try:
+        with Scheduler(engine, LocalMaskProvider(grammar), SchedulerConfig(max_batch_size=8)) as s:
+            results = [submit(s, GenerationRequest(prompt(engine, "x"), max_tokens=12, temperature=1.0, seed=i,
+                                                   constraint=ConstraintRequest("json_schema", schema, options)))
+                       for i in range(4)]
+            finals = [r.wait() for r in results]
+        assert all(f.finish_reason == "length" for f in finals)
+        if on_budget == "close":
+            for fin in finals:
+                assert fin.close_reason == "budget" and fin.completion_tokens <= 12
+                assert set(json.loads(fin.text)) == {"s"}
+        else:
+            assert [(f.close_reason, f.completion_tokens) for f in finals] == [(None, 12)] * 4
         assert grammar.active_count == 0
     finally:
         grammar.close()

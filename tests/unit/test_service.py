@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import xgrammar as xgr
 
+from grammar_backend.bitmask import allowed_tokens
+from grammar_backend.closing import CloseState
 from grammar_backend.engine import EngineConfig, GrammarEngine
 from grammar_backend.errors import (
     CompileError,
@@ -27,7 +29,7 @@ from grammar_backend.service import (
     GrammarRequest,
     GrammarService,
 )
-from tests.unit.conftest import TINY_STOP, tiny_encode
+from tests.unit.conftest import TINY_STOP, TINY_VOCAB_SIZE, tiny_encode
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,19 @@ def test_start_step_end_cycle(service: GrammarService) -> None:
     assert service.handle(GrammarRequest("end", np.array([5], np.uint64))).active == 0
 
 
+def test_a_budget_given_at_start_closes_the_output(service: GrammarService) -> None:
+    """Tiny vocabulary (one token per byte): "[a-z]+!" with 4 tokens left after "abc" forces "!" then the stop."""
+    service.handle(GrammarRequest("start", np.array([2], np.uint64), grammar_type="regex", grammar=b"[a-z]+!",
+                                  budget=5))
+    reply = service.handle(GrammarRequest("step", np.array([2], np.uint64), np.array([tiny_encode("abc")], np.int32),
+                                          np.array([3], np.int32)))
+    assert reply.closing is not None and reply.closing.tolist() == [CloseState.BUDGET]
+    assert reply.bitmask is not None and allowed_tokens(reply.bitmask[0], TINY_VOCAB_SIZE).tolist() == [ord("!")]
+    reply = service.handle(GrammarRequest("step", np.array([2], np.uint64), np.array([[ord("!")]], np.int32),
+                                          np.array([1], np.int32)))
+    assert reply.bitmask is not None and allowed_tokens(reply.bitmask[0], TINY_VOCAB_SIZE).tolist() == [TINY_STOP]
+
+
 def test_jump_forward_reply(service: GrammarService) -> None:
     _start(service, 1, "choice", '["alpha"]')
     reply = service.handle(GrammarRequest("step", np.array([1], np.uint64), None, np.array([0], np.int32),
@@ -134,6 +149,8 @@ def test_jump_forward_reply(service: GrammarService) -> None:
          CompileError, r"^grammar: xgrammar cannot compile this regex"),
         (GrammarRequest("start", np.array([7], np.uint64), grammar_type="regex", grammar=b"a"),
          DuplicateSequence, r"^sequence 7: already started$"),
+        (GrammarRequest("start", np.array([1], np.uint64), grammar_type="regex", grammar=b"a", budget=-3),
+         ConstraintError, r"^MAX_TOKENS: must be >= 0 \(0: no budget closing\), got -3$"),
     ],
 )
 def test_request_errors(service: GrammarService, request_: GrammarRequest, error: type[Exception],

@@ -58,6 +58,10 @@ def test_valid_constraints_are_canonical(kind: str, payload: str, expected_paylo
         ("json_schema", "{}", '{"whitespace": 65}', r'^grammar_options.whitespace: must be "compact", "any" or'),
         ("json_schema", "{}", '{"whitespace": true}', r"^grammar_options.whitespace: "),
         ("json_schema", "{}", '{"indent": -1}', r"^grammar_options.indent: must be null or an integer 0..16"),
+        ("regex", "a+", '{"on_budget": "stop"}',
+         r"^grammar_options.on_budget: must be one of 'close', 'truncate', got 'stop'$"),
+        ("choice", '["a"]', '{"on_repeat": true}',
+         r"^grammar_options.on_repeat: must be one of 'close', 'continue', got True$"),
         ("json_schema", "{}", "[1]", r"^grammar_options: must be a JSON object$"),
         ("json_schema", "{}", "{", r"^grammar_options: invalid JSON at line 1 column 2"),
         ("structural_tag", '{"triggers": ["<f"], "tags": []}', None, r"^grammar#/tags: must be a non-empty array"),
@@ -105,6 +109,8 @@ def test_json_depth_skips_strings(text: str, depth: int) -> None:
         ('{"strict": true, "whitespace": "any"}', ConstraintOptions(strict=True, whitespace="any")),
         ({"whitespace": 4, "indent": 2, "any_order": True},
          ConstraintOptions(whitespace=4, indent=2, any_order=True)),
+        ('{"on_budget": "truncate", "on_repeat": "continue"}',
+         ConstraintOptions(on_budget="truncate", on_repeat="continue")),
     ],
 )
 def test_options(options: str | dict[str, object] | None, expected: ConstraintOptions) -> None:
@@ -124,6 +130,14 @@ def test_structural_tag_short_form_is_normalized() -> None:
                       "content": {"type": "json_schema", "json_schema": schema}}],
         },
     }
+
+
+@pytest.mark.parametrize("kind", ["regex", "json_schema"])
+def test_decoding_policies_apply_to_every_kind_and_share_the_compiled_grammar(kind: str) -> None:
+    base = parse_constraint(kind, '{"type": "object"}')
+    other = parse_constraint(kind, '{"type": "object"}', '{"on_budget": "truncate", "on_repeat": "continue"}')
+    assert (base.options.on_budget, other.options.on_budget) == ("close", "truncate")
+    assert base.cache_key("fp", "0.2.9") == other.cache_key("fp", "0.2.9")
 
 
 def test_cache_key_covers_every_input() -> None:

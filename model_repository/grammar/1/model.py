@@ -11,6 +11,8 @@ Inputs
     GRAMMAR          BYTES [1]      start: constraint payload
     GRAMMAR_OPTIONS  BYTES [1]      start: JSON object of options (optional)
     JUMP_FORWARD     BOOL [1]       step: also return forced tokens (optional)
+    MAX_TOKENS       INT32 [1]      start: the request's token budget, for budget closing
+                                    (optional; absent or 0: none)
 
 Outputs (exactly one response per request, sent with the FINAL flag)
     BITMASK          INT32 [B, ceil(V/32)]  step: mask of each row's next token
@@ -18,6 +20,8 @@ Outputs (exactly one response per request, sent with the FINAL flag)
     ROW_ERROR        BYTES [B]              step/rollback: "" or that row's error
     FORCED_TOKENS    INT32 [B, F]           step with JUMP_FORWARD
     FORCED_COUNT     INT32 [B]              step with JUMP_FORWARD
+    CLOSING          INT8 [B]               step: 0, or the row's mask forces a completion
+                                            (1: budget, 2: repetition; grammar_backend.closing)
     ACTIVE_SEQUENCES INT32 [1]              sequences holding a matcher after this request
     STATS            BYTES [1]              stats: JSON of cache and table counters
     ERROR            BYTES [1]              only when requested: a request-level error as data,
@@ -64,6 +68,7 @@ def _bytes(request: Any, name: str) -> bytes:
 
 def _to_request(request: Any) -> GrammarRequest:
     jump = _array(request, "JUMP_FORWARD")
+    budget = _array(request, "MAX_TOKENS")
     seq_ids = _array(request, "SEQUENCE_ID")
     return GrammarRequest(
         op=_bytes(request, "OP").decode("utf-8", "replace"),
@@ -74,6 +79,7 @@ def _to_request(request: Any) -> GrammarRequest:
         grammar=_bytes(request, "GRAMMAR"),
         grammar_options=_bytes(request, "GRAMMAR_OPTIONS"),
         jump_forward=bool(jump is not None and jump.reshape(-1)[0]),
+        budget=0 if budget is None or budget.size == 0 else int(budget.reshape(-1)[0]),
     )
 
 
@@ -83,6 +89,8 @@ def _to_response(reply: GrammarReply) -> Any:
         tensors.append(pb_utils.Tensor("BITMASK", reply.bitmask))
     if reply.terminated is not None:
         tensors.append(pb_utils.Tensor("TERMINATED", reply.terminated))
+    if reply.closing is not None:
+        tensors.append(pb_utils.Tensor("CLOSING", reply.closing))
     if reply.row_errors:
         tensors.append(pb_utils.Tensor("ROW_ERROR", np.array([e.encode() for e in reply.row_errors], np.object_)))
     if reply.forced_tokens is not None and reply.forced_counts is not None:

@@ -12,7 +12,8 @@ Inputs
 Outputs (streamed; the last response carries the FINAL flag)
     TEXT_DELTA  BYTES [1]   UTF-8 text of the tokens since the previous response
     FINISH      BYTES [1]   "" until the last response; then a JSON object {finish_reason, text,
-                            prompt_tokens, completion_tokens, error, status, constraint} (the
+                            prompt_tokens, completion_tokens, error, status, close_reason,
+                            stop_string, constraint} (the
                             constraint rides on the last response only, so postprocessing can
                             validate without a copy of the schema on every streamed token)
 
@@ -97,7 +98,7 @@ class _Stream:
             self.sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
         final = FinalState(event.finish_reason, event.text, event.prompt_tokens, event.completion_tokens,
-                           event.error, event.error_status)
+                           event.error, event.error_status, event.close_reason, event.stop_string)
         self.finish(final)
 
     def finish(self, final: FinalState) -> None:

@@ -1,0 +1,327 @@
+"""Budget and runaway closing: does ``on_budget: close`` keep outputs valid, and what does it cost?
+
+Usage (from the repository root, after ``make model``)::
+
+    .venv/bin/python bench/budget_bench.py ../shared/data/maskbench-dev             # ~15 min on 2 cores
+    .venv/bin/python bench/budget_bench.py ../shared/data/maskbench-dev --quick     # ~5 min
+
+Three parts, in one run:
+
+1. **Search** (in process, no server).  For a seeded sample of MaskBench
+   schemas with a valid test instance: the instance is tokenized with the
+   SmolLM2 tokenizer, cut at a random token, and :meth:`Closer.complete`
+   searches the completion of that prefix.  Reports how often one is found,
+   how often prefix + completion validates against the full schema (xgrammar
+   leaves some keywords unenforced: see the fidelity report), the search time
+   p50/p99/max and the completion length in tokens.
+2. **Step overhead** (in process).  ``GrammarEngine.step`` over 8 rows that
+   replay a runaway string (``"bin/bin/..."``) with a 4,096-token budget,
+   ``on_budget: close`` vs ``truncate``, interleaved: what the budget checks
+   cost on rows far from their budget.
+3. **Served** (a real tritonserver on loopback, 4 streams at a time, greedy).
+   The project's own schemas (``tests/fixtures/schemas``) and a seeded
+   sample of small MaskBench schemas, each with the prompt "Produce one
+   realistic JSON instance of this schema: ...".  Phase 1, at
+   ``--max-tokens`` (384): ``truncate``/``continue`` (before) vs the defaults
+   (after).  Phase 2, for the schemas whose "before" output finished on its
+   own in ``n`` tokens: ``max_tokens`` at 50 % and 80 % of ``n``, ``close``
+   vs ``truncate``; and the ample budget again with budget closing on (and
+   runaway closing off), whose output must be unchanged.  Per run: outputs
+   that parse and validate (by the model alone or closed early), parsed but
+   invalid (keywords xgrammar leaves unenforced), truncated; tokens used.
+   Modes alternate per schema, so machine noise hits both alike.
+
+The last line reads ``valid at 50% budget: close X% (C/T) truncate Y% (D/T)``.
+Nothing here asserts: figures vary with the machine; read ratios from one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+
+REPO: Final = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+# Imported after the sys.path entry above.
+import xgrammar as xgr
+from e2e_bench import MODEL_DIR, pct, render_repository
+
+from client import Client, ClientError, Constraint
+from deploy.server import ServerConfig, TritonServer
+from grammar_backend.closing import Closer
+from grammar_backend.compile import compile_spec
+from grammar_backend.engine import EngineConfig, GrammarEngine
+from grammar_backend.errors import GrammarError
+from grammar_backend.fidelity import validate_output
+from grammar_backend.spec import parse_constraint
+from grammar_backend.tokenizer import load_tokenizer
+
+ENSEMBLE: Final = "constrained_llm"
+OWN: Final = REPO / "tests" / "fixtures" / "schemas"
+PROMPT: Final = "Produce one realistic JSON instance of this schema: {schema}"
+#: Schemas larger than this (compact JSON characters) are left out: they make
+#: prompts of thousands of tokens, and the served part measures closing, not prefill.
+MAX_SCHEMA_CHARS: Final = 2500
+MODES: Final[dict[str, dict[str, str]]] = {
+    "close": {},  # the defaults
+    "truncate": {"on_budget": "truncate", "on_repeat": "continue"},
+}
+
+
+def _accepted(schema: dict[str, Any]) -> bool:
+    """Whether the server would take the schema (a refused one is not part of the sample)."""
+    try:
+        parse_constraint("json_schema", json.dumps(schema))
+    except GrammarError:
+        return False
+    return True
+
+
+def sample(data: Path, count: int, seed: int) -> list[tuple[str, dict[str, Any], Any]]:
+    """``count`` (name, schema, first valid instance) from ``data``, seeded, small schemas only."""
+    files = sorted(data.glob("*.json"))
+    random.Random(seed).shuffle(files)
+    out = []
+    for path in files:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        valid = [t["data"] for t in doc.get("tests", []) if t.get("valid")]
+        schema = doc["schema"]
+        small = isinstance(schema, dict) and len(json.dumps(schema, separators=(",", ":"))) <= MAX_SCHEMA_CHARS
+        if valid and small and _accepted(schema):
+            out.append((path.name, schema, valid[0]))
+        if len(out) == count:
+            break
+    return out
+
+
+def search_part(model_dir: Path, schemas: Sequence[tuple[str, dict[str, Any], Any]], seed: int) -> dict[str, Any]:
+    """Part 1: completions of random prefixes of valid instances."""
+    from transformers import AutoTokenizer
+
+    bundle = load_tokenizer(str(model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    compiler = xgr.GrammarCompiler(bundle.info, max_threads=1)
+    closer = Closer(bundle.info)
+    rng = random.Random(seed)
+    times: list[float] = []
+    lengths: list[int] = []
+    found = valid = tried = 0
+    missed: list[str] = []
+    for name, schema, instance in schemas:
+        spec = parse_constraint("json_schema", json.dumps(schema))
+        try:
+            matcher = xgr.GrammarMatcher(compile_spec(compiler, spec))
+        except RuntimeError:
+            continue
+        ids = tokenizer.encode(json.dumps(instance, separators=(",", ":"), ensure_ascii=False),
+                               add_special_tokens=False)
+        if len(ids) < 2:
+            continue
+        cut = rng.randint(1, len(ids) - 1)
+        if not all(matcher.accept_token(t) for t in ids[:cut]):
+            continue  # an instance the grammar over-constrains (see maskbench.py)
+        tried += 1
+        t0 = time.perf_counter()
+        tokens = closer.complete(matcher)
+        times.append(time.perf_counter() - t0)
+        if tokens is None:
+            missed.append(name)
+            continue
+        found += 1
+        lengths.append(len(tokens))
+        if validate_output(schema, tokenizer.decode(ids[:cut] + list(tokens))).valid:
+            valid += 1
+    return {"tried": tried, "found": found, "valid": valid, "missed": missed,
+            "search_ms": {"p50": pct(times, 50) * 1e3, "p99": pct(times, 99) * 1e3, "max": max(times) * 1e3},
+            "completion_tokens": {"p50": pct(lengths, 50), "p99": pct(lengths, 99)}}
+
+
+def step_part(model_dir: Path, steps: int) -> dict[str, float]:
+    """Part 2: per-step cost of budget checks on rows far from their budget, close vs truncate."""
+    from transformers import AutoTokenizer
+
+    bundle = load_tokenizer(str(model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    engine = GrammarEngine(bundle.info, bundle.fingerprint, EngineConfig(max_batch=16))
+    schema = json.dumps({"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]})
+    prefix = tokenizer.encode('{"s":"', add_special_tokens=False)
+    unit = tokenizer.encode("bin/", add_special_tokens=False)
+    rows = 8
+    timings: dict[str, list[float]] = {mode: [] for mode in MODES}
+    try:
+        ids = {}
+        for k, (mode, options) in enumerate(MODES.items()):
+            spec = parse_constraint("json_schema", schema, {**options, "on_repeat": "continue"})
+            ids[mode] = np.arange(rows, dtype=np.uint64) + 100 * (k + 1)
+            for seq_id in ids[mode]:
+                engine.start(int(seq_id), spec, budget=4096)
+            first = np.array([prefix] * rows, np.int32)
+            engine.step(ids[mode], first, np.full(rows, len(prefix), np.int32))
+        counts = np.ones(rows, np.int32)
+        for i in range(steps):
+            tokens = np.full((rows, 1), unit[i % len(unit)], np.int32)
+            order = list(MODES) if i % 2 else list(MODES)[::-1]
+            for mode in order:
+                t0 = time.perf_counter()
+                engine.step(ids[mode], tokens, counts)
+                timings[mode].append(time.perf_counter() - t0)
+    finally:
+        engine.close()
+    return {f"{mode}_us_p50": pct(t, 50) * 1e6 for mode, t in timings.items()} | {
+        f"{mode}_us_p99": pct(t, 99) * 1e6 for mode, t in timings.items()}
+
+
+def one(url: str, schema: dict[str, Any], options: dict[str, str], max_tokens: int) -> dict[str, Any]:
+    """One served request (greedy); returns its outcome."""
+    constraint = Constraint.json_schema(schema).with_policies(**options)
+    prompt = PROMPT.format(schema=json.dumps(schema, separators=(",", ":")))
+    try:
+        with Client(url, timeout_s=900) as client:
+            result = client.generate(prompt, constraint=constraint, max_tokens=max_tokens, require_complete=False)
+    except ClientError as err:
+        return {"outcome": f"error: {type(err).__name__}", "tokens": 0, "text": "", "complete": False}
+    if result.json is not None and result.json.valid:
+        outcome = "valid_closed" if result.closed_early else "valid"
+    elif result.complete or result.closed_early:
+        outcome = "parsed_invalid"  # keywords xgrammar leaves unenforced (the fidelity report)
+    else:
+        outcome = "truncated"
+    return {"outcome": outcome, "tokens": result.usage.completion_tokens, "text": result.text,
+            "complete": result.complete, "close_reason": result.close_reason}
+
+
+def _valid_share(outcomes: Sequence[dict[str, Any]]) -> tuple[int, int]:
+    ok = sum(o["outcome"] in ("valid", "valid_closed") for o in outcomes)
+    return ok, len(outcomes)
+
+
+def served_part(model_dir: Path, schemas: Sequence[tuple[str, dict[str, Any], Any]], max_tokens: int,
+                concurrency: int) -> dict[str, Any]:
+    """Part 3: the same schemas through the real server; modes interleaved in every phase.
+
+    Phase 1: every schema at ``max_tokens``, ``truncate`` (before) and the
+    defaults (after).  Phase 2, for the schemas whose ``truncate`` output
+    finished on its own in ``n`` tokens: ``max_tokens`` at 50 % and 80 % of
+    ``n``, ``close`` vs ``truncate``; and at ``max_tokens`` with budget
+    closing on and runaway closing off, whose text must equal the ``truncate``
+    one (an ample budget changes nothing).
+    """
+    close_budget_only = {"on_budget": "close", "on_repeat": "continue"}
+    with tempfile.TemporaryDirectory(prefix="budget-bench-") as tmp:
+        repo = Path(tmp) / "model_repository"
+        render_repository(repo, model_dir)
+        server = TritonServer(ServerConfig(model_repository=repo, models=(ENSEMBLE,), log_file=Path(tmp) / "log"))
+        server.start()
+        try:
+            server.wait_ready()
+            url = server.grpc_url
+
+            def run(jobs: list[tuple[str, int, dict[str, str], int]]) -> dict[tuple[str, int], dict[str, Any]]:
+                with ThreadPoolExecutor(concurrency) as pool:
+                    done = pool.map(lambda job: one(url, schemas[job[1]][1], job[2], job[3]), jobs)
+                    return {(job[0], job[1]): outcome for job, outcome in zip(jobs, done, strict=True)}
+
+            t0 = time.perf_counter()
+            first = run([job for i in range(len(schemas)) for job in _pair(
+                ("before", i, MODES["truncate"], max_tokens), ("after", i, MODES["close"], max_tokens), i)])
+            natural = {i: first["before", i]["tokens"] for i in range(len(schemas)) if first["before", i]["complete"]}
+            jobs = []
+            for i, n in natural.items():
+                for share in (50, 80):
+                    budget = max(1, n * share // 100)
+                    jobs += _pair((f"close{share}", i, MODES["close"], budget),
+                                  (f"truncate{share}", i, MODES["truncate"], budget), i)
+                jobs.append(("ample", i, close_budget_only, max_tokens))
+            second = run(jobs)
+            elapsed = time.perf_counter() - t0
+        finally:
+            server.stop()
+    outcomes = {**first, **second}
+    figures: dict[str, Any] = {"elapsed_s": elapsed, "schemas": len(schemas), "natural": len(natural)}
+    for key in ("before", "after", "close50", "truncate50", "close80", "truncate80"):
+        mine = [o for (k, _), o in outcomes.items() if k == key]
+        figures[key] = {
+            "outcomes": dict(Counter(o["outcome"] for o in mine)),
+            "closed": dict(Counter(o["close_reason"] for o in mine if o["close_reason"])),
+            "valid": _valid_share(mine),
+            "tokens_mean": float(np.mean([o["tokens"] for o in mine])) if mine else float("nan"),
+        }
+    figures["ample_unchanged"] = (sum(outcomes["ample", i]["text"] == outcomes["before", i]["text"]
+                                      for i in natural), len(natural))
+    return figures
+
+
+def _pair(a: tuple[str, int, dict[str, str], int], b: tuple[str, int, dict[str, str], int],
+          i: int) -> list[tuple[str, int, dict[str, str], int]]:
+    """The two modes of one schema, in an order that flips from schema to schema (noise hits both alike)."""
+    return [a, b] if i % 2 else [b, a]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the three parts and print their figures; returns the exit status."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("data", type=Path, help="MaskBench folder, e.g. ../shared/data/maskbench-dev")
+    parser.add_argument("--search-schemas", type=int, default=300)
+    parser.add_argument("--served-schemas", type=int, default=60, help="MaskBench schemas, plus the project's own")
+    parser.add_argument("--max-tokens", type=int, default=384)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--quick", action="store_true", help="100 search and 16 served schemas, 256 tokens")
+    parser.add_argument("--model-dir", type=Path, default=MODEL_DIR)
+    parser.add_argument("--json", type=Path, default=None, help="write every figure here")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.search_schemas, args.served_schemas, args.max_tokens, args.steps = 100, 16, 256, 200
+    if not (args.model_dir / "config.json").is_file():
+        parser.error(f"--model-dir {args.model_dir}: no config.json (run `make model`)")
+    t_all = time.perf_counter()
+    search = search_part(args.model_dir, sample(args.data, args.search_schemas, args.seed), args.seed)
+    print(f"search: {search['found']}/{search['tried']} prefixes completed "
+          f"({100 * search['found'] / max(search['tried'], 1):.1f} %), {search['valid']} validate; "
+          f"search ms p50 {search['search_ms']['p50']:.2f} p99 {search['search_ms']['p99']:.2f} "
+          f"max {search['search_ms']['max']:.2f}; completion tokens p50 {search['completion_tokens']['p50']:.0f} "
+          f"p99 {search['completion_tokens']['p99']:.0f}; missed {search['missed']}", flush=True)
+    steps = step_part(args.model_dir, args.steps)
+    print("step, 8 rows far from their budget, us: "
+          + ", ".join(f"{k} {v:.1f}" for k, v in steps.items()), flush=True)
+    own = [(path.name, json.loads(path.read_text(encoding="utf-8")), None) for path in sorted(OWN.glob("*.json"))]
+    served = served_part(args.model_dir, own + sample(args.data, args.served_schemas, args.seed + 1),
+                         args.max_tokens, args.concurrency)
+    print(f"served: {served['schemas']} schemas, {served['natural']} finish on their own within "
+          f"{args.max_tokens} tokens; {served['elapsed_s']:.0f} s", flush=True)
+    for key in ("before", "after", "close50", "truncate50", "close80", "truncate80"):
+        figures = served[key]
+        ok, total = figures["valid"]
+        print(f"  {key:10s} valid {ok}/{total}: {figures['outcomes']} closed {figures['closed']} "
+              f"mean tokens {figures['tokens_mean']:.1f}", flush=True)
+    same, natural = served["ample_unchanged"]
+    print(f"  ample budget, budget closing on: {same}/{natural} outputs unchanged")
+    print(f"total {time.perf_counter() - t_all:.0f} s")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"search": search, "steps": steps, "served": served}, indent=2))
+
+    def share(key: str) -> str:
+        ok, total = served[key]["valid"]
+        return f"{100 * ok / max(total, 1):.0f}% ({ok}/{total})"
+
+    print(f"valid at {args.max_tokens} tokens: before (truncate) {share('before')}, after (close) {share('after')}")
+    print(f"valid at 50% budget: close {share('close50')} truncate {share('truncate50')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,320 @@
+"""Budget and runaway closing: the completion search, the repeat detector, a sequence's plan, the engine's masks.
+
+Token alignment matters here (completions are spelled as vocabulary tokens
+and forced one by one), so these tests use the real Qwen3 BPE vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+import xgrammar as xgr
+
+from grammar_backend.bitmask import BitmaskBuffer, allowed_tokens, pack_tokens
+from grammar_backend.closing import (
+    Closer,
+    CloserConfig,
+    CloseState,
+    ClosingConfig,
+    RepeatConfig,
+    RepeatDetector,
+)
+from grammar_backend.compile import compile_spec
+from grammar_backend.engine import EngineConfig, GrammarEngine
+from grammar_backend.errors import ConfigError
+from grammar_backend.fidelity import validate_output
+from grammar_backend.sequences import FREE, GrammarSequence
+from grammar_backend.spec import parse_constraint
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "email": {"type": "string"},
+    },
+    "required": ["name", "age", "tags"],
+}
+DATE = {"type": "object", "properties": {"d": {"type": "string", "format": "date"}}, "required": ["d"]}
+EMAIL = {"type": "object", "properties": {"e": {"type": "string", "format": "email"}}, "required": ["e"]}
+THREE_INTS = {"type": "array", "items": {"type": "integer"}, "minItems": 3}
+
+
+@pytest.fixture(scope="module")
+def compiler(qwen_info: xgr.TokenizerInfo) -> xgr.GrammarCompiler:
+    return xgr.GrammarCompiler(qwen_info, max_threads=1)
+
+
+@pytest.fixture(scope="module")
+def closer(qwen_info: xgr.TokenizerInfo) -> Closer:
+    return Closer(qwen_info)
+
+
+def _matcher(compiler: xgr.GrammarCompiler, tokenizer: Any, kind: str, payload: str, prefix: str) -> xgr.GrammarMatcher:
+    matcher = xgr.GrammarMatcher(compile_spec(compiler, parse_constraint(kind, payload)))
+    for token in tokenizer.encode(prefix):
+        assert matcher.accept_token(token)
+    return matcher
+
+
+@pytest.mark.parametrize(
+    ("kind", "payload", "prefix", "completion"),
+    [
+        ("json_schema", json.dumps(PERSON), "", '{"name":"","age":0,"tags":[]}'),
+        ("json_schema", json.dumps(PERSON), '{"name":"Ann', '","age":0,"tags":[]}'),
+        ("json_schema", json.dumps(PERSON), '{"name":"Ann","age":4', ',"tags":[]}'),
+        ("json_schema", json.dumps(PERSON), '{"name":"Ann","age":42,"tags":["a","b', '"]}'),
+        ("json_schema", json.dumps(DATE), '{"d":"20', '00-01-01"}'),
+        ("json_schema", json.dumps(THREE_INTS), "[7", ",0,0]"),
+        ("json_schema", json.dumps(EMAIL), '{"e":"jo', '@0"}'),
+        ("json_object", "", '{"a":[{"b":"x', '"}]}'),
+        ("regex", r"[a-z]+@[a-z]+\.com", "bob@ex", ".com"),
+        ("regex", "(ab)+c", "ab", "abc"),  # recently used letters go last: the loop reaches its "c"
+        ("choice", '["north","south"]', "so", "uth"),
+        ("choice", '["north","south"]', "south", ""),
+    ],
+)
+def test_completion_is_short_and_completes_the_grammar(
+    compiler: xgr.GrammarCompiler, closer: Closer, qwen_tokenizer: Any, kind: str, payload: str, prefix: str,
+    completion: str,
+) -> None:
+    matcher = _matcher(compiler, qwen_tokenizer, kind, payload, prefix)
+    tokens = closer.complete(matcher)
+    assert tokens is not None
+    assert qwen_tokenizer.decode(list(tokens)) == completion
+    if kind in ("json_schema", "json_object"):
+        assert validate_output(json.loads(payload or "{}"), prefix + completion).valid
+
+
+def test_a_completion_the_bounded_search_cannot_find_is_none(
+    compiler: xgr.GrammarCompiler, closer: Closer, qwen_tokenizer: Any
+) -> None:
+    # 1,000 characters at least: longer than the search's 512-character bound.
+    schema = json.dumps({"type": "string", "minLength": 1000})
+    matcher = _matcher(compiler, qwen_tokenizer, "json_schema", schema, '"abc')
+    assert closer.complete(matcher) is None
+
+
+def test_search_leaves_the_matcher_as_it_was(
+    compiler: xgr.GrammarCompiler, closer: Closer, qwen_tokenizer: Any, qwen_info: xgr.TokenizerInfo
+) -> None:
+    matcher = _matcher(compiler, qwen_tokenizer, "json_schema", json.dumps(PERSON), '{"name":"Ann","age":4')
+    before = xgr.allocate_token_bitmask(1, qwen_info.vocab_size).numpy()
+    after = before.copy()
+    matcher.fill_next_token_bitmask(before)
+    assert closer.complete(matcher) is not None
+    matcher.fill_next_token_bitmask(after)
+    np.testing.assert_array_equal(before, after)
+    assert matcher.accept_string('2,"tags":[]}') and matcher.is_completed()
+
+
+@pytest.mark.parametrize("text", ['{"name":"Zoë 🚀"}', "  spaced\tout\n", "x"])
+def test_spell_round_trips_through_the_vocabulary(closer: Closer, qwen_tokenizer: Any, text: str) -> None:
+    tokens = closer.spell(text.encode("utf-8"))
+    assert tokens is not None
+    assert qwen_tokenizer.decode(list(tokens)) == text
+
+
+@pytest.mark.parametrize(
+    ("tokens", "repeating"),
+    [
+        ([7] * 24, True),
+        ([7] * 23, False),  # shorter than min_tokens
+        ([1, 2, 3] * 8, True),
+        ([1, 2, 3] * 7 + [1, 2], False),  # 23 tokens
+        ([9] * 10 + [1, 2, 3] * 8, True),
+        ([1, 2, 3] * 8 + [4], False),  # the tail breaks the run
+        (list(range(16)) * 4, True),  # period 16, 4 repeats
+        (list(range(17)) * 4, False),  # period 17 > max_period
+        (list(range(40)), False),
+    ],
+)
+def test_repeat_detector(tokens: list[int], repeating: bool) -> None:
+    detector = RepeatDetector(RepeatConfig())
+    for token in tokens:
+        detector.push(token)
+    assert detector.repeating() is repeating
+
+
+def test_repeat_detector_rollback_forgets_tokens() -> None:
+    detector = RepeatDetector(RepeatConfig())
+    for token in [5] * 70:  # more than the 64-token window
+        detector.push(token)
+    assert detector.repeating()
+    detector.rollback(50)
+    assert not detector.repeating()  # 14 tokens held
+    for token in [5] * 10:
+        detector.push(token)
+    assert detector.repeating()
+
+
+@pytest.mark.parametrize(
+    ("factory", "message"),
+    [
+        (lambda: CloserConfig(max_nodes=0), "max_nodes and max_chars must be positive"),
+        (lambda: RepeatConfig(min_repeats=1), "need max_period >= 1, min_repeats >= 2, every >= 1"),
+        (lambda: RepeatConfig(window=32), "window must hold min_tokens and min_repeats periods"),
+        (lambda: ClosingConfig(margin=-1), "margin must be >= 0"),
+    ],
+)
+def test_configs_reject_bad_values(factory: Any, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        factory()
+
+
+def _run(
+    seq: GrammarSequence, closer: Closer, stop: int, runaway: list[int], limit: int
+) -> tuple[list[int], bool]:
+    """Drive ``seq`` like the decode loop: the model emits ``runaway`` forever unless a token is forced
+    (or, when calm, the runaway token opens structure: then it takes the completion's next token).
+
+    Returns the tokens taken and whether the stop token was forced.
+    """
+    calm = set(closer.calm_tokens())
+    taken: list[int] = []
+    for step in range(limit):
+        token = seq.plan(closer, stop)
+        if seq.forcing and token == stop:
+            return taken, True
+        wanted = runaway[step % len(runaway)]
+        if token == FREE or (not seq.forcing and wanted in calm):
+            token = wanted
+        seq.accept([token])
+        taken.append(token)
+    return taken, False
+
+
+def _sequence(
+    compiler: xgr.GrammarCompiler, payload: dict[str, Any], budget: int, options: dict[str, str]
+) -> GrammarSequence:
+    spec = parse_constraint("json_schema", json.dumps(payload), options)
+    return GrammarSequence(1, spec, compile_spec(compiler, spec), 0.0, budget, ClosingConfig())
+
+
+@pytest.mark.parametrize("budget", [24, 40, 200])
+def test_budget_closing_ends_a_runaway_string_validly_within_the_budget(
+    compiler: xgr.GrammarCompiler, closer: Closer, qwen_tokenizer: Any, qwen_info: xgr.TokenizerInfo, budget: int
+) -> None:
+    stop = int(qwen_info.stop_token_ids[0])
+    seq = _sequence(compiler, PERSON, budget, {"on_repeat": "continue"})
+    prefix = qwen_tokenizer.encode('{"name":"')
+    seq.accept(prefix)
+    runaway = qwen_tokenizer.encode("bin/")  # "bin/bin/bin/..."
+    taken, stopped = _run(seq, closer, stop, runaway, budget)
+    assert stopped and seq.close_state == CloseState.BUDGET
+    used = len(prefix) + len(taken) + 1  # the stop token counts
+    assert budget - ClosingConfig().margin - 1 <= used <= budget
+    text = qwen_tokenizer.decode(prefix + taken)
+    assert text.startswith('{"name":"bin/') and text.endswith('","age":0,"tags":[]}')
+    assert validate_output(PERSON, text).valid
+    assert seq.matcher.accept_token(stop) and seq.matcher.is_terminated()
+
+
+def test_repetition_closes_before_the_budget(
+    compiler: xgr.GrammarCompiler, closer: Closer, qwen_tokenizer: Any, qwen_info: xgr.TokenizerInfo
+) -> None:
+    stop = int(qwen_info.stop_token_ids[0])
+    seq = _sequence(compiler, PERSON, 1000, {})
+    prefix = qwen_tokenizer.encode('{"name":"Ann","age":3,"tags":["')
+    seq.accept(prefix)
+    runaway = qwen_tokenizer.encode('dog","')  # ["dog","dog","dog",...
+    taken, stopped = _run(seq, closer, stop, runaway, 1000)
+    assert stopped and seq.close_state == CloseState.REPETITION
+    text = qwen_tokenizer.decode(prefix + taken)
+    assert text.endswith('"dog","dog"]}')  # closed as soon as it was seen
+    assert len(taken) < 40
+    assert validate_output(PERSON, text).valid
+
+
+@pytest.mark.parametrize(
+    ("budget", "options"),
+    [
+        (30, {"on_budget": "truncate", "on_repeat": "continue"}),
+        (0, {"on_repeat": "continue"}),  # no budget known
+        (4, {"on_repeat": "continue"}),  # the completion never fits: given up, not forced
+    ],
+)
+def test_no_closing_without_the_policy_or_room(
+    compiler: xgr.GrammarCompiler, closer: Closer, qwen_tokenizer: Any, qwen_info: xgr.TokenizerInfo, budget: int,
+    options: dict[str, str],
+) -> None:
+    stop = int(qwen_info.stop_token_ids[0])
+    seq = _sequence(compiler, PERSON, budget, options)
+    seq.accept(qwen_tokenizer.encode('{"name":"'))
+    taken, stopped = _run(seq, closer, stop, qwen_tokenizer.encode("bin/"), 40)
+    assert not stopped and len(taken) == 40 and seq.close_state == CloseState.OPEN
+
+
+def test_engine_step_forces_one_token_and_reports_closing(
+    qwen_info: xgr.TokenizerInfo, qwen_tokenizer: Any
+) -> None:
+    engine = GrammarEngine(qwen_info, "qwen", EngineConfig(max_batch=4))
+    try:
+        spec = parse_constraint("json_schema", json.dumps(PERSON), {"on_repeat": "continue"})
+        engine.start(1, spec, budget=12)
+        engine.start(2, spec, budget=0)
+        ids = np.array([1, 2], np.uint64)
+        tokens = np.array([qwen_tokenizer.encode('{"name":"')] * 2, np.int32)
+        out = engine.step(ids, tokens, np.array([tokens.shape[1]] * 2, np.int32))
+        # Row 0: of its 12 tokens, the completion '","age":0,"tags":[]}' and the stop
+        # token leave fewer spare than the margin (8): forced from this step on.
+        assert out.closing.tolist() == [CloseState.BUDGET, CloseState.OPEN]
+        forced = allowed_tokens(out.bitmask[0], qwen_info.vocab_size).tolist()
+        assert len(forced) == 1
+        assert qwen_tokenizer.decode(forced) == '","'
+        assert len(allowed_tokens(out.bitmask[1], qwen_info.vocab_size)) > 1000
+    finally:
+        engine.close()
+
+
+def test_a_calm_sequence_may_still_finish_on_its_own(
+    compiler: xgr.GrammarCompiler, closer: Closer, qwen_tokenizer: Any, qwen_info: xgr.TokenizerInfo
+) -> None:
+    """{"n":42} fits in 12 tokens: calm from the first token, never forced, not closed early."""
+    stop = int(qwen_info.stop_token_ids[0])
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    seq = _sequence(compiler, schema, 12, {})
+    calm = set(closer.calm_tokens())
+    states = []
+    for token in qwen_tokenizer.encode('{"n":42}'):
+        allowed_next = seq.plan(closer, stop)
+        states.append(seq.close_state)
+        assert not seq.forcing
+        assert token in calm or token == allowed_next
+        seq.accept([token])
+    assert seq.plan(closer, stop) == stop and not seq.forcing  # complete: the completion is the stop token
+    assert set(states) == {CloseState.CALM}
+
+
+def test_engine_step_restricts_a_calm_row(qwen_info: xgr.TokenizerInfo, qwen_tokenizer: Any) -> None:
+    engine = GrammarEngine(qwen_info, "qwen", EngineConfig(max_batch=2))
+    try:
+        spec = parse_constraint("json_schema", json.dumps(PERSON), {"on_repeat": "continue"})
+        engine.start(1, spec, budget=20)
+        engine.start(2, spec, budget=0)
+        ids = np.array([1, 2], np.uint64)
+        tokens = np.array([qwen_tokenizer.encode('{"name":"')] * 2, np.int32)
+        out = engine.step(ids, tokens, np.array([tokens.shape[1]] * 2, np.int32))
+        assert out.closing.tolist() == [CloseState.CALM, CloseState.OPEN]
+        calm_row = set(allowed_tokens(out.bitmask[0], qwen_info.vocab_size).tolist())
+        free_row = set(allowed_tokens(out.bitmask[1], qwen_info.vocab_size).tolist())
+        completion = engine.closer.complete(engine.table.get(1).matcher)
+        assert completion is not None and completion[0] in calm_row
+        assert calm_row - {completion[0]} == free_row & set(engine.closer.calm_tokens())
+        assert qwen_tokenizer.encode('","')[0] not in calm_row - {completion[0]}
+    finally:
+        engine.close()
+
+
+def test_bitmask_force_and_restrict(qwen_info: xgr.TokenizerInfo) -> None:
+    vocab = qwen_info.vocab_size
+    buffer = BitmaskBuffer(2, vocab)
+    buffer.fill([None, None])
+    buffer.force(0, 31)
+    buffer.restrict(1, pack_tokens([5, 64, vocab - 1], vocab), 100)
+    assert allowed_tokens(buffer.buffer[0], vocab).tolist() == [31]
+    assert allowed_tokens(buffer.buffer[1], vocab).tolist() == [5, 64, 100, vocab - 1]
