@@ -8,6 +8,7 @@
 #   make test        unit then integration tests
 #   make lint        ruff + mypy
 #   make bench       grammar and MaskBench benchmarks on $(SHARED)/data/maskbench-dev
+#   make loadtest    locust over gRPC, every output checked (LOADTEST_TIME, LOADTEST_USERS, LOADTEST_SHAPE)
 #
 # Expensive steps are guarded by stamp files under build/, so re-running a
 # target is a no-op until its inputs change; `make clean` removes build/.
@@ -41,7 +42,7 @@ METRICS_PORT ?= 8002
 # of its composing models).
 SERVE_MODELS ?= constrained_llm
 
-LINT_PACKAGES := grammar_backend llm_runtime client deploy bench
+LINT_PACKAGES := grammar_backend llm_runtime client deploy bench loadtest
 
 VENV_STAMP      := $(BUILD)/.stamp-venv
 MODEL_STAMP     := $(MODEL_DIR)/.prepared.json
@@ -65,10 +66,10 @@ RENDER_EXTRA ?=
 CLIENT_SCHEMA := {"type":"object","properties":{"name":{"type":"string","maxLength":40},"age":{"type":"integer","minimum":0,"maximum":120}},"required":["name","age"],"additionalProperties":false}
 CLIENT_HINT   := $(PY) -m client --url $(HOST):$(GRPC_PORT) --schema '$(CLIENT_SCHEMA)' "Invent a person."
 
-.PHONY: help venv model tokenizers render serve test lint bench clean
+.PHONY: help venv model tokenizers render serve test lint bench loadtest clean
 
 help:
-	@sed -n '1p;3,11p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
+	@sed -n '1p;3,12p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
 
 # --------------------------------------------------------------------- venv
 venv: $(VENV_STAMP)
@@ -126,6 +127,21 @@ test: venv model tokenizers
 lint: venv
 	$(VENV)/bin/ruff check $(LINT_PACKAGES) model_repository tests
 	$(VENV)/bin/mypy --ignore-missing-imports $(LINT_PACKAGES)
+
+# --------------------------------------------------------------------- loadtest
+# Headless and bounded; uses the server on $(HOST):$(GRPC_PORT) or starts the
+# embedded one there; exits non-zero on any failed request or leaked sequence.
+LOADTEST_TIME  ?= 60s
+LOADTEST_USERS ?= 8
+LOADTEST_SHAPE ?= steady
+LOADTEST_TAGS  ?=
+LOADTEST_OUT   ?= $(BUILD)/loadtest
+
+loadtest: venv model render
+	$(PY) loadtest/run.py --host $(HOST) --grpc-port $(GRPC_PORT) --http-port $(HTTP_PORT) \
+		--metrics-port $(METRICS_PORT) --repository $(REPO_DST) --out $(LOADTEST_OUT) \
+		--users $(LOADTEST_USERS) --time $(LOADTEST_TIME) --shape $(LOADTEST_SHAPE) \
+		$(if $(LOADTEST_TAGS),--tags $(LOADTEST_TAGS))
 
 # --------------------------------------------------------------------- bench
 BENCH_DATA := $(SHARED)/data/maskbench-dev

@@ -142,7 +142,8 @@ class ClosingConfig:
     Parameters
     ----------
     margin : int
-        Spare tokens at which a sequence turns calm (see
+        A sequence turns calm when its spare tokens fall to ``margin`` plus
+        its completion's length (see
         :meth:`~grammar_backend.sequences.GrammarSequence.plan`): from there
         on it is checked every token and may not open structure, so its
         completion cannot outgrow the budget before it is forced.

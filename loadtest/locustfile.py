@@ -1,0 +1,267 @@
+"""Locust load test of the ``constrained_llm`` ensemble over gRPC streaming, every output checked.
+
+Run it with ``make loadtest`` (headless, bounded, reports under
+``build/loadtest``), or by hand against a running server::
+
+    .venv/bin/locust -f loadtest/locustfile.py --host 127.0.0.1:8001 --headless -u 8 -r 8 -t 60s \\
+        --shape ramp --tags constrained unconstrained
+
+Each user keeps one stream in flight (closed loop) through the project's SDK
+(``client.Client.stream``, over ``tritonclient.grpc`` streaming, made
+cooperative with ``grpc.experimental.gevent``).  Per request three kinds of
+locust entries are fired: ``grpc <kind>`` (whole request; its size is the
+completion tokens), ``ttft <kind>`` (time to the first text) and ``itl
+<kind>`` (each gap between text deltas).  A request is a success only when
+:func:`loadtest.workload.judge` accepts its output (or, for a bad input, its
+exact status); anything else is a locust failure with the reason, and locust
+then exits 1.
+
+Options added to locust's: ``--shape steady|ramp|spike`` (with ``-u``, ``-r``
+and ``-t``: ramp climbs to ``-u`` users over 80 % of ``-t``; spike runs a
+quarter of ``-u`` with a full ``-u`` burst in the middle fifth),
+``--max-tokens``, ``--data-dir`` and ``--sample`` (MaskBench schemas),
+``--model-dir`` (tokenizer used to pre-compile them), ``--outputs-json``
+(per-kind counts of valid, closed-early and failed outputs).
+"""
+
+from __future__ import annotations
+
+# Before any gRPC channel exists: grpc's own threads become gevent-cooperative.
+import grpc.experimental.gevent as grpc_gevent
+
+grpc_gevent.init_gevent()
+
+import json
+import queue
+import sys
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+import gevent
+import tritonclient.grpc as grpcclient
+from locust import LoadTestShape, User, constant, events, tag, task
+from locust.env import Environment
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from client import Client, ClientError
+from loadtest.workload import (
+    DEFAULT_DATA,
+    SHAPES,
+    Job,
+    SchemaCheck,
+    Workload,
+    judge,
+    judge_refusal,
+    shape_tick,
+)
+
+MODEL: str = "constrained_llm"
+_STATE: dict[str, Any] = {}
+#: kind -> outcome ("valid", "closed:budget", "failed", ...) -> count; written by --outputs-json.
+OUTPUTS: defaultdict[str, Counter[str]] = defaultdict(Counter)
+#: kind -> failure reason -> count; written by --outputs-json.
+FAILURES: defaultdict[str, Counter[str]] = defaultdict(Counter)
+#: Every user's open gRPC clients.  A user the shape removes mid-task may
+#: never reach ``on_stop``; a channel left open keeps grpc's gevent threads
+#: (and the locust process) alive at exit, so the last ones close at quitting.
+OPEN_CLIENTS: set[Any] = set()
+
+
+class Failure(Exception):
+    """A request that ended, but not as a success (the message is the reason locust groups by)."""
+
+
+@events.init_command_line_parser.add_listener
+def _options(parser: Any) -> None:
+    parser.add_argument("--shape", choices=SHAPES, default="steady", help="load shape (default steady)")
+    parser.add_argument("--max-tokens", type=int, default=96, help="budget of every generating request")
+    parser.add_argument("--data-dir", default=str(DEFAULT_DATA), help="MaskBench folder ('' for none)")
+    parser.add_argument("--sample", type=int, default=12, help="MaskBench schemas in the mix")
+    parser.add_argument("--model-dir", default=str(REPO / "build" / "models" / "smollm2-135m-instruct"),
+                        help="model folder whose tokenizer pre-compiles the sampled schemas")
+    parser.add_argument("--outputs-json", default="", help="write per-kind output counts here at the end")
+    parser.add_argument("--max-requests", type=int, default=0,
+                        help="stop (letting running streams finish) after this many requests; 0: no bound")
+
+
+@events.init.add_listener
+def _build_workload(environment: Environment, **_: Any) -> None:
+    opts = environment.parsed_options
+    if opts is None:
+        return
+    data = Path(opts.data_dir) if opts.data_dir else None
+    if data is not None and not data.is_dir():
+        raise SystemExit(f"--data-dir {data}: not a folder (pass --data-dir '' to use the own schemas only)")
+    check = SchemaCheck(Path(opts.model_dir), opts.max_tokens)
+    _STATE["workload"] = workload = Workload.build(data, opts.sample, opts.max_tokens, check)
+    print(f"loadtest: {len(workload.schemas)} JSON schemas: {', '.join(name for name, _, _ in workload.schemas)}")
+    _STATE["sent"] = 0
+    if opts.max_requests:
+        environment.events.request.add_listener(_bound(environment, opts.max_requests))
+
+
+def _bound(environment: Environment, limit: int) -> Any:
+    """A request listener that stops the run after ``limit`` requests (``--max-requests``)."""
+
+    def count(request_type: str, **_: Any) -> None:
+        if request_type != "grpc":
+            return
+        _STATE["sent"] += 1
+        if _STATE["sent"] == limit and environment.runner is not None:
+            # Not from this greenlet: quitting stops the users, the caller among them.
+            gevent.spawn(environment.runner.quit)
+
+    return count
+
+
+@events.quitting.add_listener
+def _write_outputs(environment: Environment, **_: Any) -> None:
+    for client in list(OPEN_CLIENTS):
+        client.close()
+    OPEN_CLIENTS.clear()
+    opts = environment.parsed_options
+    if opts is not None and opts.outputs_json:
+        doc = {"outcomes": {k: dict(v) for k, v in OUTPUTS.items()},
+               "failures": {k: dict(v) for k, v in FAILURES.items()}}
+        Path(opts.outputs_json).write_text(json.dumps(doc, indent=2))
+
+
+def _fire(environment: Environment, kind: str, name: str, seconds: float, size: int = 0,
+          reason: str | None = None) -> None:
+    environment.events.request.fire(request_type=kind, name=name, response_time=seconds * 1000.0,
+                                    response_length=size, exception=None if reason is None else Failure(reason),
+                                    context={})
+    if reason is not None:
+        FAILURES[name.split(":", 1)[0]][reason] += 1
+
+
+class ConstrainedLlmUser(User):
+    """One closed-loop client of the ensemble: a stream at a time, the next as soon as it ends."""
+
+    wait_time = constant(0)
+
+    def on_start(self) -> None:
+        if not self.host:
+            raise SystemExit("--host HOST:PORT is required (the gateway's gRPC endpoint)")
+        self.sdk = Client(self.host, timeout_s=600)
+        self.raw = grpcclient.InferenceServerClient(self.host)
+        OPEN_CLIENTS.update((self.sdk, self.raw))
+
+    def on_stop(self) -> None:
+        for client in (self.sdk, self.raw):
+            client.close()
+            OPEN_CLIENTS.discard(client)
+
+    @property
+    def workload(self) -> Workload:
+        return _STATE["workload"]  # type: ignore[no-any-return]
+
+    @tag("constrained")
+    @task(6)
+    def constrained(self) -> None:
+        self._generate(self.workload.constrained())
+
+    @tag("unconstrained")
+    @task(4)
+    def unconstrained(self) -> None:
+        self._generate(self.workload.unconstrained())
+
+    @tag("regex")
+    @task(1)
+    def regex(self) -> None:
+        self._generate(self.workload.regex())
+
+    @tag("choice")
+    @task(1)
+    def choice(self) -> None:
+        self._generate(self.workload.choice())
+
+    @tag("cold")
+    @task(1)
+    def cold(self) -> None:
+        self._generate(self.workload.cold())
+
+    @tag("bad")
+    @task(1)
+    def bad(self) -> None:
+        self._refused(self.workload.bad())
+
+    def _generate(self, job: Job) -> None:
+        start = time.perf_counter()
+        first = last = None
+        gaps: list[float] = []
+        result = None
+        error: BaseException | None = None
+        try:
+            for chunk in self.sdk.stream(job.prompt, constraint=job.constraint, max_tokens=job.max_tokens,
+                                         require_complete=False):
+                now = time.perf_counter()
+                if chunk.text:
+                    if last is None:
+                        first = now
+                    else:
+                        gaps.append(now - last)
+                    last = now
+                if chunk.result is not None:
+                    result = chunk.result
+        except ClientError as err:  # an error RESULT raises after its final chunk: judged below
+            error = err
+        elapsed = time.perf_counter() - start
+        if result is not None:
+            reason = judge(job, result)
+        else:
+            reason = f"{type(error).__name__}: {error}"
+        if reason is not None and job.label:
+            reason = f"{reason} [{job.label}]"
+        env = self.environment
+        size = result.usage.completion_tokens if result is not None else 0
+        _fire(env, "grpc", job.name, elapsed, size, reason)
+        if first is not None:
+            _fire(env, "ttft", job.tag, first - start)
+        for gap in gaps:
+            _fire(env, "itl", job.tag, gap)
+        outcome = "failed" if reason is not None else (
+            f"closed:{result.close_reason}" if result is not None and result.closed_early else "valid")
+        OUTPUTS[job.tag][outcome] += 1
+
+    def _refused(self, job: Job) -> None:
+        """Send a bad input on its own raw stream; it must end with exactly its status."""
+        events: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        start = time.perf_counter()
+        result: dict[str, Any] | None = None
+        error: str | None = None
+        self.raw.start_stream(callback=lambda result, error: events.put((result, error)))
+        try:
+            self.raw.async_stream_infer(MODEL, job.inputs or [], enable_empty_final_response=True)
+            while True:
+                res, err = events.get(timeout=120)
+                if err is not None:
+                    error = str(err)
+                    break
+                if res.as_numpy("RESULT") is not None:
+                    result = json.loads(res.as_numpy("RESULT").reshape(-1)[0])
+                if res.get_response().parameters["triton_final_response"].bool_param:
+                    break
+        except queue.Empty:
+            error = "no final response within 120 s"
+        finally:
+            self.raw.stop_stream()
+        reason = judge_refusal(job, result, error)
+        _fire(self.environment, "grpc", job.name, time.perf_counter() - start, 0, reason)
+        OUTPUTS[job.tag]["refused as expected" if reason is None else "failed"] += 1
+
+
+class SelectedShape(LoadTestShape):
+    """``--shape`` over locust's own ``-u`` (peak users), ``-r`` and ``-t`` (default 60 s)."""
+
+    reuse_parameters = True
+
+    def tick(self) -> tuple[int, float] | None:
+        opts: Any = self.runner.environment.parsed_options  # type: ignore[union-attr]
+        return shape_tick(opts.shape, self.get_run_time(), float(opts.run_time or 60), int(opts.num_users or 1),
+                          float(opts.spawn_rate or 1))

@@ -1,0 +1,157 @@
+"""``make loadtest``: a bounded, headless locust run against the embedded server, then its checks and summary.
+
+Uses the server already answering on ``--host`` when there is one; otherwise
+starts the embedded default (the rendered ``build/model_repository``, as
+``make serve`` does) on those ports and stops it afterwards.  Writes under
+``--out``: locust's CSV files and HTML report, ``outputs.json`` (valid,
+closed-early and failed outputs per kind), ``summary.json`` and
+``summary.png``.
+
+Exit status: locust's (1 on any failure: every request is checked, see
+``loadtest/locustfile.py``), or 1 when the server is not ready afterwards or
+its ``grammar_active_sequences`` / ``llm_live_requests`` gauges do not return
+to 0 (a leaked sequence or request).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Final
+
+REPO: Final = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from deploy.server import ServerConfig, TritonServer
+from loadtest import summary
+
+GAUGES: Final = ("grammar_active_sequences", "llm_live_requests")
+
+
+def ready(url: str) -> bool:
+    """Whether the ensemble answers and is ready on ``url`` (the gateway's gRPC port)."""
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        return bool(client.is_server_ready() and client.is_model_ready("constrained_llm"))
+    except InferenceServerException:
+        return False
+    finally:
+        client.close()
+
+
+def gauges(metrics_url: str) -> dict[str, float]:
+    """The leak gauges from Triton's Prometheus endpoint."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as resp:
+        text = resp.read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in GAUGES:
+            values[name] = values.get(name, 0.0) + float(line.split()[-1])
+    return values
+
+
+def settle(metrics_url: str, timeout_s: float = 30.0) -> dict[str, float]:
+    """Wait until every leak gauge reads 0 (or the timeout); returns the last reading."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        values = gauges(metrics_url)
+        if all(values.get(g, 0.0) == 0.0 for g in GAUGES) or time.monotonic() > deadline:
+            return values
+        time.sleep(0.5)
+
+
+def locust_command(host: str, out: Path, users: int, run_time: str, shape: str, *, tags: Sequence[str] = (),
+                   max_tokens: int = 96, sample: int = 12, data_dir: str | None = None,
+                   max_requests: int = 0) -> list[str]:
+    """The headless locust command line of one run."""
+    cmd = [
+        sys.executable, "-m", "locust", "-f", str(REPO / "loadtest" / "locustfile.py"), "--headless",
+        "--host", host, "-u", str(users), "-r", str(users), "-t", run_time, "--shape", shape,
+        "--stop-timeout", "300", "--only-summary",
+        "--csv", str(out / "run"), "--csv-full-history", "--html", str(out / "report.html"),
+        "--json-file", str(out / "run"),
+        "--outputs-json", str(out / "outputs.json"), "--max-tokens", str(max_tokens), "--sample", str(sample),
+        "--max-requests", str(max_requests),
+    ]  # fmt: skip
+    if data_dir is not None:
+        cmd += ["--data-dir", data_dir]
+    if tags:
+        cmd += ["--tags", *tags]
+    return cmd
+
+
+def run(host: str, metrics_url: str, out: Path, cmd: Sequence[str], timeout_s: float = 900.0) -> int:
+    """Run locust, then the post-run checks and the summary; returns the exit status.
+
+    Locust must exit within ``timeout_s`` (its run time plus the longest
+    stream): a load generator that hangs is killed and the run fails.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        status = subprocess.run(cmd, cwd=REPO, check=False, timeout=timeout_s).returncode
+    except subprocess.TimeoutExpired:
+        print(f"loadtest: locust did not exit within {timeout_s:.0f} s; killed", file=sys.stderr)
+        status = 1
+    if not ready(host):
+        print("loadtest: the server is not ready after the run", file=sys.stderr)
+        status = status or 1
+    left = settle(metrics_url)
+    if any(left.get(g, 0.0) for g in GAUGES):
+        print(f"loadtest: leak gauges did not return to 0: {left}", file=sys.stderr)
+        status = status or 1
+    else:
+        print(f"loadtest: server ready, {' and '.join(GAUGES)} back to 0")
+    summary.main([str(out / "run"), "--outputs-json", str(out / "outputs.json"), "--json",
+                  str(out / "summary.json"), "--png", str(out / "summary.png"), "--itl-bound-ms", "250"])
+    print(f"loadtest: reports in {out} (report.html, summary.png); locust exit status {status}")
+    return status
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``make loadtest``."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--grpc-port", type=int, default=8001)
+    parser.add_argument("--http-port", type=int, default=8000)
+    parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--repository", type=Path, default=REPO / "build" / "model_repository")
+    parser.add_argument("--out", type=Path, default=REPO / "build" / "loadtest")
+    parser.add_argument("--users", type=int, default=8)
+    parser.add_argument("--time", default="60s")
+    parser.add_argument("--shape", default="steady", choices=("steady", "ramp", "spike"))
+    parser.add_argument("--tags", nargs="*", default=())
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--sample", type=int, default=12)
+    args = parser.parse_args(argv)
+    host = f"{args.host}:{args.grpc_port}"
+    metrics_url = f"http://{args.host}:{args.metrics_port}/metrics"
+    cmd = locust_command(host, args.out, args.users, args.time, args.shape, tags=args.tags,
+                         max_tokens=args.max_tokens, sample=args.sample)
+    if ready(host):
+        print(f"loadtest: using the server on {host}")
+        return run(host, metrics_url, args.out, cmd)
+    print(f"loadtest: no server on {host}; starting the embedded default")
+    server = TritonServer(ServerConfig(
+        model_repository=args.repository, host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
+        metrics_port=args.metrics_port, models=("constrained_llm",), log_file=args.out / "tritonserver.log"))
+    args.out.mkdir(parents=True, exist_ok=True)
+    server.start()
+    try:
+        server.wait_ready()
+        return run(host, metrics_url, args.out, cmd)
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
