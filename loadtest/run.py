@@ -35,6 +35,10 @@ from deploy.server import ServerConfig, TritonServer
 from loadtest import summary
 
 GAUGES: Final = ("grammar_active_sequences", "llm_live_requests")
+#: How long running streams may finish after the run time (a 1,000-token stream at 10 tokens/s).
+STOP_TIMEOUT_S: Final = 120
+#: Locust's own start (imports, schema checks) and exit on top of run time and stop timeout.
+LOCUST_OVERHEAD_S: Final = 120
 
 
 def ready(url: str) -> bool:
@@ -77,7 +81,7 @@ def locust_command(host: str, out: Path, users: int, run_time: str, shape: str, 
     cmd = [
         sys.executable, "-m", "locust", "-f", str(REPO / "loadtest" / "locustfile.py"), "--headless",
         "--host", host, "-u", str(users), "-r", str(users), "-t", run_time, "--shape", shape,
-        "--stop-timeout", "300", "--only-summary",
+        "--stop-timeout", str(STOP_TIMEOUT_S), "--only-summary",
         "--csv", str(out / "run"), "--csv-full-history", "--html", str(out / "report.html"),
         "--json-file", str(out / "run"),
         "--outputs-json", str(out / "outputs.json"), "--max-tokens", str(max_tokens), "--sample", str(sample),
@@ -90,11 +94,19 @@ def locust_command(host: str, out: Path, users: int, run_time: str, shape: str, 
     return cmd
 
 
-def run(host: str, metrics_url: str, out: Path, cmd: Sequence[str], timeout_s: float = 900.0) -> int:
+def exit_deadline(run_time: str) -> float:
+    """Seconds locust gets to exit: run time (``30s``, ``2m``, ``1h``) plus stop timeout plus overhead."""
+    units = {"s": 1, "m": 60, "h": 3600}
+    seconds = float(run_time[:-1]) * units[run_time[-1]] if run_time[-1] in units else float(run_time)
+    return seconds + STOP_TIMEOUT_S + LOCUST_OVERHEAD_S
+
+
+def run(host: str, metrics_url: str, out: Path, cmd: Sequence[str], timeout_s: float) -> int:
     """Run locust, then the post-run checks and the summary; returns the exit status.
 
-    Locust must exit within ``timeout_s`` (its run time plus the longest
-    stream): a load generator that hangs is killed and the run fails.
+    Locust must exit within ``timeout_s`` (:func:`exit_deadline`): once it
+    hung at exit after the server behind it died mid-stream; a load
+    generator that hangs is killed and the run fails.
     """
     out.mkdir(parents=True, exist_ok=True)
     try:
@@ -139,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          max_tokens=args.max_tokens, sample=args.sample)
     if ready(host):
         print(f"loadtest: using the server on {host}")
-        return run(host, metrics_url, args.out, cmd)
+        return run(host, metrics_url, args.out, cmd, exit_deadline(args.time))
     print(f"loadtest: no server on {host}; starting the embedded default")
     server = TritonServer(ServerConfig(
         model_repository=args.repository, host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
@@ -148,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     server.start()
     try:
         server.wait_ready()
-        return run(host, metrics_url, args.out, cmd)
+        return run(host, metrics_url, args.out, cmd, exit_deadline(args.time))
     finally:
         server.stop()
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from deploy.server import TritonServer
-from loadtest.run import locust_command, run
+from loadtest.run import exit_deadline, locust_command, run
 
 pytestmark = [pytest.mark.triton, pytest.mark.e2e]
 
@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.triton, pytest.mark.e2e]
 def test_loadtest_smoke(server: TritonServer, tmp_path: Path) -> None:
     cmd = locust_command(server.grpc_url, tmp_path, users=4, run_time="45s", shape="spike", max_tokens=64,
                          sample=4, max_requests=60)
-    assert run(server.grpc_url, server.metrics_url, tmp_path, cmd, timeout_s=240) == 0
+    assert run(server.grpc_url, server.metrics_url, tmp_path, cmd, exit_deadline("45s")) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     kinds = summary["kinds"]
     assert kinds["constrained"]["requests"] > 0 and kinds["unconstrained"]["requests"] > 0

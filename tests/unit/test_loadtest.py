@@ -16,6 +16,7 @@ import pytest
 
 from client import Result, Usage
 from grammar_backend.fidelity import unenforced_keywords
+from loadtest.run import exit_deadline
 from loadtest.summary import percentile, render, summarize
 from loadtest.workload import (
     OWN_SCHEMAS,
@@ -113,6 +114,11 @@ def test_judge_refusal(result: dict[str, Any] | None, error: str | None, reason:
 )
 def test_shapes(shape: str, now: float, expected: tuple[int, float] | None) -> None:
     assert shape_tick(shape, now, 60.0, 8, 2.0) == expected
+
+
+@pytest.mark.parametrize(("run_time", "seconds"), [("45s", 285.0), ("2m", 360.0), ("1h", 3840.0), ("90", 330.0)])
+def test_exit_deadline(run_time: str, seconds: float) -> None:
+    assert exit_deadline(run_time) == seconds
 
 
 def test_an_unknown_shape_is_refused() -> None:
