@@ -14,6 +14,7 @@ import tritonclient.grpc as grpcclient
 
 from deploy.render import load_values, render_repository
 from deploy.server import ServerConfig, TritonServer
+from loadtest.run import ready
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_DIR = REPO / "build" / "models" / "smollm2-135m-instruct"
@@ -93,12 +94,4 @@ def wait_active_zero(server: TritonServer, timeout_s: float = 60) -> int:
 
 def gateway_ready(server: TritonServer) -> bool:
     """Readiness as clients see it: the gateway's ServerReady and ModelReady of the ensemble."""
-    from tritonclient.utils import InferenceServerException
-
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    try:
-        return bool(client.is_server_ready() and client.is_model_ready("constrained_llm"))
-    except InferenceServerException:
-        return False
-    finally:
-        client.close()
+    return ready(server.grpc_url)
