@@ -249,19 +249,23 @@ def test_no_closing_without_the_policy_or_room(
     assert not stopped and len(taken) == 40 and seq.close_state == CloseState.OPEN
 
 
+def _first_step(engine: GrammarEngine, tokenizer: Any, budget: int) -> Any:
+    """Sequence 1 (``budget``) and sequence 2 (no budget) on PERSON, both after '{"name":"'."""
+    spec = parse_constraint("json_schema", json.dumps(PERSON), {"on_repeat": "continue"})
+    engine.start(1, spec, budget=budget)
+    engine.start(2, spec, budget=0)
+    tokens = np.array([tokenizer.encode('{"name":"')] * 2, np.int32)
+    return engine.step(np.array([1, 2], np.uint64), tokens, np.array([tokens.shape[1]] * 2, np.int32))
+
+
 def test_engine_step_forces_one_token_and_reports_closing(
     qwen_info: xgr.TokenizerInfo, qwen_tokenizer: Any
 ) -> None:
-    engine = GrammarEngine(qwen_info, "qwen", EngineConfig(max_batch=4))
+    engine = GrammarEngine(qwen_info, "qwen", EngineConfig(max_batch=2))
     try:
-        spec = parse_constraint("json_schema", json.dumps(PERSON), {"on_repeat": "continue"})
-        engine.start(1, spec, budget=12)
-        engine.start(2, spec, budget=0)
-        ids = np.array([1, 2], np.uint64)
-        tokens = np.array([qwen_tokenizer.encode('{"name":"')] * 2, np.int32)
-        out = engine.step(ids, tokens, np.array([tokens.shape[1]] * 2, np.int32))
-        # Row 0: of its 12 tokens, the completion '","age":0,"tags":[]}' and the stop
-        # token leave fewer spare than the margin (8): forced from this step on.
+        out = _first_step(engine, qwen_tokenizer, budget=12)
+        # Row 0: of its 12 tokens, the prefix, the completion '","age":0,"tags":[]}'
+        # and the stop token leave at most one spare: forced from this step on.
         assert out.closing.tolist() == [CloseState.BUDGET, CloseState.OPEN]
         forced = allowed_tokens(out.bitmask[0], qwen_info.vocab_size).tolist()
         assert len(forced) == 1
@@ -293,12 +297,7 @@ def test_a_calm_sequence_may_still_finish_on_its_own(
 def test_engine_step_restricts_a_calm_row(qwen_info: xgr.TokenizerInfo, qwen_tokenizer: Any) -> None:
     engine = GrammarEngine(qwen_info, "qwen", EngineConfig(max_batch=2))
     try:
-        spec = parse_constraint("json_schema", json.dumps(PERSON), {"on_repeat": "continue"})
-        engine.start(1, spec, budget=20)
-        engine.start(2, spec, budget=0)
-        ids = np.array([1, 2], np.uint64)
-        tokens = np.array([qwen_tokenizer.encode('{"name":"')] * 2, np.int32)
-        out = engine.step(ids, tokens, np.array([tokens.shape[1]] * 2, np.int32))
+        out = _first_step(engine, qwen_tokenizer, budget=20)
         assert out.closing.tolist() == [CloseState.CALM, CloseState.OPEN]
         calm_row = set(allowed_tokens(out.bitmask[0], qwen_info.vocab_size).tolist())
         free_row = set(allowed_tokens(out.bitmask[1], qwen_info.vocab_size).tolist())
