@@ -42,6 +42,7 @@ are not plain full-attention caches.
 from __future__ import annotations
 
 import inspect
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +56,7 @@ from transformers.cache_utils import Cache
 
 from .errors import EngineError, RequestError, config_error
 
-__all__ = ["Engine", "EngineConfig", "TorchEngine"]
+__all__ = ["Engine", "EngineConfig", "TorchEngine", "checkpoint_end_tokens"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -224,6 +225,35 @@ class _SlotKVCache(Cache):
         return keys[s : s + 1, :, :t], values[s : s + 1, :, :t]
 
 
+def checkpoint_end_tokens(path: Path) -> frozenset[int]:
+    """The end tokens a Hugging Face checkpoint names (``eos_token_id`` of
+    ``generation_config.json`` and ``config.json``, an id or a list).
+
+    Shared by every engine, so the torch and TensorRT-LLM engines end on the same tokens.
+
+    Raises
+    ------
+    grammar_backend.errors.ConfigError
+        If neither file names one, or a file is not JSON.
+    """
+    eos: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        file = path / name
+        if not file.is_file():
+            continue
+        try:
+            value = json.loads(file.read_text(encoding="utf-8")).get("eos_token_id")
+        except (OSError, ValueError, AttributeError) as err:
+            raise config_error("model_dir", f"{str(file)!r} is not a JSON object: {err}") from err
+        if isinstance(value, int) and not isinstance(value, bool):
+            eos.add(value)
+        elif isinstance(value, (list, tuple)):
+            eos.update(int(v) for v in value)
+    if not eos:
+        raise config_error("model_dir", "neither generation_config.json nor config.json names an eos_token_id")
+    return frozenset(eos)
+
+
 def _as_id_list(ids: Any) -> list[int]:
     if isinstance(ids, int):
         return [ids]
@@ -303,16 +333,7 @@ class TorchEngine:
             raise config_error("model_dir", f"{type(model).__name__} has no output embeddings")
         self._vocab_size = int(out_emb.weight.shape[0])
 
-        eos: set[int] = set()
-        for source in (getattr(model, "generation_config", None), mcfg):
-            value = getattr(source, "eos_token_id", None) if source is not None else None
-            if isinstance(value, int):
-                eos.add(value)
-            elif isinstance(value, (list, tuple)):
-                eos.update(int(v) for v in value)
-        if not eos:
-            raise config_error("model_dir", "neither generation_config.json nor config.json names an eos_token_id")
-        self._eos = frozenset(eos)
+        self._eos = checkpoint_end_tokens(path)
         self._tokenizer = Tokenizer.from_file(str(tok_file))
         self._model = model
         self._device = device

@@ -67,6 +67,19 @@ class MaskStep:
     errors: tuple[str | None, ...]
     closing: np.ndarray | None = None
 
+    def check(self, rows: int, width: int) -> str | None:
+        """Why this answer does not fit a step of ``rows`` rows of ``width`` words (``None``: it fits)."""
+        bm, term = self.bitmask, self.terminated
+        if not isinstance(bm, np.ndarray) or bm.dtype != np.int32 or bm.shape != (rows, width):
+            return f"bitmask must be int32 [{rows}, {width}], got {getattr(bm, 'dtype', type(bm))} {getattr(bm, 'shape', '')}"
+        if not isinstance(term, np.ndarray) or term.shape != (rows,):
+            return f"terminated must be bool [{rows}]"
+        if len(self.errors) != rows:
+            return f"errors must have {rows} entries, got {len(self.errors)}"
+        if self.closing is not None and (not isinstance(self.closing, np.ndarray) or self.closing.shape != (rows,)):
+            return f"closing must be int8 [{rows}] or None"
+        return None
+
 
 class MaskProvider(Protocol):
     """The grammar side, as the decode loop drives it.

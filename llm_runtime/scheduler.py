@@ -45,7 +45,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Literal, Self
+from typing import Final, Literal, Self
 
 import numpy as np
 import torch
@@ -62,10 +62,13 @@ from .errors import (
     config_error,
     status_of,
 )
+from .grammar_hook import GrammarLogitsProcessor, ProcessorStats
 from .mask import ConstraintRequest, MaskProvider, MaskStep, bitmask_width
 from .sampler import Sampler, SamplingParams
 
 __all__ = [
+    "SCHEDULER_GRAMMAR_MODES",
+    "CheckedRequest",
     "EventCallback",
     "FinishEvent",
     "GenerationRequest",
@@ -73,11 +76,29 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerStats",
     "TokenEvent",
+    "check_request",
+    "closed_finish",
 ]
 
 _log = logging.getLogger(__name__)
 
 FinishReason = Literal["stop", "length", "error"]
+
+#: How the scheduler consumes the grammar side (see ``SchedulerConfig.grammar_mode``).
+SCHEDULER_GRAMMAR_MODES: Final = ("overlap", "processor")
+
+
+def closed_finish(reason: FinishReason, close_state: int, stop_string: bool) -> tuple[FinishReason, str | None]:
+    """The finish reason and close reason of an output whose last grammar state was ``close_state``.
+
+    A forced completion ended the output: only a clean stop (its stop token
+    sampled) is a successful close; a budget close reports ``"length"``.
+    Shared by every engine.
+    """
+    close_reason = CLOSE_REASONS.get(close_state) if reason == "stop" and not stop_string else None
+    if close_reason == CLOSE_REASONS[CloseState.BUDGET]:
+        return "length", close_reason
+    return reason, close_reason
 
 
 @dataclass(frozen=True)
@@ -101,6 +122,12 @@ class SchedulerConfig:
         Limits on the ``stop`` field.
     stats_capacity : int
         Steps kept in the per-step counters (a ring buffer).
+    grammar_mode : str
+        ``"overlap"`` (default): the grammar step of step ``t`` runs on a worker
+        thread while the forward of step ``t`` runs.  ``"processor"``: after the
+        forward, through :class:`llm_runtime.grammar_hook.GrammarLogitsProcessor`
+        -- the object and call order of the TensorRT-LLM engine, serial with
+        the forward (for tests of that path and for measuring what the overlap saves).
     """
 
     max_batch_size: int | None = None
@@ -111,6 +138,7 @@ class SchedulerConfig:
     max_stop_strings: int = 16
     max_stop_length: int = 256
     stats_capacity: int = 65536
+    grammar_mode: str = "overlap"
 
     def __post_init__(self) -> None:
         def positive_int(name: str, value: object) -> None:
@@ -122,6 +150,9 @@ class SchedulerConfig:
         for name in ("max_tokens_cap", "max_queued", "start_threads", "max_stop_strings",
                      "max_stop_length", "stats_capacity"):
             positive_int(name, getattr(self, name))
+        if self.grammar_mode not in SCHEDULER_GRAMMAR_MODES:
+            raise config_error("scheduler.grammar_mode",
+                               f"must be one of {', '.join(SCHEDULER_GRAMMAR_MODES)}, got {self.grammar_mode!r}")
         wait = self.idle_wait_s
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait <= 10:
             raise config_error("scheduler.idle_wait_s", f"must be in (0, 10] seconds, got {wait!r}")
@@ -304,6 +335,66 @@ class _Seq:
     generated: int = 0
     last_token: int = -1
     close_state: int = CloseState.OPEN  # the grammar side's CLOSING of the last step
+    history: list[int] | None = None  # prompt + generated tokens (processor mode only)
+
+
+@dataclass(frozen=True)
+class CheckedRequest:
+    """A :class:`GenerationRequest` that passed :func:`check_request`."""
+
+    prompt: np.ndarray
+    params: SamplingParams
+    stop: tuple[str, ...]
+    constraint: ConstraintRequest | None  # with the request's budget
+
+
+def check_request(
+    req: GenerationRequest, callback: EventCallback, cfg: SchedulerConfig, *, vocab_size: int, context_len: int
+) -> CheckedRequest:
+    """Check a request against the limits of ``cfg`` and the engine (shared by every engine).
+
+    Raises
+    ------
+    RequestError
+        Naming the field at fault.
+    """
+    if not isinstance(req, GenerationRequest):
+        raise RequestError("request", f"must be a GenerationRequest, got {type(req).__name__}")
+    if not callable(callback):
+        raise RequestError("callback", "must be callable")
+    if req.request_id is not None and (not isinstance(req.request_id, str) or not req.request_id):
+        raise RequestError("request_id", "must be a non-empty string or None")
+    try:
+        prompt = np.asarray(req.prompt_token_ids, dtype=np.int64).reshape(-1)
+    except (TypeError, ValueError) as err:
+        raise RequestError("prompt_token_ids", f"must be a sequence of integers: {err}") from err
+    n = int(prompt.shape[0])
+    if n == 0:
+        raise RequestError("prompt_token_ids", "must not be empty")
+    lo, hi = int(prompt.min()), int(prompt.max())
+    if lo < 0 or hi >= vocab_size:
+        raise RequestError("prompt_token_ids", f"ids must be in [0, {vocab_size}), got [{lo}, {hi}]")
+    mt = req.max_tokens
+    if isinstance(mt, bool) or not isinstance(mt, int) or not 1 <= mt <= cfg.max_tokens_cap:
+        raise RequestError("max_tokens", f"must be an integer in [1, {cfg.max_tokens_cap}], got {mt!r}")
+    if n + mt > context_len:
+        raise RequestError(
+            "max_tokens", f"prompt ({n} tokens) + max_tokens ({mt}) exceed the context length {context_len}"
+        )
+    if req.constraint is not None and not isinstance(req.constraint, ConstraintRequest):
+        raise RequestError("constraint", f"must be a ConstraintRequest or None, got {type(req.constraint).__name__}")
+    stop = tuple(req.stop)
+    if len(stop) > cfg.max_stop_strings:
+        raise RequestError("stop", f"at most {cfg.max_stop_strings} stop strings, got {len(stop)}")
+    for i, s in enumerate(stop):
+        if not isinstance(s, str) or not s:
+            raise RequestError(f"stop[{i}]", "must be a non-empty string")
+        if len(s) > cfg.max_stop_length:
+            raise RequestError(f"stop[{i}]", f"longer than {cfg.max_stop_length} characters")
+    params = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed)
+    # The budget rides with the constraint: the grammar side closes the output before it runs out.
+    constraint = None if req.constraint is None else dataclasses.replace(req.constraint, budget=mt)
+    return CheckedRequest(prompt, params, stop, constraint)
 
 
 class Scheduler:
@@ -352,6 +443,11 @@ class Scheduler:
         self._bitmask_np = np.full((b, w), -1, dtype=np.int32)
         self._bitmask_host = torch.from_numpy(self._bitmask_np)
         self._logits = torch.empty((b, self._vocab), dtype=torch.float32, device=self._device)
+        self._hook = (
+            GrammarLogitsProcessor(mask_provider, vocab_size=self._vocab, end_token_ids=self._eos, max_rows=b,
+                                   device=self._device)
+            if cfg.grammar_mode == "processor" else None
+        )
 
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -397,6 +493,10 @@ class Scheduler:
 
     def reset_stats(self) -> None:
         self._stats.reset()
+
+    def processor_stats(self) -> ProcessorStats | None:
+        """The grammar processor's counters (``None`` in overlap mode)."""
+        return None if self._hook is None else self._hook.stats()
 
     def submit(self, request: GenerationRequest, callback: EventCallback) -> str:
         """Queue a request; thread-safe.
@@ -487,53 +587,19 @@ class Scheduler:
 
     # -- validation -------------------------------------------------------------
     def _validate(self, req: GenerationRequest, callback: EventCallback) -> _Seq:
-        if not isinstance(req, GenerationRequest):
-            raise RequestError("request", f"must be a GenerationRequest, got {type(req).__name__}")
-        if not callable(callback):
-            raise RequestError("callback", "must be callable")
-        if req.request_id is not None and (not isinstance(req.request_id, str) or not req.request_id):
-            raise RequestError("request_id", "must be a non-empty string or None")
-        try:
-            prompt = np.asarray(req.prompt_token_ids, dtype=np.int64).reshape(-1)
-        except (TypeError, ValueError) as err:
-            raise RequestError("prompt_token_ids", f"must be a sequence of integers: {err}") from err
-        n = int(prompt.shape[0])
-        if n == 0:
-            raise RequestError("prompt_token_ids", "must not be empty")
-        lo, hi = int(prompt.min()), int(prompt.max())
-        if lo < 0 or hi >= self._vocab:
-            raise RequestError("prompt_token_ids", f"ids must be in [0, {self._vocab}), got [{lo}, {hi}]")
-        mt = req.max_tokens
-        if isinstance(mt, bool) or not isinstance(mt, int) or not 1 <= mt <= self._cfg.max_tokens_cap:
-            raise RequestError("max_tokens", f"must be an integer in [1, {self._cfg.max_tokens_cap}], got {mt!r}")
-        ctx = self._engine.max_seq_len
-        if n + mt > ctx:
-            raise RequestError(
-                "max_tokens", f"prompt ({n} tokens) + max_tokens ({mt}) exceed the context length {ctx}"
-            )
-        if req.constraint is not None and not isinstance(req.constraint, ConstraintRequest):
-            raise RequestError("constraint", f"must be a ConstraintRequest or None, got {type(req.constraint).__name__}")
-        stop = tuple(req.stop)
-        if len(stop) > self._cfg.max_stop_strings:
-            raise RequestError("stop", f"at most {self._cfg.max_stop_strings} stop strings, got {len(stop)}")
-        for i, s in enumerate(stop):
-            if not isinstance(s, str) or not s:
-                raise RequestError(f"stop[{i}]", "must be a non-empty string")
-            if len(s) > self._cfg.max_stop_length:
-                raise RequestError(f"stop[{i}]", f"longer than {self._cfg.max_stop_length} characters")
-        params = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed)
+        checked = check_request(req, callback, self._cfg, vocab_size=self._vocab, context_len=self._engine.max_seq_len)
         return _Seq(
             rid=req.request_id or "",
             seq_id=0,
-            prompt=prompt,
-            # The budget rides with the constraint: the grammar side closes the output before it runs out.
-            constraint=None if req.constraint is None else dataclasses.replace(req.constraint, budget=mt),
-            max_tokens=mt,
-            params=params,
-            stop=stop,
+            prompt=checked.prompt,
+            constraint=checked.constraint,
+            max_tokens=req.max_tokens,
+            params=checked.params,
+            stop=checked.stop,
             callback=callback,
-            gen=self._sampler.generator(params.seed),
-            detok=IncrementalDetokenizer(self._tokenizer, stop=stop, special_ids=self._special),
+            gen=self._sampler.generator(checked.params.seed),
+            history=checked.prompt.tolist() if self._hook is not None else None,
+            detok=IncrementalDetokenizer(self._tokenizer, stop=checked.stop, special_ids=self._special),
         )
 
     # -- the loop -------------------------------------------------------------------
@@ -604,7 +670,10 @@ class Scheduler:
     def _run_start(self, seq: _Seq, constraint: ConstraintRequest) -> None:
         err: BaseException | None = None
         try:
-            self._provider.start(seq.seq_id, constraint)
+            if self._hook is not None:
+                self._hook.start(seq.seq_id, seq.seq_id, constraint, int(seq.prompt.shape[0]))
+            else:
+                self._provider.start(seq.seq_id, constraint)
         except Exception as exc:  # noqa: BLE001 -- delivered to the request as its FinishEvent
             err = exc
             if status_of(exc) == "INTERNAL":
@@ -628,7 +697,7 @@ class Scheduler:
         constrained = [i for i, s in enumerate(order) if s.constraint is not None]
         c = len(constrained)
         fut: Future[tuple[MaskStep, float]] | None = None
-        if c:
+        if c and self._hook is None:
             for j, i in enumerate(constrained):
                 s = order[i]
                 self._g_ids[j] = s.seq_id
@@ -672,7 +741,18 @@ class Scheduler:
         mstep: MaskStep | None = None
         mask_err: BaseException | None = None
         wait_s = gram_s = float("nan")
-        if fut is not None:
+        if self._hook is not None and c and forward_err is None and logits is not None:
+            # Processor mode: the grammar step runs now, serially, through the
+            # object TensorRT-LLM calls (its call order: after the forward,
+            # before sampling, token histories with the prompt first).
+            tw = time.perf_counter()
+            try:
+                self._hook([s.seq_id for s in order], logits, [[s.history or ()] for s in order])
+            except Exception as err:  # noqa: BLE001 -- fails the constrained rows with the error
+                mask_err = err
+                _log.exception("grammar processor failed; failing its %d constrained rows", c)
+            wait_s = gram_s = time.perf_counter() - tw
+        elif fut is not None:
             tw = time.perf_counter()
             try:
                 mstep, gram_s = fut.result()
@@ -696,11 +776,16 @@ class Scheduler:
             self._finish(s, "error", ends, error=f"prefill failed: {perr}", status=status_of(perr))
 
         masked_rows: list[int] = []
-        if c:
-            bad = mask_err if mask_err is not None else self._check_mask(mstep, c)
+        if c and self._hook is not None:
+            self._after_processor(order, constrained, mask_err, ends)
+        elif c:
+            bad: BaseException | str | None = mask_err
+            if bad is None:
+                bad = "MaskProvider.step returned None" if mstep is None else mstep.check(c, self._bitmask_np.shape[1])
             if bad is not None:
                 for i in constrained:
-                    self._finish(order[i], "error", ends, error=f"grammar step failed: {bad}", status=status_of(bad))
+                    self._finish(order[i], "error", ends, error=f"grammar step failed: {bad}",
+                                 status="INTERNAL" if isinstance(bad, str) else status_of(bad))
             elif mstep is not None:
                 sel: list[int] = []
                 for j, i in enumerate(constrained):
@@ -736,6 +821,8 @@ class Scheduler:
             tok = int(tokens[i])
             s.generated += 1
             s.last_token = tok
+            if s.history is not None:
+                s.history.append(tok)
             if tok in self._eos:
                 self._finish(s, "stop", ends)
                 continue
@@ -749,18 +836,28 @@ class Scheduler:
         self._purge()
         self._end(ends)
 
-    @staticmethod
-    def _check_mask(mstep: MaskStep | None, c: int) -> BaseException | None:
-        if mstep is None:
-            return RuntimeError("MaskProvider.step returned None")
-        bm, term = mstep.bitmask, mstep.terminated
-        if not isinstance(bm, np.ndarray) or bm.dtype != np.int32 or bm.ndim != 2 or bm.shape[0] != c:
-            return RuntimeError(f"bitmask must be int32 [{c}, W], got {getattr(bm, 'dtype', type(bm))} {getattr(bm, 'shape', '')}")
-        if not isinstance(term, np.ndarray) or term.shape != (c,):
-            return RuntimeError(f"terminated must be bool [{c}]")
-        if len(mstep.errors) != c:
-            return RuntimeError(f"errors must have {c} entries, got {len(mstep.errors)}")
-        return None
+    def _after_processor(self, order: list[_Seq], constrained: list[int], err: BaseException | None,
+                         ends: list[int]) -> None:
+        """Processor mode: the mask is applied; retire the rows the grammar side ended."""
+        hook = self._hook
+        if hook is None:
+            return
+        for i in constrained:
+            s = order[i]
+            if s.finished:
+                continue
+            if err is not None:
+                self._finish(s, "error", ends, error=f"grammar step failed: {err}", status=status_of(err))
+                continue
+            out = hook.outcome(s.seq_id)
+            if out is None:
+                self._finish(s, "error", ends, error="the grammar row is missing", status="INTERNAL")
+                continue
+            s.close_state = out.close_state
+            if out.error is not None:
+                self._finish(s, "error", ends, error=out.error, status="INTERNAL")
+            elif out.terminated:
+                self._finish(s, "stop", ends)
 
     # -- finishing --------------------------------------------------------------------
     def _finish(
@@ -779,11 +876,7 @@ class Scheduler:
         """Retire ``seq``: free its slot, queue its grammar end, send the last events."""
         if seq.finished:
             return
-        # A forced completion ended the output: only a clean stop (its stop
-        # token sampled) is a successful close; a budget close reports "length".
-        close_reason = CLOSE_REASONS.get(seq.close_state) if reason == "stop" and not stop_string else None
-        if close_reason == CLOSE_REASONS[CloseState.BUDGET]:
-            reason = "length"
+        reason, close_reason = closed_finish(reason, seq.close_state, stop_string)
         seq.finished = True
         if release and seq.in_engine:
             self._engine.release(seq.seq_id)
@@ -831,7 +924,10 @@ class Scheduler:
         if not seq_ids:
             return
         try:
-            self._provider.end(seq_ids)
+            if self._hook is not None:
+                self._hook.remove(seq_ids)
+            else:
+                self._provider.end(seq_ids)
         except Exception:  # noqa: BLE001 -- nothing left to fail; logged and counted
             _log.exception("MaskProvider.end failed for %d sequences", len(seq_ids))
             with self._stats.lock:
