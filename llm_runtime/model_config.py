@@ -1,16 +1,39 @@
-"""Parameters of the ``llm`` Triton model and how they build its scheduler."""
+"""Parameters of the ``llm`` Triton model and how they build its generator."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Final, Protocol
 
 from grammar_backend.errors import ConfigError
-from llm_runtime.engine import EngineConfig, TorchEngine
-from llm_runtime.mask import MaskProvider
-from llm_runtime.scheduler import Scheduler, SchedulerConfig
 
-ENGINES = ("torch", "tensorrt_llm")
+from .mask import MaskProvider
+from .scheduler import (
+    SCHEDULER_GRAMMAR_MODES,
+    EventCallback,
+    GenerationRequest,
+    Scheduler,
+    SchedulerConfig,
+)
+from .trtllm_engine import TRTLLM_BACKENDS, TRTLLM_GRAMMAR_MODES, TrtllmConfig
+
+ENGINES: Final = ("torch", "tensorrt_llm")
+#: The grammar modes each engine takes; the first is its default.
+ENGINE_GRAMMAR_MODES: Final = {"torch": SCHEDULER_GRAMMAR_MODES, "tensorrt_llm": TRTLLM_GRAMMAR_MODES}
+
+
+class Generator(Protocol):
+    """What the ``llm`` model drives: :class:`Scheduler` or :class:`~llm_runtime.trtllm_engine.TrtllmGenerator`."""
+
+    @property
+    def live_count(self) -> int: ...
+    @property
+    def max_batch_size_seen(self) -> int: ...
+    def submit(self, request: GenerationRequest, callback: EventCallback) -> str: ...
+    def cancel(self, request_id: str) -> bool: ...
+    def close(self, timeout: float | None = 30.0) -> None: ...
+    def summary(self) -> dict[str, float | int]: ...
 
 
 @dataclass(frozen=True)
@@ -18,10 +41,12 @@ class LlmModelConfig:
     """``config.pbtxt`` parameters of ``llm``.
 
     ``engine``: ``torch`` (the embedded default, CPU or GPU) or
-    ``tensorrt_llm``.  The TensorRT-LLM engine needs a GPU and the
-    ``tensorrt_llm`` package, neither of which exists on the machines this
-    build is developed and tested on, so it is refused at load time with a
-    clear message instead of being shipped untested.
+    ``tensorrt_llm`` (GPU, the NGC ``trtllm-python-py3`` image; refused with
+    the reason where the package or a GPU is missing).  ``grammar_mode``:
+    ``""`` = the engine's default; torch takes ``overlap`` (default) or
+    ``processor``; tensorrt_llm takes ``processor`` (default) or ``native``
+    (see :mod:`llm_runtime.trtllm_engine`).  ``trtllm_backend``,
+    ``tokenizer_dir`` and ``kv_cache_free_fraction`` apply to tensorrt_llm only.
     """
 
     model_dir: str
@@ -32,45 +57,49 @@ class LlmModelConfig:
     max_seq_len: int = 2048
     torch_threads: int = 0
     grammar_model: str = "grammar"
+    grammar_mode: str = ""
+    trtllm_backend: str = "pytorch"
+    tokenizer_dir: str = ""
+    kv_cache_free_fraction: float = 0.85
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ConfigError(f"llm: engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
-        if self.engine == "tensorrt_llm":
-            raise ConfigError(
-                "llm: engine 'tensorrt_llm' is not available in this build (no GPU or tensorrt_llm package "
-                "where it was built and tested); use engine 'torch'"
-            )
+        modes = ENGINE_GRAMMAR_MODES[self.engine]
+        if self.grammar_mode and self.grammar_mode not in modes:
+            raise ConfigError(f"llm: engine {self.engine!r} takes grammar_mode {', '.join(modes)}, "
+                              f"got {self.grammar_mode!r}")
+        if self.engine == "torch" and (self.trtllm_backend != TRTLLM_BACKENDS[0] or self.tokenizer_dir):
+            raise ConfigError("llm: trtllm_backend and tokenizer_dir apply to engine 'tensorrt_llm' only")
 
-    def build_scheduler(self, mask_provider: MaskProvider) -> Scheduler:
-        """Load the model and start the decode loop."""
+    @property
+    def mode(self) -> str:
+        """The grammar mode in force."""
+        return self.grammar_mode or ENGINE_GRAMMAR_MODES[self.engine][0]
+
+    def build(self, mask_provider: MaskProvider) -> Generator:
+        """Load the model and start generating (masks from ``mask_provider``)."""
+        if self.engine == "tensorrt_llm":
+            from .trtllm_engine import TrtllmGenerator
+
+            return TrtllmGenerator(
+                TrtllmConfig(model_dir=self.model_dir, tokenizer_dir=self.tokenizer_dir, backend=self.trtllm_backend,
+                             grammar_mode=self.mode, max_batch=self.max_batch, max_seq_len=self.max_seq_len,
+                             kv_cache_free_fraction=self.kv_cache_free_fraction),
+                mask_provider,
+            )
+        from .engine import EngineConfig, TorchEngine
+
         engine = TorchEngine(
             self.model_dir,
             EngineConfig(device=self.device, dtype=self.dtype, max_batch_size=self.max_batch,
                          max_seq_len=self.max_seq_len, num_threads=self.torch_threads or None),
         )
-        return Scheduler(engine, mask_provider, SchedulerConfig(max_batch_size=self.max_batch))
+        return Scheduler(engine, mask_provider, SchedulerConfig(max_batch_size=self.max_batch, grammar_mode=self.mode))
 
 
-def bls_scheduler(config: LlmModelConfig, pb_utils: ModuleType) -> Scheduler:
-    """The scheduler of the Triton model: masks come from ``config.grammar_model`` over BLS."""
-    from llm_runtime.bls import BlsMaskProvider
+def bls_generator(config: LlmModelConfig, pb_utils: ModuleType) -> Generator:
+    """The generator of the Triton model: masks come from ``config.grammar_model`` over BLS."""
+    from .bls import BlsMaskProvider
 
-    return config.build_scheduler(BlsMaskProvider(pb_utils, config.grammar_model))
-
-
-def stats_summary(scheduler: Scheduler) -> dict[str, float | int]:
-    """Percentiles of the scheduler's per-step counters (logged by the llm model at shutdown).
-
-    In the Triton deployment ``grammar_s`` is the BLS round trip to the
-    grammar model and ``mask_wait_s`` the part of it not hidden behind the forward.
-    """
-    import numpy as np
-
-    s = scheduler.stats()
-    out: dict[str, float | int] = {"steps": s.steps, "max_batch_size_seen": s.max_batch_size_seen}
-    for name, values in (("forward_s", s.forward_s), ("grammar_s", s.grammar_s), ("mask_wait_s", s.mask_wait_s)):
-        finite = values[np.isfinite(values)]
-        for q in (50, 99):
-            out[f"{name}_p{q}"] = float(np.percentile(finite, q)) if finite.size else float("nan")
-    return out
+    return config.build(BlsMaskProvider(pb_utils, config.grammar_model))

@@ -498,6 +498,26 @@ class Scheduler:
         """The grammar processor's counters (``None`` in overlap mode)."""
         return None if self._hook is None else self._hook.stats()
 
+    def summary(self) -> dict[str, float | int]:
+        """Percentiles of the per-step counters (logged by the ``llm`` model at shutdown).
+
+        In the Triton deployment ``grammar_s`` is the BLS round trip to the
+        grammar model and ``mask_wait_s`` the part of it not hidden behind the
+        forward (all of it in processor mode, where ``grammar_requests`` counts
+        the grammar requests: one per step with a constrained row).
+        """
+        s = self.stats()
+        out: dict[str, float | int] = {"steps": s.steps, "max_batch_size_seen": s.max_batch_size_seen}
+        for name, values in (("forward_s", s.forward_s), ("grammar_s", s.grammar_s), ("mask_wait_s", s.mask_wait_s)):
+            finite = values[np.isfinite(values)]
+            for q in (50, 99):
+                out[f"{name}_p{q}"] = float(np.percentile(finite, q)) if finite.size else float("nan")
+        ps = self.processor_stats()
+        if ps is not None:
+            out["steps_constrained"] = int((s.constrained_rows > 0).sum())
+            out["grammar_requests"] = ps.grammar_requests
+        return out
+
     def submit(self, request: GenerationRequest, callback: EventCallback) -> str:
         """Queue a request; thread-safe.
 

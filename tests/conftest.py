@@ -8,6 +8,9 @@ Markers
     as in CI).
 ``gpu``
     Needs CUDA; skipped when ``torch.cuda.is_available()`` is false.
+``trtllm``
+    Needs the ``tensorrt_llm`` package (the NGC ``trtllm-python-py3`` image);
+    skipped when it cannot be imported.
 ``slow``
     Takes more than a few seconds; deselect with ``-m "not slow"``.
 
@@ -34,6 +37,7 @@ from deploy.server import (
 _MARKERS = {
     "triton": "needs the tritonserver bundled in nvidia-pytriton (skipped when it cannot be found)",
     "gpu": "needs a CUDA device (skipped when torch.cuda.is_available() is false)",
+    "trtllm": "needs the tensorrt_llm package (skipped when it cannot be imported)",
     "slow": "takes more than a few seconds (deselect with -m 'not slow')",
     "e2e": "the full ensemble on the real model over gRPC (select with -m e2e)",
 }
@@ -65,6 +69,15 @@ def _gpu_missing_reason() -> str | None:
     return "CUDA is not available (torch.cuda.is_available() is False)"
 
 
+@functools.cache
+def _trtllm_missing_reason() -> str | None:
+    import importlib.util
+
+    if importlib.util.find_spec("tensorrt_llm") is None:
+        return "tensorrt_llm is not installed (the NGC trtllm-python-py3 image has it; see deploy/gpu/README.md)"
+    return None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("triton") is not None:
@@ -74,10 +87,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                     # CI sets this: there a missing server is a broken install.
                     raise pytest.UsageError(f"REQUIRE_TRITON=1 but {reason}")
                 item.add_marker(pytest.mark.skip(reason=reason))
-        if item.get_closest_marker("gpu") is not None:
-            reason = _gpu_missing_reason()
-            if reason is not None:
-                item.add_marker(pytest.mark.skip(reason=reason))
+        for marker, missing in (("trtllm", _trtllm_missing_reason), ("gpu", _gpu_missing_reason)):
+            if item.get_closest_marker(marker) is not None:
+                reason = missing()
+                if reason is not None:
+                    item.add_marker(pytest.mark.skip(reason=reason))
     # Stable sort: unit tests first, every other test keeps its relative order.
     items.sort(key=lambda item: 0 if item.path.is_relative_to(_UNIT_DIR) else 1)
 

@@ -1,4 +1,8 @@
-"""Triton model ``llm`` (Python backend, decoupled): a thin adapter over llm_runtime.Scheduler.
+"""Triton model ``llm`` (Python backend, decoupled): a thin adapter over an llm_runtime generator.
+
+The generator is :class:`llm_runtime.scheduler.Scheduler` (``engine: torch``)
+or :class:`llm_runtime.trtllm_engine.TrtllmGenerator` (``engine: tensorrt_llm``),
+chosen by :class:`llm_runtime.model_config.LlmModelConfig`.
 
 Tensor contract (``max_batch_size: 0``):
 
@@ -38,7 +42,7 @@ from grammar_backend.params import from_parameters, parameter_values
 from grammar_backend.teardown import quiesce_for_exit
 from llm_runtime.errors import CANCELLED
 from llm_runtime.mask import ConstraintRequest
-from llm_runtime.model_config import LlmModelConfig, bls_scheduler, stats_summary
+from llm_runtime.model_config import LlmModelConfig, bls_generator
 from llm_runtime.postprocess import FinalState, finish_json
 from llm_runtime.preprocess import GenerationParams
 from llm_runtime.scheduler import FinishEvent, GenerationRequest, TokenEvent
@@ -115,7 +119,7 @@ class TritonPythonModel:
 
     def initialize(self, args: dict[str, str]) -> None:
         config = from_parameters(LlmModelConfig, parameter_values(json.loads(args["model_config"])), "llm")
-        self.scheduler = bls_scheduler(config, pb_utils)
+        self.scheduler = bls_generator(config, pb_utils)
         # Prometheus gauges on Triton's metrics endpoint, updated once per finished request.
         # The families must outlive their metrics, so they are kept too.
         gauge = pb_utils.MetricFamily.GAUGE
@@ -144,7 +148,7 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         # One line per process lifetime: the per-step figures the benchmarks read.
-        pb_utils.Logger.log_info(f"llm step stats: {json.dumps(stats_summary(self.scheduler))}")
+        pb_utils.Logger.log_info(f"llm step stats: {json.dumps(self.scheduler.summary())}")
         self.scheduler.close()
         # Every pb_utils object (metrics before their families, the BLS provider's
         # cached tensors, BLS responses held by exception tracebacks) is freed
