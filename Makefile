@@ -6,6 +6,7 @@
 #   make render      build/model_repository from model_repository/ templates
 #   make serve       tritonserver in the foreground on $(HOST):$(GRPC_PORT) (Ctrl-C stops it)
 #   make test        unit then integration tests
+#   make test-gpu    the gpu/trtllm tests (inside the GPU image, see deploy/gpu/README.md)
 #   make lint        ruff + mypy
 #   make bench       grammar and MaskBench benchmarks on $(SHARED)/data/maskbench-dev
 #   make loadtest    locust over gRPC, every output checked (LOADTEST_TIME, LOADTEST_USERS, LOADTEST_SHAPE)
@@ -66,10 +67,10 @@ RENDER_EXTRA ?=
 CLIENT_SCHEMA := {"type":"object","properties":{"name":{"type":"string","maxLength":40},"age":{"type":"integer","minimum":0,"maximum":120}},"required":["name","age"],"additionalProperties":false}
 CLIENT_HINT   := $(PY) -m client --url $(HOST):$(GRPC_PORT) --schema '$(CLIENT_SCHEMA)' "Invent a person."
 
-.PHONY: help venv model tokenizers render serve test lint bench loadtest clean
+.PHONY: help venv model tokenizers render serve test test-gpu lint bench loadtest clean
 
 help:
-	@sed -n '1p;3,12p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
+	@sed -n '1p;3,13p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
 
 # --------------------------------------------------------------------- venv
 venv: $(VENV_STAMP)
@@ -122,6 +123,12 @@ serve: venv model render
 # pytest orders unit tests before integration tests (tests/conftest.py).
 test: venv model tokenizers
 	$(PY) -m pytest tests -q
+
+# Inside the GPU image (deploy/docker/Dockerfile): its system python3 has
+# tensorrt_llm and CUDA torch; TRTLLM_TEST_MODEL names a Hugging Face folder.
+GPU_PY ?= python3
+test-gpu:
+	$(GPU_PY) -m pytest tests -q -m "gpu or trtllm" -rs
 
 # --------------------------------------------------------------------- lint
 lint: venv

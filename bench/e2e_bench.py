@@ -136,8 +136,9 @@ def ratio(num: float, den: float) -> str:
     return f"{num / den:.3f}"
 
 
-def render_repository(dst: Path, model_dir: Path) -> None:
-    """Render ``model_repository/`` into ``dst`` exactly as ``make render`` does.
+def render_repository(dst: Path, model_dir: Path, grammar_mode: str = "") -> None:
+    """Render ``model_repository/`` into ``dst`` exactly as ``make render`` does
+    (``grammar_mode``: the llm model's ``GRAMMAR_MODE``, ``""`` = its default).
 
     Raises
     ------
@@ -150,6 +151,7 @@ def render_repository(dst: Path, model_dir: Path) -> None:
         "--dst", str(dst),
         "--values", str(REPO / "deploy" / "values.json"),
         "--set", f"MODEL_DIR={model_dir.resolve()}",
+        "--set", f"GRAMMAR_MODE={grammar_mode}",
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
@@ -439,6 +441,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--fill-reps", type=int, default=6, help="replays per batch size of the fill timing")
     parser.add_argument("--model-dir", type=Path, default=MODEL_DIR, help="default %(default)s")
     parser.add_argument("--json", type=Path, default=None, help="write every figure and record here")
+    parser.add_argument("--grammar-mode", choices=("overlap", "processor"), default="overlap",
+                        help="the llm model's grammar_mode (processor: TensorRT-LLM's serial call order)")
     args = parser.parse_args(argv)
     for name in ("max_tokens", "rounds", "fill_reps"):
         if getattr(args, name) < 1:
@@ -455,7 +459,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="e2e-bench-") as tmp:
         repo = Path(tmp) / "model_repository"
         log = Path(tmp) / "tritonserver.log"
-        render_repository(repo, args.model_dir)
+        render_repository(repo, args.model_dir, args.grammar_mode)
         server = TritonServer(ServerConfig(model_repository=repo, models=(ENSEMBLE,), log_file=log))
         t0 = time.perf_counter()
         server.start()

@@ -149,8 +149,14 @@ class TritonDistribution:
     python_version: str
 
 
+#: A system-wide Triton to use instead of the one in ``nvidia-pytriton``
+#: (set in the GPU image: ``/opt/tritonserver`` of the NGC image).
+TRITONSERVER_ROOT_ENV: Final = "TRITONSERVER_ROOT"
+
+
 def locate_tritonserver(python_version: str | None = None) -> TritonDistribution:
-    """Find the ``tritonserver`` bundled in the installed ``nvidia-pytriton`` wheel.
+    """Find the ``tritonserver`` bundled in the installed ``nvidia-pytriton`` wheel
+    (or the system-wide one named by ``$TRITONSERVER_ROOT``).
 
     ``pytriton`` is located with :func:`importlib.util.find_spec`, which does not
     import it (importing pytriton pulls in numpy, sh, zmq, ... for nothing).
@@ -171,6 +177,9 @@ def locate_tritonserver(python_version: str | None = None) -> TritonDistribution
         If the wheel is not installed or a required file is missing.
     """
     version = python_version or f"{sys.version_info.major}.{sys.version_info.minor}"
+    system_root = os.environ.get(TRITONSERVER_ROOT_ENV, "")
+    if system_root:
+        return _system_tritonserver(Path(system_root), version)
     spec = importlib.util.find_spec("pytriton")
     if spec is None or not spec.submodule_search_locations:
         raise TritonNotFoundError(
@@ -195,6 +204,25 @@ def locate_tritonserver(python_version: str | None = None) -> TritonDistribution
         raise TritonNotFoundError(f"Python backend missing: {python_backend}")
     if not dist.stub_source.is_file():
         raise TritonNotFoundError(f"no Python-backend stub for Python {version} in the wheel: {dist.stub_source}")
+    return dist
+
+
+def _system_tritonserver(root: Path, version: str) -> TritonDistribution:
+    """A Triton installed system-wide (the NGC images' ``/opt/tritonserver``), stub already in place."""
+    stub = root / "backends" / "python" / "triton_python_backend_stub"
+    dist = TritonDistribution(
+        root=root,
+        binary=root / "bin" / "tritonserver",
+        backend_dir=root / "backends",
+        cache_dir=root / "caches",
+        libs_dir=root / "lib",
+        stub_source=stub,
+        stub_target=stub,
+        python_version=version,
+    )
+    for path in (dist.binary, stub):
+        if not os.access(path, os.X_OK):
+            raise TritonNotFoundError(f"{TRITONSERVER_ROOT_ENV}={root}: {path} missing or not executable")
     return dist
 
 

@@ -46,7 +46,9 @@ class LlmModelConfig:
     ``""`` = the engine's default; torch takes ``overlap`` (default) or
     ``processor``; tensorrt_llm takes ``processor`` (default) or ``native``
     (see :mod:`llm_runtime.trtllm_engine`).  ``trtllm_backend``,
-    ``tokenizer_dir`` and ``kv_cache_free_fraction`` apply to tensorrt_llm only.
+    ``engine_dir`` (the built engine of ``trtllm_backend: tensorrt``; ``model_dir``
+    stays the Hugging Face folder: tokenizer, end tokens) and
+    ``kv_cache_free_fraction`` apply to tensorrt_llm only.
     """
 
     model_dir: str
@@ -59,7 +61,7 @@ class LlmModelConfig:
     grammar_model: str = "grammar"
     grammar_mode: str = ""
     trtllm_backend: str = "pytorch"
-    tokenizer_dir: str = ""
+    engine_dir: str = ""
     kv_cache_free_fraction: float = 0.85
 
     def __post_init__(self) -> None:
@@ -69,8 +71,8 @@ class LlmModelConfig:
         if self.grammar_mode and self.grammar_mode not in modes:
             raise ConfigError(f"llm: engine {self.engine!r} takes grammar_mode {', '.join(modes)}, "
                               f"got {self.grammar_mode!r}")
-        if self.engine == "torch" and (self.trtllm_backend != TRTLLM_BACKENDS[0] or self.tokenizer_dir):
-            raise ConfigError("llm: trtllm_backend and tokenizer_dir apply to engine 'tensorrt_llm' only")
+        if self.engine == "torch" and (self.trtllm_backend != TRTLLM_BACKENDS[0] or self.engine_dir):
+            raise ConfigError("llm: trtllm_backend and engine_dir apply to engine 'tensorrt_llm' only")
 
     @property
     def mode(self) -> str:
@@ -83,7 +85,7 @@ class LlmModelConfig:
             from .trtllm_engine import TrtllmGenerator
 
             return TrtllmGenerator(
-                TrtllmConfig(model_dir=self.model_dir, tokenizer_dir=self.tokenizer_dir, backend=self.trtllm_backend,
+                TrtllmConfig(model_dir=self.model_dir, engine_dir=self.engine_dir, backend=self.trtllm_backend,
                              grammar_mode=self.mode, max_batch=self.max_batch, max_seq_len=self.max_seq_len,
                              kv_cache_free_fraction=self.kv_cache_free_fraction),
                 mask_provider,

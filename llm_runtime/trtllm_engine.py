@@ -145,10 +145,11 @@ class TrtllmConfig:
     Attributes
     ----------
     model_dir : str
-        ``pytorch``: a Hugging Face checkpoint folder; ``tensorrt``: a built engine folder.
-    tokenizer_dir : str
-        The Hugging Face folder with ``tokenizer.json`` and the end tokens
-        (``""``: ``model_dir``); the output is detokenized here, not by TensorRT-LLM.
+        The Hugging Face checkpoint folder: ``tokenizer.json`` (the output is
+        detokenized here, not by TensorRT-LLM), the end tokens, ``vocab_size``,
+        and the model itself for the ``pytorch`` backend.
+    engine_dir : str
+        The built TensorRT engine folder (``tensorrt`` backend only, required there).
     backend : str
         One of :data:`TRTLLM_BACKENDS` (see the module docstring).
     grammar_mode : str
@@ -162,7 +163,7 @@ class TrtllmConfig:
     """
 
     model_dir: str
-    tokenizer_dir: str = ""
+    engine_dir: str = ""
     backend: str = "pytorch"
     grammar_mode: str = "processor"
     max_batch: int = 64
@@ -183,13 +184,11 @@ class TrtllmConfig:
         if self.grammar_mode == "processor" and self.tensor_parallel_size != 1:
             raise config_error("tensor_parallel_size", "grammar_mode 'processor' runs the executor in this process "
                                                        "(BLS works only here): 1 GPU per replica, or use 'native'")
+        if (self.backend == "tensorrt") != bool(self.engine_dir):
+            raise config_error("engine_dir", "is required with trtllm_backend 'tensorrt' and only there")
         f = self.kv_cache_free_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < 1:
             raise config_error("kv_cache_free_fraction", f"must be in (0, 1), got {f!r}")
-
-    @property
-    def hf_dir(self) -> Path:
-        return Path(self.tokenizer_dir or self.model_dir)
 
 
 def native_guided_kwargs(constraint: ConstraintRequest) -> dict[str, Any]:
@@ -336,21 +335,21 @@ class TrtllmGenerator:
         self._cfg = config
         self._limits = limits if limits is not None else SchedulerConfig()
         self._provider = provider
-        hf = config.hf_dir
+        hf = Path(config.model_dir)
         tok_file = hf / "tokenizer.json"
         if not tok_file.is_file():
-            raise config_error("tokenizer_dir", f"{str(hf)!r} has no tokenizer.json")
+            raise config_error("model_dir", f"{str(hf)!r} has no tokenizer.json")
         self._tokenizer = Tokenizer.from_file(str(tok_file))
         self._special = special_token_ids(self._tokenizer)
         self._eos = checkpoint_end_tokens(hf)
         try:
             self._vocab = int(json.loads((hf / "config.json").read_text(encoding="utf-8"))["vocab_size"])
         except (OSError, ValueError, KeyError, TypeError) as err:
-            raise config_error("tokenizer_dir", f"{str(hf)!r}/config.json names no vocab_size: {err}") from err
+            raise config_error("model_dir", f"{str(hf)!r}/config.json names no vocab_size: {err}") from err
         self._processor: GrammarLogitsProcessor | None = None
         self._batched: _BatchedHook | None = None
         kwargs: dict[str, Any] = {
-            "model": config.model_dir,
+            "model": config.engine_dir or config.model_dir,
             "skip_tokenizer_init": True,
             "max_batch_size": config.max_batch,
             "max_seq_len": config.max_seq_len,

@@ -1,4 +1,4 @@
-"""Smoke tests of the benchmark scripts ``bench/maskbench.py`` and ``bench/grammar_bench.py``.
+"""Smoke tests of the benchmark scripts ``bench/maskbench.py``, ``bench/grammar_bench.py`` and ``bench/processor_bench.py``.
 
 Both scripts run as subprocesses on a tiny MaskBench-format folder written
 here, and the exact per-schema outcomes of their JSON output are checked: a
@@ -228,3 +228,18 @@ def test_grammar_bench_outcomes(tmp_path: Path) -> None:
         f"batch fill B={b} threads={t}" for t in (1, 2) for b in (1, 16, 64, 256)
     ]
     assert "XGrammar 9 us / 5700 us" in proc.stdout
+
+
+def test_processor_bench_compares_the_three_modes(tmp_path: Path) -> None:
+    """bench/processor_bench.py on the real default model: every mode measured at the full batch."""
+    model = Path(__file__).resolve().parents[2] / "build" / "models" / "smollm2-135m-instruct"
+    if not (model / "config.json").is_file():
+        pytest.skip(f"{model} missing (run `make model`)")
+    out = tmp_path / "processor.json"
+    proc = _run("processor_bench.py", [str(model), "--batch", "2", "--tokens", "6", "--rounds", "1",
+                                       "--json", str(out)], timeout=300)
+    summary = json.loads(out.read_text())["summary"]["2"]
+    assert set(summary["p50_ms"]) == {"free", "overlap", "processor"}
+    assert all(summary["steps"][m] >= 1 and summary["p50_ms"][m] > 0 for m in summary["steps"])
+    assert summary["processor_grammar_p50_ms"] > 0
+    assert "processor/overlap" in proc.stdout

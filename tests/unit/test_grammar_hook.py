@@ -100,6 +100,7 @@ def drive_like_trtllm(
     max_tokens: int,
     *,
     list_form: bool = False,
+    stream_ptr: int | None = None,
 ) -> tuple[list[list[int]], list[RowOutcome | None], int]:
     """Greedy in-flight decoding in TensorRT-LLM's order: forward -> processor(all rows) -> sample.
 
@@ -118,7 +119,7 @@ def drive_like_trtllm(
     for _ in range(max_tokens):
         constrained_steps += any(k in processor for k in live)
         rows = [logits[i].view(1, 1, -1) for i in range(len(live))] if list_form else logits
-        processor(live, rows, [[histories[k]] for k in live], None, [None] * len(live))
+        processor(live, rows, [[histories[k]] for k in live], stream_ptr, [None] * len(live))
         tokens = logits.argmax(dim=-1).tolist()
         done = []
         for k, t in zip(live, tokens, strict=True):
@@ -322,3 +323,24 @@ def test_budget_closing_through_the_processor(engine: TorchEngine, provider: Cou
         assert out.close_state == 1  # CloseState.BUDGET
         assert toks[-1] in engine.eos_token_ids and len(toks) <= 12
         assert set(json.loads(tok.decode(toks[:-1]))) == {"s"}
+
+
+@pytest.mark.gpu
+def test_processor_masks_cuda_logits_on_the_engines_stream(tiny: TinyModelInfo, grammar: GrammarEngine) -> None:
+    """The CUDA path: pinned host rows copied on the engine's stream, the kernel applied there (per-request tensors)."""
+    engine = TorchEngine(tiny.path, EngineConfig(device="cuda", max_batch_size=4, max_seq_len=320))
+    provider = CountingProvider(grammar)
+    processor = GrammarLogitsProcessor(provider, vocab_size=engine.vocab_size, end_token_ids=engine.eos_token_ids,
+                                       max_rows=4, device="cuda")
+    tok = engine.tokenizer
+    kinds = ["regex", "choice", "json"]
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        generated, outcomes, steps = drive_like_trtllm(
+            engine, processor, [tok.encode(p).ids for p in PROMPTS[:3]], [CONSTRAINTS[k][0] for k in kinds], 24,
+            list_form=True, stream_ptr=stream.cuda_stream)
+    assert len(provider.step_rows) == steps
+    for kind, out, toks in zip(kinds, outcomes, generated, strict=True):
+        assert out is not None and out.error is None
+        assert toks[-1] in engine.eos_token_ids
+        assert re.fullmatch(CONSTRAINTS[kind][1], tok.decode(toks[:-1]))

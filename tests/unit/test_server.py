@@ -139,6 +139,23 @@ def test_locate_tritonserver_rejects_unknown_python_version() -> None:
         locate_tritonserver("2.7")
 
 
+def test_a_system_tritonserver_is_used_where_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU image's /opt/tritonserver layout (TRITONSERVER_ROOT): binary and stub in place, nothing copied."""
+    monkeypatch.setenv("TRITONSERVER_ROOT", str(tmp_path))
+    with pytest.raises(TritonNotFoundError, match=r"^TRITONSERVER_ROOT=.*bin/tritonserver missing or not executable"):
+        locate_tritonserver()
+    for rel in ("bin/tritonserver", "backends/python/triton_python_backend_stub"):
+        exe = tmp_path / rel
+        exe.parent.mkdir(parents=True, exist_ok=True)
+        exe.write_text("#!/bin/sh\n")
+        exe.chmod(0o755)
+    dist = locate_tritonserver("3.12")
+    assert (dist.binary, dist.backend_dir, dist.libs_dir) == (
+        tmp_path / "bin" / "tritonserver", tmp_path / "backends", tmp_path / "lib")
+    assert dist.stub_source == dist.stub_target
+    assert ensure_python_stub(dist) == dist.stub_target
+
+
 def test_ensure_python_stub_installs_once_and_repairs(tmp_path: Path) -> None:
     dist = fake_distribution(tmp_path)
     target = ensure_python_stub(dist)

@@ -49,6 +49,7 @@ def test_grammar_mode_defaults_per_engine(params: dict[str, str], mode: str) -> 
         ({"engine": "tensorrt_llm", "grammar_mode": "overlap"},
          "engine 'tensorrt_llm' takes grammar_mode processor, native, got 'overlap'"),
         ({"trtllm_backend": "tensorrt"}, "apply to engine 'tensorrt_llm' only"),
+        ({"engine_dir": "e"}, "apply to engine 'tensorrt_llm' only"),
         ({"kv_cache": "1"}, "unknown parameter 'kv_cache'"),
     ],
 )
@@ -72,6 +73,8 @@ def test_engine_grammar_modes_are_the_engines_own() -> None:
         ({"max_batch": 0}, "max_batch: must be a positive integer"),
         ({"tensor_parallel_size": 2}, "1 GPU per replica, or use 'native'"),
         ({"kv_cache_free_fraction": 1.0}, r"kv_cache_free_fraction: must be in \(0, 1\)"),
+        ({"backend": "tensorrt"}, "engine_dir: is required with trtllm_backend 'tensorrt' and only there"),
+        ({"engine_dir": "/e"}, "engine_dir: is required with trtllm_backend 'tensorrt' and only there"),
     ],
 )
 def test_trtllm_config_refuses(fields: dict[str, object], message: str) -> None:

@@ -1,0 +1,145 @@
+"""What the TensorRT-LLM-style grammar processor costs against the overlapped grammar step.
+
+One torch engine, one real grammar engine (xgrammar over the model's own
+vocabulary), one JSON schema; three modes interleaved in every round, same
+greedy requests:
+
+* ``free``: no constraint (the forward alone);
+* ``overlap``: the torch scheduler's default, the grammar step of step ``t``
+  on a worker thread while the forward of step ``t`` runs;
+* ``processor``: :class:`llm_runtime.grammar_hook.GrammarLogitsProcessor`
+  after the forward, serially -- TensorRT-LLM's call order (the ``llm``
+  model's ``grammar_mode: processor``, and the engine ``tensorrt_llm``).
+
+Figures are per decode step at a fixed live batch (only steps where every row
+was live count), so different output lengths between modes do not mix in.
+The grammar side is in-process here (no BLS): the served processor adds the
+BLS round trip on top (README, "Measured").  Run::
+
+    python bench/processor_bench.py [MODEL_DIR] [--batch 1 8] [--tokens 48] [--rounds 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Run as a script, sys.path[0] is bench/; the packages live at the repository root.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from grammar_backend.engine import EngineConfig as GrammarEngineConfig
+from grammar_backend.engine import GrammarEngine
+from grammar_backend.tokenizer import load_tokenizer
+from llm_runtime.engine import EngineConfig, TorchEngine
+from llm_runtime.local_mask import LocalMaskProvider
+from llm_runtime.mask import ConstraintRequest
+from llm_runtime.scheduler import (
+    FinishEvent,
+    GenerationRequest,
+    Scheduler,
+    SchedulerConfig,
+    TokenEvent,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = REPO / "build" / "models" / "smollm2-135m-instruct"
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                           "tags": {"type": "array", "items": {"type": "string"}}},
+          "required": ["name", "age", "tags"], "additionalProperties": False}
+PROMPTS = ["Invent a person.", "Describe a customer.", "Name a pilot.", "A chef, as JSON.",
+           "Someone from Lyon.", "A retired teacher.", "A child.", "A painter."]
+MODES = ("free", "overlap", "processor")
+
+
+def run_batch(engine: TorchEngine, grammar: GrammarEngine, mode: str, batch: int, tokens: int) -> dict[str, Any]:
+    """One batch of ``batch`` greedy requests in ``mode``; per-step figures at the full batch."""
+    constraint = None if mode == "free" else ConstraintRequest(
+        "json_schema", json.dumps(SCHEMA), json.dumps({"on_budget": "truncate", "on_repeat": "continue"}))
+    grammar_mode = "processor" if mode == "processor" else "overlap"
+    done = threading.Semaphore(0)
+
+    def on_event(event: TokenEvent | FinishEvent) -> None:
+        if isinstance(event, FinishEvent):
+            if event.finish_reason == "error":
+                raise RuntimeError(f"request failed: {event.error}")
+            done.release()
+
+    with Scheduler(engine, LocalMaskProvider(grammar),
+                   SchedulerConfig(max_batch_size=batch, grammar_mode=grammar_mode)) as sched:
+        for i in range(batch):
+            ids = engine.tokenizer.encode(PROMPTS[i % len(PROMPTS)]).ids
+            sched.submit(GenerationRequest(ids, constraint=constraint, max_tokens=tokens, temperature=0.0), on_event)
+        for _ in range(batch):
+            if not done.acquire(timeout=600):
+                raise TimeoutError("a request did not finish")
+        s = sched.stats()
+        ps = sched.processor_stats()
+    full = (s.batch_size == batch) & (s.prefill_rows == 0)
+    wait = np.nan_to_num(s.mask_wait_s)
+    step = s.forward_s + wait
+    gram = s.grammar_s[full]
+    return {
+        "steps": int(full.sum()),
+        "step_s": step[full].tolist(),
+        "grammar_s": gram[np.isfinite(gram)].tolist(),
+        "grammar_requests": None if ps is None else ps.grammar_requests,
+        "constrained_steps": int((s.constrained_rows > 0).sum()),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model_dir", nargs="?", type=Path, default=DEFAULT_MODEL)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1, see EngineConfig)")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    engine = TorchEngine(args.model_dir, EngineConfig(max_batch_size=max(args.batch), max_seq_len=512,
+                                                      num_threads=args.threads))
+    bundle = load_tokenizer(args.model_dir, vocab_size=engine.vocab_size, stop_token_ids=sorted(engine.eos_token_ids))
+    grammar = GrammarEngine(bundle.info, bundle.fingerprint, GrammarEngineConfig(max_batch=max(args.batch)))
+    results: dict[str, dict[str, dict[str, list[float]]]] = {}
+    try:
+        run_batch(engine, grammar, "overlap", 1, 4)  # warm-up: compile the schema, touch every code path
+        for b in args.batch:
+            per = results.setdefault(str(b), {m: {"step_s": [], "grammar_s": []} for m in MODES})
+            for _ in range(args.rounds):
+                for mode in MODES:  # interleaved: machine noise hits every mode alike
+                    out = run_batch(engine, grammar, mode, b, args.tokens)
+                    per[mode]["step_s"] += out["step_s"]
+                    per[mode]["grammar_s"] += out["grammar_s"]
+                    if mode == "processor" and out["grammar_requests"] != out["constrained_steps"]:
+                        raise AssertionError(f"processor: {out['grammar_requests']} grammar requests for "
+                                             f"{out['constrained_steps']} constrained steps")
+    finally:
+        grammar.close()
+
+    print(f"model {args.model_dir.name}, {args.tokens} tokens per request, {args.rounds} rounds, "
+          f"{args.threads} torch thread(s); ms per decode step at the full batch (p50 / p90)")
+    summary: dict[str, Any] = {}
+    for b, per in results.items():
+        med = {m: float(np.median(per[m]["step_s"])) for m in MODES}
+        p90 = {m: float(np.percentile(per[m]["step_s"], 90)) for m in MODES}
+        gram = float(np.median(per["processor"]["grammar_s"])) if per["processor"]["grammar_s"] else float("nan")
+        summary[b] = {"p50_ms": {m: 1e3 * v for m, v in med.items()}, "p90_ms": {m: 1e3 * v for m, v in p90.items()},
+                      "steps": {m: len(per[m]["step_s"]) for m in MODES}, "processor_grammar_p50_ms": 1e3 * gram}
+        cells = "  ".join(f"{m} {1e3 * med[m]:.1f} / {1e3 * p90[m]:.1f}" for m in MODES)
+        print(f"B={b}: {cells}  | processor grammar step p50 {1e3 * gram:.2f} ms | "
+              f"processor/overlap {med['processor'] / med['overlap']:.3f}  overlap/free {med['overlap'] / med['free']:.3f}")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
+                                         "raw": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
