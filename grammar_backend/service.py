@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -15,6 +16,7 @@ import numpy as np
 from grammar_backend.cache import CacheConfig
 from grammar_backend.engine import EngineConfig, GrammarEngine
 from grammar_backend.errors import ConstraintError, GrammarError
+from grammar_backend.metrics import LatencyWindow, Snapshot
 from grammar_backend.sequences import TableConfig
 from grammar_backend.spec import ConstraintSpec, SpecLimits, parse_constraint
 from grammar_backend.tokenizer import load_tokenizer
@@ -129,6 +131,27 @@ class GrammarService:
 
     def __init__(self, engine: GrammarEngine) -> None:
         self.engine = engine
+        self.step_latency = LatencyWindow()
+
+    def metrics_snapshot(self) -> Snapshot:
+        """The ``grammar`` metrics of :mod:`grammar_backend.metrics`, now."""
+        eng = self.engine
+        c = eng.cache.stats()
+        snap = Snapshot()
+        snap.put("grammar_active_sequences", eng.active_count)
+        snap.put("grammar_cache_bytes", c.bytes_in_use)
+        snap.put("grammar_cache_entries", c.entries)
+        snap.put("grammar_compiles_in_flight", c.in_flight)
+        snap.put("grammar_cache_hits_total", c.hits)
+        snap.put("grammar_cache_misses_total", c.misses)
+        snap.put("grammar_cache_evictions_total", c.evictions)
+        snap.put("grammar_store_hits_total", c.store_hits)
+        snap.put("grammar_compiles_total", c.compiles)
+        snap.put("grammar_compile_failures_total", c.compile_failures)
+        snap.put("grammar_compile_timeouts_total", c.timeouts)
+        snap.put("grammar_compile_seconds_total", c.compile_seconds)
+        snap.put_latency("grammar_step_seconds", self.step_latency)
+        return snap
 
     def start_async(self, req: GrammarRequest, done: Callable[[GrammarReply | GrammarError], None]) -> None:
         """Serve a ``start``: ``done`` gets the reply or the error, exactly once, maybe later.
@@ -189,7 +212,9 @@ class GrammarService:
             errors = eng.rollback([int(s) for s in req.seq_ids], [int(c) for c in counts])
             return GrammarReply(active=eng.active_count, row_errors=[str(e) if e else "" for e in errors])
         tokens = req.tokens if req.tokens is not None else np.zeros((rows, 0), np.int32)
+        t0 = time.perf_counter()
         out = eng.step(req.seq_ids, tokens, counts, jump_forward=req.jump_forward)
+        self.step_latency.add(time.perf_counter() - t0)
         forced_tokens = forced_counts = None
         if req.jump_forward:
             width = max((len(f) for f in out.forced), default=0)

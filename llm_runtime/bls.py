@@ -10,7 +10,10 @@ worker threads), so each request yields exactly one response.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -35,6 +38,20 @@ class RemoteGrammarError(GrammarError):
         self.status = status
 
 
+#: How long the Python side keeps each BLS call's response iterator and responses.
+#: In the r24.10 python_backend (Triton 2.51) a tensor's numpy array is freed
+#: without the GIL when C++ drops the last reference (python_backend PR 390,
+#: fixed in 24.12), and the stub's cleanup thread drops its reference to a
+#: finished decoupled iterator that way.  That is the suspected cause of the
+#: llm stub's segfaults under load (PyType_GenericAlloc on a corrupt heap); it
+#: was not reproduced on demand (a 150 s run of 12 constrained streams under
+#: PYTHONMALLOC=debug passed before and after this change).  Holding the
+#: responses here for a few seconds makes the Python side, with the GIL, the
+#: last owner.  Cost: one step reply (B x ceil(V/32) int32, ~100 KB at B = 16
+#: with a 49k vocabulary) per step for this long.
+RETAIN_S = 5.0
+
+
 class BlsMaskProvider:
     """Implements :class:`llm_runtime.mask.MaskProvider` with BLS calls.
 
@@ -46,19 +63,44 @@ class BlsMaskProvider:
         The grammar model's name.
     """
 
-    def __init__(self, pb_utils: ModuleType, model_name: str = "grammar") -> None:
+    def __init__(self, pb_utils: ModuleType, model_name: str = "grammar",
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._pb = pb_utils
         self._model = model_name
-        self._op_step = pb_utils.Tensor("OP", np.array([b"step"], np.object_))
-        self._op_end = pb_utils.Tensor("OP", np.array([b"end"], np.object_))
-        self._op_start = pb_utils.Tensor("OP", np.array([b"start"], np.object_))
+        self._clock = clock
+        self._retained: deque[tuple[float, Any, list[Any]]] = deque()
+        self._retain_lock = threading.Lock()
+
+    def _op(self, name: bytes) -> Any:
+        # A new tensor per call: Exec saves input tensors to shared memory with
+        # the GIL released and no lock, so one tensor shared by the start, step
+        # and loop threads could be saved twice at once.
+        return self._pb.Tensor("OP", np.array([name], np.object_))
+
+    def _retain(self, iterator: Any, responses: list[Any]) -> None:
+        now = self._clock()
+        expired: list[tuple[float, Any, list[Any]]] = []
+        with self._retain_lock:
+            self._retained.append((now + RETAIN_S, iterator, responses))
+            while self._retained and self._retained[0][0] <= now:
+                expired.append(self._retained.popleft())
+        expired.clear()  # freed here, with the GIL, outside the lock
+
+    @property
+    def retained(self) -> int:
+        """BLS calls whose responses are held (see :data:`RETAIN_S`)."""
+        with self._retain_lock:
+            return len(self._retained)
 
     def _call(self, tensors: list[Any], outputs: list[str]) -> Any:
         request = self._pb.InferenceRequest(
             model_name=self._model, inputs=tensors, requested_output_names=outputs
         )
+        iterator = request.exec(decoupled=True)
+        responses = list(iterator)
+        self._retain(iterator, responses)
         reply = None
-        for response in request.exec(decoupled=True):
+        for response in responses:
             if response.has_error():
                 # Request errors come back as data (ERROR below), so an error
                 # response means the grammar model itself failed (its stub died:
@@ -80,7 +122,7 @@ class BlsMaskProvider:
         pb = self._pb
         self._call(
             [
-                self._op_start,
+                self._op(b"start"),
                 pb.Tensor("SEQUENCE_ID", np.array([seq_id], np.uint64)),
                 pb.Tensor("GRAMMAR_TYPE", np.array([constraint.kind.encode()], np.object_)),
                 pb.Tensor("GRAMMAR", np.array([constraint.payload.encode("utf-8")], np.object_)),
@@ -95,7 +137,7 @@ class BlsMaskProvider:
         pb = self._pb
         reply = self._call(
             [
-                self._op_step,
+                self._op(b"step"),
                 pb.Tensor("SEQUENCE_ID", np.ascontiguousarray(seq_ids, np.uint64)),
                 pb.Tensor("TOKENS", np.ascontiguousarray(tokens, np.int32)),
                 pb.Tensor("TOKEN_COUNT", np.ascontiguousarray(counts, np.int32)),
@@ -115,6 +157,6 @@ class BlsMaskProvider:
     def end(self, seq_ids: Sequence[int]) -> None:
         """Free the sequences' matchers."""
         self._call(
-            [self._op_end, self._pb.Tensor("SEQUENCE_ID", np.array(list(seq_ids), np.uint64))],
+            [self._op(b"end"), self._pb.Tensor("SEQUENCE_ID", np.array(list(seq_ids), np.uint64))],
             _CONTROL_OUTPUTS,
         )

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Final, Protocol
 
 from grammar_backend.errors import ConfigError
+from grammar_backend.metrics import Snapshot
 
 from .mask import MaskProvider
 from .scheduler import (
@@ -79,8 +81,8 @@ class LlmModelConfig:
         """The grammar mode in force."""
         return self.grammar_mode or ENGINE_GRAMMAR_MODES[self.engine][0]
 
-    def build(self, mask_provider: MaskProvider) -> Generator:
-        """Load the model and start generating (masks from ``mask_provider``)."""
+    def build(self, mask_provider: MaskProvider, on_metrics: Callable[[Snapshot], None] | None = None) -> Generator:
+        """Load the model and start generating (masks from ``mask_provider``; metric snapshots to ``on_metrics``)."""
         if self.engine == "tensorrt_llm":
             from .trtllm_engine import TrtllmGenerator
 
@@ -89,6 +91,7 @@ class LlmModelConfig:
                              grammar_mode=self.mode, max_batch=self.max_batch, max_seq_len=self.max_seq_len,
                              kv_cache_free_fraction=self.kv_cache_free_fraction),
                 mask_provider,
+                on_metrics=on_metrics,
             )
         from .engine import EngineConfig, TorchEngine
 
@@ -97,11 +100,13 @@ class LlmModelConfig:
             EngineConfig(device=self.device, dtype=self.dtype, max_batch_size=self.max_batch,
                          max_seq_len=self.max_seq_len, num_threads=self.torch_threads or None),
         )
-        return Scheduler(engine, mask_provider, SchedulerConfig(max_batch_size=self.max_batch, grammar_mode=self.mode))
+        return Scheduler(engine, mask_provider, SchedulerConfig(max_batch_size=self.max_batch, grammar_mode=self.mode),
+                         on_metrics=on_metrics)
 
 
-def bls_generator(config: LlmModelConfig, pb_utils: ModuleType) -> Generator:
+def bls_generator(config: LlmModelConfig, pb_utils: ModuleType,
+                  on_metrics: Callable[[Snapshot], None] | None = None) -> Generator:
     """The generator of the Triton model: masks come from ``config.grammar_model`` over BLS."""
     from .bls import BlsMaskProvider
 
-    return config.build(BlsMaskProvider(pb_utils, config.grammar_model))
+    return config.build(BlsMaskProvider(pb_utils, config.grammar_model), on_metrics)

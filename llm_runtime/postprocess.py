@@ -116,13 +116,38 @@ def finish_json(final: FinalState, constraint: dict[str, str] | None) -> str:
     return json.dumps({**dataclasses.asdict(final), "constraint": constraint}, ensure_ascii=False)
 
 
-def result_of_finish(finish: bytes) -> tuple[str, str]:
-    """``(finish_reason, RESULT JSON)`` for ``llm``'s ``FINISH`` document; never raises.
+@dataclass(frozen=True)
+class FinishedOutput:
+    """A finished generation as postprocessing reports it.
+
+    Attributes
+    ----------
+    finish_reason : str
+    result : str
+        The RESULT JSON.
+    kind : str
+        The constraint kind, ``"none"`` without one (a metric label).
+    close_reason : str or None
+    postvalidation_failed : bool
+        A JSON output that ended cleanly or closed early (so it should be
+        valid) fails to parse or validate: what decoding did not enforce.
+    """
+
+    finish_reason: str
+    result: str
+    kind: str
+    close_reason: str | None
+    postvalidation_failed: bool
+
+
+def result_of_finish(finish: bytes) -> FinishedOutput:
+    """The RESULT for ``llm``'s ``FINISH`` document; never raises.
 
     A ``FINISH`` that cannot be read or checked (a bug, never a client's
     input) becomes an ``INTERNAL`` error RESULT, logged, instead of an error
     response that would reach a 2.51 gRPC stream.
     """
+    constraint: dict[str, str] | None = None
     try:
         doc = json.loads(finish)
         constraint = doc.pop("constraint")
@@ -132,4 +157,13 @@ def result_of_finish(finish: bytes) -> tuple[str, str]:
         _log.exception("postprocessing: cannot build RESULT")
         final = FinalState("error", "", 0, 0, error=f"internal error in postprocessing: {err!r}", status=INTERNAL)
         result = build_result(final, None)
-    return final.finish_reason, json.dumps(result, ensure_ascii=False)
+        constraint = None
+    report = result["json"]
+    should_be_valid = final.finish_reason != "error" and (result["complete"] or result["closed_early"])
+    return FinishedOutput(
+        finish_reason=final.finish_reason,
+        result=json.dumps(result, ensure_ascii=False),
+        kind="none" if constraint is None else constraint["kind"],
+        close_reason=final.close_reason,
+        postvalidation_failed=bool(should_be_valid and report is not None and not report["valid"]),
+    )

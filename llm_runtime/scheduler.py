@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import secrets
 import threading
 import time
@@ -51,6 +52,7 @@ import numpy as np
 import torch
 
 from grammar_backend.closing import CLOSE_REASONS, CloseState
+from grammar_backend.metrics import LatencyWindow, Snapshot
 
 from .detok import IncrementalDetokenizer, special_token_ids
 from .engine import Engine
@@ -122,6 +124,9 @@ class SchedulerConfig:
         Limits on the ``stop`` field.
     stats_capacity : int
         Steps kept in the per-step counters (a ring buffer).
+    metrics_interval_s : float
+        Most seconds between two metric snapshots while requests run (a gauge
+        change publishes at once).
     grammar_mode : str
         ``"overlap"`` (default): the grammar step of step ``t`` runs on a worker
         thread while the forward of step ``t`` runs.  ``"processor"``: after the
@@ -139,6 +144,7 @@ class SchedulerConfig:
     max_stop_length: int = 256
     stats_capacity: int = 65536
     grammar_mode: str = "overlap"
+    metrics_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
         def positive_int(name: str, value: object) -> None:
@@ -153,6 +159,9 @@ class SchedulerConfig:
         if self.grammar_mode not in SCHEDULER_GRAMMAR_MODES:
             raise config_error("scheduler.grammar_mode",
                                f"must be one of {', '.join(SCHEDULER_GRAMMAR_MODES)}, got {self.grammar_mode!r}")
+        m = self.metrics_interval_s
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m <= 60:
+            raise config_error("scheduler.metrics_interval_s", f"must be in (0, 60] seconds, got {m!r}")
         wait = self.idle_wait_s
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait <= 10:
             raise config_error("scheduler.idle_wait_s", f"must be in (0, 10] seconds, got {wait!r}")
@@ -408,6 +417,10 @@ class Scheduler:
         The grammar side.
     config : SchedulerConfig
         Limits and knobs.
+    on_metrics : callable, optional
+        Receives a :class:`grammar_backend.metrics.Snapshot` of the ``llm``
+        metrics on the loop thread, when a gauge changed or every
+        ``metrics_interval_s`` while requests run.
 
     Raises
     ------
@@ -415,7 +428,8 @@ class Scheduler:
         If ``config.max_batch_size`` exceeds the engine's slots.
     """
 
-    def __init__(self, engine: Engine, mask_provider: MaskProvider, config: SchedulerConfig | None = None) -> None:
+    def __init__(self, engine: Engine, mask_provider: MaskProvider, config: SchedulerConfig | None = None,
+                 on_metrics: Callable[[Snapshot], None] | None = None) -> None:
         cfg = config if config is not None else SchedulerConfig()
         if cfg.max_batch_size is not None and cfg.max_batch_size > engine.max_batch_size:
             raise config_error(
@@ -461,6 +475,13 @@ class Scheduler:
         self._ready: deque[_Seq] = deque()
         self._active: list[_Seq] = []
         self._stats = _Stats(cfg.stats_capacity)
+        self._on_metrics = on_metrics
+        self._lat_step = LatencyWindow()
+        self._lat_grammar = LatencyWindow()
+        self._lat_wait = LatencyWindow()
+        self._steps_total = 0
+        self._gauges_published: tuple[int, ...] = ()
+        self._published_at = -math.inf
         self._compile_pool = ThreadPoolExecutor(cfg.start_threads, thread_name_prefix="llm-grammar-start")
         self._step_pool = ThreadPoolExecutor(1, thread_name_prefix="llm-grammar-step")
         self._thread = threading.Thread(target=self._loop, name="llm-decode-loop", daemon=True)
@@ -649,6 +670,7 @@ class Scheduler:
                 self._boundary(inbox, cancels, started)
                 if self._active:
                     self._step()
+                self._publish_metrics()
             except Exception as err:  # noqa: BLE001 -- a loop bug: fail every request in flight, keep serving
                 _log.exception("decode loop failed; failing every request in flight")
                 self._fail_all(f"internal error: {err}", status_of(err))
@@ -781,6 +803,10 @@ class Scheduler:
                 _log.exception("MaskProvider.step failed; failing its %d constrained rows", c)
             wait_s = time.perf_counter() - tw
         self._stats.record(fwd_s, wait_s, gram_s, b, c, len(new))
+        self._steps_total += 1
+        self._lat_step.add(fwd_s + (0.0 if math.isnan(wait_s) else wait_s))
+        self._lat_grammar.add(gram_s)
+        self._lat_wait.add(wait_s)
 
         if forward_err is not None or logits is None:
             err_any: BaseException = forward_err if forward_err is not None else RuntimeError("no logits")
@@ -878,6 +904,35 @@ class Scheduler:
                 self._finish(s, "error", ends, error=out.error, status="INTERNAL")
             elif out.terminated:
                 self._finish(s, "stop", ends)
+
+    def _publish_metrics(self) -> None:
+        """Hand the ``llm`` metrics to ``on_metrics`` when a gauge moved or the interval passed."""
+        if self._on_metrics is None:
+            return
+        with self._lock:
+            live = len(self._live)
+        active = self._active
+        gauges = (live, len(active), len(self._starting) + len(self._ready),
+                  sum(1 for s in active if s.constraint is not None))
+        now = time.monotonic()
+        if gauges == self._gauges_published and (
+            now - self._published_at < self._cfg.metrics_interval_s or not active
+        ):
+            return
+        snap = Snapshot()
+        for name, value in zip(("llm_live_requests", "llm_batch_size", "llm_waiting_requests",
+                                "llm_constrained_sequences"), gauges, strict=True):
+            snap.put(name, value)
+        snap.put("llm_steps_total", self._steps_total)
+        snap.put_latency("llm_step_seconds", self._lat_step)
+        snap.put_latency("llm_grammar_roundtrip_seconds", self._lat_grammar)
+        snap.put_latency("llm_mask_wait_seconds", self._lat_wait)
+        self._gauges_published = gauges
+        self._published_at = now
+        try:
+            self._on_metrics(snap)
+        except Exception:  # noqa: BLE001 -- metrics must never fail requests; logged, the next snapshot retries
+            _log.exception("publishing the llm metrics failed")
 
     # -- finishing --------------------------------------------------------------------
     def _finish(

@@ -59,7 +59,7 @@ import logging
 import os
 import secrets
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +70,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from grammar_backend.errors import ConfigError, InvalidArgument
+from grammar_backend.metrics import Snapshot
 from grammar_backend.spec import ConstraintKind, ConstraintOptions, parse_constraint
 
 from .detok import IncrementalDetokenizer, special_token_ids
@@ -319,10 +320,15 @@ class TrtllmGenerator:
     limits : SchedulerConfig
         Request limits shared with the torch scheduler (``max_tokens_cap``,
         ``max_queued``, stop strings, start threads).
+    on_metrics : callable, optional
+        Receives the ``llm`` gauges (live and waiting requests) whenever they
+        change; TensorRT-LLM's own iteration stats hold the per-step figures.
     """
 
-    def __init__(self, config: TrtllmConfig, provider: MaskProvider, limits: SchedulerConfig | None = None) -> None:
+    def __init__(self, config: TrtllmConfig, provider: MaskProvider, limits: SchedulerConfig | None = None,
+                 on_metrics: Callable[[Snapshot], None] | None = None) -> None:
         trt = import_tensorrt_llm()
+        self._on_metrics = on_metrics
         from tensorrt_llm.llmapi import KvCacheConfig  # type: ignore[import-not-found,unused-ignore]
         from tensorrt_llm.sampling_params import (  # type: ignore[import-not-found,unused-ignore]
             GuidedDecodingParams,
@@ -430,6 +436,7 @@ class TrtllmGenerator:
                 raise RequestError("request_id", f"{req.rid!r} is already in flight")
             self._live[req.rid] = req
             self._max_live = max(self._max_live, len(self._live))
+        self._publish()
         if req.constraint is None:
             asyncio.run_coroutine_threadsafe(self._run(req), self._loop)
         else:
@@ -459,6 +466,20 @@ class TrtllmGenerator:
         self._llm.shutdown()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout)
+
+    def _publish(self) -> None:
+        if self._on_metrics is None:
+            return
+        with self._lock:
+            live = len(self._live)
+            waiting = sum(1 for r in self._live.values() if r.result is None)
+        snap = Snapshot()
+        snap.put("llm_live_requests", live)
+        snap.put("llm_waiting_requests", waiting)
+        try:
+            self._on_metrics(snap)
+        except Exception:  # noqa: BLE001 -- metrics must never fail requests; logged
+            _log.exception("publishing the llm metrics failed")
 
     # -- per request ------------------------------------------------------------
     def _start(self, req: _Request) -> None:
@@ -554,6 +575,7 @@ class TrtllmGenerator:
                 reason, close_reason = closed_finish(reason, outcome.close_state, stop_string)
         with self._lock:
             self._live.pop(req.rid, None)
+        self._publish()
         tail = req.detok.finish()
         try:
             if tail:

@@ -104,20 +104,40 @@ def test_the_schema_draft_is_honoured() -> None:
 
 def test_finish_round_trip_and_errors_as_data() -> None:
     final = FinalState("error", "", 0, 0, error="max_tokens: must be in 1..1024, got 0", status="INVALID_ARGUMENT")
-    reason, text = result_of_finish(finish_json(final, None).encode())
-    result = json.loads(text)
-    assert reason == "error"
+    out = result_of_finish(finish_json(final, None).encode())
+    result = json.loads(out.result)
+    assert (out.finish_reason, out.kind, out.close_reason, out.postvalidation_failed) == ("error", "none", None, False)
     assert (result["finish_reason"], result["complete"], result["status"], result["error"]) == (
         "error", False, "INVALID_ARGUMENT", "max_tokens: must be in 1..1024, got 0")
 
 
 def test_an_unreadable_finish_is_an_internal_result_not_an_exception() -> None:
-    reason, text = result_of_finish(b"{not json")
-    result = json.loads(text)
-    assert (reason, result["status"]) == ("error", "INTERNAL")
+    out = result_of_finish(b"{not json")
+    result = json.loads(out.result)
+    assert (out.finish_reason, result["status"], out.kind) == ("error", "INTERNAL", "none")
     assert result["error"].startswith("internal error in postprocessing: JSONDecodeError(")
 
 
 def test_long_errors_are_cut() -> None:
     result = build_result(FinalState("error", "", 0, 0, error="x" * 5000, status="INVALID_ARGUMENT"), None)
     assert result["error"] == "x" * MAX_ERROR_CHARS + "... (5000 characters)"
+
+
+AGE = {"type": "object", "properties": {"age": {"type": "integer", "minimum": 0}}, "required": ["age"]}
+
+
+@pytest.mark.parametrize(
+    ("final", "failed"),
+    [
+        (FinalState("stop", '{"age": 3}', 1, 5), False),
+        (FinalState("stop", '{"age": -3}', 1, 5), True),  # ended cleanly, yet invalid: not enforced
+        (FinalState("length", '{"age": -3', 1, 5), False),  # truncated: nobody claims it is valid
+        (FinalState("length", '{"age": -3}', 1, 5, close_reason="budget"), True),
+        (FinalState("stop", '{"age": -3}', 1, 5, stop_string=True), False),  # cut by a stop string
+    ],
+)
+def test_finished_output_labels(final: FinalState, failed: bool) -> None:
+    constraint = {"kind": "json_schema", "payload": json.dumps(AGE), "options": ""}
+    out = result_of_finish(finish_json(final, constraint).encode())
+    assert (out.finish_reason, out.kind, out.close_reason, out.postvalidation_failed) == (
+        final.finish_reason, "json_schema", final.close_reason, failed)

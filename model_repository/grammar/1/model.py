@@ -46,6 +46,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from grammar_backend.errors import GrammarError, triton_code_name
+from grammar_backend.metrics import TritonMetrics
 from grammar_backend.params import from_parameters, parameter_values
 from grammar_backend.service import (
     GrammarModelConfig,
@@ -83,22 +84,27 @@ def _to_request(request: Any) -> GrammarRequest:
     )
 
 
-def _to_response(reply: GrammarReply) -> Any:
-    tensors = [pb_utils.Tensor("ACTIVE_SEQUENCES", np.array([reply.active], np.int32))]
+def _to_response(reply: GrammarReply, wanted: frozenset[str]) -> Any:
+    # Only the outputs the caller asked for (all when it named none): an output
+    # the stub must prune is deleted in ResponseSender::Send with the GIL
+    # released, which frees its numpy array off the GIL and corrupts the heap
+    # on Triton 2.51 (python_backend PR 390, fixed in 24.12).
+    candidates: list[tuple[str, Any]] = [("ACTIVE_SEQUENCES", np.array([reply.active], np.int32))]
     if reply.bitmask is not None:
-        tensors.append(pb_utils.Tensor("BITMASK", reply.bitmask))
+        candidates.append(("BITMASK", reply.bitmask))
     if reply.terminated is not None:
-        tensors.append(pb_utils.Tensor("TERMINATED", reply.terminated))
+        candidates.append(("TERMINATED", reply.terminated))
     if reply.closing is not None:
-        tensors.append(pb_utils.Tensor("CLOSING", reply.closing))
+        candidates.append(("CLOSING", reply.closing))
     if reply.row_errors:
-        tensors.append(pb_utils.Tensor("ROW_ERROR", np.array([e.encode() for e in reply.row_errors], np.object_)))
+        candidates.append(("ROW_ERROR", np.array([e.encode() for e in reply.row_errors], np.object_)))
     if reply.forced_tokens is not None and reply.forced_counts is not None:
-        tensors.append(pb_utils.Tensor("FORCED_TOKENS", reply.forced_tokens))
-        tensors.append(pb_utils.Tensor("FORCED_COUNT", reply.forced_counts))
+        candidates.append(("FORCED_TOKENS", reply.forced_tokens))
+        candidates.append(("FORCED_COUNT", reply.forced_counts))
     if reply.stats is not None:
-        tensors.append(pb_utils.Tensor("STATS", np.array([reply.stats.encode()], np.object_)))
-    return pb_utils.InferenceResponse(output_tensors=tensors)
+        candidates.append(("STATS", np.array([reply.stats.encode()], np.object_)))
+    return pb_utils.InferenceResponse(
+        output_tensors=[pb_utils.Tensor(name, value) for name, value in candidates if not wanted or name in wanted])
 
 
 def _error_response(err: GrammarError, as_data: bool) -> Any:
@@ -123,14 +129,9 @@ class TritonPythonModel:
         # in worker processes and answer through a callback, so a slow
         # compile holds none of these threads.
         self.starts = ThreadPoolExecutor(8, thread_name_prefix="grammar-start")
-        # Prometheus gauges on Triton's metrics endpoint, updated after each response.
-        # The families must outlive their metrics, so they are kept too.
-        gauge = pb_utils.MetricFamily.GAUGE
-        self.families = [
-            pb_utils.MetricFamily("grammar_active_sequences", "Sequences holding an xgrammar matcher", gauge),
-            pb_utils.MetricFamily("grammar_cache_bytes", "Bytes of compiled grammars in the compile cache", gauge),
-        ]
-        self.active_gauge, self.cache_gauge = (family.Metric() for family in self.families)
+        # The grammar metrics of grammar_backend.metrics on Triton's endpoint:
+        # after every start and end (gauges that move), at most once a second after steps.
+        self.metrics = TritonMetrics(pb_utils, "grammar")
 
     def _serve(self, request: Any, req: GrammarRequest, errors_as_data: bool) -> None:
         try:
@@ -147,7 +148,7 @@ class TritonPythonModel:
 
     def _send(self, request: Any, op: str, outcome: GrammarReply | Exception, errors_as_data: bool) -> None:
         if isinstance(outcome, GrammarReply):
-            response = _to_response(outcome)
+            response = _to_response(outcome, frozenset(request.requested_output_names()))
         elif isinstance(outcome, GrammarError):
             response = _error_response(outcome, errors_as_data)
         else:  # a bug must reach the caller as INTERNAL, never hang it
@@ -156,9 +157,8 @@ class TritonPythonModel:
                 error=pb_utils.TritonError(f"grammar: internal error in {op}: {outcome!r}", pb_utils.TritonError.INTERNAL)
             )
         request.get_response_sender().send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        self.active_gauge.set(self.service.engine.active_count)
-        if op != "step":  # the cache only changes on start; steps skip the stats lock
-            self.cache_gauge.set(self.service.engine.cache.stats().bytes_in_use)
+        if op != "step" or self.metrics.due():
+            self.metrics.publish(self.service.metrics_snapshot(), force=True)
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
@@ -173,6 +173,5 @@ class TritonPythonModel:
         self.starts.shutdown(wait=False, cancel_futures=True)
         self.service.engine.close()
         # pb_utils objects are freed while the stub is still up (see the llm model).
-        del self.active_gauge, self.cache_gauge
-        self.families.clear()
+        self.metrics.close()
         quiesce_for_exit()

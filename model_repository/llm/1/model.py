@@ -38,6 +38,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from grammar_backend.errors import GrammarError, InvalidArgument
+from grammar_backend.metrics import TritonMetrics
 from grammar_backend.params import from_parameters, parameter_values
 from grammar_backend.teardown import quiesce_for_exit
 from llm_runtime.errors import CANCELLED
@@ -48,6 +49,7 @@ from llm_runtime.preprocess import GenerationParams
 from llm_runtime.scheduler import FinishEvent, GenerationRequest, TokenEvent
 
 _EMPTY = np.array([b""], np.object_)
+CANCEL_POLL_EVERY = 16
 
 
 def _to_request(request: Any) -> tuple[dict[str, str] | None, GenerationRequest]:
@@ -76,27 +78,30 @@ def _to_request(request: Any) -> tuple[dict[str, str] | None, GenerationRequest]
 class _Stream:
     """Sends one request's scheduler events as Triton responses."""
 
-    __slots__ = ("constraint", "metrics", "rid", "scheduler", "sender")
+    __slots__ = ("constraint", "events", "rid", "scheduler", "sender")
 
-    def __init__(self, sender: Any, scheduler: Any, metrics: dict[str, Any]) -> None:
+    def __init__(self, sender: Any, scheduler: Any) -> None:
         self.sender = sender
         self.scheduler = scheduler
-        self.metrics = metrics
         self.rid = ""
         self.constraint: dict[str, str] | None = None
+        self.events = 0
 
     def __call__(self, event: TokenEvent | FinishEvent) -> None:
         if isinstance(event, TokenEvent):
             # The client closed its stream: free the sequence at the next step.
-            if self.sender.is_cancelled():
+            # is_cancelled() is a blocking round trip through the stub's one IPC
+            # thread (the one that also runs BLS cleanups), so it is asked every
+            # CANCEL_POLL_EVERY tokens, not per token; inside the ensemble Triton
+            # 2.51 never sets it anyway (server#6739: the gateway sends CANCEL).
+            self.events += 1
+            if self.events % CANCEL_POLL_EVERY == 0 and self.sender.is_cancelled():
                 self.scheduler.cancel(self.rid)
             elif event.text_delta:
                 self.sender.send(pb_utils.InferenceResponse(output_tensors=[
                     pb_utils.Tensor("TEXT_DELTA", np.array([event.text_delta.encode("utf-8")], np.object_)),
                     pb_utils.Tensor("FINISH", _EMPTY)]))
             return
-        self.metrics["max_batch"].set(self.scheduler.max_batch_size_seen)
-        self.metrics["live"].set(self.scheduler.live_count)
         if event.error_status == CANCELLED:
             # Cancelled through CANCEL: the client has left, an empty final response ends the request.
             self.sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
@@ -119,15 +124,10 @@ class TritonPythonModel:
 
     def initialize(self, args: dict[str, str]) -> None:
         config = from_parameters(LlmModelConfig, parameter_values(json.loads(args["model_config"])), "llm")
-        self.scheduler = bls_generator(config, pb_utils)
-        # Prometheus gauges on Triton's metrics endpoint, updated once per finished request.
-        # The families must outlive their metrics, so they are kept too.
-        gauge = pb_utils.MetricFamily.GAUGE
-        self.families = {
-            "max_batch": pb_utils.MetricFamily("llm_batch_size_max", "Largest batch decoded in one step", gauge),
-            "live": pb_utils.MetricFamily("llm_live_requests", "Requests not finished yet", gauge),
-        }
-        self.metrics = {name: family.Metric() for name, family in self.families.items()}
+        # The llm metrics of grammar_backend.metrics on Triton's endpoint; the
+        # generator hands snapshots over when a gauge moves (or each second).
+        self.metrics = TritonMetrics(pb_utils, "llm")
+        self.scheduler = bls_generator(config, pb_utils, lambda snap: self.metrics.publish(snap, force=True))
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
@@ -136,7 +136,7 @@ class TritonPythonModel:
                 self.scheduler.cancel(bytes(cancel.as_numpy().reshape(-1)[0]).decode("utf-8", "replace"))
                 request.get_response_sender().send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
-            stream = _Stream(request.get_response_sender(), self.scheduler, self.metrics)
+            stream = _Stream(request.get_response_sender(), self.scheduler)
             try:
                 stream.constraint, gen_request = _to_request(request)
                 stream.rid = self.scheduler.submit(gen_request, stream)
@@ -150,12 +150,11 @@ class TritonPythonModel:
         # One line per process lifetime: the per-step figures the benchmarks read.
         pb_utils.Logger.log_info(f"llm step stats: {json.dumps(self.scheduler.summary())}")
         self.scheduler.close()
-        # Every pb_utils object (metrics before their families, the BLS provider's
-        # cached tensors, BLS responses held by exception tracebacks) is freed
+        # Every pb_utils object (metrics before their families, the BLS responses
+        # the provider retains or exception tracebacks hold) is freed
         # here, while the stub's shared memory still exists: left to interpreter
         # teardown their destructors segfaulted the stub on SIGTERM shutdowns
         # (MetricFamily 2 of 2; PbTensor and InferResponse once each).
-        self.metrics.clear()
-        self.families.clear()
         del self.scheduler
+        self.metrics.close()
         quiesce_for_exit()

@@ -20,8 +20,9 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from grammar_backend.metrics import Snapshot, TritonMetrics
 from grammar_backend.teardown import quiesce_for_exit
-from llm_runtime.postprocess import result_of_finish
+from llm_runtime.postprocess import FinishedOutput, result_of_finish
 
 _EMPTY = np.array([b""], np.object_)
 
@@ -33,6 +34,19 @@ def _bytes(request: Any, name: str) -> bytes:
 class TritonPythonModel:
     """Adapter: one llm response in, one ensemble response out."""
 
+    def initialize(self, args: dict[str, str]) -> None:
+        # Cumulative output counters (grammar_backend.metrics), published after each finished output.
+        self.metrics = TritonMetrics(pb_utils, "postprocessing")
+        self.counts = Snapshot()
+
+    def _count(self, out: FinishedOutput) -> None:
+        self.counts.add("constrained_llm_outputs_total", finish_reason=out.finish_reason, kind=out.kind)
+        if out.close_reason is not None:
+            self.counts.add("constrained_llm_closed_outputs_total", close_reason=out.close_reason, kind=out.kind)
+        if out.postvalidation_failed:
+            self.counts.add("constrained_llm_postvalidation_failures_total", kind=out.kind)
+        self.metrics.publish(self.counts, force=True)
+
     def execute(self, requests: list[Any]) -> list[Any]:
         responses = []
         for request in requests:
@@ -42,13 +56,15 @@ class TritonPythonModel:
                 responses.append(pb_utils.InferenceResponse(output_tensors=[
                     text, pb_utils.Tensor("FINISH_REASON", _EMPTY), pb_utils.Tensor("RESULT", _EMPTY)]))
                 continue
-            finish_reason, result = result_of_finish(finish)
+            out = result_of_finish(finish)
             responses.append(pb_utils.InferenceResponse(output_tensors=[
                 text,
-                pb_utils.Tensor("FINISH_REASON", np.array([finish_reason.encode()], np.object_)),
-                pb_utils.Tensor("RESULT", np.array([result.encode("utf-8")], np.object_)),
+                pb_utils.Tensor("FINISH_REASON", np.array([out.finish_reason.encode()], np.object_)),
+                pb_utils.Tensor("RESULT", np.array([out.result.encode("utf-8")], np.object_)),
             ]))
+            self._count(out)
         return responses
 
     def finalize(self) -> None:
+        self.metrics.close()
         quiesce_for_exit()

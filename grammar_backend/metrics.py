@@ -1,0 +1,293 @@
+"""The Prometheus metrics the Triton models export: one catalog, one publishing rule.
+
+Every metric the ``grammar``, ``llm`` and ``postprocessing`` models put on
+Triton's metrics endpoint (port 8002, through ``pb_utils.MetricFamily``) is
+declared once in :data:`METRICS`; the Grafana dashboard, the
+prometheus-adapter rule and the HorizontalPodAutoscaler under ``deploy/k8s``
+name metrics from it (a test checks that they name nothing else).
+
+Publishing costs an IPC from the model's stub to the server per value, so the
+models never publish per token: they keep cumulative counters and rolling
+windows in-process and hand a :class:`Snapshot` to :class:`Publisher` at
+most every ``min_interval_s`` (and whenever a gauge changes, so gauges show
+the present).  Counters go out as increments (their delta since the last
+publication), gauges as values.  Latencies are exported summary-style:
+``<name>{quantile="0.5"|"0.99"}`` gauges over the values seen since the last
+publication, plus ``<name>_sum`` / ``<name>_count`` counters (rate(sum) /
+rate(count) is the mean).
+
+This module is pure Python (no Triton import); the models apply the
+:class:`Update` s it returns.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Final, Literal
+
+import numpy as np
+
+__all__ = [
+    "METRICS",
+    "QUANTILES",
+    "LatencyWindow",
+    "MetricSpec",
+    "Publisher",
+    "Snapshot",
+    "TritonMetrics",
+    "Update",
+    "metric_names",
+]
+
+Kind = Literal["counter", "gauge"]
+Labels = tuple[tuple[str, str], ...]
+
+#: Quantiles of the latency summaries.
+QUANTILES: Final = ("0.5", "0.99")
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One exported metric family.
+
+    Attributes
+    ----------
+    name : str
+        Prometheus name.
+    kind : {"counter", "gauge"}
+    help : str
+    model : str
+        The Triton model that exports it.
+    labels : tuple of str
+        Label names (values are set per series).
+    """
+
+    name: str
+    kind: Kind
+    help: str
+    model: str
+    labels: tuple[str, ...] = ()
+
+
+def _latency(name: str, help_text: str, model: str) -> tuple[MetricSpec, ...]:
+    return (
+        MetricSpec(name, "gauge", f"{help_text}: quantiles since the last publication (seconds)", model, ("quantile",)),
+        MetricSpec(f"{name}_sum", "counter", f"{help_text}: total seconds", model),
+        MetricSpec(f"{name}_count", "counter", f"{help_text}: observations", model),
+    )
+
+
+METRICS: Final[tuple[MetricSpec, ...]] = (
+    # grammar model
+    MetricSpec("grammar_active_sequences", "gauge", "Sequences holding an xgrammar matcher now", "grammar"),
+    MetricSpec("grammar_cache_bytes", "gauge", "Bytes of compiled grammars in the compile cache", "grammar"),
+    MetricSpec("grammar_cache_entries", "gauge", "Compiled grammars in the compile cache", "grammar"),
+    MetricSpec("grammar_compiles_in_flight", "gauge", "Compiles running or queued now", "grammar"),
+    MetricSpec("grammar_cache_hits_total", "counter", "Starts served from the compile cache", "grammar"),
+    MetricSpec("grammar_cache_misses_total", "counter", "Starts that needed a compile (or the store)", "grammar"),
+    MetricSpec("grammar_cache_evictions_total", "counter", "Compiled grammars evicted by the byte bound", "grammar"),
+    MetricSpec("grammar_store_hits_total", "counter", "Misses served from the on-disk grammar store", "grammar"),
+    MetricSpec("grammar_compiles_total", "counter", "Compiles finished (successful or not)", "grammar"),
+    MetricSpec("grammar_compile_failures_total", "counter", "Compiles that failed (bad constraint, limits)", "grammar"),
+    MetricSpec("grammar_compile_timeouts_total", "counter", "Starts that gave up waiting for a compile", "grammar"),
+    MetricSpec("grammar_compile_seconds_total", "counter", "Seconds spent compiling", "grammar"),
+    *_latency("grammar_step_seconds", "Grammar step per batch (accept tokens + fill the masks)", "grammar"),
+    # llm model
+    MetricSpec("llm_live_requests", "gauge", "Requests not finished now (compiling, waiting or decoding)", "llm"),
+    MetricSpec("llm_batch_size", "gauge", "Sequences in the decode batch now", "llm"),
+    MetricSpec("llm_waiting_requests", "gauge", "Requests compiling or waiting for a batch slot now", "llm"),
+    MetricSpec("llm_constrained_sequences", "gauge", "Constrained sequences in the decode batch now", "llm"),
+    MetricSpec("llm_steps_total", "counter", "Decode steps run", "llm"),
+    *_latency("llm_step_seconds", "Decode step (forward + mask wait)", "llm"),
+    *_latency("llm_grammar_roundtrip_seconds", "Grammar request per step (BLS round trip)", "llm"),
+    *_latency("llm_mask_wait_seconds", "Part of the grammar round trip not hidden behind the forward", "llm"),
+    # postprocessing model
+    MetricSpec("constrained_llm_outputs_total", "counter", "Finished outputs by finish reason and constraint kind",
+               "postprocessing", ("finish_reason", "kind")),
+    MetricSpec("constrained_llm_closed_outputs_total", "counter", "Outputs closed early by the grammar side",
+               "postprocessing", ("close_reason", "kind")),
+    MetricSpec("constrained_llm_postvalidation_failures_total", "counter",
+               "JSON outputs that ended cleanly but fail to parse or validate against the schema",
+               "postprocessing", ("kind",)),
+)
+
+
+def metric_names(model: str | None = None) -> tuple[str, ...]:
+    """The names of :data:`METRICS` (of one model's, when given)."""
+    return tuple(m.name for m in METRICS if model is None or m.model == model)
+
+
+@dataclass(frozen=True)
+class Update:
+    """One value to put on the endpoint: ``set`` a gauge or ``increment`` a counter."""
+
+    name: str
+    labels: Labels
+    op: Literal["set", "increment"]
+    value: float
+
+
+@dataclass
+class Snapshot:
+    """Values of one publication: cumulative counters and present gauges, by name and labels."""
+
+    values: dict[tuple[str, Labels], float] = field(default_factory=dict)
+
+    def put(self, name: str, value: float, **labels: str) -> None:
+        """Set the value of one series."""
+        self.values[(name, tuple(sorted(labels.items())))] = float(value)
+
+    def add(self, name: str, delta: float = 1.0, **labels: str) -> None:
+        """Add to one series (a counter kept in the snapshot itself)."""
+        key = (name, tuple(sorted(labels.items())))
+        self.values[key] = self.values.get(key, 0.0) + delta
+
+    def put_latency(self, name: str, window: LatencyWindow) -> None:
+        """The window's quantiles (when it saw values) and its cumulative sum and count."""
+        qs = window.quantiles()
+        if qs is not None:
+            for q, v in zip(QUANTILES, qs, strict=True):
+                self.put(name, v, quantile=q)
+        self.put(f"{name}_sum", window.total_s)
+        self.put(f"{name}_count", window.count)
+
+
+class LatencyWindow:
+    """Durations since the last publication in a preallocated ring, plus cumulative sum and count.
+
+    ``add`` is O(1) and allocation-free (called per step); ``quantiles``
+    reads and clears the window (called per publication).  Thread-safe.
+    """
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self._ring = np.zeros(capacity)
+        self._n = 0
+        self._lock = threading.Lock()
+        self.total_s = 0.0
+        self.count = 0
+
+    def add(self, seconds: float) -> None:
+        """Record one duration (NaN and infinities are ignored)."""
+        if not math.isfinite(seconds):
+            return
+        with self._lock:
+            self._ring[self._n % self._ring.shape[0]] = seconds
+            self._n += 1
+            self.total_s += seconds
+            self.count += 1
+
+    def quantiles(self) -> tuple[float, ...] | None:
+        """p50 and p99 of the window (``None`` when empty), and start a new window."""
+        with self._lock:
+            n = min(self._n, self._ring.shape[0])
+            if n == 0:
+                return None
+            out = tuple(float(v) for v in np.quantile(self._ring[:n], [float(q) for q in QUANTILES]))
+            self._n = 0
+            return out
+
+
+class Publisher:
+    """Turns snapshots into the updates that make the endpoint match them.
+
+    Parameters
+    ----------
+    specs : iterable of MetricSpec
+        The metrics this publisher may update (a snapshot naming another
+        metric, or a label set that does not match, is a bug: ``ValueError``).
+    """
+
+    def __init__(self, specs: Iterable[MetricSpec]) -> None:
+        self.specs: dict[str, MetricSpec] = {s.name: s for s in specs}
+        self._published: dict[tuple[str, Labels], float] = {}
+
+    def updates(self, snapshot: Snapshot) -> list[Update]:
+        """The updates since the previous call (gauges that changed, counters that grew)."""
+        out: list[Update] = []
+        for (name, labels), value in snapshot.values.items():
+            spec = self.specs.get(name)
+            if spec is None:
+                raise ValueError(f"metric {name!r} is not in this publisher's catalog")
+            if tuple(k for k, _ in labels) != tuple(sorted(spec.labels)):
+                raise ValueError(f"metric {name!r} takes labels {spec.labels}, got {dict(labels)}")
+            before = self._published.get((name, labels))
+            if spec.kind == "gauge":
+                if before != value:
+                    out.append(Update(name, labels, "set", value))
+            else:
+                delta = value - (before or 0.0)
+                if delta < 0:
+                    raise ValueError(f"counter {name!r} went down ({before} -> {value})")
+                if delta > 0:
+                    out.append(Update(name, labels, "increment", delta))
+            self._published[(name, labels)] = value
+        return out
+
+
+class TritonMetrics:
+    """One model's metric families on Triton's endpoint, fed with snapshots.
+
+    Parameters
+    ----------
+    pb_utils : module
+        ``triton_python_backend_utils`` (passed in: only importable inside the stub).
+    model : str
+        The model whose :data:`METRICS` to create.
+    min_interval_s : float
+        :meth:`publish` without ``force`` does nothing more often than this.
+    clock : callable
+        Monotonic clock.
+
+    Notes
+    -----
+    Thread-safe.  :meth:`close` must run in ``finalize``: metrics before their
+    families, while the stub still runs (the stub segfaulted when interpreter
+    teardown freed them).
+    """
+
+    def __init__(self, pb_utils: ModuleType, model: str, min_interval_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        specs = [m for m in METRICS if m.model == model]
+        if not specs:
+            raise ValueError(f"no metrics are declared for model {model!r}")
+        kinds = {"counter": pb_utils.MetricFamily.COUNTER, "gauge": pb_utils.MetricFamily.GAUGE}
+        self._families: dict[str, Any] = {s.name: pb_utils.MetricFamily(s.name, s.help, kinds[s.kind]) for s in specs}
+        # Unlabelled series exist from the start (0), so rate() and absent() work before any traffic.
+        self._series: dict[tuple[str, Labels], Any] = {
+            (s.name, ()): self._families[s.name].Metric(labels={}) for s in specs if not s.labels}
+        self._publisher = Publisher(specs)
+        self._lock = threading.Lock()
+        self._interval = min_interval_s
+        self._clock = clock
+        self._last = -math.inf
+
+    def due(self) -> bool:
+        """Whether ``min_interval_s`` has passed since the last publication."""
+        return self._clock() - self._last >= self._interval
+
+    def publish(self, snapshot: Snapshot, *, force: bool = False) -> None:
+        """Put the snapshot's changes on the endpoint (when due, or always with ``force``)."""
+        with self._lock:
+            if not force and not self.due():
+                return
+            self._last = self._clock()
+            for u in self._publisher.updates(snapshot):
+                series = self._series.get((u.name, u.labels))
+                if series is None:
+                    series = self._families[u.name].Metric(labels=dict(u.labels))
+                    self._series[(u.name, u.labels)] = series
+                if u.op == "set":
+                    series.set(u.value)
+                else:
+                    series.increment(u.value)
+
+    def close(self) -> None:
+        """Free every series, then the families."""
+        with self._lock:
+            self._series.clear()
+            self._families.clear()

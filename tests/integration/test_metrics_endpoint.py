@@ -1,0 +1,112 @@
+"""The grammar, llm and postprocessing metrics on Triton's endpoint move with the load and return to idle.
+
+Eight requests whose regex cannot be finished in their budget (so all eight run
+to ``max_tokens`` together) are held live while the gauges are read: they
+must show the eight of now, not a high-water mark or the state at the last
+finish; afterwards every gauge reads its idle value and the counters have
+grown by exactly what ran.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+import urllib.request
+from typing import Any
+
+import pytest
+
+from client import Client, Constraint
+from deploy.server import TritonServer
+from grammar_backend.metrics import METRICS, QUANTILES, metric_names
+
+pytestmark = [pytest.mark.triton, pytest.mark.e2e]
+
+_LINE = re.compile(r"^([a-z_][a-z0-9_]*)(?:\{([^}]*)\})? (\S+)$")
+
+
+def scrape(server: TritonServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every series of the endpoint: (name, sorted labels) -> value."""
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for line in text.splitlines():
+        m = _LINE.match(line)
+        if m is None:
+            continue
+        labels = tuple(sorted(tuple(kv.split("=", 1)) for kv in re.findall(r'[a-z_]+="[^"]*"', m.group(2) or "")))
+        out[(m.group(1), tuple((k, v.strip('"')) for k, v in labels))] = float(m.group(3))
+    return out
+
+
+def value(series: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
+    return series.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def wait_for(server: TritonServer, check: Any, timeout_s: float = 20.0) -> dict[tuple[str, Any], float]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        series = scrape(server)
+        if check(series) or time.monotonic() > deadline:
+            return series
+        time.sleep(0.1)
+
+
+GAUGES = ("llm_live_requests", "llm_batch_size", "llm_waiting_requests", "llm_constrained_sequences",
+          "grammar_active_sequences")
+
+
+def test_metrics_move_with_the_load_and_return_to_idle(server: TritonServer) -> None:
+    with Client(server.grpc_url) as c:  # warm: compile once, every model has published
+        c.generate("Hi.", constraint=Constraint.regex("[a-z]{2}"), max_tokens=8, require_complete=False)
+    before = wait_for(server, lambda s: all(value(s, g) == 0 for g in GAUGES))
+    assert [g for g in GAUGES if value(before, g) != 0] == []
+
+    never_done = Constraint.regex("[a-z]{300}").with_policies(on_budget="truncate")
+    first = threading.Barrier(9)
+    release = threading.Event()
+    results: list[Any] = []
+
+    def run(i: int) -> None:
+        with Client(server.grpc_url) as c:
+            stream = c.stream(f"Letters {i}:", constraint=never_done, max_tokens=64, require_complete=False)
+            for n, chunk in enumerate(stream):
+                if n == 0:
+                    first.wait(60)
+                    release.wait(60)
+                del chunk
+            results.append(stream)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    first.wait(60)  # every stream has its first token: all eight are live
+    during = wait_for(server, lambda s: value(s, "llm_live_requests") == 8 and value(s, "llm_batch_size") == 8)
+    release.set()
+    for t in threads:
+        t.join(120)
+    assert (value(during, "llm_live_requests"), value(during, "llm_batch_size"),
+            value(during, "llm_constrained_sequences"), value(during, "grammar_active_sequences")) == (8, 8, 8, 8)
+    assert len(results) == 8
+
+    after = wait_for(server, lambda s: all(value(s, g) == 0 for g in GAUGES))
+    assert {g: value(after, g) for g in GAUGES} == dict.fromkeys(GAUGES, 0.0)
+    grew = {name: value(after, name) - value(before, name) for name in (
+        "grammar_cache_hits_total", "grammar_cache_misses_total", "llm_steps_total", "llm_step_seconds_count",
+        "grammar_step_seconds_count")}
+    assert grew["grammar_cache_hits_total"] + grew["grammar_cache_misses_total"] == 8
+    assert grew["grammar_cache_misses_total"] == 1  # a new regex: one compile, then seven hits
+    assert grew["llm_steps_total"] == grew["llm_step_seconds_count"] >= 64
+    assert grew["grammar_step_seconds_count"] >= 64
+    assert value(after, "constrained_llm_outputs_total", finish_reason="length", kind="regex") - value(
+        before, "constrained_llm_outputs_total", finish_reason="length", kind="regex") == 8
+    for q in QUANTILES:
+        assert value(after, "llm_grammar_roundtrip_seconds", quantile=q) > 0
+        assert value(after, "grammar_step_seconds", quantile=q) > 0
+    # Every unlabelled metric of the catalog is on the endpoint (from 0), and the labelled
+    # ones this run touched.
+    exported = {name for name, _ in after}
+    labelled = {s.name for s in METRICS if s.labels} - {"llm_grammar_roundtrip_seconds", "grammar_step_seconds",
+                                                        "llm_step_seconds", "llm_mask_wait_seconds"}
+    assert [n for n in metric_names() if n not in exported and n not in labelled] == []

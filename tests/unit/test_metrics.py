@@ -1,0 +1,166 @@
+"""grammar_backend.metrics: the catalog, the publishing rule, the latency windows; and the scheduler's snapshots."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from pathlib import Path
+
+import pytest
+
+from grammar_backend.metrics import (
+    METRICS,
+    QUANTILES,
+    LatencyWindow,
+    Publisher,
+    Snapshot,
+    Update,
+    metric_names,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_catalog_names_are_unique_and_prometheus_shaped() -> None:
+    names = metric_names()
+    assert len(names) == len(set(names))
+    for spec in METRICS:
+        assert re.fullmatch(r"[a-z_][a-z0-9_]*", spec.name), spec.name
+        assert spec.model in ("grammar", "llm", "postprocessing")
+        assert spec.name.endswith(("_total", "_sum", "_count")) == (spec.kind == "counter"), spec.name
+
+
+def test_every_model_that_exports_metrics_builds_them_from_the_catalog() -> None:
+    for model in ("grammar", "llm", "postprocessing"):
+        source = (REPO / "model_repository" / model / "1" / "model.py").read_text()
+        assert f'TritonMetrics(pb_utils, "{model}")' in source
+        assert "MetricFamily(" not in source, f"{model} declares a metric outside grammar_backend.metrics"
+
+
+@pytest.mark.parametrize(
+    ("snapshots", "expected"),
+    [
+        # gauges: set on change only
+        ([{("grammar_active_sequences", ()): 2.0}, {("grammar_active_sequences", ()): 2.0},
+          {("grammar_active_sequences", ()): 0.0}],
+         [[Update("grammar_active_sequences", (), "set", 2.0)], [], [Update("grammar_active_sequences", (), "set", 0.0)]]),
+        # counters: increments by the growth of the cumulative value
+        ([{("grammar_cache_hits_total", ()): 3.0}, {("grammar_cache_hits_total", ()): 3.0},
+          {("grammar_cache_hits_total", ()): 7.0}],
+         [[Update("grammar_cache_hits_total", (), "increment", 3.0)], [],
+          [Update("grammar_cache_hits_total", (), "increment", 4.0)]]),
+        # labelled series are independent
+        ([{("constrained_llm_outputs_total", (("finish_reason", "stop"), ("kind", "regex"))): 1.0,
+           ("constrained_llm_outputs_total", (("finish_reason", "length"), ("kind", "regex"))): 2.0}],
+         [[Update("constrained_llm_outputs_total", (("finish_reason", "stop"), ("kind", "regex")), "increment", 1.0),
+           Update("constrained_llm_outputs_total", (("finish_reason", "length"), ("kind", "regex")), "increment", 2.0)]]),
+    ],
+)
+def test_publisher_updates(snapshots: list[dict[tuple[str, tuple[tuple[str, str], ...]], float]],
+                           expected: list[list[Update]]) -> None:
+    pub = Publisher(METRICS)
+    assert [pub.updates(Snapshot(dict(s))) for s in snapshots] == expected
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({("no_such_metric", ()): 1.0}, "metric 'no_such_metric' is not in this publisher's catalog"),
+        ({("constrained_llm_outputs_total", (("kind", "regex"),)): 1.0}, "takes labels"),
+    ],
+)
+def test_publisher_refuses_what_the_catalog_does_not_declare(values: dict[tuple[str, tuple[tuple[str, str], ...]], float],
+                                                             message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Publisher(METRICS).updates(Snapshot(values))
+
+
+def test_a_counter_never_goes_down() -> None:
+    pub = Publisher(METRICS)
+    pub.updates(Snapshot({("llm_steps_total", ()): 5.0}))
+    with pytest.raises(ValueError, match=r"counter 'llm_steps_total' went down \(5.0 -> 4.0\)"):
+        pub.updates(Snapshot({("llm_steps_total", ()): 4.0}))
+
+
+def test_snapshot_add_accumulates_per_label_set() -> None:
+    snap = Snapshot()
+    snap.add("constrained_llm_outputs_total", finish_reason="stop", kind="regex")
+    snap.add("constrained_llm_outputs_total", finish_reason="stop", kind="regex")
+    snap.add("constrained_llm_outputs_total", kind="regex", finish_reason="length")
+    assert snap.values == {
+        ("constrained_llm_outputs_total", (("finish_reason", "stop"), ("kind", "regex"))): 2.0,
+        ("constrained_llm_outputs_total", (("finish_reason", "length"), ("kind", "regex"))): 1.0,
+    }
+
+
+def test_latency_window_quantiles_reset_per_publication_sums_do_not() -> None:
+    w = LatencyWindow(capacity=8)
+    assert w.quantiles() is None
+    for v in (1.0, 2.0, 3.0, float("nan"), float("inf")):
+        w.add(v)
+    assert w.quantiles() == pytest.approx((2.0, 2.98))
+    assert w.quantiles() is None  # a new window
+    for v in range(20):  # more than the ring holds: the newest 8 are kept
+        w.add(float(v))
+    assert w.quantiles() is not None
+    assert (w.count, w.total_s) == (23, 6.0 + sum(range(20)))
+    snap = Snapshot()
+    snap.put_latency("llm_step_seconds", w)
+    assert set(snap.values) == {("llm_step_seconds_sum", ()), ("llm_step_seconds_count", ())}
+    w.add(0.5)
+    snap.put_latency("llm_step_seconds", w)
+    assert {k for k in snap.values if k[0] == "llm_step_seconds"} == {
+        ("llm_step_seconds", (("quantile", q),)) for q in QUANTILES}
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_scheduler_snapshots_show_the_present(tmp_path: Path) -> None:
+    """While requests run the llm gauges count them; once they finish every gauge reads 0 again."""
+    from llm_runtime.engine import EngineConfig, TorchEngine
+    from llm_runtime.scheduler import (
+        FinishEvent,
+        GenerationRequest,
+        Scheduler,
+        SchedulerConfig,
+        TokenEvent,
+    )
+    from llm_runtime.tiny_model import build_tiny_llama
+    tiny = build_tiny_llama(tmp_path / "m", num_layers=1)
+    engine = TorchEngine(tiny.path, EngineConfig(max_batch_size=4, max_seq_len=128))
+    snaps: list[dict[str, float]] = []
+    lock = threading.Lock()
+
+    def on_metrics(snap: Snapshot) -> None:
+        with lock:
+            snaps.append({name: v for (name, labels), v in snap.values.items() if not labels})
+
+    done = threading.Semaphore(0)
+
+    def on_event(event: TokenEvent | FinishEvent) -> None:
+        if isinstance(event, FinishEvent):
+            done.release()
+
+    class NoGrammar:  # unconstrained requests never reach the provider
+        def start(self, *a: object) -> None:
+            raise AssertionError("no constraint was sent")
+
+        step = end = start
+
+    with Scheduler(engine, NoGrammar(), SchedulerConfig(metrics_interval_s=0.01), on_metrics=on_metrics) as s:  # type: ignore[arg-type]
+        for i in range(3):
+            s.submit(GenerationRequest(engine.tokenizer.encode("hello").ids, max_tokens=40, temperature=1.0, seed=i),
+                     on_event)
+        for _ in range(3):
+            assert done.acquire(timeout=60)
+        for _ in range(200):  # the loop publishes the idle values right after the last finish
+            with lock:
+                if snaps and snaps[-1]["llm_live_requests"] == 0:
+                    break
+            threading.Event().wait(0.01)
+    assert max(s["llm_live_requests"] for s in snaps) == 3
+    assert max(s["llm_batch_size"] for s in snaps) == 3
+    last = snaps[-1]
+    assert (last["llm_live_requests"], last["llm_batch_size"], last["llm_waiting_requests"]) == (0, 0, 0)
+    assert last["llm_steps_total"] == last["llm_step_seconds_count"] >= 40
+    assert json.dumps(last)  # plain numbers
