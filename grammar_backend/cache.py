@@ -311,6 +311,7 @@ def _failed(err: BaseException) -> Future[xgr.CompiledGrammar]:
 
 _STORE_FORMAT: Final = "grammar-store/1"
 _KEY_FILE: Final = ".store-key"
+_SECRET_BYTES: Final = 32
 
 
 class GrammarStore:
@@ -342,14 +343,30 @@ class GrammarStore:
         self.rejects = 0
 
     def _load_secret(self) -> bytes:
+        # Replicas may share the folder (a ReadWriteMany volume): the secret is
+        # written whole to a temporary file and hard-linked into place, which
+        # fails if another replica won the race, so no replica ever reads a
+        # half-written secret (with O_CREAT|O_EXCL a reader could read it empty,
+        # sign with b"" and delete every file the others wrote).
         path = self.root / _KEY_FILE
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            return path.read_bytes()
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(secrets.token_bytes(32))
-        return path.read_bytes()
+        if not path.exists():
+            fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-key-")  # mode 0600
+            try:
+                with os.fdopen(fd, "wb") as fh:
+                    fh.write(secrets.token_bytes(_SECRET_BYTES))
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                try:
+                    os.link(tmp, path)
+                except FileExistsError:
+                    pass
+            finally:
+                os.unlink(tmp)
+        secret = path.read_bytes()
+        if len(secret) != _SECRET_BYTES:
+            raise ConfigError(f"grammar store: {path} holds {len(secret)} bytes, not a {_SECRET_BYTES}-byte secret; "
+                              "remove the folder's files to start a new store")
+        return secret
 
     def _path(self, key: str) -> Path:
         if len(key) != 64 or any(c not in "0123456789abcdef" for c in key):
@@ -385,6 +402,9 @@ class GrammarStore:
         try:
             text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
+            return None
+        except OSError as err:  # e.g. ESTALE on a shared network volume: a miss, compiled again
+            log.warning("grammar store: cannot read %s: %s", path.name, err)
             return None
         reason = None
         compiled = None

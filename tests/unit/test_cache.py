@@ -176,3 +176,21 @@ def test_on_each_thread_runs_once_per_thread_and_a_failure_does_not_hang(tiny_in
             cache.on_each_thread(fail)
     finally:
         cache.close()
+
+
+def test_replicas_sharing_a_store_agree_on_its_secret(tmp_path: Path, tiny_info: xgr.TokenizerInfo) -> None:
+    """Stores opened at once on one folder (replicas on a shared volume) read each other's grammars."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        stores = list(pool.map(lambda _: GrammarStore(tmp_path, tiny_info), range(8)))
+    compiled = xgr.GrammarCompiler(tiny_info, max_threads=1).compile_regex("ab+")
+    stores[0].save(_key(3), compiled)
+    assert all(s.load(_key(3)) is not None for s in stores)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".store-key", f"{_key(3)}.json"]
+
+
+def test_a_torn_store_secret_fails_loudly(tmp_path: Path, tiny_info: xgr.TokenizerInfo) -> None:
+    (tmp_path / ".store-key").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"holds 0 bytes, not a 32-byte secret"):
+        GrammarStore(tmp_path, tiny_info)
