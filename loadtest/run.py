@@ -19,7 +19,6 @@ import argparse
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
@@ -31,6 +30,7 @@ if str(REPO) not in sys.path:
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from deploy.drain import scrape
 from deploy.server import ServerConfig, TritonServer
 from loadtest import summary
 
@@ -53,14 +53,11 @@ def ready(url: str) -> bool:
 
 
 def gauges(metrics_url: str) -> dict[str, float]:
-    """The leak gauges from Triton's Prometheus endpoint."""
-    with urllib.request.urlopen(metrics_url, timeout=10) as resp:
-        text = resp.read().decode()
+    """The leak gauges from Triton's Prometheus endpoint (summed over their series)."""
     values: dict[str, float] = {}
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
+    for (name, _), v in scrape(metrics_url).items():
         if name in GAUGES:
-            values[name] = values.get(name, 0.0) + float(line.split()[-1])
+            values[name] = values.get(name, 0.0) + v
     return values
 
 

@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
 # Render the model repository for this container's settings, then run the
 # supervised server (gateway on 0.0.0.0:8001, Triton's HTTP 8000 and metrics
-# 8002).  Settings come from the environment (defaults in deploy/docker/Dockerfile):
-#   MODEL_DIR         Hugging Face checkpoint folder (tokenizer; the model for trtllm_backend pytorch)
+# 8002).  Settings come from the environment (defaults in deploy/docker/Dockerfile
+# for the GPU image, deploy/docker/Dockerfile.cpu for the CPU one):
+#   ENGINE, DEVICE    torch + cpu (CPU image) or tensorrt_llm + cuda (GPU image)
+#   MODEL_DIR         Hugging Face checkpoint folder (tokenizer; the model for torch and trtllm_backend pytorch)
 #   TRTLLM_ENGINE_DIR built TensorRT engine folder (trtllm_backend tensorrt only)
 #   TRTLLM_BACKEND    pytorch | tensorrt
 #   GRAMMAR_MODE      processor | native
-#   MAX_BATCH         decode batch (default 64)
+#   MAX_BATCH         decode batch
 #   RENDER_ONLY=1     render into $RENDER_DIR and exit (inspect the configuration)
 # Extra arguments go to tritonserver.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 repo="${RENDER_DIR:-/tmp/model_repository}"
 python3 -m deploy.render --src model_repository --dst "$repo" --values deploy/values.json \
-    --set "MODEL_DIR=${MODEL_DIR}" --set ENGINE=tensorrt_llm --set DEVICE=cuda \
-    --set "MAX_BATCH=${MAX_BATCH:-64}" --set "GRAMMAR_MODE=${GRAMMAR_MODE}" \
+    --set "MODEL_DIR=${MODEL_DIR}" --set "ENGINE=${ENGINE}" --set "DEVICE=${DEVICE}" \
+    --set "MAX_BATCH=${MAX_BATCH}" --set "GRAMMAR_MODE=${GRAMMAR_MODE}" \
     --set "TRTLLM_BACKEND=${TRTLLM_BACKEND}" --set "TRTLLM_ENGINE_DIR=${TRTLLM_ENGINE_DIR:-}" \
     --set "GRAMMAR_STORE_DIR=${GRAMMAR_STORE_DIR:-/var/lib/constrained-llm/grammar-store}"
 if [[ "${RENDER_ONLY:-0}" == 1 ]]; then

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import tritonclient.grpc as grpcclient
 
+from deploy.drain import scrape
 from deploy.render import load_values, render_repository
 from deploy.server import ServerConfig, TritonServer
 from loadtest.run import ready
@@ -75,12 +75,10 @@ def grammar_active(server: TritonServer) -> int:
 
 
 def metric(server: TritonServer, name: str) -> float:
-    """A gauge from Triton's Prometheus endpoint."""
-    with urllib.request.urlopen(server.metrics_url, timeout=10) as resp:
-        text = resp.read().decode()
-    values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith((name + "{", name + " "))]
-    assert len(values) == 1, f"{name} not exported once: {values}"
-    return values[0]
+    """An unlabelled gauge or counter from Triton's Prometheus endpoint."""
+    series = [v for (n, _), v in scrape(server.metrics_url).items() if n == name]
+    assert len(series) == 1, f"{name} not exported once: {series}"
+    return series[0]
 
 
 def wait_active_zero(server: TritonServer, timeout_s: float = 60) -> int:

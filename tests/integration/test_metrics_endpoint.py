@@ -9,45 +9,23 @@ grown by exactly what ran.
 
 from __future__ import annotations
 
-import re
 import threading
 import time
-import urllib.request
 from typing import Any
 
 import pytest
 
 from client import Client, Constraint
+from deploy.drain import Series, drain, scrape, value
 from deploy.server import TritonServer
 from grammar_backend.metrics import METRICS, QUANTILES, metric_names
 
 pytestmark = [pytest.mark.triton, pytest.mark.e2e]
 
-_LINE = re.compile(r"^([a-z_][a-z0-9_]*)(?:\{([^}]*)\})? (\S+)$")
-
-
-def scrape(server: TritonServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every series of the endpoint: (name, sorted labels) -> value."""
-    with urllib.request.urlopen(server.metrics_url, timeout=10) as resp:
-        text = resp.read().decode()
-    out: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-    for line in text.splitlines():
-        m = _LINE.match(line)
-        if m is None:
-            continue
-        labels = tuple(sorted(tuple(kv.split("=", 1)) for kv in re.findall(r'[a-z_]+="[^"]*"', m.group(2) or "")))
-        out[(m.group(1), tuple((k, v.strip('"')) for k, v in labels))] = float(m.group(3))
-    return out
-
-
-def value(series: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
-    return series.get((name, tuple(sorted(labels.items()))), 0.0)
-
-
-def wait_for(server: TritonServer, check: Any, timeout_s: float = 20.0) -> dict[tuple[str, Any], float]:
+def wait_for(server: TritonServer, check: Any, timeout_s: float = 20.0) -> Series:
     deadline = time.monotonic() + timeout_s
     while True:
-        series = scrape(server)
+        series = scrape(server.metrics_url)
         if check(series) or time.monotonic() > deadline:
             return series
         time.sleep(0.1)
@@ -112,3 +90,5 @@ def test_metrics_move_with_the_load_and_return_to_idle(server: TritonServer) -> 
     labelled = {s.name for s in METRICS if s.labels} - {"llm_grammar_roundtrip_seconds", "grammar_step_seconds",
                                                         "llm_step_seconds", "llm_mask_wait_seconds"}
     assert [n for n in metric_names() if n not in exported and n not in labelled] == []
+    # The preStop drain of deploy/k8s returns at once on an idle server.
+    assert drain(server.metrics_url, settle_s=0, timeout_s=10, log=lambda _: None) == 0

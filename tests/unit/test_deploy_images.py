@@ -31,7 +31,7 @@ def hadolint() -> str:
 
 
 def test_there_are_dockerfiles() -> None:
-    assert [p.name for p in DOCKERFILES] == ["Dockerfile"]
+    assert [p.name for p in DOCKERFILES] == ["Dockerfile", "Dockerfile.cpu"]
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
@@ -42,9 +42,10 @@ def test_dockerfile_is_hadolint_clean(dockerfile: Path) -> None:
 
 def render_gpu_repository(tmp_path: Path, **env: str) -> Path:
     dst = tmp_path / "repo"
+    # The GPU image's defaults (deploy/docker/Dockerfile ENV), overridden per case.
     run_env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-               "RENDER_ONLY": "1", "RENDER_DIR": str(dst), "MODEL_DIR": "/models/hf",
-               "TRTLLM_BACKEND": "pytorch", "GRAMMAR_MODE": "processor", **env}
+               "RENDER_ONLY": "1", "RENDER_DIR": str(dst), "MODEL_DIR": "/models/hf", "ENGINE": "tensorrt_llm",
+               "DEVICE": "cuda", "MAX_BATCH": "64", "TRTLLM_BACKEND": "pytorch", "GRAMMAR_MODE": "processor", **env}
     out = subprocess.run([str(REPO / "deploy" / "docker" / "entrypoint.sh")], env=run_env, capture_output=True,
                          text=True, check=False)
     assert out.returncode == 0, out.stderr
@@ -67,9 +68,13 @@ def llm_config(repo: Path) -> LlmModelConfig:
           "engine_dir": "/models/engine", "max_batch": 128}),
         ({"GRAMMAR_MODE": "native"}, {"engine": "tensorrt_llm", "device": "cuda", "mode": "native",
                                       "trtllm_backend": "pytorch", "engine_dir": "", "max_batch": 64}),
+        # The CPU image's defaults (deploy/docker/Dockerfile.cpu ENV).
+        ({"ENGINE": "torch", "DEVICE": "cpu", "MAX_BATCH": "16", "GRAMMAR_MODE": ""},
+         {"engine": "torch", "device": "cpu", "mode": "overlap", "trtllm_backend": "pytorch", "engine_dir": "",
+          "max_batch": 16}),
     ],
 )
-def test_gpu_entrypoint_renders_a_valid_tensorrt_llm_repository(tmp_path: Path, env: dict[str, str],
+def test_entrypoint_renders_a_valid_repository(tmp_path: Path, env: dict[str, str],
                                                                 expected: dict[str, object]) -> None:
     """Every config.pbtxt parses as Triton's ModelConfig protobuf; the llm parameters parse into LlmModelConfig."""
     repo = render_gpu_repository(tmp_path, **env)

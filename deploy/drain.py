@@ -1,0 +1,119 @@
+"""Drain before stop: wait until the server has no request in flight.
+
+Kubernetes runs this as the container's ``preStop`` hook (deploy/k8s). A pod
+that is being deleted leaves its Service's endpoints as the hook starts, so
+no new stream arrives after a short propagation delay (``--settle``); the
+hook then waits until Triton's ``llm_live_requests`` gauge reads 0, so the
+streams already running finish, or until ``--timeout`` (kept below the pod's
+``terminationGracePeriodSeconds``). Only then does the kubelet send SIGTERM,
+and ``deploy.server`` stops Triton. Run::
+
+    python -m deploy.drain [--metrics-url http://127.0.0.1:8002/metrics] [--settle 5] [--timeout 300]
+
+Exit status 0: drained; 1: still busy at the deadline (the pod stops anyway);
+2: the metrics endpoint could not be read at all.
+
+:func:`scrape` is also the project's one parser of the metrics endpoint
+(load tests and integration tests read it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from typing import Final
+
+__all__ = ["LIVE_GAUGE", "Series", "drain", "main", "scrape", "value"]
+
+#: The gauge the drain waits on (declared in grammar_backend.metrics).
+LIVE_GAUGE: Final = "llm_live_requests"
+
+Series = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+_LINE: Final = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\d+)?$")
+_LABEL: Final = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def scrape(metrics_url: str, timeout_s: float = 10.0) -> Series:
+    """Every series of a Prometheus text endpoint: ``(name, sorted labels) -> value``.
+
+    Raises
+    ------
+    OSError
+        When the endpoint cannot be read (``urllib.error.URLError`` included).
+    """
+    with urllib.request.urlopen(metrics_url, timeout=timeout_s) as resp:
+        text = resp.read().decode("utf-8", "replace")
+    out: Series = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _LINE.match(line)
+        if m is None:
+            continue
+        labels = tuple(sorted(_LABEL.findall(m.group(2) or "")))
+        out[(m.group(1), labels)] = float(m.group(3))
+    return out
+
+
+def value(series: Series, name: str, **labels: str) -> float:
+    """One series' value (0 when absent: a counter or gauge not created yet)."""
+    return series.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def drain(
+    metrics_url: str,
+    *,
+    settle_s: float = 5.0,
+    timeout_s: float = 300.0,
+    poll_s: float = 1.0,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+    log: Callable[[str], None] = print,
+) -> int:
+    """Wait ``settle_s``, then until ``llm_live_requests`` is 0 or ``timeout_s`` has passed.
+
+    Returns
+    -------
+    int
+        The exit status (see the module docstring).
+    """
+    deadline = clock() + timeout_s
+    sleep(min(settle_s, timeout_s))
+    read_once = False
+    live = -1.0
+    while True:
+        try:
+            live = value(scrape(metrics_url), LIVE_GAUGE)
+            read_once = True
+        except OSError as err:
+            log(f"drain: cannot read {metrics_url}: {err}")
+        if read_once and live == 0:
+            log("drain: no request in flight")
+            return 0
+        if clock() >= deadline:
+            log(f"drain: {live:g} requests still in flight after {timeout_s:g} s" if read_once
+                else f"drain: {metrics_url} never answered")
+            return 1 if read_once else 2
+        sleep(poll_s)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--metrics-url", default="http://127.0.0.1:8002/metrics")
+    parser.add_argument("--settle", type=float, default=5.0, help="seconds before the first check (default %(default)s)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds in all (default %(default)s)")
+    parser.add_argument("--poll", type=float, default=1.0, help="seconds between checks (default %(default)s)")
+    args = parser.parse_args(argv)
+    for name in ("settle", "timeout", "poll"):
+        if getattr(args, name) < 0 or (name == "poll" and args.poll == 0):
+            parser.error(f"--{name} must be positive")
+    return drain(args.metrics_url, settle_s=args.settle, timeout_s=args.timeout, poll_s=args.poll)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
