@@ -848,6 +848,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds (default %(default)s)")
     parser.add_argument("--stop-grace", type=float, default=30.0, help="seconds from SIGTERM to SIGKILL")
     parser.add_argument("--client-hint", default=None, help="command line printed once ready")
+    parser.add_argument("--health-port", type=int, default=None,
+                        help="serve /v2/health/live and /v2/health/ready for probes here (deploy/health.py)")
     parser.add_argument("extra", nargs="*", help="extra tritonserver arguments, after --")
     return parser.parse_args(argv)
 
@@ -919,8 +921,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     supervisor = Supervisor(server, probes)
     watcher = threading.Thread(target=supervisor.run, name="supervisor", daemon=True)
     watcher.start()
+    health = None
+    if args.health_port is not None:
+        from deploy.health import HealthServer
+
+        def ready_now() -> tuple[bool, str]:
+            gateway = server.gateway
+            if gateway is None or not server.is_running():
+                return False, "tritonserver is not running"
+            return gateway.health
+
+        health = HealthServer(cfg.host, args.health_port, ready_now)
+        health.start()
+        print(f"server: health: http://{cfg.host}:{health.port}/v2/health/ready", flush=True)
     while not stop_requested.wait(0.5):
         pass
+    if health is not None:
+        health.stop()
     supervisor.stop()
     watcher.join(60)
     code = server.stop()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Render the model repository for this container's settings, then run the
 # supervised server (gateway on 0.0.0.0:8001, Triton's HTTP 8000 and metrics
-# 8002).  Settings come from the environment (defaults in deploy/docker/Dockerfile
+# 8002, probe endpoints 8003: deploy/health.py).  Settings come from the environment (defaults in deploy/docker/Dockerfile
 # for the GPU image, deploy/docker/Dockerfile.cpu for the CPU one):
 #   ENGINE, DEVICE    torch + cpu (CPU image) or tensorrt_llm + cuda (GPU image)
 #   MODEL_DIR         Hugging Face checkpoint folder (tokenizer; the model for torch and trtllm_backend pytorch)
@@ -23,5 +23,5 @@ if [[ "${RENDER_ONLY:-0}" == 1 ]]; then
     exit 0
 fi
 exec python3 -m deploy.server --model-repository "$repo" --host 0.0.0.0 \
-    --grpc-port 8001 --http-port 8000 --metrics-port 8002 --model constrained_llm \
+    --grpc-port 8001 --http-port 8000 --metrics-port 8002 --health-port 8003 --model constrained_llm \
     --ready-timeout "${READY_TIMEOUT_S:-1800}" -- "$@"

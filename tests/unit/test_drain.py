@@ -28,7 +28,7 @@ class Endpoint:
         owner = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 -- the http.server API
+            def do_GET(self) -> None:
                 live = owner.lives[min(owner.reads, len(owner.lives) - 1)]
                 owner.reads += 1
                 body = TEXT.format(live=live).encode()

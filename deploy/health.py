@@ -1,0 +1,82 @@
+"""HTTP health endpoints for Kubernetes probes that know what the supervisor knows.
+
+Triton's own ``/v2/health/ready`` keeps answering 200 after a Python-backend
+stub died (measured on 2.51, see deploy/supervisor.py), and it is down while
+the supervisor restarts tritonserver, so probing it would make the kubelet
+restart a container that is already recovering.  The launcher (``python -m
+deploy.server --health-port N``) therefore serves the same two paths itself:
+
+``GET /v2/health/live``
+    200 while the launcher runs (it restarts tritonserver on its own);
+    503 once it is stopping.
+``GET /v2/health/ready``
+    200 when the gateway would answer ``ServerReady`` true: tritonserver is up,
+    its models are ready and the supervisor's probes pass; 503 with the reason
+    otherwise.
+
+Anything else is 404.  Bodies are one line of text; no request reaches Triton.
+"""
+
+from __future__ import annotations
+
+import http.server
+import threading
+from collections.abc import Callable
+
+__all__ = ["HealthServer"]
+
+#: Returns ``(ready, reason)``.
+ReadyCheck = Callable[[], tuple[bool, str]]
+
+
+class HealthServer:
+    """Serves ``/v2/health/live`` and ``/v2/health/ready`` on a thread.
+
+    Parameters
+    ----------
+    host, port : str, int
+        Where to listen (port 0 picks a free one: :attr:`port`).
+    ready : callable
+        ``() -> (ready, reason)``, called per readiness request.
+    """
+
+    def __init__(self, host: str, port: int, ready: ReadyCheck) -> None:
+        self._ready = ready
+        self._stopping = threading.Event()
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path == "/v2/health/live":
+                    ok, reason = (not owner._stopping.is_set(), "stopping")
+                elif self.path == "/v2/health/ready":
+                    ok, reason = owner._ready() if not owner._stopping.is_set() else (False, "stopping")
+                else:
+                    self.send_error(404)
+                    return
+                body = ("ok" if ok else f"not ready: {reason}").encode()
+                self.send_response(200 if ok else 503)
+                self.send_header("Content-Type", "text/plain; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:  # probes every few seconds: no access log
+                return None
+
+        self._server = http.server.ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, name="health", daemon=True)
+
+    @property
+    def port(self) -> int:
+        return int(self._server.server_address[1])
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Answer 503 from now on, then close the socket."""
+        self._stopping.set()
+        self._server.shutdown()
+        self._server.server_close()
