@@ -309,7 +309,7 @@ class TrtllmGenerator:
 
     The same surface as :class:`llm_runtime.scheduler.Scheduler` for the
     ``llm`` model: :meth:`submit`, :meth:`cancel`, :meth:`close`,
-    :attr:`live_count`, :meth:`summary`; the same events.
+    :meth:`summary`; the same events, and the same metric snapshots (``on_metrics``).
 
     Parameters
     ----------
@@ -391,16 +391,6 @@ class TrtllmGenerator:
         self._thread.start()
 
     # -- the Scheduler surface ------------------------------------------------
-    @property
-    def live_count(self) -> int:
-        with self._lock:
-            return len(self._live)
-
-    @property
-    def max_batch_size_seen(self) -> int:
-        """Most requests live at once (TensorRT-LLM batches them; its own stats have the step batch)."""
-        return self._max_live
-
     def processor_stats(self) -> ProcessorStats | None:
         return None if self._processor is None else self._processor.stats()
 
