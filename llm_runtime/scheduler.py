@@ -6,8 +6,8 @@ step ``t`` the loop
 
 1. hands the grammar step (the tokens sampled at ``t-1`` for every constrained
    row, or an empty list for a row that joins now) to the step worker thread,
-2. runs ONE batched forward for the rows already in the engine, plus a prefill
-   for each row that joins now, while the grammar step runs,
+2. runs ONE batched forward for the rows already in the engine, plus ONE prefill
+   forward for all the rows that join now (left-padded), while the grammar step runs,
 3. waits for the mask (the wait AFTER the forward is what the overlap did not
    hide; it is recorded as ``mask_wait_s``), applies it to the constrained rows,
    samples every row, streams the text deltas, and
@@ -768,16 +768,17 @@ class Scheduler:
         except Exception as err:  # noqa: BLE001 -- fails the batch's requests with the error
             forward_err = err
         prefill_failed: list[tuple[_Seq, BaseException]] = []
-        if forward_err is None and logits is not None:
-            for j, s in enumerate(new):
-                try:
-                    row = self._engine.prefill(s.seq_id, s.prompt)
-                except Exception as err:  # noqa: BLE001 -- fails this request with the error
-                    prefill_failed.append((s, err))
-                    logits[nd + j].zero_()  # the row is retired below; keep its logits finite
-                    continue
-                s.in_engine = True
-                logits[nd + j].copy_(row)
+        if forward_err is None and logits is not None and new:
+            # Every prompt that joins now in ONE forward (left-padded, TorchEngine.prefill_batch).
+            try:
+                rows = self._engine.prefill_batch([s.seq_id for s in new], [s.prompt for s in new])
+            except Exception as err:  # noqa: BLE001 -- fails the joining requests with the error
+                prefill_failed.extend((s, err) for s in new)
+                logits[nd:b].zero_()  # the rows are retired below; keep their logits finite
+            else:
+                for s in new:
+                    s.in_engine = True
+                logits[nd:b].copy_(rows)
         fwd_s = time.perf_counter() - t0
 
         mstep: MaskStep | None = None

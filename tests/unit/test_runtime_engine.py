@@ -101,6 +101,51 @@ def test_batched_greedy_equals_alone(
     assert engine.live_count == 0
 
 
+@pytest.mark.parametrize("live_first", [0, 2], ids=["empty-engine", "two-live"])
+def test_batched_prefill_equals_prefills_alone(tiny: TinyModelInfo, reference: torch.nn.Module, live_first: int) -> None:
+    """Left-padded prompts of different lengths in one forward: the same logits, then the same greedy tokens."""
+    engine = TorchEngine(tiny.path, EngineConfig(max_batch_size=8, max_seq_len=256, initial_cache_len=4))
+    prompts = [engine.tokenizer.encode(p).ids for p in PROMPTS]
+    for j in range(live_first):  # sequences already decoding keep their slots and cache
+        engine.prefill(100 + j, prompts[j])
+    batch = engine.prefill_batch([0, 1, 2], prompts)
+    assert batch.shape == (3, engine.vocab_size) and bool(torch.isfinite(batch).all())
+    alone = TorchEngine(tiny.path, EngineConfig(max_batch_size=8, max_seq_len=256))
+    for i, p in enumerate(prompts):
+        torch.testing.assert_close(batch[i], alone.prefill(i, p), rtol=1e-4, atol=1e-4)
+        assert engine.length(i) == len(p)
+    n = 8
+    outs = {i: [int(batch[i].argmax())] for i in range(3)}
+    live = [100 + j for j in range(live_first)] + [0, 1, 2]
+    # The already-live rows decode on alongside (their own first token was greedy too).
+    extra = {100 + j: greedy_reference(reference, prompts[j], 1)[0] for j in range(live_first)}
+    for _ in range(n - 1):
+        logits = engine.decode(live, [outs[s][-1] if s in outs else extra[s] for s in live])
+        for row, s in enumerate(live):
+            if s in outs:
+                outs[s].append(int(logits[row].argmax()))
+            else:
+                extra[s] = int(logits[row].argmax())
+    assert [outs[i] for i in range(3)] == [greedy_reference(reference, p, n) for p in prompts]
+
+
+@pytest.mark.parametrize(
+    ("ids", "prompts", "error", "message"),
+    [
+        ([1, 1], [[1], [2]], EngineError, "a sequence id twice"),
+        ([1], [[1], [2]], EngineError, "one prompt per sequence"),
+        ([1, 2], [[1], []], RequestError, "must not be empty"),
+        ([1, 2], [[1], [10**7]], RequestError, r"ids must be in \[0, "),
+    ],
+)
+def test_batched_prefill_refuses_bad_batches_whole(tiny: TinyModelInfo, ids: list[int], prompts: list[list[int]],
+                                                   error: type[Exception], message: str) -> None:
+    engine = TorchEngine(tiny.path, EngineConfig(max_batch_size=4, max_seq_len=64))
+    with pytest.raises(error, match=message):
+        engine.prefill_batch(ids, prompts)
+    assert engine.live_count == 0  # nothing registered
+
+
 def test_release_moves_last_slot(tiny: TinyModelInfo, reference: torch.nn.Module) -> None:
     engine = TorchEngine(tiny.path, EngineConfig(max_batch_size=3, max_seq_len=128))
     prompts = [engine.tokenizer.encode(p).ids for p in PROMPTS]
