@@ -10,6 +10,7 @@
 #   make k8s-tools   build/k8s-tools: kubectl (kustomize), kubernetes-validate, checkov
 #   make lint        ruff + mypy
 #   make bench       grammar and MaskBench benchmarks on $(SHARED)/data/maskbench-dev
+#   make bench-e2e   constrained vs unconstrained served, equal work (BENCH_QUICK=1: a few minutes)
 #   make loadtest    locust over gRPC, every output checked (LOADTEST_TIME, LOADTEST_USERS, LOADTEST_SHAPE)
 #
 # Expensive steps are guarded by stamp files under build/, so re-running a
@@ -70,10 +71,10 @@ RENDER_EXTRA ?=
 CLIENT_SCHEMA := {"type":"object","properties":{"name":{"type":"string","maxLength":40},"age":{"type":"integer","minimum":0,"maximum":120}},"required":["name","age"],"additionalProperties":false}
 CLIENT_HINT   := $(PY) -m client --url $(HOST):$(GRPC_PORT) --schema '$(CLIENT_SCHEMA)' "Invent a person."
 
-.PHONY: help venv k8s-tools model tokenizers render serve test test-gpu lint bench loadtest clean
+.PHONY: help venv k8s-tools model tokenizers render serve test test-gpu lint bench bench-e2e loadtest clean
 
 help:
-	@sed -n '1p;3,14p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
+	@sed -n '1p;3,15p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
 
 # --------------------------------------------------------------------- venv
 venv: $(VENV_STAMP)
@@ -163,6 +164,14 @@ loadtest: venv model render
 		--metrics-port $(METRICS_PORT) --repository $(REPO_DST) --out $(LOADTEST_OUT) \
 		--users $(LOADTEST_USERS) --time $(LOADTEST_TIME) --shape $(LOADTEST_SHAPE) \
 		$(if $(LOADTEST_TAGS),--tags $(LOADTEST_TAGS))
+
+# --------------------------------------------------------------------- bench-e2e
+# Constrained vs unconstrained through the served ensemble (bench/e2e_bench.py);
+# BENCH_QUICK=1 for a run of a few minutes. Its last line is the equal-work ratio.
+BENCH_QUICK ?=
+bench-e2e: venv model
+	$(PY) bench/e2e_bench.py $(if $(filter 1,$(BENCH_QUICK)),--quick) \
+		--json $(BUILD)/bench/e2e.json --plot $(BUILD)/bench/e2e.png
 
 # --------------------------------------------------------------------- bench
 BENCH_DATA := $(SHARED)/data/maskbench-dev

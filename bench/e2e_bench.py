@@ -2,8 +2,8 @@
 
 Usage (from the repository root, after ``make model``)::
 
-    .venv/bin/python bench/e2e_bench.py                       # ~4-8 min on 2 shared cores
-    .venv/bin/python bench/e2e_bench.py --rounds 1 --max-tokens 32 --json /tmp/e2e.json
+    make bench-e2e                                            # ~10 min on 2 shared cores (BENCH_QUICK=1: ~2 min)
+    .venv/bin/python bench/e2e_bench.py --quick --json /tmp/e2e.json --plot /tmp/e2e.png
 
 What it does, in one process and one server:
 
@@ -14,9 +14,10 @@ What it does, in one process and one server:
    city, hobbies with ``maxItems``) and unconstrained, greedy, the same
    ``max_tokens``, through :class:`client.Client` streams.  Constrained and
    unconstrained requests alternate (per prompt at concurrency 1, per batch at
-   concurrency 8, the order flipping every round), so machine noise from the
-   other workers on this shared host hits both sides alike.  Concurrency 8 is
-   eight threads, each with its own stream, released together by a barrier.
+   concurrency 8 and 16, the order flipping every round), so machine noise
+   from the other workers on this shared host hits both sides alike.
+   Concurrency N is N threads, each with its own stream, released together by
+   a barrier (16 = the default ``MAX_BATCH``).
 3. Reports output tokens/s (``usage.completion_tokens`` / wall time: summed
    request time at concurrency 1, first start to last end of each batch at
    concurrency 8), time to first token (first non-empty text delta) p50/p99,
@@ -35,8 +36,17 @@ What it does, in one process and one server:
    token path of a real constrained output of step 2 (re-tokenized; the
    server does not return token ids).
 
-Nothing here asserts a time; the script prints a table (and ``--json`` writes
-every figure and raw per-request record).  Wall-clock ``perf_counter`` on a
+6. Equal work: the two modes end at different lengths (a JSON object stops,
+   free text runs on), so tokens/s mixes batch shrinkage with grammar cost.
+   The server's step stats give the decode-step time at each full live batch
+   for steps whose rows were all free or all constrained (no prompt joining):
+   free / constrained step time is the throughput ratio at equal output
+   lengths.  The last line is ``ratio constrained/unconstrained at
+   concurrency 8: R`` with that R.  One forward per output token (no
+   jump-forward yet).
+
+Nothing here asserts a time; the script prints a table (``--json`` writes
+every figure and raw per-request record, ``--plot`` a PNG).  Wall-clock ``perf_counter`` on a
 shared machine: read ratios from one run, not absolute figures across runs.
 """
 
@@ -45,6 +55,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 import tempfile
@@ -97,7 +108,8 @@ PROMPTS: Final[tuple[str, ...]] = (
 )
 
 MODES: Final = ("constrained", "unconstrained")
-CONCURRENCIES: Final = (1, 8)
+CONCURRENCIES: Final = (1, 8, 16)
+QUICK_CONCURRENCIES: Final = (1, 8)
 
 
 @dataclass(frozen=True)
@@ -233,11 +245,11 @@ def concurrent_batch(
     return done, wall
 
 
-def run_e2e(url: str, rounds: int, max_tokens: int) -> dict[str, Any]:
+def run_e2e(url: str, rounds: int, max_tokens: int, concurrencies: Sequence[int] = CONCURRENCIES) -> dict[str, Any]:
     """Warm up, then the interleaved measured rounds; returns raw records and walls."""
     records: list[Record] = []
     # (mode, concurrency) -> wall seconds over which its tokens were produced.
-    walls: dict[tuple[str, int], float] = {(m, c): 0.0 for m in MODES for c in CONCURRENCIES}
+    walls: dict[tuple[str, int], float] = {(m, c): 0.0 for m in MODES for c in concurrencies}
     with Client(url, timeout_s=600.0) as client:
         warm = {mode: one_request(client, mode, 1, -1, 0, max_tokens) for mode in MODES}
         for mode, rec in warm.items():
@@ -253,10 +265,11 @@ def run_e2e(url: str, rounds: int, max_tokens: int) -> dict[str, Any]:
                     rec = one_request(client, mode, 1, r, p, max_tokens)
                     records.append(rec)
                     walls[(mode, 1)] += rec.latency_s
-            for mode in order:
-                batch, wall = concurrent_batch(client, mode, r, max_tokens, 8)
-                records.extend(batch)
-                walls[(mode, 8)] += wall
+            for conc in (c for c in concurrencies if c > 1):
+                for mode in order:
+                    batch, wall = concurrent_batch(client, mode, r, max_tokens, conc)
+                    records.extend(batch)
+                    walls[(mode, conc)] += wall
             print(f"  round {r + 1}/{rounds} done in {time.perf_counter() - t_round:.1f} s", flush=True)
     return {"records": records, "walls": walls, "warmup": warm}
 
@@ -264,8 +277,9 @@ def run_e2e(url: str, rounds: int, max_tokens: int) -> dict[str, Any]:
 def summarize(records: list[Record], walls: dict[tuple[str, int], float]) -> dict[str, dict[str, Any]]:
     """Per (mode, concurrency): tokens/s, TTFT and latency percentiles, outcome counts."""
     out: dict[str, dict[str, Any]] = {}
+    concurrencies = sorted({c for _, c in walls})
     for mode in MODES:
-        for conc in CONCURRENCIES:
+        for conc in concurrencies:
             rs = [r for r in records if r.mode == mode and r.concurrency == conc]
             tokens = sum(r.completion_tokens for r in rs)
             wall = walls[(mode, conc)]
@@ -392,9 +406,10 @@ def print_report(
           f"{len(PROMPTS)} prompts, {rounds} round(s) ==")  # fmt: skip
     head = (f"{'mode':14s} {'conc':>4s} {'reqs':>5s} {'tokens':>7s} {'tok/req':>7s} {'tok/s':>8s} "
             f"{'ttft p50 ms':>11s} {'ttft p99 ms':>11s} {'lat p50 s':>9s} {'stop/len':>8s} {'valid':>5s}")  # fmt: skip
+    concurrencies = sorted({int(k.split("@")[1]) for k in summary})
     print(head)
     print("-" * len(head))
-    for conc in CONCURRENCIES:
+    for conc in concurrencies:
         for mode in MODES:
             s = summary[f"{mode}@{conc}"]
             print(
@@ -405,8 +420,8 @@ def print_report(
                 f"{s['json_valid'] if mode == 'constrained' else '-':>5}"
             )
     print()
-    print("ratio constrained / unconstrained:")
-    for conc in CONCURRENCIES:
+    print("ratio constrained / unconstrained (tokens/s mixes in different output lengths; see equal work below):")
+    for conc in concurrencies:
         c, u = summary[f"constrained@{conc}"], summary[f"unconstrained@{conc}"]
         print(f"  conc {conc}: tok/s {ratio(c['tokens_per_s'], u['tokens_per_s'])}   "
               f"ttft p50 {ratio(c['ttft_s_p50'], u['ttft_s_p50'])}   "
@@ -430,6 +445,62 @@ def print_report(
     for key, f in fill.items():
         print(f"  {key}: {int(f['steps'])} steps, p50 {ms(f['step_s_p50'])} ms, p99 {ms(f['step_s_p99'])} ms, "
               f"per row p50 {ms(f['per_row_s_p50'])} ms")  # fmt: skip
+    print()
+    print("== equal work: decode step at a full batch (forward + mask wait, steps where no prompt joined) ==")
+    ratios = equal_work_ratios(stats, concurrencies)
+    for conc, (free, cons, r) in ratios.items():
+        print(f"  batch {conc:2d}: free p50 {ms(free)} ms, constrained p50 {ms(cons)} ms, "
+              f"throughput constrained/unconstrained {r:.3f}")
+    # One forward per output token: no jump-forward yet (each step decodes one token per row).
+    # Last line, read by scripts: the headline figure at equal work.
+    print(f"ratio constrained/unconstrained at concurrency 8: {ratios[8][2]:.3f}" if 8 in ratios
+          else "ratio constrained/unconstrained at concurrency 8: n/a")
+
+
+def equal_work_ratios(stats: list[dict[str, Any]], concurrencies: Sequence[int]) -> dict[int, tuple[float, float, float]]:
+    """Per batch size: free and constrained step-time medians (worst instance) and their throughput ratio.
+
+    At a fixed live batch every step decodes one token per row in both modes,
+    so free/constrained step time is the constrained/unconstrained throughput
+    ratio at equal output lengths.
+    """
+    out: dict[int, tuple[float, float, float]] = {}
+    for conc in concurrencies:
+        free = [float(st[f"step_s_p50_b{conc}_free"]) for st in stats if f"step_s_p50_b{conc}_free" in st]
+        cons = [float(st[f"step_s_p50_b{conc}_constrained"]) for st in stats
+                if f"step_s_p50_b{conc}_constrained" in st]
+        if free and cons:
+            out[conc] = (max(free), max(cons), max(free) / max(cons))
+    return out
+
+
+def plot(summary: dict[str, dict[str, Any]], ratios: dict[int, tuple[float, float, float]], path: Path) -> None:
+    """tokens/s and step time per concurrency, both modes, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    concs = sorted({int(k.split("@")[1]) for k in summary})
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for i, mode in enumerate(MODES):
+        a.bar([x + 0.4 * i for x in range(len(concs))], [summary[f"{mode}@{c}"]["tokens_per_s"] for c in concs],
+              width=0.4, label=mode)
+    a.set_xticks([x + 0.2 for x in range(len(concs))], [str(c) for c in concs])
+    a.set_xlabel("concurrency")
+    a.set_ylabel("output tokens/s")
+    a.legend()
+    rc = sorted(ratios)
+    b.plot(rc, [1e3 * ratios[c][0] for c in rc], "o-", label="free")
+    b.plot(rc, [1e3 * ratios[c][1] for c in rc], "o-", label="constrained")
+    b.set_xlabel("live batch")
+    b.set_ylabel("ms per decode step (p50)")
+    b.legend()
+    fig.suptitle(f"{ENSEMBLE}: constrained vs unconstrained")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
 
 
 # --------------------------------------------------------------------------- main
@@ -443,7 +514,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, default=None, help="write every figure and record here")
     parser.add_argument("--grammar-mode", choices=("overlap", "processor"), default="overlap",
                         help="the llm model's grammar_mode (processor: TensorRT-LLM's serial call order)")
+    parser.add_argument("--plot", type=Path, default=None, help="write a PNG of tokens/s and step times here")
+    parser.add_argument("--quick", action="store_true",
+                        help="a few minutes: 1 round, 32 max tokens, concurrency 1 and 8 (also BENCH_QUICK=1)")
     args = parser.parse_args(argv)
+    if args.quick or os.environ.get("BENCH_QUICK") == "1":
+        args.rounds, args.max_tokens, args.concurrencies = 1, 32, QUICK_CONCURRENCIES
+    else:
+        args.concurrencies = CONCURRENCIES
     for name in ("max_tokens", "rounds", "fill_reps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
@@ -466,7 +544,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             server.wait_ready()
             print(f"server ready at {server.grpc_url} in {time.perf_counter() - t0:.1f} s (log {log})", flush=True)
-            run = run_e2e(server.grpc_url, args.rounds, args.max_tokens)
+            run = run_e2e(server.grpc_url, args.rounds, args.max_tokens, args.concurrencies)
         finally:
             code = server.stop()
         log_text = log.read_text(encoding="utf-8", errors="replace")
@@ -480,7 +558,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     fill = grammar_fill(args.model_dir, texts, args.fill_reps)
     print_report(summary, run["warmup"], stats, fill, args.max_tokens, args.rounds)
-    print(f"\ntotal {time.perf_counter() - t_all:.1f} s")
+    ratios = equal_work_ratios(stats, args.concurrencies)
+    if args.plot is not None:
+        plot(summary, ratios, args.plot)
     if args.json is not None:
         payload = {
             "max_tokens": args.max_tokens,
@@ -488,6 +568,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "schema": PERSON_SCHEMA,
             "prompts": list(PROMPTS),
             "summary": summary,
+            "equal_work": {str(c): {"free_step_s_p50": f, "constrained_step_s_p50": k, "ratio": r}
+                           for c, (f, k, r) in ratios.items()},
             "llm_step_stats": stats,
             "grammar_fill": fill,
             "warmup": {k: asdict(v) for k, v in run["warmup"].items()},
@@ -495,6 +577,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(payload, indent=2), encoding="utf-8")
+    print(f"total {time.perf_counter() - t_all:.1f} s", file=sys.stderr)
     return 0
 
 

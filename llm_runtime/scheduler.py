@@ -537,6 +537,16 @@ class Scheduler:
         if ps is not None:
             out["steps_constrained"] = int((s.constrained_rows > 0).sum())
             out["grammar_requests"] = ps.grammar_requests
+        # Equal work: decode steps (no prompt joining) whose rows were all free or
+        # all constrained, per batch size; step time = forward + mask wait.
+        step = s.forward_s + np.nan_to_num(s.mask_wait_s)
+        pure = s.prefill_rows == 0
+        for b in np.unique(s.batch_size[pure]):
+            at = pure & (s.batch_size == b)
+            for kind, rows in (("free", at & (s.constrained_rows == 0)), ("constrained", at & (s.constrained_rows == b))):
+                if rows.any():
+                    out[f"step_s_p50_b{int(b)}_{kind}"] = float(np.median(step[rows]))
+                    out[f"steps_b{int(b)}_{kind}"] = int(rows.sum())
         return out
 
     def submit(self, request: GenerationRequest, callback: EventCallback) -> str:

@@ -243,3 +243,13 @@ def test_processor_bench_compares_the_three_modes(tmp_path: Path) -> None:
     assert all(summary["steps"][m] >= 1 and summary["p50_ms"][m] > 0 for m in summary["steps"])
     assert summary["processor_grammar_p50_ms"] > 0
     assert "processor/overlap" in proc.stdout
+
+
+def test_e2e_equal_work_ratio_reads_the_step_stats(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import e2e_bench
+
+    stats = [{"step_s_p50_b8_free": 0.100, "step_s_p50_b8_constrained": 0.125, "step_s_p50_b1_free": 0.05},
+             {"step_s_p50_b8_free": 0.080, "step_s_p50_b8_constrained": 0.120}]
+    # Worst instance per mode; batch 1 lacks a constrained figure, so it has no ratio.
+    assert e2e_bench.equal_work_ratios(stats, (1, 8)) == {8: (0.100, 0.125, 0.8)}

@@ -158,6 +158,10 @@ def test_scheduler_snapshots_show_the_present(tmp_path: Path) -> None:
                 if snaps and snaps[-1]["llm_live_requests"] == 0:
                     break
             threading.Event().wait(0.01)
+        summary = s.summary()
+    # Equal-work figures: steps at the full batch of 3 free rows, none constrained.
+    assert summary["steps_b3_free"] >= 30 and summary["step_s_p50_b3_free"] > 0
+    assert "step_s_p50_b3_constrained" not in summary
     assert max(s["llm_live_requests"] for s in snaps) == 3
     assert max(s["llm_batch_size"] for s in snaps) == 3
     last = snaps[-1]
