@@ -452,9 +452,78 @@ def print_report(
         print(f"  batch {conc:2d}: free p50 {ms(free)} ms, constrained p50 {ms(cons)} ms, "
               f"throughput constrained/unconstrained {r:.3f}")
     # One forward per output token: no jump-forward yet (each step decodes one token per row).
-    # Last line, read by scripts: the headline figure at equal work.
-    print(f"ratio constrained/unconstrained at concurrency 8: {ratios[8][2]:.3f}" if 8 in ratios
-          else "ratio constrained/unconstrained at concurrency 8: n/a")
+    # main() prints the headline figure (equal work, concurrency 8) as the last line.
+
+
+class _NoGrammar:
+    """The in-process run sends no constraint: a grammar call would be a bug of this script."""
+
+    def start(self, *args: object) -> None:
+        raise AssertionError("the in-process run is unconstrained")
+
+    step = end = start
+
+
+def in_process(model_dir: Path, max_tokens: int, concurrencies: Sequence[int], rounds: int) -> dict[int, float]:
+    """Unconstrained tokens/s of the same engine in this process, no Triton: the serving overhead's reference.
+
+    Same prompts (through the preprocessing model's own chat template), same
+    greedy decoding, same ``TORCH_THREADS`` and batch limit as the served
+    ``llm`` model; wall time from the first submit to the last finish, as the
+    served side measures from the first request start to the last response.
+    """
+    import torch
+
+    from llm_runtime.engine import EngineConfig, TorchEngine
+    from llm_runtime.preprocess import PreprocessConfig, Preprocessor, RawRequest
+    from llm_runtime.scheduler import (
+        FinishEvent,
+        GenerationRequest,
+        Scheduler,
+        SchedulerConfig,
+        TokenEvent,
+    )
+
+    values = json.loads((REPO / "deploy" / "values.json").read_text())
+    pre = Preprocessor.from_config(PreprocessConfig(tokenizer=str(model_dir)))
+    ids = [pre(RawRequest(prompt=p.encode()))[0] for p in PROMPTS]
+    before = torch.get_num_threads()
+    engine = TorchEngine(model_dir, EngineConfig(max_batch_size=int(values["MAX_BATCH"]), max_seq_len=2048,
+                                                 num_threads=int(values["TORCH_THREADS"]) or None))
+    out: dict[int, float] = {}
+    try:
+        with Scheduler(engine, _NoGrammar(), SchedulerConfig()) as sched:  # type: ignore[arg-type]
+            def batch(n: int) -> tuple[int, float]:
+                done = threading.Semaphore(0)
+                tokens = [0]
+
+                def on_event(event: TokenEvent | FinishEvent) -> None:
+                    if isinstance(event, FinishEvent):
+                        if event.finish_reason == "error":
+                            raise RuntimeError(f"in-process request failed: {event.error}")
+                        tokens[0] += event.completion_tokens
+                        done.release()
+
+                t0 = time.perf_counter()
+                for i in range(n):
+                    sched.submit(GenerationRequest(ids[i % len(ids)], max_tokens=max_tokens, temperature=0.0),
+                                 on_event)
+                for _ in range(n):
+                    if not done.acquire(timeout=600):
+                        raise TimeoutError("an in-process request did not finish")
+                return tokens[0], time.perf_counter() - t0
+
+            batch(1)  # warm-up
+            for conc in concurrencies:
+                total = wall = 0.0
+                for _ in range(rounds * (len(PROMPTS) if conc == 1 else 1)):
+                    t, w = batch(conc)
+                    total += t
+                    wall += w
+                out[conc] = total / wall
+    finally:
+        torch.set_num_threads(before)
+    return out
 
 
 def equal_work_ratios(stats: list[dict[str, Any]], concurrencies: Sequence[int]) -> dict[int, tuple[float, float, float]]:
@@ -559,6 +628,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     fill = grammar_fill(args.model_dir, texts, args.fill_reps)
     print_report(summary, run["warmup"], stats, fill, args.max_tokens, args.rounds)
     ratios = equal_work_ratios(stats, args.concurrencies)
+    raw = in_process(args.model_dir, args.max_tokens, args.concurrencies, args.rounds)
+    print("\n== served vs the same engine in-process (unconstrained, same prompts, threads and batch limit) ==")
+    for conc, tps in raw.items():
+        served = summary[f"unconstrained@{conc}"]["tokens_per_s"]
+        print(f"  conc {conc:2d}: served {served:7.2f} tok/s, in-process {tps:7.2f} tok/s, "
+              f"served/in-process {served / tps:.3f}")
+    print(f"ratio constrained/unconstrained at concurrency 8: {ratios[8][2]:.3f}" if 8 in ratios
+          else "ratio constrained/unconstrained at concurrency 8: n/a")
     if args.plot is not None:
         plot(summary, ratios, args.plot)
     if args.json is not None:
@@ -570,6 +647,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "summary": summary,
             "equal_work": {str(c): {"free_step_s_p50": f, "constrained_step_s_p50": k, "ratio": r}
                            for c, (f, k, r) in ratios.items()},
+            "in_process_tokens_per_s": {str(c): v for c, v in raw.items()},
             "llm_step_stats": stats,
             "grammar_fill": fill,
             "warmup": {k: asdict(v) for k, v in run["warmup"].items()},
