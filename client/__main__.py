@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help='structural tag JSON file: {"triggers": [...], "tags": [{"begin", "schema", "end"}]} '
                             'or xgrammar\'s {"type": "structural_tag", "format": {...}}')
 
-    options = parser.add_argument_group("JSON options (--schema, --json-object, --tool-call)")
+    options = parser.add_argument_group("JSON options (--schema, --json-object)")
     options.add_argument("--strict", action="store_true", default=None, help="close every object in the schema")
     options.add_argument("--whitespace", type=_whitespace, metavar="compact|any|N",
                          help="whitespace between JSON tokens")
@@ -197,27 +197,24 @@ def _constraint_kind(args: argparse.Namespace) -> Constraint | None:
             flag = "--strict" if args.strict is not None else "--any-order"
             raise InvalidConstraint(flag, "does not apply to --json-object")
         return Constraint.json_object(whitespace=args.whitespace, indent=args.indent)
+    if given and args.tool_call is not None:
+        # The server refuses JSON options on structural tags (contract.JSON_OPTION_KINDS).
+        raise InvalidConstraint(f"--{given[0].replace('_', '-')}",
+                                "does not apply to --tool-call (a structural tag; set options inside xgrammar's form)")
     if args.tool_call is not None:
         spec = _load_json_file(args.tool_call, "--tool-call")
         if not isinstance(spec, dict):
             raise InvalidConstraint("--tool-call", f"must hold a JSON object, got {type(spec).__name__}")
         if "type" in spec:
-            if given:
-                raise InvalidConstraint(
-                    f"--{given[0].replace('_', '-')}",
-                    "does not apply to an xgrammar-form structural tag (set options inside it)",
-                )
             return Constraint.structural_tag_raw(spec)
         unknown = sorted(set(spec) - {"triggers", "tags"})
         if unknown:
             raise InvalidConstraint(f"--tool-call.{unknown[0]}", "unknown key; expected triggers, tags")
         if "triggers" not in spec or "tags" not in spec:
             raise InvalidConstraint("--tool-call", "needs 'triggers' and 'tags' (or xgrammar's 'type' + 'format')")
-        return Constraint.structural_tag(spec["triggers"], spec["tags"], **json_opts)
+        return Constraint.structural_tag(spec["triggers"], spec["tags"])
     if given:
-        raise InvalidConstraint(
-            f"--{given[0].replace('_', '-')}", "applies only to --schema, --json-object and --tool-call"
-        )
+        raise InvalidConstraint(f"--{given[0].replace('_', '-')}", "applies only to --schema and --json-object")
     if args.regex is not None:
         return Constraint.regex(args.regex)
     if args.ebnf is not None:

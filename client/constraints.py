@@ -17,23 +17,16 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Final, Literal, TypeAlias
 
+import contract
 from client.errors import InvalidConstraint
 
 __all__ = ["KINDS", "ON_BUDGET", "ON_REPEAT", "Constraint", "Whitespace"]
 
-#: Every ``GRAMMAR_TYPE`` value of the tensor contract.
-KINDS: Final = frozenset({"json_schema", "json_object", "regex", "ebnf", "lark", "choice", "structural_tag"})
-
-# Options shape JSON output, so they only mean something where JSON is generated.
-_JSON_KINDS: Final = frozenset({"json_schema", "json_object", "structural_tag"})
-_JSON_OPTION_NAMES: Final = ("strict", "whitespace", "indent", "any_order")
-#: Decoding policies, valid for every kind; the server's values are
-#: ``grammar_backend.spec.ON_BUDGET``/``ON_REPEAT`` (default first), which the
-#: client does not import (it would pull in xgrammar); a unit test checks they agree.
-ON_BUDGET: Final = ("close", "truncate")
-ON_REPEAT: Final = ("close", "continue")
-_POLICIES: Final[Mapping[str, tuple[str, ...]]] = MappingProxyType({"on_budget": ON_BUDGET, "on_repeat": ON_REPEAT})
-_OPTION_NAMES: Final = (*_JSON_OPTION_NAMES, *_POLICIES)
+#: Every ``GRAMMAR_TYPE`` value (the request contract's, shared with the server).
+KINDS: Final = frozenset(contract.CONSTRAINT_KINDS)
+#: Decoding policies, valid for every kind (default first).
+ON_BUDGET: Final = contract.POLICIES["on_budget"]
+ON_REPEAT: Final = contract.POLICIES["on_repeat"]
 
 #: ``whitespace`` option: ``"compact"``, ``"any"`` or the longest whitespace run allowed.
 Whitespace: TypeAlias = Literal["compact", "any"] | int
@@ -50,11 +43,8 @@ _EXTENSIONS: Final[Mapping[str, str]] = {
 }
 
 
-#: The server's default limit on a constraint payload (UTF-8 bytes):
-#: ``grammar_backend.spec.SpecLimits.max_payload_bytes``, which the client
-#: does not import (it would pull in xgrammar and torch); a unit test checks
-#: that the two agree.
-MAX_CONSTRAINT_BYTES: Final = 2 * 1024 * 1024
+#: The limit on a constraint payload (UTF-8 bytes), the contract's.
+MAX_CONSTRAINT_BYTES: Final = contract.MAX_CONSTRAINT_BYTES
 
 
 def _dumps(value: object) -> str:
@@ -178,36 +168,18 @@ def _string_list(values: object, field_name: str, *, allow_empty_items: bool) ->
 
 
 def _validate_options(kind: str, options: Mapping[str, object]) -> dict[str, object]:
-    """Check option names, types and ranges; return a plain copy."""
+    """Check option names, types and ranges with the server's rule (:func:`contract.check_options`).
+
+    Returns a plain copy of the options given: the ones left out take the
+    server's defaults, so they are not sent.
+    """
     if not isinstance(options, Mapping):
         raise InvalidConstraint("grammar_options", f"must be a mapping, got {type(options).__name__}")
-    checked: dict[str, object] = {}
-    for name, value in options.items():
-        where = f"grammar_options.{name}"
-        if name not in _OPTION_NAMES:
-            raise InvalidConstraint(where, f"unknown option; expected one of {', '.join(_OPTION_NAMES)}")
-        if name in _POLICIES:
-            if value not in _POLICIES[name]:
-                raise InvalidConstraint(where, f"must be one of {', '.join(map(repr, _POLICIES[name]))}, got {value!r}")
-        elif kind not in _JSON_KINDS:
-            raise InvalidConstraint(where, f"does not apply to {kind} constraints (JSON constraints only)")
-        elif name in ("strict", "any_order"):
-            if not isinstance(value, bool):
-                raise InvalidConstraint(where, f"must be a bool, got {type(value).__name__}")
-        elif name == "whitespace":
-            if isinstance(value, bool) or not isinstance(value, (str, int)):
-                raise InvalidConstraint(where, f'must be "compact", "any" or an int, got {type(value).__name__}')
-            if isinstance(value, str) and value not in ("compact", "any"):
-                raise InvalidConstraint(where, f'must be "compact", "any" or an int, got {value!r}')
-            if isinstance(value, int) and value < 0:
-                raise InvalidConstraint(where, f"must be a non-negative integer, got {value}")
-        elif value is not None:  # indent
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise InvalidConstraint(where, f"must be a non-negative integer or None, got {type(value).__name__}")
-            if value < 0:
-                raise InvalidConstraint(where, f"must be a non-negative integer, got {value}")
-        checked[name] = value
-    return checked
+    try:
+        contract.check_options(kind, options)
+    except contract.ContractError as err:
+        raise InvalidConstraint(err.field, err.reason) from err
+    return dict(options)
 
 
 def _collect_options(
@@ -446,11 +418,6 @@ class Constraint:
         cls,
         triggers: Sequence[str],
         tags: Sequence[Mapping[str, Any]],
-        *,
-        strict: bool | None = None,
-        whitespace: Whitespace | None = None,
-        indent: int | None = None,
-        any_order: bool | None = None,
     ) -> Constraint:
         """Constrain tool calls embedded in free text (xgrammar structural tags).
 
@@ -464,9 +431,9 @@ class Constraint:
         tags : sequence of mappings
             Each ``{"begin": str, "schema": schema, "end": str}``; ``schema``
             takes any form :meth:`json_schema` accepts; ``begin`` must start
-            with one of the triggers.
-        strict, whitespace, indent, any_order
-            As for :meth:`json_schema`, applied to every tag's schema.
+            with one of the triggers.  The JSON-shaping options of
+            :meth:`json_schema` do not apply (the server refuses them for
+            structural tags: ``contract.JSON_OPTION_KINDS``).
 
         Returns
         -------
@@ -505,7 +472,7 @@ class Constraint:
             schema = _schema_to_dict(tag["schema"], f"{where}.schema")
             tag_list.append({"begin": begin, "schema": schema, "end": end})
         payload = _dumps({"triggers": trigger_list, "tags": tag_list})
-        return cls("structural_tag", payload, _collect_options(strict, whitespace, indent, any_order))
+        return cls("structural_tag", payload)
 
     @classmethod
     def structural_tag_raw(cls, spec: Mapping[str, Any]) -> Constraint:

@@ -38,6 +38,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+import contract
 from client.constraints import Constraint
 from client.errors import (
     ClientError,
@@ -71,13 +72,12 @@ DEFAULT_URL: Final = "127.0.0.1:8001"
 DEFAULT_MODEL: Final = "constrained_llm"
 DEFAULT_MAX_TOKENS: Final = 256
 DEFAULT_TIMEOUT_S: Final = 300.0
-FINISH_REASONS: Final = frozenset({"stop", "length", "error"})
-#: ``RESULT.close_reason`` values (the server's are
-#: ``grammar_backend.closing.CLOSE_REASONS``; a unit test checks they agree).
-CLOSE_REASONS: Final = frozenset({"budget", "repetition"})
-_JSON_KINDS: Final = frozenset({"json_schema", "json_object"})
+FINISH_REASONS: Final = frozenset(contract.FINISH_REASONS)
+#: ``RESULT.close_reason`` values (the request contract's).
+CLOSE_REASONS: Final = frozenset(contract.CLOSE_REASONS)
+#: Kinds whose RESULT carries a JSON report.
+_JSON_KINDS: Final = frozenset(contract.JSON_KINDS)
 _MESSAGE_KEYS: Final = frozenset({"role", "content"})
-_UINT64_MAX: Final = 2**64 - 1
 # Safety net behind the gRPC stream deadline: the deadline normally ends a late
 # call first (as DEADLINE_EXCEEDED); the local wait only catches a stream that
 # neither answers nor fails.
@@ -503,19 +503,22 @@ def build_inputs(
             inputs.append(_bytes_input("GRAMMAR_OPTIONS", [constraint.options_json]))
     inputs.append(_scalar_input("MAX_TOKENS", "INT32", np.int32, _check_int(max_tokens, "max_tokens", 1, 2**31 - 1)))
     temp = _check_float(temperature, "temperature")
-    if temp < 0.0:
-        raise InvalidRequest("temperature", f"must be >= 0, got {temp}")
-    inputs.append(_scalar_input("TEMPERATURE", "FP32", np.float32, temp))
-    if top_p is not None:
-        mass = _check_float(top_p, "top_p")
-        if not 0.0 < mass <= 1.0:
-            raise InvalidRequest("top_p", f"must be in (0, 1], got {mass}")
-        inputs.append(_scalar_input("TOP_P", "FP32", np.float32, mass))
-    if top_k is not None:
-        inputs.append(_scalar_input("TOP_K", "INT32", np.int32, _check_int(top_k, "top_k", 1, 2**31 - 1)))
-    if seed is not None:
-        inputs.append(_scalar_input("SEED", "UINT64", np.uint64, _check_int(seed, "seed", 0, _UINT64_MAX)))
+    mass = None if top_p is None else _check_float(top_p, "top_p")
+    k = None if top_k is None else _check_int(top_k, "top_k", 0, contract.MAX_TOP_K)
+    s = None if seed is None else _check_int(seed, "seed", 0, contract.SEED_LIMIT - 1)
     stops = _stop_list(stop)
+    try:  # the server's own rule (contract), so a request the client sends is one the server takes
+        contract.check_sampling(temperature=temp, top_p=1.0 if mass is None else mass, top_k=k or 0, seed=s,
+                                stop=stops)
+    except contract.ContractError as err:
+        raise InvalidRequest(err.field, err.reason) from err
+    inputs.append(_scalar_input("TEMPERATURE", "FP32", np.float32, temp))
+    if mass is not None:
+        inputs.append(_scalar_input("TOP_P", "FP32", np.float32, mass))
+    if k is not None:
+        inputs.append(_scalar_input("TOP_K", "INT32", np.int32, k))
+    if s is not None:
+        inputs.append(_scalar_input("SEED", "UINT64", np.uint64, s))
     if stops:
         inputs.append(_bytes_input("STOP", stops))
     return inputs

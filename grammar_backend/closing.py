@@ -27,6 +27,7 @@ from enum import IntEnum
 import numpy as np
 import xgrammar as xgr
 
+import contract
 from grammar_backend.errors import ConfigError
 
 __all__ = [
@@ -50,7 +51,8 @@ class CloseState(IntEnum):
 
 
 #: RESULT's ``close_reason`` for each forcing state (one home; the client imports it).
-CLOSE_REASONS: dict[int, str] = {CloseState.BUDGET: "budget", CloseState.REPETITION: "repetition"}
+#: RESULT ``close_reason`` of each closing state (the names are the request contract's).
+CLOSE_REASONS: dict[int, str] = dict(zip((CloseState.BUDGET, CloseState.REPETITION), contract.CLOSE_REASONS, strict=True))
 
 #: Characters tried first outside strings, in order: they close containers
 #: and strings, or start the cheapest JSON values (``0``, ``""``, ``[]``,

@@ -22,22 +22,14 @@ import jsonschema.validators
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
+import contract
 from grammar_backend.errors import ConstraintError
 
 Whitespace = Literal["compact", "any"] | int
 
-#: Bound on a whitespace run when the policy is an integer.  Larger bounds make
-#: the runaway-whitespace failure (a model emitting newlines until max_tokens)
-#: possible again, which is what the compact default prevents.
-MAX_WHITESPACE_RUN: Final = 64
-MAX_INDENT: Final = 16
-#: ``on_budget`` values: ``"close"`` forces the shortest completion when
-#: ``max_tokens`` is about to run out (RESULT ``closed_early``), ``"truncate"``
-#: cuts the output at ``max_tokens`` as an unconstrained server does.
-ON_BUDGET: Final = ("close", "truncate")
-#: ``on_repeat`` values: ``"close"`` forces the completion once the output
-#: repeats one short unit (a runaway value), ``"continue"`` lets it run.
-ON_REPEAT: Final = ("close", "continue")
+#: The contract's values (contract/__init__.py is their one home).
+ON_BUDGET: Final = contract.POLICIES["on_budget"]
+ON_REPEAT: Final = contract.POLICIES["on_repeat"]
 
 
 class ConstraintKind(str, enum.Enum):
@@ -56,10 +48,6 @@ class ConstraintKind(str, enum.Enum):
         """Whether the output is a JSON document (post-validation applies)."""
         return self in (ConstraintKind.JSON_SCHEMA, ConstraintKind.JSON_OBJECT)
 
-
-# Structural tags carry their own per-format options (xgrammar's format
-# objects), so the request-level options apply to the two JSON kinds only.
-_JSON_OPTION_KINDS: Final = frozenset({ConstraintKind.JSON_SCHEMA, ConstraintKind.JSON_OBJECT})
 
 
 @dataclass(frozen=True)
@@ -88,7 +76,7 @@ class SpecLimits:
         Longest string value (longest in maskbench-dev: 9,369 characters).
     """
 
-    max_payload_bytes: int = 2 * 1024 * 1024
+    max_payload_bytes: int = contract.MAX_CONSTRAINT_BYTES
     max_depth: int = 128
     max_choices: int = 4096
     max_key_chars: int = 1024
@@ -138,10 +126,9 @@ class ConstraintOptions:
         return [self.strict, self.whitespace, self.indent, self.any_order]
 
 
-#: Options that shape JSON output (json_schema and json_object only).
-_JSON_OPTION_NAMES: Final = ("strict", "whitespace", "indent", "any_order")
-#: Every option name (the decoding policies apply to every kind).
-OPTION_NAMES: Final = (*_JSON_OPTION_NAMES, "on_budget", "on_repeat")
+#: Every option name (the JSON-shaping ones apply to json_schema and json_object,
+#: the decoding policies to every kind): the contract's.
+OPTION_NAMES: Final = contract.OPTION_NAMES
 
 
 @dataclass(frozen=True)
@@ -228,14 +215,7 @@ def parse_constraint(
     except ValueError as err:
         allowed = ", ".join(k.value for k in ConstraintKind)
         raise ConstraintError("grammar_type", f"unknown kind {kind!r}; expected one of {allowed}") from err
-    opts = parse_options(options)
-    if ckind not in _JSON_OPTION_KINDS:
-        for name in _JSON_OPTION_NAMES:
-            if getattr(opts, name) != getattr(ConstraintOptions(), name):
-                raise ConstraintError(
-                    f"grammar_options.{name}",
-                    f"only applies to json_schema and json_object, not {ckind.value}",
-                )
+    opts = parse_options(options, ckind.value)
     text = _decode("grammar", payload)
     size = len(text.encode("utf-8"))
     if size > limits.max_payload_bytes:
@@ -293,56 +273,32 @@ def _check_schema_once(schema: Any, canonical: str) -> None:
             _CHECKED.popitem(last=False)
 
 
-def parse_options(options: str | bytes | Mapping[str, Any] | None) -> ConstraintOptions:
+def parse_options(options: str | bytes | Mapping[str, Any] | None, kind: str = "json_schema") -> ConstraintOptions:
     """Parse ``grammar_options`` (a JSON object) into :class:`ConstraintOptions`.
+
+    The names, values and ranges are the request contract's
+    (:func:`contract.check_options`, shared with the client).
 
     Raises
     ------
     ConstraintError
-        On malformed JSON, an unknown option or a value of the wrong type or range.
+        On malformed JSON, an unknown option, a JSON option on another kind
+        or a value of the wrong type or range.
     """
     if options is None:
-        return ConstraintOptions()
-    if isinstance(options, (str, bytes)):
+        raw: Any = {}
+    elif isinstance(options, (str, bytes)):
         text = _decode("grammar_options", options)
-        if not text.strip():
-            return ConstraintOptions()
-        raw = parse_json("grammar_options", text, 4)
+        raw = parse_json("grammar_options", text, 4) if text.strip() else {}
     else:
         raw = options
     if not isinstance(raw, Mapping):
         raise ConstraintError("grammar_options", "must be a JSON object")
-    unknown = sorted(set(raw) - set(OPTION_NAMES))
-    if unknown:
-        raise ConstraintError(
-            f"grammar_options.{unknown[0]}", f"unknown option; expected one of {', '.join(OPTION_NAMES)}"
-        )
-    policies: dict[str, str] = {}
-    for name, allowed in (("on_budget", ON_BUDGET), ("on_repeat", ON_REPEAT)):
-        value = raw.get(name, allowed[0])
-        if not isinstance(value, str) or value not in allowed:
-            raise ConstraintError(
-                f"grammar_options.{name}", f"must be one of {', '.join(map(repr, allowed))}, got {value!r}"
-            )
-        policies[name] = value
-    strict = raw.get("strict", False)
-    any_order = raw.get("any_order", False)
-    for name, value in (("strict", strict), ("any_order", any_order)):
-        if not isinstance(value, bool):
-            raise ConstraintError(f"grammar_options.{name}", f"must be a boolean, got {value!r}")
-    whitespace = raw.get("whitespace", "compact")
-    if isinstance(whitespace, bool) or not (
-        whitespace in ("compact", "any")
-        or (isinstance(whitespace, int) and 0 <= whitespace <= MAX_WHITESPACE_RUN)
-    ):
-        raise ConstraintError(
-            "grammar_options.whitespace",
-            f'must be "compact", "any" or an integer 0..{MAX_WHITESPACE_RUN}, got {whitespace!r}',
-        )
-    indent = raw.get("indent")
-    if indent is not None and (isinstance(indent, bool) or not isinstance(indent, int) or not 0 <= indent <= MAX_INDENT):
-        raise ConstraintError("grammar_options.indent", f"must be null or an integer 0..{MAX_INDENT}, got {indent!r}")
-    return ConstraintOptions(strict=strict, whitespace=whitespace, indent=indent, any_order=any_order, **policies)
+    try:
+        checked = contract.check_options(kind, raw)
+    except contract.ContractError as err:
+        raise ConstraintError(err.field, err.reason) from err
+    return ConstraintOptions(**checked)  # type: ignore[arg-type]
 
 
 def parse_json(field_name: str, text: str, max_depth: int) -> Any:

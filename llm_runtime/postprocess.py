@@ -25,6 +25,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import contract
 from grammar_backend.errors import INTERNAL, status_of
 from grammar_backend.fidelity import (
     UnenforcedKeyword,
@@ -33,7 +34,7 @@ from grammar_backend.fidelity import (
     validate_output,
 )
 
-FINISH_REASONS = ("stop", "length", "error")
+FINISH_REASONS = contract.FINISH_REASONS
 #: Longest ``RESULT.error`` sent to a client: messages that quote a value (an
 #: unknown kind, a bad option) must never echo a megabyte payload back.
 MAX_ERROR_CHARS = 1000

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import contract
 from grammar_backend.errors import ConfigError, GrammarError, InvalidArgument, status_of
 from grammar_backend.fidelity import validator_for
 from grammar_backend.spec import ConstraintSpec, SpecLimits, parse_constraint
@@ -32,7 +32,6 @@ class PreprocessConfig:
     max_prompt_tokens: int = 4096
     max_tokens_limit: int = 2048
     default_max_tokens: int = 256
-    max_stop_strings: int = 8
     max_payload_bytes: int = 2 * 1024 * 1024
     max_depth: int = 128
 
@@ -165,19 +164,15 @@ def parse_params(raw: RawRequest, config: PreprocessConfig) -> tuple[GenerationP
     if not 1 <= max_tokens <= config.max_tokens_limit:
         raise InvalidArgument("max_tokens", f"must be in 1..{config.max_tokens_limit}, got {max_tokens}")
     temperature = 0.0 if raw.temperature is None else raw.temperature
-    if not (math.isfinite(temperature) and 0.0 <= temperature <= 2.0):
-        raise InvalidArgument("temperature", f"must be in 0..2, got {temperature}")
     top_p = 1.0 if raw.top_p is None else raw.top_p
-    if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
-        raise InvalidArgument("top_p", f"must be in (0, 1], got {top_p}")
     top_k = 0 if raw.top_k is None else raw.top_k
-    if top_k < 0:
-        raise InvalidArgument("top_k", f"must be >= 0 (0 = off), got {top_k}")
-    if len(raw.stop) > config.max_stop_strings:
-        raise InvalidArgument("stop", f"at most {config.max_stop_strings} stop strings, got {len(raw.stop)}")
+    if len(raw.stop) > contract.MAX_STOP_STRINGS:  # before decoding any of them
+        raise InvalidArgument("stop", f"at most {contract.MAX_STOP_STRINGS} stop strings, got {len(raw.stop)}")
     stop = tuple(_text(f"stop[{i}]", s) for i, s in enumerate(raw.stop))
-    if any(not s for s in stop):
-        raise InvalidArgument("stop", "stop strings must be non-empty")
+    try:
+        contract.check_sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=raw.seed, stop=stop)
+    except contract.ContractError as err:
+        raise InvalidArgument(err.field, err.reason) from err
     spec = None
     constraint = None
     kind = _text("grammar_type", raw.grammar_type) if raw.grammar_type else ""

@@ -51,6 +51,7 @@ from typing import Final, Literal, Self
 import numpy as np
 import torch
 
+import contract
 from grammar_backend.closing import CLOSE_REASONS, CloseState
 from grammar_backend.metrics import LatencyWindow, Snapshot
 
@@ -121,7 +122,7 @@ class SchedulerConfig:
     start_threads : int
         Most threads waiting on ``MaskProvider.start`` at once (created on demand).
     max_stop_strings, max_stop_length : int
-        Limits on the ``stop`` field.
+        Limits on the ``stop`` field (default: the request contract's).
     stats_capacity : int
         Steps kept in the per-step counters (a ring buffer).
     metrics_interval_s : float
@@ -140,8 +141,8 @@ class SchedulerConfig:
     max_queued: int = 1024
     idle_wait_s: float = 0.05
     start_threads: int = 64
-    max_stop_strings: int = 16
-    max_stop_length: int = 256
+    max_stop_strings: int = contract.MAX_STOP_STRINGS
+    max_stop_length: int = contract.MAX_STOP_CHARS
     stats_capacity: int = 65536
     grammar_mode: str = "overlap"
     metrics_interval_s: float = 1.0

@@ -73,8 +73,6 @@ def parse(argv: list[str], files: dict[str, str]) -> Constraint | None:
         (["--choice", "yes", "--choice", "no", "p"], lambda f: Constraint.choice(["yes", "no"])),
         (["--tool-call", "@short.json", "p"], lambda f: Constraint.structural_tag(SHORT_TAG["triggers"],
                                                                                   SHORT_TAG["tags"])),
-        (["--tool-call", "@short.json", "--strict", "p"],
-         lambda f: Constraint.structural_tag(SHORT_TAG["triggers"], SHORT_TAG["tags"], strict=True)),
         (["--tool-call", "@raw.json", "p"], lambda f: Constraint.structural_tag_raw(RAW_TAG)),
         (["--regex", "a+", "--on-budget", "truncate", "--on-repeat", "continue", "p"],
          lambda f: Constraint("regex", "a+", {"on_budget": "truncate", "on_repeat": "continue"})),
@@ -92,12 +90,14 @@ def test_constraint_from_args(argv: list[str], expected: Any, files: dict[str, s
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--regex", "a", "--strict", "p"], r"^--strict: applies only to --schema, --json-object and --tool-call$"),
+        (["--regex", "a", "--strict", "p"], r"^--strict: applies only to --schema and --json-object$"),
+        # The server refuses JSON options on structural tags (contract.JSON_OPTION_KINDS).
+        (["--tool-call", "@short.json", "--strict", "p"], r"^--strict: does not apply to --tool-call"),
         (["--choice", "a", "--indent", "2", "p"], r"^--indent: applies only to --schema"),
         (["--json-object", "--strict", "p"], r"^--strict: does not apply to --json-object$"),
         (["--json-object", "--any-order", "p"], r"^--any-order: does not apply to --json-object$"),
         (["--tool-call", "@raw.json", "--whitespace", "any", "p"],
-         r"^--whitespace: does not apply to an xgrammar-form structural tag"),
+         r"^--whitespace: does not apply to --tool-call"),
         (["--tool-call", "@extra.json", "p"], r"^--tool-call\.name: unknown key; expected triggers, tags$"),
         (["--tool-call", "@half.json", "p"], r"^--tool-call: needs 'triggers' and 'tags'"),
         (["--tool-call", "@list.json", "p"], r"^--tool-call: must hold a JSON object, got list$"),
@@ -159,7 +159,7 @@ def _main(argv: list[str], stdin: str = "") -> tuple[int, str, str]:
     [
         (["--regex", "", "p"], EXIT_INVALID, "error: regex: must not be empty\n"),
         (["--max-tokens", "0", "p"], EXIT_INVALID, "error: max_tokens: must be in [1, 2147483647], got 0\n"),
-        (["--top-p", "2", "p"], EXIT_INVALID, "error: top_p: must be in (0, 1], got 2.0\n"),
+        (["--top-p", "2", "p"], EXIT_INVALID, "error: top_p: must be a number in (0, 1], got 2.0\n"),
         (["--messages", "@broken.json"], EXIT_INVALID, None),
     ],
 )

@@ -460,7 +460,7 @@ def test_callback_error_cancels_only_that_request(engine: TorchEngine, sched: Sc
         ({"seed": -5}, RequestError, "seed: must be an integer"),
         ({"stop": ("",)}, RequestError, r"stop\[0\]: must be a non-empty string"),
         ({"stop": ("x" * 300,)}, RequestError, r"stop\[0\]: longer than 256 characters"),
-        ({"stop": tuple("abcdefghijklmnopq")}, RequestError, "stop: at most 16 stop strings, got 17"),
+        ({"stop": tuple("abcdefghi")}, RequestError, "stop: at most 8 stop strings, got 9"),
         ({"constraint": "regex"}, RequestError, "constraint: must be a ConstraintRequest or None, got str"),
         ({"request_id": ""}, RequestError, "request_id: must be a non-empty string or None"),
     ],

@@ -1,0 +1,191 @@
+"""The request contract: the one home of every rule a client and the server must agree on.
+
+Dependency-free (standard library only), so the client SDK imports it
+without xgrammar or torch, and every server layer imports the same values:
+constraint kinds and which options apply to which kind, option values and
+ranges, sampling fields and their ranges, the payload limit, and the names of
+finish and close reasons.  The client checks requests with these functions
+for early feedback; preprocessing checks them again as the authority (with
+the same functions, so both answer the same for every value:
+``tests/unit/test_contract.py``).  Each check raises :class:`ContractError`
+naming the field; each layer re-raises it as its own error type.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Final
+
+__all__ = [
+    "CLOSE_REASONS",
+    "CONSTRAINT_KINDS",
+    "FINISH_REASONS",
+    "JSON_KINDS",
+    "JSON_OPTION_KINDS",
+    "JSON_OPTION_NAMES",
+    "MAX_CONSTRAINT_BYTES",
+    "MAX_INDENT",
+    "MAX_STOP_CHARS",
+    "MAX_STOP_STRINGS",
+    "MAX_TEMPERATURE",
+    "MAX_TOP_K",
+    "MAX_WHITESPACE_RUN",
+    "OPTION_NAMES",
+    "POLICIES",
+    "SEED_LIMIT",
+    "ContractError",
+    "check_options",
+    "check_sampling",
+]
+
+#: Every ``GRAMMAR_TYPE`` value.
+CONSTRAINT_KINDS: Final = ("json_schema", "json_object", "regex", "ebnf", "lark", "choice", "structural_tag")
+#: Kinds whose output is one JSON document (parsed and validated after decoding).
+JSON_KINDS: Final = ("json_schema", "json_object")
+#: Kinds whose output the JSON-shaping options apply to: the JSON kinds.  A
+#: structural tag carries its own per-format options (xgrammar's format objects).
+JSON_OPTION_KINDS: Final = JSON_KINDS
+#: Options that shape JSON output.
+JSON_OPTION_NAMES: Final = ("strict", "whitespace", "indent", "any_order")
+#: Decoding policies (every kind), their values, the default first:
+#: ``on_budget``: ``close`` forces the shortest valid completion before
+#: ``max_tokens`` runs out, ``truncate`` cuts there; ``on_repeat``: ``close``
+#: forces the completion of a runaway repetition, ``continue`` lets it run.
+POLICIES: Final[Mapping[str, tuple[str, ...]]] = {
+    "on_budget": ("close", "truncate"),
+    "on_repeat": ("close", "continue"),
+}
+OPTION_NAMES: Final = (*JSON_OPTION_NAMES, *POLICIES)
+#: Bound on a whitespace run when the policy is an integer (larger bounds let a
+#: model loop on whitespace, which the ``"compact"`` default prevents).
+MAX_WHITESPACE_RUN: Final = 64
+MAX_INDENT: Final = 16
+#: Largest constraint payload, UTF-8 bytes.
+MAX_CONSTRAINT_BYTES: Final = 2 * 1024 * 1024
+
+MAX_TEMPERATURE: Final = 2.0
+MAX_TOP_K: Final = 2**31 - 1
+#: Seeds are in ``[0, SEED_LIMIT)`` (uint64).
+SEED_LIMIT: Final = 2**64
+MAX_STOP_STRINGS: Final = 8
+MAX_STOP_CHARS: Final = 256
+
+FINISH_REASONS: Final = ("stop", "length", "error")
+#: Why the grammar side forced a completion (RESULT ``close_reason``).
+CLOSE_REASONS: Final = ("budget", "repetition")
+
+
+class ContractError(ValueError):
+    """A request field breaks the contract.
+
+    Parameters
+    ----------
+    field : str
+        The field, e.g. ``"grammar_options.indent"`` or ``"top_p"``.
+    reason : str
+        Why; the message is ``"field: reason"``.
+    """
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+def check_options(kind: str, options: Mapping[str, object]) -> dict[str, object]:
+    """Check a constraint's options; return them with every default filled in.
+
+    Parameters
+    ----------
+    kind : str
+        One of :data:`CONSTRAINT_KINDS` (checked by the caller).
+    options : mapping
+        The options the request gives (absent = default).
+
+    Returns
+    -------
+    dict
+        ``strict``, ``whitespace``, ``indent``, ``any_order``, ``on_budget``, ``on_repeat``.
+
+    Raises
+    ------
+    ContractError
+        An unknown option, a JSON option set (to other than its default) on
+        a kind it does not apply to, or a value of the wrong type or range.
+    """
+    if not isinstance(options, Mapping):
+        raise ContractError("grammar_options", f"must be an object, got {type(options).__name__}")
+    for name in options:
+        if name not in OPTION_NAMES:
+            raise ContractError(f"grammar_options.{name}", f"unknown option; expected one of {', '.join(OPTION_NAMES)}")
+    out: dict[str, object] = {}
+    for name, allowed in POLICIES.items():
+        value = options.get(name, allowed[0])
+        if not isinstance(value, str) or value not in allowed:
+            raise ContractError(f"grammar_options.{name}", f"must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+        out[name] = value
+    for name in ("strict", "any_order"):
+        value = options.get(name, False)
+        if not isinstance(value, bool):
+            raise ContractError(f"grammar_options.{name}", f"must be a boolean, got {value!r}")
+        out[name] = value
+    whitespace = options.get("whitespace", "compact")
+    if isinstance(whitespace, bool) or not (
+        whitespace in ("compact", "any") or (isinstance(whitespace, int) and 0 <= whitespace <= MAX_WHITESPACE_RUN)
+    ):
+        raise ContractError("grammar_options.whitespace",
+                            f'must be "compact", "any" or an integer 0..{MAX_WHITESPACE_RUN}, got {whitespace!r}')
+    out["whitespace"] = whitespace
+    indent = options.get("indent")
+    if indent is not None and (isinstance(indent, bool) or not isinstance(indent, int) or not 0 <= indent <= MAX_INDENT):
+        raise ContractError("grammar_options.indent", f"must be null or an integer 0..{MAX_INDENT}, got {indent!r}")
+    out["indent"] = indent
+    if kind not in JSON_OPTION_KINDS:
+        for name, default in _JSON_OPTION_DEFAULTS.items():
+            if out[name] != default:
+                raise ContractError(f"grammar_options.{name}",
+                                    f"only applies to {' and '.join(JSON_OPTION_KINDS)}, not {kind}")
+    return out
+
+
+_JSON_OPTION_DEFAULTS: Final[Mapping[str, object]] = {"strict": False, "whitespace": "compact", "indent": None,
+                                                      "any_order": False}
+
+
+def check_sampling(
+    *,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    seed: int | None,
+    stop: Sequence[str],
+) -> None:
+    """Check the sampling fields (``max_tokens`` is bounded by the server's configuration, not here).
+
+    Raises
+    ------
+    ContractError
+        Naming the first field out of range: ``temperature`` in
+        ``[0, MAX_TEMPERATURE]``, ``top_p`` in ``(0, 1]``, ``top_k`` in
+        ``[0, MAX_TOP_K]`` (0 = off), ``seed`` in ``[0, SEED_LIMIT)``, at most
+        :data:`MAX_STOP_STRINGS` non-empty stop strings of at most
+        :data:`MAX_STOP_CHARS` characters.
+    """
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+        math.isfinite(temperature) and 0.0 <= temperature <= MAX_TEMPERATURE
+    ):
+        raise ContractError("temperature", f"must be a number in 0..{MAX_TEMPERATURE:g}, got {temperature!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
+        raise ContractError("top_p", f"must be a number in (0, 1], got {top_p!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 0 <= top_k <= MAX_TOP_K:
+        raise ContractError("top_k", f"must be an integer in 0..{MAX_TOP_K} (0 = off), got {top_k!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < SEED_LIMIT):
+        raise ContractError("seed", f"must be an integer in [0, 2**64), got {seed!r}")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ContractError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    for i, s in enumerate(stop):
+        if not isinstance(s, str) or not s:
+            raise ContractError(f"stop[{i}]", "must be a non-empty string")
+        if len(s) > MAX_STOP_CHARS:
+            raise ContractError(f"stop[{i}]", f"is {len(s)} characters; at most {MAX_STOP_CHARS}")
