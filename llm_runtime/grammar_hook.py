@@ -277,7 +277,13 @@ class GrammarLogitsProcessor:
         """
         del client_ids
         with self._step_lock:
-            self._masked_step(req_ids, logits, token_ids, stream_ptr)
+            try:
+                self._masked_step(req_ids, logits, token_ids, stream_ptr)
+            except Exception as err:  # noqa: BLE001 -- never into the engine's loop: the rows fail instead
+                # Raised inside TensorRT-LLM's forward (PyTorch backend) it would fail
+                # the whole batch, across its C++ callback it could stop the executor.
+                _log.exception("grammar processor failed; failing its rows")
+                self._fail_rows(req_ids, logits, f"grammar processor failed: {err}")
 
     def _masked_step(
         self,
@@ -359,6 +365,24 @@ class GrammarLogitsProcessor:
         self._masked += len(masked)
         self._grammar_s += t1 - t0
         self._apply_s += time.perf_counter() - t1
+
+    def _fail_rows(self, req_ids: Sequence[int], logits: torch.Tensor | Sequence[torch.Tensor], error: str) -> None:
+        """Mark every registered row of the call as failed and try to leave it only the end tokens."""
+        rows = []
+        with self._lock:
+            for i, k in enumerate(req_ids):
+                r = self._rows.get(int(k))
+                if r is not None:
+                    r.error = r.error or error
+                    rows.append(i)
+        if not rows or len(req_ids) > self._max_rows:
+            return
+        try:
+            for i in rows:
+                self._host_np[i] = self._end_row
+            self._apply(logits, rows, len(req_ids), None)
+        except Exception:  # noqa: BLE001 -- the rows are failed already; their requests end with the error
+            _log.exception("grammar processor: the end-token mask could not be applied either")
 
     def _apply(
         self, logits: torch.Tensor | Sequence[torch.Tensor], rows: list[int], b: int, stream_ptr: int | None

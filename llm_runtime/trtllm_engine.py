@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -257,16 +258,31 @@ def trtllm_sampling_kwargs(
 
 
 class _BatchedHook:
-    """The ``tensorrt`` backend's batched processor: maps client ids to grammar rows, then one call."""
+    """The ``tensorrt`` backend's batched processor: maps client ids to grammar rows, then one call.
+
+    A request's id is known only when ``generate_async`` returns, and the
+    executor may run its first step before that: an unknown id is waited for
+    (at most ``_BIND_WAIT_S``) only while some ``generate_async`` call is in
+    flight (:meth:`submitting`); an aborted request keeps coming for a step or
+    two after :meth:`unbind`, and gets no row (-1) without any wait.
+    """
 
     def __init__(self, processor: GrammarLogitsProcessor) -> None:
         self._processor = processor
         self._keys: dict[int, int] = {}
+        self._pending = 0
         self._cond = threading.Condition()
 
-    def bind(self, client_id: int, key: int) -> None:
+    def submitting(self) -> None:
         with self._cond:
-            self._keys[client_id] = key
+            self._pending += 1
+
+    def bind(self, client_id: int | None, key: int) -> None:
+        """``generate_async`` returned (``client_id`` None: it raised)."""
+        with self._cond:
+            self._pending -= 1
+            if client_id is not None:
+                self._keys[client_id] = key
             self._cond.notify_all()
 
     def unbind(self, client_id: int) -> None:
@@ -276,10 +292,9 @@ class _BatchedHook:
     def __call__(self, req_ids: Sequence[int], logits: Sequence[Any], token_ids: Sequence[Sequence[Sequence[int]]],
                  stream_ptr: int, client_ids: Sequence[int | None]) -> None:
         with self._cond:
-            # Only requests that set apply_batched_logits_processor come here, and
-            # only constrained ones do: an unknown id is a request whose
-            # generate_async has not returned yet.
-            self._cond.wait_for(lambda: all(c in self._keys for c in client_ids if c is not None), _BIND_WAIT_S)
+            self._cond.wait_for(
+                lambda: self._pending == 0 or all(c in self._keys for c in client_ids if c is not None),
+                _BIND_WAIT_S)
             # An unbound row (key -1) stays unmasked for this call only; its tokens are
             # fed to the grammar at the next call, which fails the request if it refuses them.
             keys = [self._keys.get(c, -1) if c is not None else -1 for c in client_ids]
@@ -375,6 +390,12 @@ class TrtllmGenerator:
                 kwargs["disable_overlap_scheduler"] = True
         else:
             kwargs["guided_decoding_backend"] = "xgrammar"
+            # TensorRT-LLM's guided decoder builds its xgrammar tokenizer info from
+            # its own tokenizer (create_py_executor asserts one; the TensorRT path
+            # calls _xgrammar_tokenizer_info on it): load it here. Output is still
+            # detokenized by us (SamplingParams.detokenize=False).
+            kwargs["skip_tokenizer_init"] = False
+            kwargs["tokenizer"] = config.model_dir
         if config.backend == "tensorrt":
             from tensorrt_llm._tensorrt_engine import LLM  # type: ignore[import-not-found,unused-ignore]
         else:
@@ -386,6 +407,8 @@ class TrtllmGenerator:
         self._closing = False
         self._max_live = 0
         self._starts = ThreadPoolExecutor(self._limits.start_threads, thread_name_prefix="llm-grammar-start")
+        self._finishers = ThreadPoolExecutor(4, thread_name_prefix="llm-trtllm-finish")
+        self._drained = threading.Condition(self._lock)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="llm-trtllm-loop", daemon=True)
         self._thread.start()
@@ -446,16 +469,25 @@ class TrtllmGenerator:
         return True
 
     def close(self, timeout: float | None = 30.0) -> None:
-        """Abort what is in flight and shut TensorRT-LLM down."""
+        """Abort what is in flight, wait until every request has its final event, then shut down.
+
+        Requests still live after ``timeout`` (an executor that stopped
+        answering) are left to the shutdown; it is logged.
+        """
         with self._lock:
             self._closing = True
             live = list(self._live)
         for rid in live:
             self.cancel(rid)
         self._starts.shutdown(wait=True)
+        with self._drained:
+            if not self._drained.wait_for(lambda: not self._live, timeout):
+                _log.error("TensorRT-LLM: %d requests still live at shutdown", len(self._live))
         self._llm.shutdown()
+        self._finishers.shutdown(wait=True)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout)
+        self._loop.close()
 
     def _publish(self) -> None:
         if self._on_metrics is None:
@@ -507,11 +539,19 @@ class TrtllmGenerator:
                 sampling["apply_batched_logits_processor"] = True
             if req.guided is not None:
                 sampling["guided_decoding"] = self._guided_cls(**req.guided)
-            result = self._llm.generate_async({"prompt_token_ids": req.prompt.tolist()},
-                                              self._sampling_cls(**sampling), streaming=True)
+            batched = self._batched if req.has_row else None
+            if batched is not None:
+                batched.submitting()
+            try:
+                result = self._llm.generate_async({"prompt_token_ids": req.prompt.tolist()},
+                                                  self._sampling_cls(**sampling), streaming=True)
+            except BaseException:
+                if batched is not None:
+                    batched.bind(None, req.seq_id)
+                raise
             req.result = result
-            if self._batched is not None and req.has_row:
-                self._batched.bind(result.request_id, req.seq_id)
+            if batched is not None:
+                batched.bind(result.request_id, req.seq_id)
             if req.cancelled:
                 result.abort()
             async for out in result:
@@ -547,7 +587,11 @@ class TrtllmGenerator:
         finally:
             if self._batched is not None and req.result is not None:
                 self._batched.unbind(req.result.request_id)
-        self._deliver_finish(req, reason, error=error, status=status, stop_string=stop_string)
+        # Ending the grammar row is a BLS call that may wait for a processor step:
+        # off the loop thread, which serves every other stream.
+        await asyncio.get_running_loop().run_in_executor(
+            self._finishers, functools.partial(self._deliver_finish, req, reason, error=error, status=status,
+                                               stop_string=stop_string))
 
     def _deliver_finish(self, req: _Request, reason: FinishReason, *, error: str | None = None,
                         status: str | None = None, stop_string: bool = False) -> None:
@@ -565,6 +609,7 @@ class TrtllmGenerator:
                 reason, close_reason = closed_finish(reason, outcome.close_state, stop_string)
         with self._lock:
             self._live.pop(req.rid, None)
+            self._drained.notify_all()
         self._publish()
         tail = req.detok.finish()
         try:

@@ -344,3 +344,18 @@ def test_processor_masks_cuda_logits_on_the_engines_stream(tiny: TinyModelInfo, 
         assert out is not None and out.error is None
         assert toks[-1] in engine.eos_token_ids
         assert re.fullmatch(CONSTRAINTS[kind][1], tok.decode(toks[:-1]))
+
+
+def test_a_processor_failure_never_reaches_the_engine(engine: TorchEngine, provider: CountingProvider) -> None:
+    """More rows than the processor was sized for: the call returns, the rows fail (inside TensorRT-LLM's
+    forward an exception would fail the whole batch or its executor loop)."""
+    processor = GrammarLogitsProcessor(provider, vocab_size=engine.vocab_size, end_token_ids=engine.eos_token_ids,
+                                       max_rows=1)
+    prompt = engine.tokenizer.encode("hi").ids
+    processor.start(1, 11, CONSTRAINTS["regex"][0], len(prompt))
+    processor.start(2, 22, CONSTRAINTS["regex"][0], len(prompt))
+    processor([1, 2], torch.zeros((2, engine.vocab_size)), [[prompt], [prompt]])
+    for key in (1, 2):
+        out = processor.outcome(key)
+        assert out is not None and out.error == "grammar processor failed: 2 rows exceed the processor's 1"
+    processor.remove([1, 2])
