@@ -16,6 +16,7 @@ to 0 (a leaked sequence or request).
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import time
@@ -98,6 +99,42 @@ def exit_deadline(run_time: str) -> float:
     return seconds + STOP_TIMEOUT_S + LOCUST_OVERHEAD_S
 
 
+#: Seconds locust gets to exit once it has written its final report.
+EXIT_AFTER_REPORT_S: Final = 20.0
+
+
+def _run_locust(cmd: Sequence[str], report: Path, timeout_s: float) -> int:
+    """Run locust; its exit status, or the verdict of its reports when it hangs at exit.
+
+    Locust sometimes never exits after logging "Shutting down (exit code 0)"
+    and writing every report (3 of 8 smoke runs on 2026-12-01, once before):
+    interpreter teardown blocks on a gRPC stream thread.  Once the final
+    report exists, it gets ``EXIT_AFTER_REPORT_S`` to exit; then it is killed
+    and the run is judged from the report (any failed request fails it), so
+    the hang costs seconds, not the whole deadline, and is said on stderr.
+    """
+    started = time.time()
+    deadline = time.monotonic() + timeout_s
+    proc = subprocess.Popen(cmd, cwd=REPO)
+    written: float | None = None
+    while (code := proc.poll()) is None:
+        now = time.monotonic()
+        if written is None and report.is_file() and report.stat().st_mtime >= started:
+            written = now
+        if now > deadline or (written is not None and now - written > EXIT_AFTER_REPORT_S):
+            proc.kill()
+            proc.wait()
+            if written is None:
+                print(f"loadtest: locust did not exit within {timeout_s:.0f} s; killed", file=sys.stderr)
+                return 1
+            failures = sum(int(entry["num_failures"]) for entry in json.loads(report.read_text()))
+            print(f"loadtest: locust hung at exit {EXIT_AFTER_REPORT_S:.0f} s after writing its reports; killed, "
+                  f"judged from {report.name}: {failures} failed requests", file=sys.stderr)
+            return 1 if failures else 0
+        time.sleep(0.5)
+    return code
+
+
 def run(host: str, metrics_url: str, out: Path, cmd: Sequence[str], timeout_s: float) -> int:
     """Run locust, then the post-run checks and the summary; returns the exit status.
 
@@ -106,11 +143,7 @@ def run(host: str, metrics_url: str, out: Path, cmd: Sequence[str], timeout_s: f
     generator that hangs is killed and the run fails.
     """
     out.mkdir(parents=True, exist_ok=True)
-    try:
-        status = subprocess.run(cmd, cwd=REPO, check=False, timeout=timeout_s).returncode
-    except subprocess.TimeoutExpired:
-        print(f"loadtest: locust did not exit within {timeout_s:.0f} s; killed", file=sys.stderr)
-        status = 1
+    status = _run_locust(cmd, out / "run.json", timeout_s)
     if not ready(host):
         print("loadtest: the server is not ready after the run", file=sys.stderr)
         status = status or 1

@@ -136,7 +136,7 @@ BAD_INPUTS = [
     # (inputs, exact status, exact message or prefix)
     ([_prompt(), _ints("MAX_TOKENS", 0)], "INVALID_ARGUMENT", "max_tokens: must be in 1..1024, got 0"),
     ([_prompt(), _tensor("TEMPERATURE", "FP32", np.array([5.0], np.float32))], "INVALID_ARGUMENT",
-     "temperature: must be in 0..2, got 5.0"),
+     "temperature: must be a number in 0..2, got 5.0"),
     ([_prompt(b"\xff\xfe")], "INVALID_ARGUMENT", "prompt: not valid UTF-8 at byte 0"),
     ([_prompt(b"   ")], "INVALID_ARGUMENT", "prompt: is empty"),
     ([_tensor("MESSAGES", "BYTES", [b'[{"role":"user","content":"\\ud800"}]'])], "INVALID_ARGUMENT",

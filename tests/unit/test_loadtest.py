@@ -159,3 +159,31 @@ def test_summary_per_kind(tmp_path: Path) -> None:
     text = render(summary)
     assert "failure constrained: 1 x truncated" in text
     assert "constrained         4     1    0.40    20.0  400/900/900          70/300/300" in text
+
+
+@pytest.mark.parametrize(
+    ("script", "timeout_s", "status"),
+    [
+        # Exits on its own: its status.
+        ("import sys; sys.exit(3)", 30.0, 3),
+        # Writes its report, then hangs at exit: killed, judged from the report.
+        ("import json, sys, time; open(sys.argv[1], 'w').write(json.dumps([{'num_failures': 0}])); time.sleep(60)",
+         30.0, 0),
+        ("import json, sys, time; open(sys.argv[1], 'w').write(json.dumps([{'num_failures': 2}])); time.sleep(60)",
+         30.0, 1),
+        # Never writes a report and outlives the deadline: killed, failed.
+        ("import time; time.sleep(60)", 2.0, 1),
+    ],
+)
+def test_a_locust_that_hangs_at_exit_costs_seconds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, script: str,
+                                                   timeout_s: float, status: int) -> None:
+    import sys
+    import time
+
+    from loadtest import run as run_mod
+
+    monkeypatch.setattr(run_mod, "EXIT_AFTER_REPORT_S", 1.0)
+    report = tmp_path / "run.json"
+    t0 = time.monotonic()
+    assert run_mod._run_locust([sys.executable, "-c", script, str(report)], report, timeout_s) == status
+    assert time.monotonic() - t0 < 20
