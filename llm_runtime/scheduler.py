@@ -501,11 +501,6 @@ class Scheduler:
             return len(self._live)
 
     @property
-    def max_batch_size_seen(self) -> int:
-        """Largest batch since the last reset (cheap: no snapshot of the ring buffers)."""
-        return self._stats.max_batch
-
-    @property
     def max_batch_size(self) -> int:
         return self._max_batch
 
