@@ -155,7 +155,7 @@ def step_part(model_dir: Path, steps: int) -> dict[str, float]:
 
     bundle = load_tokenizer(str(model_dir))
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    engine = GrammarEngine(bundle.info, bundle.fingerprint, EngineConfig(max_batch=16))
+    engine = GrammarEngine(bundle.info, bundle.fingerprint, EngineConfig(max_batch=16), encode=bundle.encode)
     schema = json.dumps({"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]})
     prefix = tokenizer.encode('{"s":"', add_special_tokens=False)
     unit = tokenizer.encode("bin/", add_special_tokens=False)

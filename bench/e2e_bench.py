@@ -40,10 +40,10 @@ What it does, in one process and one server:
    free text runs on), so tokens/s mixes batch shrinkage with grammar cost.
    The server's step stats give the decode-step time at each full live batch
    for steps whose rows were all free or all constrained (no prompt joining):
-   free / constrained step time is the throughput ratio at equal output
-   lengths.  The last line is ``ratio constrained/unconstrained at
-   concurrency 8: R`` with that R.  One forward per output token (no
-   jump-forward yet).
+   tokens per step / step time is the throughput at equal output lengths
+   (a constrained step adds more than one token per row where it jumps
+   forward over forced text).  The last line is ``ratio
+   constrained/unconstrained at concurrency 8: R`` with that R.
 
 Nothing here asserts a time; the script prints a table (``--json`` writes
 every figure and raw per-request record, ``--plot`` a PNG).  Wall-clock ``perf_counter`` on a
@@ -451,7 +451,11 @@ def print_report(
     for conc, (free, cons, r) in ratios.items():
         print(f"  batch {conc:2d}: free p50 {ms(free)} ms, constrained p50 {ms(cons)} ms, "
               f"throughput constrained/unconstrained {r:.3f}")
-    # One forward per output token: no jump-forward yet (each step decodes one token per row).
+    for i, st in enumerate(stats):
+        if st.get("output_tokens"):
+            print(f"  llm instance {i}: {st['steps']} steps, {st['output_tokens']} output tokens, "
+                  f"{st['jump_tokens']} of them jumped forward (forwards per output token "
+                  f"{st['steps'] / st['output_tokens']:.3f}, all modes)")
     # main() prints the headline figure (equal work, concurrency 8) as the last line.
 
 
@@ -527,11 +531,12 @@ def in_process(model_dir: Path, max_tokens: int, concurrencies: Sequence[int], r
 
 
 def equal_work_ratios(stats: list[dict[str, Any]], concurrencies: Sequence[int]) -> dict[int, tuple[float, float, float]]:
-    """Per batch size: free and constrained step-time medians (worst instance) and their throughput ratio.
+    """Per batch size: free and constrained step-time medians (worst instance) and the throughput ratio.
 
-    At a fixed live batch every step decodes one token per row in both modes,
-    so free/constrained step time is the constrained/unconstrained throughput
-    ratio at equal output lengths.
+    At a fixed live batch both modes decode the same rows; throughput is
+    tokens per step / step time, where a free step adds one token per row and
+    a constrained one adds more when rows jump forward (forced text appended
+    without sampling).  Without jumps the ratio is free / constrained step time.
     """
     out: dict[int, tuple[float, float, float]] = {}
     for conc in concurrencies:
@@ -539,7 +544,11 @@ def equal_work_ratios(stats: list[dict[str, Any]], concurrencies: Sequence[int])
         cons = [float(st[f"step_s_p50_b{conc}_constrained"]) for st in stats
                 if f"step_s_p50_b{conc}_constrained" in st]
         if free and cons:
-            out[conc] = (max(free), max(cons), max(free) / max(cons))
+            tok_free = min(float(st.get(f"tokens_per_step_b{conc}_free", conc)) for st in stats
+                           if f"step_s_p50_b{conc}_free" in st)
+            tok_cons = min(float(st.get(f"tokens_per_step_b{conc}_constrained", conc)) for st in stats
+                           if f"step_s_p50_b{conc}_constrained" in st)
+            out[conc] = (max(free), max(cons), (tok_cons / max(cons)) / (tok_free / max(free)))
     return out
 
 

@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = TorchEngine(args.model_dir, EngineConfig(max_batch_size=max(args.batch), max_seq_len=512,
                                                       num_threads=args.threads))
     bundle = load_tokenizer(args.model_dir, vocab_size=engine.vocab_size, stop_token_ids=sorted(engine.eos_token_ids))
-    grammar = GrammarEngine(bundle.info, bundle.fingerprint, GrammarEngineConfig(max_batch=max(args.batch)))
+    grammar = GrammarEngine(bundle.info, bundle.fingerprint, GrammarEngineConfig(max_batch=max(args.batch)),
+                            encode=bundle.encode)
     results: dict[str, dict[str, dict[str, list[float]]]] = {}
     try:
         run_batch(engine, grammar, "overlap", 1, 4)  # warm-up: compile the schema, touch every code path

@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
                                "(server default); truncate: cut the output there")
     policies.add_argument("--on-repeat", choices=ON_REPEAT,
                           help="close: end an output that keeps repeating itself the same way (server default)")
+    policies.add_argument("--no-jump-forward", dest="jump_forward", action="store_false", default=None,
+                          help="sample every token, also where the constraint forces the text (the server "
+                               "appends forced text without sampling by default)")
 
     sampling = parser.add_argument_group("sampling")
     sampling.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
@@ -166,12 +169,13 @@ def constraint_from_args(args: argparse.Namespace) -> Constraint | None:
         As :func:`_constraint_kind`, or a policy flag without a constraint.
     """
     constraint = _constraint_kind(args)
-    if args.on_budget is None and args.on_repeat is None:
+    given = {"--on-budget": args.on_budget, "--on-repeat": args.on_repeat, "--no-jump-forward": args.jump_forward}
+    flags = [flag for flag, value in given.items() if value is not None]
+    if not flags:
         return constraint
     if constraint is None:
-        flag = "--on-budget" if args.on_budget is not None else "--on-repeat"
-        raise InvalidConstraint(flag, "applies only with a constraint")
-    return constraint.with_policies(on_budget=args.on_budget, on_repeat=args.on_repeat)
+        raise InvalidConstraint(flags[0], "applies only with a constraint")
+    return constraint.with_policies(on_budget=args.on_budget, on_repeat=args.on_repeat, jump_forward=args.jump_forward)
 
 
 def _constraint_kind(args: argparse.Namespace) -> Constraint | None:

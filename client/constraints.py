@@ -207,7 +207,7 @@ class Constraint:
         ``GRAMMAR_OPTIONS`` entries: ``strict`` (bool), ``whitespace``
         (``"compact"`` | ``"any"`` | int), ``indent`` (int or None),
         ``any_order`` (bool), which only JSON-producing kinds accept; and
-        ``on_budget``, ``on_repeat`` (see :meth:`with_policies`), for every kind.
+        ``on_budget``, ``on_repeat``, ``jump_forward`` (see :meth:`with_policies`), for every kind.
 
     Raises
     ------
@@ -239,7 +239,8 @@ class Constraint:
             return ""
         return json.dumps(dict(self.options), sort_keys=True, separators=(",", ":"))
 
-    def with_policies(self, *, on_budget: str | None = None, on_repeat: str | None = None) -> Constraint:
+    def with_policies(self, *, on_budget: str | None = None, on_repeat: str | None = None,
+                      jump_forward: bool | None = None) -> Constraint:
         """This constraint with decoding policies set (``None`` keeps the current or server default).
 
         Parameters
@@ -252,13 +253,17 @@ class Constraint:
         on_repeat : {"close", "continue"}, optional
             ``"close"`` (server default): an output that keeps repeating one
             short unit (``"bin/bin/bin..."``) is closed the same way.
+        jump_forward : bool, optional
+            ``True`` (server default): text the constraint forces (``{"name":"``)
+            is appended without sampling, several tokens per forward; the
+            output is the same text.  ``False``: every token is sampled.
 
         Raises
         ------
         InvalidConstraint
             A value outside the choices above.
         """
-        given = {"on_budget": on_budget, "on_repeat": on_repeat}
+        given: dict[str, object] = {"on_budget": on_budget, "on_repeat": on_repeat, "jump_forward": jump_forward}
         options = {**self.options, **{k: v for k, v in given.items() if v is not None}}
         return Constraint(self.kind, self.payload, options)
 

@@ -20,6 +20,7 @@ from typing import Final
 __all__ = [
     "CLOSE_REASONS",
     "CONSTRAINT_KINDS",
+    "DECODING_FLAGS",
     "FINISH_REASONS",
     "JSON_KINDS",
     "JSON_OPTION_KINDS",
@@ -56,7 +57,11 @@ POLICIES: Final[Mapping[str, tuple[str, ...]]] = {
     "on_budget": ("close", "truncate"),
     "on_repeat": ("close", "continue"),
 }
-OPTION_NAMES: Final = (*JSON_OPTION_NAMES, *POLICIES)
+#: Boolean decoding options (every kind) and their defaults: ``jump_forward``
+#: appends the text the grammar forces without sampling it, several tokens
+#: per forward (``grammar_backend.jump``); the output text is the same.
+DECODING_FLAGS: Final[Mapping[str, bool]] = {"jump_forward": True}
+OPTION_NAMES: Final = (*JSON_OPTION_NAMES, *POLICIES, *DECODING_FLAGS)
 #: Bound on a whitespace run when the policy is an integer (larger bounds let a
 #: model loop on whitespace, which the ``"compact"`` default prevents).
 MAX_WHITESPACE_RUN: Final = 64
@@ -106,7 +111,8 @@ def check_options(kind: str, options: Mapping[str, object]) -> dict[str, object]
     Returns
     -------
     dict
-        ``strict``, ``whitespace``, ``indent``, ``any_order``, ``on_budget``, ``on_repeat``.
+        ``strict``, ``whitespace``, ``indent``, ``any_order``, ``on_budget``,
+        ``on_repeat``, ``jump_forward``.
 
     Raises
     ------
@@ -125,8 +131,8 @@ def check_options(kind: str, options: Mapping[str, object]) -> dict[str, object]
         if not isinstance(value, str) or value not in allowed:
             raise ContractError(f"grammar_options.{name}", f"must be one of {', '.join(map(repr, allowed))}, got {value!r}")
         out[name] = value
-    for name in ("strict", "any_order"):
-        value = options.get(name, False)
+    for name, off in (("strict", False), ("any_order", False), *DECODING_FLAGS.items()):
+        value = options.get(name, off)
         if not isinstance(value, bool):
             raise ContractError(f"grammar_options.{name}", f"must be a boolean, got {value!r}")
         out[name] = value

@@ -22,6 +22,7 @@ from grammar_backend.errors import (
     GrammarError,
     SequenceError,
 )
+from grammar_backend.jump import Encoder, JumpForward
 from grammar_backend.sequences import FREE, SequenceTable, TableConfig
 from grammar_backend.spec import ConstraintSpec, SpecLimits
 from grammar_backend.workers import CompileWorkers, WorkerConfig
@@ -75,7 +76,9 @@ class StepResult:
         Per row, None or the error of that row (unknown sequence, rejected
         token); an error row's mask is all ones and must not be sampled.
     forced : tuple
-        Per row, jump-forward tokens (empty unless requested and available).
+        Per row, jump-forward tokens (empty unless requested, enabled by the
+        sequence's ``jump_forward`` option and available; never for a
+        closing row), see :class:`~grammar_backend.jump.JumpForward`.
     closing : numpy.ndarray
         int8 ``[B]``: the row's :class:`~grammar_backend.closing.CloseState`
         (non-zero: its mask forces a completion because the budget runs out or
@@ -99,10 +102,15 @@ class GrammarEngine:
     fingerprint : str
         The tokenizer fingerprint (part of every cache key).
     config : EngineConfig
+    encode : callable, optional
+        ``text -> token ids`` with the model's tokenizer (no special tokens):
+        needed for jump-forward, which spells forced text as the tokenizer does.
     """
 
-    def __init__(self, tokenizer_info: xgr.TokenizerInfo, fingerprint: str, config: EngineConfig) -> None:
+    def __init__(self, tokenizer_info: xgr.TokenizerInfo, fingerprint: str, config: EngineConfig,
+                 encode: Encoder | None = None) -> None:
         self.config = config
+        self.jump = None if encode is None else JumpForward(tokenizer_info, encode)
         self.tokenizer_info = tokenizer_info
         self.fingerprint = fingerprint
         self.vocab_size = int(tokenizer_info.vocab_size)
@@ -251,7 +259,8 @@ class GrammarEngine:
             its previous step (none on its first step).
         counts : int array, shape [B]
         jump_forward : bool
-            Also return each row's forced continuation tokens.
+            Also return the forced continuation tokens of each row whose
+            sequence has the ``jump_forward`` option on.
 
         Returns
         -------
@@ -262,9 +271,13 @@ class GrammarEngine:
         Raises
         ------
         GrammarError
-            The batch itself is malformed (shapes, more rows than max_batch).
+            The batch itself is malformed (shapes, more rows than max_batch), or
+            jump-forward is asked of an engine built without ``encode``.
         """
         rows = len(seq_ids)
+        jump = self.jump
+        if jump_forward and jump is None:
+            raise GrammarError("step: jump-forward needs the tokenizer's encoder (GrammarEngine(encode=...))")
         if rows > self.config.max_batch:
             raise GrammarError(f"step: batch of {rows} rows exceeds max_batch {self.config.max_batch}")
         if len(counts) != rows or (rows and (tokens.ndim != 2 or tokens.shape[0] != rows)):
@@ -280,6 +293,7 @@ class GrammarEngine:
         forced_rows.clear()
         calm_rows.clear()
         matchers: list[xgr.GrammarMatcher | None] = [None] * rows
+        jump_rows: list[tuple[int, xgr.GrammarMatcher]] | None = [] if jump_forward else None
         errors: list[SequenceError | None] | None = None
         for i in range(rows):
             count = int(counts[i])
@@ -298,6 +312,7 @@ class GrammarEngine:
             if seq.terminated:
                 terminated[i] = True
                 continue
+            token = FREE
             if seq.closes:
                 token = seq.plan(self.closer, self._stop_token)
                 closing[i] = seq.close_state
@@ -306,6 +321,9 @@ class GrammarEngine:
                     continue  # its row is all ones after the fill, then one bit below
                 if token != FREE:
                     calm_rows.append((i, token))
+            if token == FREE and jump_rows is not None and seq.spec.options.jump_forward:
+                # Only free rows jump: a closing row's mask is the plan's.
+                jump_rows.append((i, seq.matcher))
             matchers[i] = seq.matcher
         bitmask = self.bitmask.fill(matchers)
         for i, token in forced_rows:
@@ -313,10 +331,11 @@ class GrammarEngine:
         for i, token in calm_rows:
             self.bitmask.restrict(i, self._calm_row, token)
         forced = self._no_forced[:rows]
-        if jump_forward:
-            forced = tuple(
-                () if m is None else tuple(int(t) for t in m.find_jump_forward_tokens()) for m in matchers
-            )
+        if jump_rows and jump is not None:
+            found = list(forced)
+            for i, matcher in jump_rows:
+                found[i] = jump.tokens(matcher)
+            forced = tuple(found)
         return StepResult(
             bitmask=bitmask,
             terminated=terminated,

@@ -16,6 +16,7 @@ import numpy as np
 from grammar_backend.cache import CacheConfig
 from grammar_backend.engine import EngineConfig, GrammarEngine
 from grammar_backend.errors import ConstraintError, GrammarError
+from grammar_backend.jump import pack_forced
 from grammar_backend.metrics import LatencyWindow, Snapshot
 from grammar_backend.sequences import TableConfig
 from grammar_backend.spec import ConstraintSpec, SpecLimits, parse_constraint
@@ -90,7 +91,7 @@ class GrammarModelConfig:
             vocab_size=self.vocab_size or None,
             stop_token_ids=list(self.stop_token_ids) or None,
         )
-        return GrammarEngine(bundle.info, bundle.fingerprint, self.engine_config())
+        return GrammarEngine(bundle.info, bundle.fingerprint, self.engine_config(), encode=bundle.encode)
 
 
 @dataclass(frozen=True)
@@ -217,12 +218,7 @@ class GrammarService:
         self.step_latency.add(time.perf_counter() - t0)
         forced_tokens = forced_counts = None
         if req.jump_forward:
-            width = max((len(f) for f in out.forced), default=0)
-            forced_tokens = np.zeros((rows, width), np.int32)
-            forced_counts = np.zeros(rows, np.int32)
-            for i, toks in enumerate(out.forced):
-                forced_tokens[i, : len(toks)] = toks
-                forced_counts[i] = len(toks)
+            forced_tokens, forced_counts = pack_forced(out.forced)
         return GrammarReply(
             active=eng.active_count,
             bitmask=out.bitmask,

@@ -109,9 +109,11 @@ class ConstraintOptions:
         What happens when ``max_tokens`` runs out (see :data:`ON_BUDGET`).
     on_repeat : {"close", "continue"}
         What happens to a runaway value (see :data:`ON_REPEAT`).
+    jump_forward : bool
+        Append forced text without sampling it (see :mod:`grammar_backend.jump`).
 
-    ``on_budget`` and ``on_repeat`` apply to every kind and do not change
-    the compiled grammar, so they are not part of the cache key.
+    ``on_budget``, ``on_repeat`` and ``jump_forward`` apply to every kind and
+    do not change the compiled grammar, so they are not part of the cache key.
     """
 
     strict: bool = False
@@ -120,6 +122,7 @@ class ConstraintOptions:
     any_order: bool = False
     on_budget: str = "close"
     on_repeat: str = "close"
+    jump_forward: bool = contract.DECODING_FLAGS["jump_forward"]
 
     def canonical(self) -> list[Any]:
         """A JSON-serializable canonical form of what shapes the grammar, used in the cache key."""

@@ -81,6 +81,10 @@ class TokenizerBundle:
     stop_token_ids: tuple[int, ...]
     fingerprint: str
 
+    def encode(self, text: str) -> list[int]:
+        """``text`` as the model's tokenizer spells it, no special tokens added."""
+        return list(self.hf.encode(text, add_special_tokens=False))
+
 
 def load_tokenizer(
     source: str | os.PathLike[str],

@@ -27,6 +27,7 @@ from llm_runtime.mask import ConstraintRequest, MaskStep
 # (triton-inference-server/server#7804) and a bad constraint must reach the
 # client as INVALID_ARGUMENT.
 _STEP_OUTPUTS = ["BITMASK", "TERMINATED", "ROW_ERROR", "CLOSING", "ERROR"]
+_JUMP_OUTPUTS = [*_STEP_OUTPUTS, "FORCED_TOKENS", "FORCED_COUNT"]
 _CONTROL_OUTPUTS = ["ACTIVE_SEQUENCES", "ERROR"]
 
 
@@ -132,26 +133,33 @@ class BlsMaskProvider:
             _CONTROL_OUTPUTS,
         )
 
-    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> MaskStep:
+    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray,
+             jump_forward: bool = False) -> MaskStep:
         """Accept each row's new tokens and return the masks of the next tokens."""
         pb = self._pb
-        reply = self._call(
-            [
-                self._op(b"step"),
-                pb.Tensor("SEQUENCE_ID", np.ascontiguousarray(seq_ids, np.uint64)),
-                pb.Tensor("TOKENS", np.ascontiguousarray(tokens, np.int32)),
-                pb.Tensor("TOKEN_COUNT", np.ascontiguousarray(counts, np.int32)),
-            ],
-            _STEP_OUTPUTS,
-        )
-        rows = pb.get_output_tensor_by_name(reply, "ROW_ERROR")
-        closing = pb.get_output_tensor_by_name(reply, "CLOSING")
-        errors = tuple((bytes(e).decode() or None) for e in rows.as_numpy()) if rows is not None else ()
+        inputs = [
+            self._op(b"step"),
+            pb.Tensor("SEQUENCE_ID", np.ascontiguousarray(seq_ids, np.uint64)),
+            pb.Tensor("TOKENS", np.ascontiguousarray(tokens, np.int32)),
+            pb.Tensor("TOKEN_COUNT", np.ascontiguousarray(counts, np.int32)),
+        ]
+        if jump_forward:
+            inputs.append(pb.Tensor("JUMP_FORWARD", np.array([True])))
+        reply = self._call(inputs, _JUMP_OUTPUTS if jump_forward else _STEP_OUTPUTS)
+
+        def output(name: str) -> np.ndarray | None:
+            tensor = pb.get_output_tensor_by_name(reply, name)
+            return None if tensor is None else tensor.as_numpy()
+
+        rows = output("ROW_ERROR")
+        errors = tuple((bytes(e).decode() or None) for e in rows) if rows is not None else ()
         return MaskStep(
             bitmask=pb.get_output_tensor_by_name(reply, "BITMASK").as_numpy(),
             terminated=pb.get_output_tensor_by_name(reply, "TERMINATED").as_numpy(),
             errors=errors or (None,) * len(seq_ids),
-            closing=None if closing is None else closing.as_numpy(),
+            closing=output("CLOSING"),
+            forced_tokens=output("FORCED_TOKENS"),
+            forced_counts=output("FORCED_COUNT"),
         )
 
     def end(self, seq_ids: Sequence[int]) -> None:

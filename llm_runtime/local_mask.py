@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from grammar_backend.engine import GrammarEngine
+from grammar_backend.jump import pack_forced
 from grammar_backend.spec import parse_constraint
 from llm_runtime.mask import ConstraintRequest, MaskStep
 
@@ -29,14 +30,18 @@ class LocalMaskProvider:
                                 self.engine.config.limits)
         self.engine.start(seq_id, spec, budget=constraint.budget)
 
-    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> MaskStep:
+    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray,
+             jump_forward: bool = False) -> MaskStep:
         """Accept new tokens and fill the next masks."""
-        out = self.engine.step(seq_ids, tokens, counts)
+        out = self.engine.step(seq_ids, tokens, counts, jump_forward=jump_forward)
+        forced_tokens, forced_counts = pack_forced(out.forced) if jump_forward else (None, None)
         return MaskStep(
             bitmask=out.bitmask,
             terminated=out.terminated,
             errors=tuple(None if e is None else str(e) for e in out.errors),
             closing=out.closing,
+            forced_tokens=forced_tokens,
+            forced_counts=forced_counts,
         )
 
     def end(self, seq_ids: Sequence[int]) -> None:

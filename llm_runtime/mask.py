@@ -60,12 +60,18 @@ class MaskStep:
     closing : np.ndarray or None
         int8 ``[B]``: non-zero where the grammar side forces a completion
         (:class:`grammar_backend.closing.CloseState`); None: no row is closing.
+    forced_tokens, forced_counts : np.ndarray or None
+        Jump-forward (only when the step asked for it): int32 ``[B, F]`` and
+        ``[B]``; row ``i``'s first ``forced_counts[i]`` tokens spell the text
+        its grammar forces next (:mod:`grammar_backend.jump`).
     """
 
     bitmask: np.ndarray
     terminated: np.ndarray
     errors: tuple[str | None, ...]
     closing: np.ndarray | None = None
+    forced_tokens: np.ndarray | None = None
+    forced_counts: np.ndarray | None = None
 
     def check(self, rows: int, width: int) -> str | None:
         """Why this answer does not fit a step of ``rows`` rows of ``width`` words (``None``: it fits)."""
@@ -78,6 +84,14 @@ class MaskStep:
             return f"errors must have {rows} entries, got {len(self.errors)}"
         if self.closing is not None and (not isinstance(self.closing, np.ndarray) or self.closing.shape != (rows,)):
             return f"closing must be int8 [{rows}] or None"
+        ft, fc = self.forced_tokens, self.forced_counts
+        if (ft is None) != (fc is None):
+            return "forced_tokens and forced_counts come together"
+        if ft is not None and fc is not None:
+            if ft.ndim != 2 or ft.shape[0] != rows or fc.shape != (rows,):
+                return f"forced tokens must be [{rows}, F] with counts [{rows}]"
+            if rows and (int(fc.min()) < 0 or int(fc.max()) > ft.shape[1]):
+                return f"forced counts must be in 0..{ft.shape[1]}"
         return None
 
 
@@ -97,7 +111,8 @@ class MaskProvider(Protocol):
         """
         ...
 
-    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> MaskStep:
+    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray,
+             jump_forward: bool = False) -> MaskStep:
         """Accept the tokens sampled since the previous step and return the next mask.
 
         Parameters
@@ -108,6 +123,8 @@ class MaskProvider(Protocol):
             int32 ``[B, K]``; row ``i`` holds ``counts[i]`` accepted tokens.
         counts : np.ndarray
             int32 ``[B]``; 0 on a sequence's first step.
+        jump_forward : bool
+            Also return each row's forced tokens (``MaskStep.forced_tokens``).
 
         Returns
         -------

@@ -14,6 +14,14 @@ step ``t`` the loop
 4. retires finished rows (engine slot freed, ``MaskProvider.end`` called once for
    all of them).
 
+Jump-forward (overlap mode, request option ``jump_forward``, on by default):
+the grammar step also returns the text each row's grammar forces next,
+canonically tokenized (:mod:`grammar_backend.jump`).  A row with two or more
+forced tokens takes them instead of a sampled token; the next step feeds
+them in one forward (:meth:`llm_runtime.engine.TorchEngine.extend`) and the
+grammar accepts them in order, so the output is the text token-by-token
+decoding was forced to produce, in fewer forwards.
+
 Measured (SmolLM2-135M float32 on the 2-core CPU, 1 torch thread, 8 rows
 constrained by one JSON schema through an in-process xgrammar provider, 60
 steps): forward 74 ms median per step, ``MaskProvider.step`` 0.17 ms median
@@ -89,6 +97,8 @@ FinishReason = Literal["stop", "length", "error"]
 
 #: How the scheduler consumes the grammar side (see ``SchedulerConfig.grammar_mode``).
 SCHEDULER_GRAMMAR_MODES: Final = ("overlap", "processor")
+#: Upper bound of ``SchedulerConfig.max_jump_tokens``.
+MAX_JUMP_TOKENS: Final = 256
 
 
 def closed_finish(reason: FinishReason, close_state: int, stop_string: bool) -> tuple[FinishReason, str | None]:
@@ -133,7 +143,11 @@ class SchedulerConfig:
         thread while the forward of step ``t`` runs.  ``"processor"``: after the
         forward, through :class:`llm_runtime.grammar_hook.GrammarLogitsProcessor`
         -- the object and call order of the TensorRT-LLM engine, serial with
-        the forward (for tests of that path and for measuring what the overlap saves).
+        the forward (for tests of that path and for measuring what the overlap
+        saves); a logits processor cannot append tokens, so it never jumps forward.
+    max_jump_tokens : int
+        Most forced tokens a row appends in one step (jump-forward; 0: off
+        for every request).  Bounds the extra width of that step's forward.
     """
 
     max_batch_size: int | None = None
@@ -146,6 +160,7 @@ class SchedulerConfig:
     stats_capacity: int = 65536
     grammar_mode: str = "overlap"
     metrics_interval_s: float = 1.0
+    max_jump_tokens: int = 16
 
     def __post_init__(self) -> None:
         def positive_int(name: str, value: object) -> None:
@@ -157,6 +172,9 @@ class SchedulerConfig:
         for name in ("max_tokens_cap", "max_queued", "start_threads", "max_stop_strings",
                      "max_stop_length", "stats_capacity"):
             positive_int(name, getattr(self, name))
+        j = self.max_jump_tokens
+        if isinstance(j, bool) or not isinstance(j, int) or not 0 <= j <= MAX_JUMP_TOKENS:
+            raise config_error("scheduler.max_jump_tokens", f"must be an integer in 0..{MAX_JUMP_TOKENS}, got {j!r}")
         if self.grammar_mode not in SCHEDULER_GRAMMAR_MODES:
             raise config_error("scheduler.grammar_mode",
                                f"must be one of {', '.join(SCHEDULER_GRAMMAR_MODES)}, got {self.grammar_mode!r}")
@@ -255,6 +273,9 @@ class SchedulerStats:
         float64 seconds ``MaskProvider.step`` took on the worker (NaN: no row constrained).
     batch_size, constrained_rows, prefill_rows : np.ndarray
         int32 rows per step.
+    output_tokens, jump_tokens : np.ndarray
+        int32 tokens the step added to outputs, and how many of them were
+        forced by jump-forward (not sampled).
     max_batch_size_seen : int
         Largest batch since the last reset.
     end_errors : int
@@ -268,6 +289,8 @@ class SchedulerStats:
     batch_size: np.ndarray
     constrained_rows: np.ndarray
     prefill_rows: np.ndarray
+    output_tokens: np.ndarray
+    jump_tokens: np.ndarray
     max_batch_size_seen: int
     end_errors: int
 
@@ -284,11 +307,14 @@ class _Stats:
         self.batch = np.zeros(capacity, dtype=np.int32)
         self.constrained = np.zeros(capacity, dtype=np.int32)
         self.prefill = np.zeros(capacity, dtype=np.int32)
+        self.outputs = np.zeros(capacity, dtype=np.int32)
+        self.jumps = np.zeros(capacity, dtype=np.int32)
         self.steps = 0
         self.max_batch = 0
         self.end_errors = 0
 
-    def record(self, fwd: float, wait: float, gram: float, batch: int, constrained: int, prefill: int) -> None:
+    def record(self, fwd: float, wait: float, gram: float, batch: int, constrained: int, prefill: int,
+               outputs: int, jumps: int) -> None:
         with self.lock:
             i = self.steps % self.capacity
             self.forward[i] = fwd
@@ -297,6 +323,8 @@ class _Stats:
             self.batch[i] = batch
             self.constrained[i] = constrained
             self.prefill[i] = prefill
+            self.outputs[i] = outputs
+            self.jumps[i] = jumps
             self.steps += 1
             self.max_batch = max(self.max_batch, batch)
 
@@ -313,6 +341,8 @@ class _Stats:
                 batch_size=self.batch[order].copy(),
                 constrained_rows=self.constrained[order].copy(),
                 prefill_rows=self.prefill[order].copy(),
+                output_tokens=self.outputs[order].copy(),
+                jump_tokens=self.jumps[order].copy(),
                 max_batch_size_seen=self.max_batch,
                 end_errors=self.end_errors,
             )
@@ -344,6 +374,7 @@ class _Seq:
     finished: bool = False
     generated: int = 0
     last_token: int = -1
+    jump: tuple[int, ...] = ()  # forced tokens appended at the last step: the next step feeds them
     close_state: int = CloseState.OPEN  # the grammar side's CLOSING of the last step
     history: list[int] | None = None  # prompt + generated tokens (processor mode only)
 
@@ -453,7 +484,7 @@ class Scheduler:
         b, w = self._max_batch, bitmask_width(self._vocab)
         # Reused per-step buffers: grammar-step inputs, the batch's bitmask rows and logits.
         self._g_ids = np.zeros(b, dtype=np.uint64)
-        self._g_tokens = np.zeros((b, 1), dtype=np.int32)
+        self._g_tokens = np.zeros((b, max(1, cfg.max_jump_tokens)), dtype=np.int32)
         self._g_counts = np.zeros(b, dtype=np.int32)
         self._bitmask_np = np.full((b, w), -1, dtype=np.int32)
         self._bitmask_host = torch.from_numpy(self._bitmask_np)
@@ -534,7 +565,8 @@ class Scheduler:
             out["steps_constrained"] = int((s.constrained_rows > 0).sum())
             out["grammar_requests"] = ps.grammar_requests
         # Equal work: decode steps (no prompt joining) whose rows were all free or
-        # all constrained, per batch size; step time = forward + mask wait.
+        # all constrained, per batch size; step time = forward + mask wait, and
+        # the tokens each such step added (a row that ends adds its end token).
         step = s.forward_s + np.nan_to_num(s.mask_wait_s)
         pure = s.prefill_rows == 0
         for b in np.unique(s.batch_size[pure]):
@@ -543,6 +575,10 @@ class Scheduler:
                 if rows.any():
                     out[f"step_s_p50_b{int(b)}_{kind}"] = float(np.median(step[rows]))
                     out[f"steps_b{int(b)}_{kind}"] = int(rows.sum())
+                    # More than b with jump-forward: forced tokens ride along.
+                    out[f"tokens_per_step_b{int(b)}_{kind}"] = float(s.output_tokens[rows].mean())
+        out["output_tokens"] = int(s.output_tokens.sum())
+        out["jump_tokens"] = int(s.jump_tokens.sum())
         return out
 
     def submit(self, request: GenerationRequest, callback: EventCallback) -> str:
@@ -730,9 +766,10 @@ class Scheduler:
             self._started_q.append((seq, err))
             self._cond.notify()
 
-    def _timed_step(self, count: int) -> tuple[MaskStep, float]:
+    def _timed_step(self, count: int, width: int) -> tuple[MaskStep, float]:
         t0 = time.perf_counter()
-        result = self._provider.step(self._g_ids[:count], self._g_tokens[:count], self._g_counts[:count])
+        result = self._provider.step(self._g_ids[:count], self._g_tokens[:count, :width], self._g_counts[:count],
+                                     jump_forward=self._cfg.max_jump_tokens > 0)
         return result, time.perf_counter() - t0
 
     def _step(self) -> None:
@@ -746,16 +783,22 @@ class Scheduler:
         c = len(constrained)
         fut: Future[tuple[MaskStep, float]] | None = None
         if c and self._hook is None:
+            width = 1
             for j, i in enumerate(constrained):
                 s = order[i]
                 self._g_ids[j] = s.seq_id
-                if s.in_engine:
+                if s.jump:
+                    n = len(s.jump)
+                    self._g_tokens[j, :n] = s.jump
+                    self._g_counts[j] = n
+                    width = max(width, n)
+                elif s.in_engine:
                     self._g_tokens[j, 0] = s.last_token
                     self._g_counts[j] = 1
                 else:
                     self._g_tokens[j, 0] = 0
                     self._g_counts[j] = 0
-            fut = self._step_pool.submit(self._timed_step, c)
+            fut = self._step_pool.submit(self._timed_step, c, width)
 
         ends: list[int] = []
         t0 = time.perf_counter()
@@ -763,7 +806,11 @@ class Scheduler:
         logits: torch.Tensor | None = None
         try:
             if dec:
-                out = self._engine.decode([s.seq_id for s in dec], np.fromiter((s.last_token for s in dec), np.int64, nd))
+                ids = [s.seq_id for s in dec]
+                if any(s.jump for s in dec):
+                    out = self._engine.extend(ids, *self._jump_feed(dec))
+                else:
+                    out = self._engine.decode(ids, np.fromiter((s.last_token for s in dec), np.int64, nd))
                 if new:
                     self._logits[:nd].copy_(out)
                     logits = self._logits[:b]
@@ -773,6 +820,8 @@ class Scheduler:
                 logits = self._logits[:b]
         except Exception as err:  # noqa: BLE001 -- fails the batch's requests with the error
             forward_err = err
+        for s in dec:
+            s.jump = ()  # fed: the engine and the grammar step have them
         prefill_failed: list[tuple[_Seq, BaseException]] = []
         if forward_err is None and logits is not None and new:
             # Every prompt that joins now in ONE forward (left-padded, TorchEngine.prefill_batch).
@@ -809,7 +858,6 @@ class Scheduler:
                 mask_err = err
                 _log.exception("MaskProvider.step failed; failing its %d constrained rows", c)
             wait_s = time.perf_counter() - tw
-        self._stats.record(fwd_s, wait_s, gram_s, b, c, len(new))
         self._steps_total += 1
         self._lat_step.add(fwd_s + (0.0 if math.isnan(wait_s) else wait_s))
         self._lat_grammar.add(gram_s)
@@ -822,6 +870,7 @@ class Scheduler:
             for s in order:
                 self._finish(s, "error", ends, error=f"forward failed: {err_any}", status=status_of(err_any),
                              release=False)
+            self._stats.record(fwd_s, wait_s, gram_s, b, c, len(new), 0, 0)
             self._purge()
             self._end(ends)
             return
@@ -841,6 +890,7 @@ class Scheduler:
                                  status="INTERNAL" if isinstance(bad, str) else status_of(bad))
             elif mstep is not None:
                 sel: list[int] = []
+                ft, fc = mstep.forced_tokens, mstep.forced_counts
                 for j, i in enumerate(constrained):
                     s = order[i]
                     if s.finished:
@@ -857,6 +907,11 @@ class Scheduler:
                     else:
                         sel.append(j)
                         masked_rows.append(i)
+                        if fc is not None and ft is not None and fc[j] > 1:
+                            # Room for the stop token stays: a jump never ends the output at max_tokens.
+                            n = min(int(fc[j]), self._cfg.max_jump_tokens, s.max_tokens - s.generated - 1)
+                            if n > 1:  # one forced token saves no forward: it is sampled under the mask
+                                s.jump = tuple(int(t) for t in ft[j, :n])
                 if masked_rows:
                     self._bitmask_np[masked_rows] = mstep.bitmask[sel]
                     bitmask = self._bitmask_host[:b]
@@ -865,14 +920,21 @@ class Scheduler:
                     self._sampler.apply_mask(logits, bitmask, masked_rows)
 
         tokens, dead = self._sampler.sample(logits, [s.params for s in order], [s.gen for s in order])
+        outputs = jumped = 0
         for i, s in enumerate(order):
             if s.finished:
+                continue
+            if s.jump:
+                n = self._take_jump(s, ends)
+                outputs += n
+                jumped += n
                 continue
             if dead[i]:
                 self._finish(s, "error", ends, error="no token is allowed at this step", status="INTERNAL")
                 continue
             tok = int(tokens[i])
             s.generated += 1
+            outputs += 1
             s.last_token = tok
             if s.history is not None:
                 s.history.append(tok)
@@ -881,13 +943,42 @@ class Scheduler:
                 continue
             delta = s.detok.push(tok)
             if s.detok.stopped:
-                self._finish(s, "stop", ends, delta=delta, token=tok, stop_string=True)
+                self._finish(s, "stop", ends, delta=delta, tokens=(tok,), stop_string=True)
             elif s.generated >= s.max_tokens:
-                self._finish(s, "length", ends, delta=delta, token=tok)
+                self._finish(s, "length", ends, delta=delta, tokens=(tok,))
             else:
                 self._deliver(s, TokenEvent(delta, (tok,)))
+        self._stats.record(fwd_s, wait_s, gram_s, b, c, len(new), outputs, jumped)
         self._purge()
         self._end(ends)
+
+    def _jump_feed(self, dec: list[_Seq]) -> tuple[np.ndarray, np.ndarray]:
+        """The decode rows' input for :meth:`Engine.extend`: each row's jump tokens, or its last token."""
+        width = max(len(s.jump) for s in dec)
+        feed = np.zeros((len(dec), width), dtype=np.int64)
+        counts = np.ones(len(dec), dtype=np.int64)
+        for r, s in enumerate(dec):
+            if s.jump:
+                feed[r, : len(s.jump)] = s.jump
+                counts[r] = len(s.jump)
+            else:
+                feed[r, 0] = s.last_token
+        return feed, counts
+
+    def _take_jump(self, s: _Seq, ends: list[int]) -> int:
+        """Append ``s.jump`` (forced, not sampled) to the output; returns the tokens taken."""
+        toks = s.jump
+        delta = ""
+        for n, tok in enumerate(toks, 1):
+            delta += s.detok.push(tok)
+            if s.detok.stopped:
+                s.generated += n
+                self._finish(s, "stop", ends, delta=delta, tokens=toks[:n], stop_string=True)
+                return n
+        s.generated += len(toks)
+        s.last_token = toks[-1]
+        self._deliver(s, TokenEvent(delta, toks))
+        return len(toks)
 
     def _after_processor(self, order: list[_Seq], constrained: list[int], err: BaseException | None,
                          ends: list[int]) -> None:
@@ -951,7 +1042,7 @@ class Scheduler:
         error: str | None = None,
         status: str | None = None,
         delta: str = "",
-        token: int | None = None,
+        tokens: tuple[int, ...] = (),
         release: bool = True,
         stop_string: bool = False,
     ) -> None:
@@ -970,8 +1061,8 @@ class Scheduler:
         with self._lock:
             self._live.pop(seq.rid, None)
         text_delta = delta + tail
-        if text_delta or token is not None:
-            self._deliver(seq, TokenEvent(text_delta, () if token is None else (token,)))
+        if text_delta or tokens:
+            self._deliver(seq, TokenEvent(text_delta, tokens))
         text = seq.detok.text
         self._deliver(
             seq,

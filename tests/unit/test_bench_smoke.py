@@ -253,3 +253,7 @@ def test_e2e_equal_work_ratio_reads_the_step_stats(monkeypatch: pytest.MonkeyPat
              {"step_s_p50_b8_free": 0.080, "step_s_p50_b8_constrained": 0.120}]
     # Worst instance per mode; batch 1 lacks a constrained figure, so it has no ratio.
     assert e2e_bench.equal_work_ratios(stats, (1, 8)) == {8: (0.100, 0.125, 0.8)}
+    # Jump-forward: constrained steps that add 10 tokens for 8 rows make up for their longer forward.
+    stats[0].update({"tokens_per_step_b8_free": 8.0, "tokens_per_step_b8_constrained": 10.0})
+    stats[1].update({"tokens_per_step_b8_free": 8.0, "tokens_per_step_b8_constrained": 10.0})
+    assert e2e_bench.equal_work_ratios(stats, (8,)) == {8: (0.100, 0.125, 1.0)}

@@ -383,6 +383,7 @@ def test_from_file_missing(tmp_path: Path) -> None:
         (Constraint.regex("[a-z]+"), {"on_budget": "truncate"}, '{"on_budget":"truncate"}'),
         (Constraint.json_schema({"type": "object"}, strict=True), {"on_repeat": "continue", "on_budget": None},
          '{"on_repeat":"continue","strict":true}'),
+        (Constraint("regex", "a+"), {"jump_forward": False}, '{"jump_forward":false}'),
         (Constraint.choice(["a", "b"]), {}, ""),
     ],
 )

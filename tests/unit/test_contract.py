@@ -42,6 +42,7 @@ OPTION_CASES: list[tuple[str, Any]] = [
     ("indent", -1), ("indent", 1.5),
     ("on_budget", "close"), ("on_budget", "truncate"), ("on_budget", "stop"),
     ("on_repeat", "close"), ("on_repeat", "continue"), ("on_repeat", None),
+    ("jump_forward", True), ("jump_forward", False), ("jump_forward", "on"), ("jump_forward", 0),
     ("colour", "red"),
 ]
 

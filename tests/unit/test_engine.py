@@ -33,7 +33,7 @@ from tests.unit.conftest import (
 
 @pytest.fixture()
 def engine(tiny_info: xgr.TokenizerInfo) -> GrammarEngine:
-    eng = GrammarEngine(tiny_info, "tiny-fp", EngineConfig(max_batch=8))
+    eng = GrammarEngine(tiny_info, "tiny-fp", EngineConfig(max_batch=8), encode=tiny_encode)
     yield eng
     eng.close()
 

@@ -55,7 +55,8 @@ class CountingProvider(LocalMaskProvider):
         self.step_rows: list[int] = []
         self.fail_steps = False
 
-    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> MaskStep:
+    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray,
+             jump_forward: bool = False) -> MaskStep:
         self.step_rows.append(int(seq_ids.shape[0]))
         if self.fail_steps:
             raise RuntimeError("grammar model unreachable")

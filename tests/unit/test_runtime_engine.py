@@ -129,6 +129,48 @@ def test_batched_prefill_equals_prefills_alone(tiny: TinyModelInfo, reference: t
     assert [outs[i] for i in range(3)] == [greedy_reference(reference, p, n) for p in prompts]
 
 
+@pytest.mark.parametrize("chunks", [(1, 4, 2, 5), (6, 6), (12,)], ids=lambda c: "+".join(map(str, c)))
+def test_extend_equals_feeding_token_by_token(tiny: TinyModelInfo, reference: torch.nn.Module,
+                                              chunks: tuple[int, ...]) -> None:
+    """Jump-forward's multi-token forward, in a batch whose other rows feed one token (right padding,
+    rows out of slot order): the logits after the last token equal the full recomputation's, and the
+    rows that fed one token decode on exactly as alone."""
+    engine = TorchEngine(tiny.path, EngineConfig(max_batch_size=4, max_seq_len=128, initial_cache_len=4))
+    prompts = [engine.tokenizer.encode(p).ids for p in PROMPTS]
+    forced = engine.tokenizer.encode(" the quick brown fox jumps over the lazy dog").ids[:12]
+    assert sum(chunks) == len(forced) == 12
+    first = engine.prefill_batch([0, 1, 2], prompts)
+    others = {1: [int(first[1].argmax())], 2: [int(first[2].argmax())]}
+    fed = 0
+    for k in chunks:
+        tokens = np.zeros((3, k), np.int64)
+        tokens[0, :k] = forced[fed:fed + k]
+        tokens[1, 0], tokens[2, 0] = others[2][-1], others[1][-1]
+        logits = engine.extend([0, 2, 1], tokens, np.array([k, 1, 1]))
+        fed += k
+        others[2].append(int(logits[1].argmax()))
+        others[1].append(int(logits[2].argmax()))
+    assert engine.length(0) == len(prompts[0]) + 12
+    with torch.inference_mode():
+        full = reference(torch.tensor([prompts[0] + forced]), use_cache=False).logits[0, -1]
+    torch.testing.assert_close(logits[0], full, rtol=1e-4, atol=1e-4)
+    for i in (1, 2):
+        assert others[i] == greedy_reference(reference, prompts[i], len(chunks) + 1)
+
+
+@pytest.mark.parametrize(
+    ("counts", "message"),
+    [([0, 1], r"counts must be 2 values in 1\.\.3"), ([4, 1], r"counts must be 2 values in 1\.\.3"),
+     ([1], r"counts must be 2 values")],
+)
+def test_extend_refuses_bad_counts(tiny: TinyModelInfo, counts: list[int], message: str) -> None:
+    engine = TorchEngine(tiny.path, EngineConfig(max_batch_size=2, max_seq_len=64))
+    engine.prefill_batch([0, 1], [[5, 6], [7]])
+    with pytest.raises(EngineError, match=message):
+        engine.extend([0, 1], np.ones((2, 3), np.int64), np.array(counts))
+    assert (engine.length(0), engine.length(1)) == (2, 1)  # nothing fed
+
+
 @pytest.mark.parametrize(
     ("ids", "prompts", "error", "message"),
     [
@@ -189,7 +231,7 @@ def test_properties(tiny: TinyModelInfo) -> None:
         ("subset", EngineError, "every live sequence"),
         ("unknown", EngineError, "not live"),
         ("twice", EngineError, "sequence id twice"),
-        ("token_count", EngineError, "2 tokens for 1 sequences"),
+        ("token_count", EngineError, r"decode got tokens of shape \(2, 1\) for 1 sequences"),
         ("empty_prompt", RequestError, "prompt_token_ids: must not be empty"),
         ("bad_id", RequestError, r"prompt_token_ids: ids must be in \[0, 448\)"),
         ("long_prompt", RequestError, "prompt_token_ids: 33 tokens exceed max_seq_len 32"),

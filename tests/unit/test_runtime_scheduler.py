@@ -84,7 +84,8 @@ class XGrammarMaskProvider:
             self.matchers[seq_id] = matcher
             self.started.append(seq_id)
 
-    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> MaskStep:
+    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray,
+             jump_forward: bool = False) -> MaskStep:
         b = seq_ids.shape[0]
         bitmask = xgr.allocate_token_bitmask(b, self.vocab_size)
         terminated = np.zeros(b, dtype=bool)
@@ -138,7 +139,8 @@ class FaultyRowProvider(XGrammarMaskProvider):
         if constraint.payload == self.fail_payload:
             self.fail_seq = seq_id
 
-    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> MaskStep:
+    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray,
+             jump_forward: bool = False) -> MaskStep:
         out = super().step(seq_ids, tokens, counts)
         errors = list(out.errors)
         for i, s in enumerate(seq_ids):
@@ -515,6 +517,8 @@ def test_close_fails_what_is_left(engine: TorchEngine, provider: XGrammarMaskPro
         ({"max_batch_size": 0}, "scheduler.max_batch_size: must be a positive integer"),
         ({"idle_wait_s": 0}, r"scheduler.idle_wait_s: must be in \(0, 10\] seconds"),
         ({"start_threads": 0}, "scheduler.start_threads: must be a positive integer"),
+        ({"max_jump_tokens": -1}, r"scheduler.max_jump_tokens: must be an integer in 0\.\.256, got -1"),
+        ({"max_jump_tokens": 257}, r"scheduler.max_jump_tokens: must be an integer in 0\.\.256, got 257"),
     ],
 )
 def test_scheduler_config_rejects(engine: TorchEngine, provider: XGrammarMaskProvider,
@@ -562,7 +566,8 @@ def test_scheduler_over_the_real_grammar_engine(engine: TorchEngine, tiny: TinyM
     """The in-process composition the Triton models split across BLS: Scheduler + LocalMaskProvider(GrammarEngine)."""
     hf = AutoTokenizer.from_pretrained(str(tiny.path), local_files_only=True)
     info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=tiny.vocab_size, stop_token_ids=[tiny.eos_token_id])
-    grammar = GrammarEngine(info, "tiny", GrammarEngineConfig(max_batch=8))
+    grammar = GrammarEngine(info, "tiny", GrammarEngineConfig(max_batch=8),
+                            encode=lambda text: hf.encode(text, add_special_tokens=False))
     try:
         with Scheduler(engine, LocalMaskProvider(grammar), SchedulerConfig(max_batch_size=8)) as s:
             results = [submit(s, GenerationRequest(prompt(engine, p), constraint=ConstraintRequest(kind, payload, ""),
@@ -588,9 +593,11 @@ def test_budget_closing_through_the_scheduler(engine: TorchEngine, tiny: TinyMod
     """A random model never closes its string in 12 tokens: "close" ends every output validly, "truncate" none."""
     hf = AutoTokenizer.from_pretrained(str(tiny.path), local_files_only=True)
     info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=tiny.vocab_size, stop_token_ids=[tiny.eos_token_id])
-    grammar = GrammarEngine(info, "tiny", GrammarEngineConfig(max_batch=8))
+    grammar = GrammarEngine(info, "tiny", GrammarEngineConfig(max_batch=8),
+                            encode=lambda text: hf.encode(text, add_special_tokens=False))
     schema = '{"type":"object","properties":{"s":{"type":"string"}},"required":["s"],"additionalProperties":false}'
-    options = json.dumps({"on_budget": on_budget, "on_repeat": "continue"})
+    # No jump-forward: it would spell '{"s":"' in fewer tokens than the random model does.
+    options = json.dumps({"on_budget": on_budget, "on_repeat": "continue", "jump_forward": False})
     try:
         with Scheduler(engine, LocalMaskProvider(grammar), SchedulerConfig(max_batch_size=8)) as s:
             results = [submit(s, GenerationRequest(prompt(engine, "x"), max_tokens=12, temperature=1.0, seed=i,
@@ -604,6 +611,71 @@ def test_budget_closing_through_the_scheduler(engine: TorchEngine, tiny: TinyMod
                 assert set(json.loads(fin.text)) == {"s"}
         else:
             assert [(f.close_reason, f.completion_tokens) for f in finals] == [(None, 12)] * 4
+        assert grammar.active_count == 0
+    finally:
+        grammar.close()
+
+
+#: A schema whose keys are long forced runs: jump-forward spells them without sampling.
+JUMP_SCHEMA = json.dumps({
+    "type": "object",
+    "properties": {"identification_number": {"type": "integer"}, "classification_label": {"enum": ["A", "B"]}},
+    "required": ["identification_number", "classification_label"], "additionalProperties": False,
+})
+JUMP_PATTERN = r'\{"identification_number":-?[0-9]+,"classification_label":"[AB]"\}'
+
+
+@pytest.mark.parametrize(
+    ("jump_option", "max_jump", "jumps"),
+    [(True, 16, True), (False, 16, False), (True, 0, False), (True, 3, True)],
+    ids=["on", "option-off", "server-off", "capped"],
+)
+def test_jump_forward_appends_forced_text_in_fewer_forwards(
+    engine: TorchEngine, tiny: TinyModelInfo, jump_option: bool, max_jump: int, jumps: bool
+) -> None:
+    """Forced runs come as multi-token events without sampling; the grammar accepts them (the
+    output matches), every token is counted, and the steps run are fewer than the tokens."""
+    hf = AutoTokenizer.from_pretrained(str(tiny.path), local_files_only=True)
+    info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=tiny.vocab_size, stop_token_ids=[tiny.eos_token_id])
+    grammar = GrammarEngine(info, "tiny", GrammarEngineConfig(max_batch=8),
+                            encode=lambda text: hf.encode(text, add_special_tokens=False))
+    options = json.dumps({"jump_forward": jump_option, "on_repeat": "continue"})
+    try:
+        with Scheduler(engine, LocalMaskProvider(grammar),
+                       SchedulerConfig(max_batch_size=8, max_jump_tokens=max_jump)) as s:
+            results = [submit(s, GenerationRequest(prompt(engine, p), max_tokens=120, temperature=0.7, seed=i,
+                                                   constraint=ConstraintRequest("json_schema", JUMP_SCHEMA, options)))
+                       for i, p in enumerate(PROMPTS[:3])]
+            finals = [r.wait() for r in results]
+            stats = s.stats()
+        for r, fin in zip(results, finals, strict=True):
+            assert re.fullmatch(JUMP_PATTERN, fin.text), fin.text
+            assert fin.completion_tokens == len(r.token_ids) + 1  # + the end token, never streamed
+            widest = max(len(e.token_ids) for e in r.events if isinstance(e, TokenEvent))
+            assert (widest > 1) is jumps
+            assert widest <= max(1, max_jump)
+        assert int(stats.output_tokens.sum()) == sum(f.completion_tokens for f in finals)
+        jumped = sum(len(e.token_ids) for r in results for e in r.events
+                     if isinstance(e, TokenEvent) and len(e.token_ids) > 1)
+        assert int(stats.jump_tokens.sum()) == jumped
+        assert grammar.active_count == 0 and grammar.jump is not None
+        assert (grammar.jump.stats.jumps > 0) is jumps
+    finally:
+        grammar.close()
+
+
+def test_a_stop_string_inside_a_jump_cuts_it(engine: TorchEngine, tiny: TinyModelInfo) -> None:
+    hf = AutoTokenizer.from_pretrained(str(tiny.path), local_files_only=True)
+    info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=tiny.vocab_size, stop_token_ids=[tiny.eos_token_id])
+    grammar = GrammarEngine(info, "tiny", GrammarEngineConfig(max_batch=8),
+                            encode=lambda text: hf.encode(text, add_special_tokens=False))
+    try:
+        with Scheduler(engine, LocalMaskProvider(grammar), SchedulerConfig(max_batch_size=8)) as s:
+            r = submit(s, GenerationRequest(prompt(engine, "x"), max_tokens=60, temperature=0.0, stop=("cation_n",),
+                                            constraint=ConstraintRequest("json_schema", JUMP_SCHEMA, "")))
+            fin = r.wait()
+        assert (fin.finish_reason, fin.stop_string, fin.text) == ("stop", True, '{"identifi')
+        assert fin.completion_tokens == len(r.token_ids)
         assert grammar.active_count == 0
     finally:
         grammar.close()

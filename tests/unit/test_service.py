@@ -90,7 +90,7 @@ def test_model_config_builds_engine_config() -> None:
 
 @pytest.fixture()
 def service(tiny_info: xgr.TokenizerInfo) -> GrammarService:
-    svc = GrammarService(GrammarEngine(tiny_info, "fp", EngineConfig(max_batch=4)))
+    svc = GrammarService(GrammarEngine(tiny_info, "fp", EngineConfig(max_batch=4), encode=tiny_encode))
     yield svc
     svc.engine.close()
 
@@ -133,8 +133,9 @@ def test_jump_forward_reply(service: GrammarService) -> None:
     _start(service, 1, "choice", '["alpha"]')
     reply = service.handle(GrammarRequest("step", np.array([1], np.uint64), None, np.array([0], np.int32),
                                           jump_forward=True))
-    assert reply.forced_counts is not None and reply.forced_counts.tolist() == [4]  # "alph": 'a' held back
-    assert reply.forced_tokens is not None and bytes(reply.forced_tokens[0].tolist()) == b"alph"
+    # The last 'a' is kept: "ab" and "abc" extend it in the vocabulary, but the grammar ends after "alpha".
+    assert reply.forced_counts is not None and reply.forced_counts.tolist() == [5]
+    assert reply.forced_tokens is not None and bytes(reply.forced_tokens[0].tolist()) == b"alpha"
 
 
 @pytest.mark.parametrize(
