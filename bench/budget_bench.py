@@ -186,7 +186,8 @@ def step_part(model_dir: Path, steps: int) -> dict[str, float]:
 
 def one(url: str, schema: dict[str, Any], options: dict[str, str], max_tokens: int) -> dict[str, Any]:
     """One served request (greedy); returns its outcome."""
-    constraint = Constraint.json_schema(schema).with_policies(**options)
+    constraint = Constraint.json_schema(schema).with_policies(on_budget=options.get("on_budget"),
+                                                             on_repeat=options.get("on_repeat"))
     prompt = PROMPT.format(schema=json.dumps(schema, separators=(",", ":")))
     try:
         with Client(url, timeout_s=900) as client:

@@ -39,12 +39,12 @@ REPO: Final = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from client import Client, Constraint  # noqa: E402  (after the sys.path entry)
-from deploy.drain import scrape, value  # noqa: E402
-from deploy.server import ServerConfig, TritonServer  # noqa: E402
+from client import Client, Constraint  # after the sys.path entry
+from deploy.drain import scrape, value
+from deploy.server import ServerConfig, TritonServer
 
 sys.path.insert(0, str(REPO / "bench"))
-from e2e_bench import ENSEMBLE, MODEL_DIR, render_repository  # noqa: E402
+from e2e_bench import ENSEMBLE, MODEL_DIR, render_repository
 
 SCHEMAS: Final = REPO / "tests" / "fixtures" / "schemas"
 

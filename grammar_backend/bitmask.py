@@ -92,7 +92,7 @@ def _bit(token: int) -> np.int32:
     return np.uint32(1 << (token & 31)).view(np.int32)  # type: ignore[no-any-return]
 
 
-def pack_tokens(tokens: Sequence[int], vocab_size: int) -> np.ndarray:
+def pack_tokens(tokens: Sequence[int] | np.ndarray, vocab_size: int) -> np.ndarray:
     """A packed int32 row (``[ceil(V/32)]``) with the bits of ``tokens`` set."""
     bits = np.zeros(bitmask_width(vocab_size) * 32, dtype=bool)
     bits[np.asarray(tokens, dtype=np.int64)] = True
