@@ -148,7 +148,7 @@ test-gpu:
 # --------------------------------------------------------------------- lint
 lint: venv
 	$(VENV)/bin/ruff check $(LINT_PACKAGES) model_repository tests
-	$(VENV)/bin/mypy --ignore-missing-imports $(LINT_PACKAGES)
+	$(VENV)/bin/mypy $(LINT_PACKAGES)
 
 # --------------------------------------------------------------------- loadtest
 # Headless and bounded; uses the server on $(HOST):$(GRPC_PORT) or starts the
