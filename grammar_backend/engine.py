@@ -77,8 +77,8 @@ class StepResult:
         token); an error row's mask is all ones and must not be sampled.
     forced : tuple
         Per row, jump-forward tokens (empty unless requested, enabled by the
-        sequence's ``jump_forward`` option and available; never for a
-        closing row), see :class:`~grammar_backend.jump.JumpForward`.
+        sequence's ``jump_forward`` option and available; never for a row
+        whose completion is being forced), see :class:`~grammar_backend.jump.JumpForward`.
     closing : numpy.ndarray
         int8 ``[B]``: the row's :class:`~grammar_backend.closing.CloseState`
         (non-zero: its mask forces a completion because the budget runs out or
@@ -321,8 +321,10 @@ class GrammarEngine:
                     continue  # its row is all ones after the fill, then one bit below
                 if token != FREE:
                     calm_rows.append((i, token))
-            if token == FREE and jump_rows is not None and seq.spec.options.jump_forward:
-                # Only free rows jump: a closing row's mask is the plan's.
+            if jump_rows is not None and seq.spec.options.jump_forward:
+                # A calm row (near its budget) jumps too: forced text is part of
+                # every completion, so appending it cannot grow what is still
+                # open; a forcing row (above) follows its plan token by token.
                 jump_rows.append((i, seq.matcher))
             matchers[i] = seq.matcher
         bitmask = self.bitmask.fill(matchers)

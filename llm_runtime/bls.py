@@ -10,6 +10,7 @@ worker threads), so each request yields exactly one response.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections import deque
@@ -20,14 +21,17 @@ from typing import Any
 import numpy as np
 
 from grammar_backend.errors import UNAVAILABLE, GrammarError
+from grammar_backend.maskbuf import MaskBuffer
 from llm_runtime.mask import ConstraintRequest, MaskStep
+
+_log = logging.getLogger(__name__)
 
 # Every call asks for ERROR: the grammar model then returns request-level
 # errors as data, because Triton 2.51's BLS resets error codes to INTERNAL
 # (triton-inference-server/server#7804) and a bad constraint must reach the
 # client as INVALID_ARGUMENT.
-_STEP_OUTPUTS = ["BITMASK", "TERMINATED", "ROW_ERROR", "CLOSING", "ERROR"]
-_JUMP_OUTPUTS = [*_STEP_OUTPUTS, "FORCED_TOKENS", "FORCED_COUNT"]
+_ROW_OUTPUTS = ["TERMINATED", "ROW_ERROR", "CLOSING", "ERROR"]
+_FORCED_OUTPUTS = ["FORCED_TOKENS", "FORCED_COUNT"]
 _CONTROL_OUTPUTS = ["ACTIVE_SEQUENCES", "ERROR"]
 
 
@@ -62,13 +66,20 @@ class BlsMaskProvider:
         ``triton_python_backend_utils`` (only importable inside the stub).
     model_name : str
         The grammar model's name.
+    max_rows : int
+        Most rows of a step.  Positive: after the first step (whose
+        ``BITMASK`` gives the mask width) the masks arrive through a
+        :class:`~grammar_backend.maskbuf.MaskBuffer` of this many rows
+        instead of as a BLS tensor.  0: always as a tensor.
     """
 
     def __init__(self, pb_utils: ModuleType, model_name: str = "grammar",
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_rows: int = 0) -> None:
         self._pb = pb_utils
         self._model = model_name
         self._clock = clock
+        self._max_rows = max_rows
+        self._buffer: MaskBuffer | None = None
         self._retained: deque[tuple[float, Any, list[Any]]] = deque()
         self._retain_lock = threading.Lock()
 
@@ -135,32 +146,64 @@ class BlsMaskProvider:
 
     def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray,
              jump_forward: bool = False) -> MaskStep:
-        """Accept each row's new tokens and return the masks of the next tokens."""
+        """Accept each row's new tokens and return the masks of the next tokens.
+
+        With a mask buffer the returned bitmask is a view of it: valid until
+        the next step (the decode loop consumes it before asking again).
+        """
         pb = self._pb
+        rows = len(seq_ids)
+        buffer = self._buffer if self._buffer is not None and rows <= self._buffer.array.shape[0] else None
         inputs = [
             self._op(b"step"),
             pb.Tensor("SEQUENCE_ID", np.ascontiguousarray(seq_ids, np.uint64)),
             pb.Tensor("TOKENS", np.ascontiguousarray(tokens, np.int32)),
             pb.Tensor("TOKEN_COUNT", np.ascontiguousarray(counts, np.int32)),
         ]
+        outputs = list(_ROW_OUTPUTS)
+        if buffer is not None:
+            inputs.append(pb.Tensor("BITMASK_BUFFER", np.array([buffer.name.encode()], np.object_)))
+        else:
+            outputs.append("BITMASK")
         if jump_forward:
             inputs.append(pb.Tensor("JUMP_FORWARD", np.array([True])))
-        reply = self._call(inputs, _JUMP_OUTPUTS if jump_forward else _STEP_OUTPUTS)
+            outputs += _FORCED_OUTPUTS
+        reply = self._call(inputs, outputs)
 
         def output(name: str) -> np.ndarray | None:
             tensor = pb.get_output_tensor_by_name(reply, name)
             return None if tensor is None else tensor.as_numpy()
 
-        rows = output("ROW_ERROR")
-        errors = tuple((bytes(e).decode() or None) for e in rows) if rows is not None else ()
+        errors_out = output("ROW_ERROR")  # sent only when a row failed
+        errors = tuple((bytes(e).decode() or None) for e in errors_out) if errors_out is not None else ()
+        if buffer is not None:
+            bitmask = buffer.array[:rows]
+        else:
+            bitmask = pb.get_output_tensor_by_name(reply, "BITMASK").as_numpy()
+            if self._max_rows and self._buffer is None:
+                self._open_buffer(int(bitmask.shape[1]) * 32)
         return MaskStep(
-            bitmask=pb.get_output_tensor_by_name(reply, "BITMASK").as_numpy(),
+            bitmask=bitmask,
             terminated=pb.get_output_tensor_by_name(reply, "TERMINATED").as_numpy(),
-            errors=errors or (None,) * len(seq_ids),
+            errors=errors or (None,) * rows,
             closing=output("CLOSING"),
             forced_tokens=output("FORCED_TOKENS"),
             forced_counts=output("FORCED_COUNT"),
         )
+
+    def _open_buffer(self, vocab_bits: int) -> None:
+        try:
+            self._buffer = MaskBuffer.create(self._max_rows, vocab_bits)
+        except GrammarError as err:
+            # Masks keep coming as BLS tensors (slower, same results); said once, here.
+            _log.error("%s; masks stay BLS tensors", err)
+            self._max_rows = 0
+
+    def close(self) -> None:
+        """Remove the mask buffer (the grammar model's mapping of it stays valid until it drops it)."""
+        if self._buffer is not None:
+            self._buffer.close()
+            self._buffer = None
 
     def end(self, seq_ids: Sequence[int]) -> None:
         """Free the sequences' matchers."""

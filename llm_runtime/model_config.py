@@ -10,6 +10,7 @@ from typing import Final, Protocol
 from grammar_backend.errors import ConfigError
 from grammar_backend.metrics import Snapshot
 
+from .bls import BlsMaskProvider
 from .mask import MaskProvider
 from .scheduler import (
     SCHEDULER_GRAMMAR_MODES,
@@ -101,8 +102,11 @@ class LlmModelConfig:
 
 
 def bls_generator(config: LlmModelConfig, pb_utils: ModuleType,
-                  on_metrics: Callable[[Snapshot], None] | None = None) -> Generator:
-    """The generator of the Triton model: masks come from ``config.grammar_model`` over BLS."""
-    from .bls import BlsMaskProvider
+                  on_metrics: Callable[[Snapshot], None] | None = None) -> tuple[Generator, BlsMaskProvider]:
+    """The generator of the Triton model and its provider (close it after the generator).
 
-    return config.build(BlsMaskProvider(pb_utils, config.grammar_model), on_metrics)
+    Masks come from ``config.grammar_model`` over BLS, through a shared-memory
+    mask buffer of ``max_batch`` rows (:mod:`grammar_backend.maskbuf`).
+    """
+    provider = BlsMaskProvider(pb_utils, config.grammar_model, max_rows=config.max_batch)
+    return config.build(provider, on_metrics), provider

@@ -11,13 +11,17 @@ Inputs
     GRAMMAR          BYTES [1]      start: constraint payload
     GRAMMAR_OPTIONS  BYTES [1]      start: JSON object of options (optional)
     JUMP_FORWARD     BOOL [1]       step: also return forced tokens (optional)
+    BITMASK_BUFFER   BYTES [1]      step: name of the caller's mask buffer in /dev/shm
+                                    (grammar_backend.maskbuf): the rows go there, not to BITMASK
+                                    (optional)
     MAX_TOKENS       INT32 [1]      start: the request's token budget, for budget closing
                                     (optional; absent or 0: none)
 
 Outputs (exactly one response per request, sent with the FINAL flag)
-    BITMASK          INT32 [B, ceil(V/32)]  step: mask of each row's next token
+    BITMASK          INT32 [B, ceil(V/32)]  step without BITMASK_BUFFER: mask of each row's next token
     TERMINATED       BOOL [B]               step: the row's grammar accepted its stop token
-    ROW_ERROR        BYTES [B]              step/rollback: "" or that row's error
+    ROW_ERROR        BYTES [B]              step/rollback: "" or that row's error (a step sends it
+                                            only when a row failed)
     FORCED_TOKENS    INT32 [B, F]           step with JUMP_FORWARD
     FORCED_COUNT     INT32 [B]              step with JUMP_FORWARD
     CLOSING          INT8 [B]               step: 0, or the row's mask forces a completion
@@ -80,6 +84,7 @@ def _to_request(request: Any) -> GrammarRequest:
         grammar=_bytes(request, "GRAMMAR"),
         grammar_options=_bytes(request, "GRAMMAR_OPTIONS"),
         jump_forward=bool(jump is not None and jump.reshape(-1)[0]),
+        mask_buffer=_bytes(request, "BITMASK_BUFFER").decode("utf-8", "replace"),
         budget=0 if budget is None or budget.size == 0 else int(budget.reshape(-1)[0]),
     )
 

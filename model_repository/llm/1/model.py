@@ -127,7 +127,8 @@ class TritonPythonModel:
         # The llm metrics of grammar_backend.metrics on Triton's endpoint; the
         # generator hands snapshots over when a gauge moves (or each second).
         self.metrics = TritonMetrics(pb_utils, "llm")
-        self.scheduler = bls_generator(config, pb_utils, lambda snap: self.metrics.publish(snap, force=True))
+        self.scheduler, self.provider = bls_generator(config, pb_utils,
+                                                      lambda snap: self.metrics.publish(snap, force=True))
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
@@ -150,11 +151,12 @@ class TritonPythonModel:
         # One line per process lifetime: the per-step figures the benchmarks read.
         pb_utils.Logger.log_info(f"llm step stats: {json.dumps(self.scheduler.summary())}")
         self.scheduler.close()
+        self.provider.close()
         # Every pb_utils object (metrics before their families, the BLS responses
         # the provider retains or exception tracebacks hold) is freed
         # here, while the stub's shared memory still exists: left to interpreter
         # teardown their destructors segfaulted the stub on SIGTERM shutdowns
         # (MetricFamily 2 of 2; PbTensor and InferResponse once each).
-        del self.scheduler
+        del self.scheduler, self.provider
         self.metrics.close()
         quiesce_for_exit()

@@ -1,0 +1,229 @@
+"""The ``grammar`` model's step at a large batch, BLS included, next to raw xgrammar and the in-process engine.
+
+Usage (from the repository root, after ``make model tokenizers``)::
+
+    .venv/bin/python bench/grammar_step_bench.py                  # ~3 min on 2 shared cores
+    .venv/bin/python bench/grammar_step_bench.py --rows 64 --rounds 3 --json /tmp/step.json
+
+Three ways to get the masks of B sequences (default 64) at every step of
+real token paths (four schemas: person, order, weather tool, an open object;
+row ``r`` follows schema ``r % 4``; Qwen3's 151,936-token vocabulary), in
+one run, interleaved by round:
+
+* ``raw``: xgrammar alone in this process: ``accept_token`` per row, then one
+  ``BatchGrammarMatcher.batch_fill_next_token_bitmask`` (``raw fill`` is
+  the fill call alone, the floor of any grammar step);
+* ``local``: :class:`llm_runtime.local_mask.LocalMaskProvider` over
+  :class:`grammar_backend.GrammarEngine` in this process (what the decode
+  loop calls when both live in one process);
+* ``bls tensor`` and ``bls shm``: the served ``grammar`` model (rendered with the Qwen3 tokenizer,
+  ``MAX_BATCH`` = B), called over BLS by a bench-only Triton model
+  (``bench/triton/grammar_driver``) through the same
+  :class:`llm_runtime.bls.BlsMaskProvider` the ``llm`` model uses: the
+  round trip the decode loop waits on; ``tensor``: the masks come back as
+  a BLS output tensor, ``shm``: through the caller's shared-memory mask
+  buffer (:mod:`grammar_backend.maskbuf`, what the ``llm`` model uses).
+
+Every figure is per step (all B rows).  The ratios ``bls / raw fill`` and
+``bls / local`` are the cost of the engine's bookkeeping and of the separate
+model.  Nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+
+REPO: Final = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import tritonclient.grpc as grpcclient  # after the sys.path entry
+import xgrammar as xgr
+
+from deploy.render import load_values, render_repository
+from deploy.server import ServerConfig, TritonServer
+from grammar_backend.compile import json_format_kwargs
+from grammar_backend.engine import EngineConfig, GrammarEngine
+from grammar_backend.spec import ConstraintOptions, parse_constraint
+from grammar_backend.tokenizer import load_tokenizer
+from llm_runtime.local_mask import LocalMaskProvider
+from llm_runtime.mask import ConstraintRequest
+
+QWEN_DIR: Final = REPO / "build" / "tokenizers" / "qwen3"
+MODEL_DIR: Final = REPO / "build" / "models" / "smollm2-135m-instruct"
+QWEN_VOCAB: Final = 151936
+SCHEMAS: Final = REPO / "tests" / "fixtures" / "schemas"
+
+#: (schema, a valid output): the token path each row follows.
+CASES: Final[tuple[tuple[str, str], ...]] = (
+    ("person", '{"name":"Ada King Lovelace","age":36,"email":"augusta.ada.king.lovelace@analytical-engine.example.org"}'),
+    ("order", ('{"id":"ABC-1234","items":[{"sku":"pen-blue","qty":3},{"sku":"ink","qty":1}],'
+               '"status":"paid","express":true}')),
+    ("tool_weather", '{"city":"Santa Cruz de la Sierra, Bolivia, near the airport","unit":"celsius"}'),
+    ("open_object", '{"a":7,"note":"kept open","tags":[1,2],"extra":{"k":true}}'),
+)
+
+
+def constraints() -> list[tuple[str, str]]:
+    return [("json_schema", (SCHEMAS / f"{name}.json").read_text()) for name, _ in CASES]
+
+
+def paths(encode: Any) -> list[list[int]]:
+    """Each case's output as Qwen3 tokens, cut to the shortest (every row steps the same number of times)."""
+    ids = [list(encode(text)) for _, text in CASES]
+    n = min(len(p) for p in ids)
+    return [p[:n] for p in ids]
+
+
+def time_raw(info: xgr.TokenizerInfo, cons: list[tuple[str, str]], toks: list[list[int]],
+             rows: int) -> dict[str, list[float]]:
+    compiler = xgr.GrammarCompiler(info, max_threads=1)
+    # The engine's default JSON options (compact separators, non-strict): the same grammars.
+    kwargs: Any = json_format_kwargs(ConstraintOptions())
+    compiled = [compiler.compile_json_schema(p, **kwargs) for _, p in cons]
+    matchers = [xgr.GrammarMatcher(compiled[r % len(compiled)]) for r in range(rows)]
+    batch = xgr.BatchGrammarMatcher(1)
+    bitmask = xgr.allocate_token_bitmask(rows, info.vocab_size)
+    fill: list[float] = []
+    step: list[float] = []
+    for i in range(len(toks[0]) + 1):
+        t0 = time.perf_counter()
+        if i:
+            for r, m in enumerate(matchers):
+                if not m.accept_token(toks[r % len(toks)][i - 1]):
+                    raise RuntimeError(f"raw: row {r} rejected its token at step {i}")
+        t1 = time.perf_counter()
+        batch.batch_fill_next_token_bitmask(matchers, bitmask)
+        t2 = time.perf_counter()
+        fill.append(t2 - t1)
+        step.append(t2 - t0)
+    return {"raw fill": fill, "raw": step}
+
+
+def time_local(engine: GrammarEngine, cons: list[tuple[str, str]], toks: list[list[int]], rows: int,
+               jump: bool) -> list[float]:
+    provider = LocalMaskProvider(engine)
+    ids = np.arange(1, rows + 1, dtype=np.uint64) + np.uint64(10**6 * (1 + int(time.monotonic())))
+    for r in range(rows):
+        kind, payload = cons[r % len(cons)]
+        provider.start(int(ids[r]), ConstraintRequest(kind, payload, ""))
+    tokens = np.zeros((rows, 1), np.int32)
+    counts = np.zeros(rows, np.int32)
+    out: list[float] = []
+    try:
+        for i in range(len(toks[0]) + 1):
+            t0 = time.perf_counter()
+            step = provider.step(ids, tokens, counts, jump_forward=jump)
+            out.append(time.perf_counter() - t0)
+            if any(e is not None for e in step.errors):
+                raise RuntimeError(f"local step {i}: {step.errors}")
+            if i < len(toks[0]):
+                tokens[:, 0] = [toks[r % len(toks)][i] for r in range(rows)]
+                counts.fill(1)
+    finally:
+        provider.end([int(s) for s in ids])
+    return out
+
+
+def time_bls(server: TritonServer, cons: list[tuple[str, str]], toks: list[list[int]], rows: int, jump: bool,
+             buffer: bool) -> list[float]:
+    # The driver feeds token i at step i + 1 and stops after the last path token is fed,
+    # so its step count equals the other modes' (paths + the first, empty step).
+    doc = {"constraints": cons, "paths": [[*p, p[-1]] for p in toks], "rows": rows, "jump_forward": jump,
+           "buffer": buffer}
+    # Straight to tritonserver (the gateway serves streaming models only).
+    with grpcclient.InferenceServerClient(server.internal_grpc_url) as client:
+        inp = grpcclient.InferInput("CONFIG", [1], "BYTES")
+        inp.set_data_from_numpy(np.array([json.dumps(doc).encode()], np.object_))
+        result = client.infer("grammar_driver", [inp], client_timeout=600, headers=server.internal_headers)
+    return list(json.loads(bytes(result.as_numpy("RESULT")[0]))["step_s"])
+
+
+def start_server(tmp: Path, rows: int) -> TritonServer:
+    """The ``grammar`` model with the Qwen3 vocabulary, plus the bench driver."""
+    values = load_values(REPO / "deploy" / "values.json")
+    values.update({"MODEL_DIR": str(QWEN_DIR), "VOCAB_SIZE": str(QWEN_VOCAB), "MAX_BATCH": str(rows)})
+    repo = tmp / "repo"
+    render_repository(REPO / "model_repository", repo, values)
+    for model in repo.iterdir():  # the server loads every model of its repository: keep only grammar
+        if model.name != "grammar":
+            shutil.rmtree(model)
+    shutil.copytree(REPO / "bench" / "triton" / "grammar_driver", repo / "grammar_driver")
+    server = TritonServer(ServerConfig(model_repository=repo, models=("grammar", "grammar_driver"),
+                                       log_file=tmp / "tritonserver.log"))
+    server.start()
+    try:
+        server.wait_ready()
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def summary(times: Sequence[float]) -> dict[str, float]:
+    a = np.asarray(times[1:])  # the first step of a run allocates; the loop's steady state follows
+    return {"p50_ms": float(np.percentile(a, 50) * 1e3), "p99_ms": float(np.percentile(a, 99) * 1e3),
+            "mean_ms": float(a.mean() * 1e3)}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--rows", type=int, default=64, help="sequences per step (default %(default)s)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default %(default)s)")
+    parser.add_argument("--jump-forward", action="store_true", help="also return jump-forward tokens")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    args = parser.parse_args(argv)
+    bundle = load_tokenizer(QWEN_DIR, vocab_size=QWEN_VOCAB)
+    cons = constraints()
+    toks = paths(bundle.encode)
+    for kind, payload in cons:
+        parse_constraint(kind, payload)  # the schemas pass the server's own checks
+    engine = GrammarEngine(bundle.info, bundle.fingerprint, EngineConfig(max_batch=args.rows), encode=bundle.encode)
+    times: dict[str, list[float]] = {"raw fill": [], "raw": [], "local": [], "bls tensor": [], "bls shm": []}
+    with tempfile.TemporaryDirectory(prefix="grammar-step-") as tmp:
+        server = start_server(Path(tmp), args.rows)
+        try:
+            time_bls(server, cons, toks, args.rows, args.jump_forward, True)  # warm-up: compiles
+            time_local(engine, cons, toks, args.rows, args.jump_forward)
+            for r in range(args.rounds):
+                order = ["bls shm", "bls tensor", "local", "raw"]
+                for mode in order if r % 2 == 0 else order[::-1]:
+                    if mode.startswith("bls"):
+                        times[mode] += time_bls(server, cons, toks, args.rows, args.jump_forward,
+                                                mode == "bls shm")[1:]
+                    elif mode == "local":
+                        times["local"] += time_local(engine, cons, toks, args.rows, args.jump_forward)[1:]
+                    else:
+                        for k, v in time_raw(bundle.info, cons, toks, args.rows).items():
+                            times[k] += v[1:]
+        finally:
+            server.stop()
+            engine.close()
+    figures = {k: summary(v) for k, v in times.items()}
+    print(f"== grammar step, {args.rows} rows, Qwen3 vocabulary, {len(toks[0])} steps x {args.rounds} rounds, "
+          f"jump-forward {'on' if args.jump_forward else 'off'} ==")
+    for k, f in figures.items():
+        print(f"  {k:9s} p50 {f['p50_ms']:7.3f} ms   p99 {f['p99_ms']:7.3f} ms   mean {f['mean_ms']:7.3f} ms")
+    floor = figures["raw fill"]["p50_ms"]
+    local = figures["local"]["p50_ms"]
+    print(f"  p50 ratios: local/raw fill {local / floor:.2f}; " + "; ".join(
+        f"{m}/raw fill {figures[m]['p50_ms'] / floor:.2f}, {m}/local {figures[m]['p50_ms'] / local:.2f}"
+        for m in ("bls tensor", "bls shm")))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"figures": figures, "times": times}, indent=1), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
