@@ -148,9 +148,10 @@ def ratio(num: float, den: float) -> str:
     return f"{num / den:.3f}"
 
 
-def render_repository(dst: Path, model_dir: Path, grammar_mode: str = "") -> None:
+def render_repository(dst: Path, model_dir: Path, grammar_mode: str = "", stream_interval: int = 1) -> None:
     """Render ``model_repository/`` into ``dst`` exactly as ``make render`` does
-    (``grammar_mode``: the llm model's ``GRAMMAR_MODE``, ``""`` = its default).
+    (``grammar_mode``: the llm model's ``GRAMMAR_MODE``, ``""`` = its default;
+    ``stream_interval``: its ``STREAM_INTERVAL``).
 
     Raises
     ------
@@ -164,6 +165,7 @@ def render_repository(dst: Path, model_dir: Path, grammar_mode: str = "") -> Non
         "--values", str(REPO / "deploy" / "values.json"),
         "--set", f"MODEL_DIR={model_dir.resolve()}",
         "--set", f"GRAMMAR_MODE={grammar_mode}",
+        "--set", f"STREAM_INTERVAL={stream_interval}",
     ]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
@@ -592,6 +594,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, default=None, help="write every figure and record here")
     parser.add_argument("--grammar-mode", choices=("overlap", "processor"), default="overlap",
                         help="the llm model's grammar_mode (processor: TensorRT-LLM's serial call order)")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="the llm model's STREAM_INTERVAL: tokens per streamed response (default %(default)s)")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG of tokens/s and step times here")
     parser.add_argument("--quick", action="store_true",
                         help="a few minutes: 1 round, 32 max tokens, concurrency 1 and 8 (also BENCH_QUICK=1)")
@@ -615,7 +619,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="e2e-bench-") as tmp:
         repo = Path(tmp) / "model_repository"
         log = Path(tmp) / "tritonserver.log"
-        render_repository(repo, args.model_dir, args.grammar_mode)
+        render_repository(repo, args.model_dir, args.grammar_mode, args.stream_interval)
         server = TritonServer(ServerConfig(model_repository=repo, models=(ENSEMBLE,), log_file=log))
         t0 = time.perf_counter()
         server.start()

@@ -22,6 +22,8 @@ from .scheduler import (
 from .trtllm_engine import TRTLLM_BACKENDS, TRTLLM_GRAMMAR_MODES, TrtllmConfig
 
 ENGINES: Final = ("torch", "tensorrt_llm")
+#: Largest ``stream_interval`` (tokens per streamed response).
+MAX_STREAM_INTERVAL: Final = 64
 #: The grammar modes each engine takes; the first is its default.
 ENGINE_GRAMMAR_MODES: Final = {"torch": SCHEDULER_GRAMMAR_MODES, "tensorrt_llm": TRTLLM_GRAMMAR_MODES}
 
@@ -47,7 +49,11 @@ class LlmModelConfig:
     (see :mod:`llm_runtime.trtllm_engine`).  ``trtllm_backend``,
     ``engine_dir`` (the built engine of ``trtllm_backend: tensorrt``; ``model_dir``
     stays the Hugging Face folder: tokenizer, end tokens) and
-    ``kv_cache_free_fraction`` apply to tensorrt_llm only.
+    ``kv_cache_free_fraction`` apply to tensorrt_llm only.  ``stream_interval``:
+    text deltas are sent every this many tokens (and at the end): each
+    response costs an ensemble step, a ``postprocessing`` execution and a
+    gateway message, so a larger interval trades inter-token latency for
+    throughput (README, "Measured").
     """
 
     model_dir: str
@@ -62,6 +68,7 @@ class LlmModelConfig:
     trtllm_backend: str = "pytorch"
     engine_dir: str = ""
     kv_cache_free_fraction: float = 0.85
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -70,6 +77,8 @@ class LlmModelConfig:
         if self.grammar_mode and self.grammar_mode not in modes:
             raise ConfigError(f"llm: engine {self.engine!r} takes grammar_mode {', '.join(modes)}, "
                               f"got {self.grammar_mode!r}")
+        if not 1 <= self.stream_interval <= MAX_STREAM_INTERVAL:
+            raise ConfigError(f"llm: stream_interval must be in 1..{MAX_STREAM_INTERVAL}, got {self.stream_interval}")
         if self.engine == "torch" and (self.trtllm_backend != TRTLLM_BACKENDS[0] or self.engine_dir):
             raise ConfigError("llm: trtllm_backend and engine_dir apply to engine 'tensorrt_llm' only")
 

@@ -1,9 +1,14 @@
-"""Two ``llm`` instances (LLM_INSTANCES=2) share one ``grammar`` model: their sequence ids never clash.
+"""Deployment knobs of the ``llm`` model, served: two instances (LLM_INSTANCES=2) and STREAM_INTERVAL=4.
+
+Two ``llm`` instances share one ``grammar`` model: their sequence ids never clash.
 
 Each instance is its own stub process with its own scheduler, and each
 scheduler draws random 64-bit grammar sequence ids, so both can start, step
 and end sequences in the one grammar table concurrently.  A clash would fail
 a request with ALREADY_EXISTS (``sequence N: already started``).
+
+STREAM_INTERVAL=4: a response carries the text of 4 tokens (the last one
+what is left), and the deltas still add up to the output.
 """
 
 from __future__ import annotations
@@ -34,11 +39,24 @@ def two_instances(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Tr
     if not (MODEL_DIR / "config.json").is_file():
         pytest.skip(f"{MODEL_DIR} missing (run `make model`)")
     tmp = tmp_path_factory.mktemp("instances")
-    srv = start_ensemble(tmp, values={"LLM_INSTANCES": "2", "TORCH_THREADS": "1"})
+    srv = start_ensemble(tmp, values={"LLM_INSTANCES": "2", "TORCH_THREADS": "1", "STREAM_INTERVAL": "4"})
     try:
         yield srv, tmp / "tritonserver.log"
     finally:
         srv.stop()
+
+
+def test_stream_interval_sends_a_response_per_four_tokens(two_instances: tuple[TritonServer, Path]) -> None:
+    server, _ = two_instances
+    with Client(server.grpc_url) as c:
+        chunks = list(c.stream("Count from one to twenty.", max_tokens=23, temperature=0.0, require_complete=False))
+    result = chunks[-1].result
+    assert result is not None
+    tokens = result.usage.completion_tokens
+    deltas = [ch.text for ch in chunks if ch.text]
+    assert "".join(deltas) == result.text
+    assert tokens >= 8
+    assert len(deltas) <= tokens // 4 + 1  # a response per 4 tokens, the rest on the last one
 
 
 def test_two_llm_instances_share_the_grammar_model(two_instances: tuple[TritonServer, Path]) -> None:

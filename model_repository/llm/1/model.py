@@ -14,7 +14,8 @@ Inputs
                             client's stream cancellation into ensemble steps (server#6739), so
                             the client SDK sends this when a stream is closed early.
 Outputs (streamed; the last response carries the FINAL flag)
-    TEXT_DELTA  BYTES [1]   UTF-8 text of the tokens since the previous response
+    TEXT_DELTA  BYTES [1]   UTF-8 text of the tokens since the previous response (one response
+                            per stream_interval tokens; the last one carries what is left)
     FINISH      BYTES [1]   "" until the last response; then a JSON object {finish_reason, text,
                             prompt_tokens, completion_tokens, error, status, close_reason,
                             stop_string, constraint} (the
@@ -78,14 +79,17 @@ def _to_request(request: Any) -> tuple[dict[str, str] | None, GenerationRequest]
 class _Stream:
     """Sends one request's scheduler events as Triton responses."""
 
-    __slots__ = ("constraint", "events", "rid", "scheduler", "sender")
+    __slots__ = ("constraint", "events", "interval", "pending", "pending_tokens", "rid", "scheduler", "sender")
 
-    def __init__(self, sender: Any, scheduler: Any) -> None:
+    def __init__(self, sender: Any, scheduler: Any, interval: int) -> None:
         self.sender = sender
         self.scheduler = scheduler
+        self.interval = interval
         self.rid = ""
         self.constraint: dict[str, str] | None = None
         self.events = 0
+        self.pending: list[str] = []  # deltas not sent yet (stream_interval)
+        self.pending_tokens = 0
 
     def __call__(self, event: TokenEvent | FinishEvent) -> None:
         if isinstance(event, TokenEvent):
@@ -97,9 +101,13 @@ class _Stream:
             self.events += 1
             if self.events % CANCEL_POLL_EVERY == 0 and self.sender.is_cancelled():
                 self.scheduler.cancel(self.rid)
-            elif event.text_delta:
+                return
+            if event.text_delta:
+                self.pending.append(event.text_delta)
+            self.pending_tokens += len(event.token_ids)
+            if self.pending and self.pending_tokens >= self.interval:
                 self.sender.send(pb_utils.InferenceResponse(output_tensors=[
-                    pb_utils.Tensor("TEXT_DELTA", np.array([event.text_delta.encode("utf-8")], np.object_)),
+                    pb_utils.Tensor("TEXT_DELTA", np.array([self._take().encode("utf-8")], np.object_)),
                     pb_utils.Tensor("FINISH", _EMPTY)]))
             return
         if event.error_status == CANCELLED:
@@ -110,11 +118,18 @@ class _Stream:
                            event.error, event.error_status, event.close_reason, event.stop_string)
         self.finish(final)
 
+    def _take(self) -> str:
+        text = "".join(self.pending)
+        self.pending.clear()
+        self.pending_tokens = 0
+        return text
+
     def finish(self, final: FinalState) -> None:
-        """The last response: errors are data in FINISH (llm_runtime.postprocess), never an error response."""
+        """The last response (with any delta not sent yet): errors are data in FINISH
+        (llm_runtime.postprocess), never an error response."""
         finish = finish_json(final, self.constraint)
         self.sender.send(pb_utils.InferenceResponse(output_tensors=[
-            pb_utils.Tensor("TEXT_DELTA", _EMPTY),
+            pb_utils.Tensor("TEXT_DELTA", np.array([self._take().encode("utf-8")], np.object_)),
             pb_utils.Tensor("FINISH", np.array([finish.encode("utf-8")], np.object_))]),
             flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
@@ -124,6 +139,7 @@ class TritonPythonModel:
 
     def initialize(self, args: dict[str, str]) -> None:
         config = from_parameters(LlmModelConfig, parameter_values(json.loads(args["model_config"])), "llm")
+        self.stream_interval = config.stream_interval
         # The llm metrics of grammar_backend.metrics on Triton's endpoint; the
         # generator hands snapshots over when a gauge moves (or each second).
         self.metrics = TritonMetrics(pb_utils, "llm")
@@ -137,7 +153,7 @@ class TritonPythonModel:
                 self.scheduler.cancel(bytes(cancel.as_numpy().reshape(-1)[0]).decode("utf-8", "replace"))
                 request.get_response_sender().send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
-            stream = _Stream(request.get_response_sender(), self.scheduler)
+            stream = _Stream(request.get_response_sender(), self.scheduler, self.stream_interval)
             try:
                 stream.constraint, gen_request = _to_request(request)
                 stream.rid = self.scheduler.submit(gen_request, stream)
