@@ -50,7 +50,8 @@ class LlmModelConfig:
     ``engine_dir`` (the built engine of ``trtllm_backend: tensorrt``; ``model_dir``
     stays the Hugging Face folder: tokenizer, end tokens) and
     ``kv_cache_free_fraction`` apply to tensorrt_llm only.  ``stream_interval``:
-    text deltas are sent every this many tokens (and at the end): each
+    after the first text delta (sent at once), deltas are sent every this
+    many tokens (and at the end): each
     response costs an ensemble step, a ``postprocessing`` execution and a
     gateway message, so a larger interval trades inter-token latency for
     throughput (README, "Measured").

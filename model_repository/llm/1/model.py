@@ -15,7 +15,8 @@ Inputs
                             the client SDK sends this when a stream is closed early.
 Outputs (streamed; the last response carries the FINAL flag)
     TEXT_DELTA  BYTES [1]   UTF-8 text of the tokens since the previous response (one response
-                            per stream_interval tokens; the last one carries what is left)
+                            per stream_interval tokens after the first, which goes out at
+                            once; the last one carries what is left)
     FINISH      BYTES [1]   "" until the last response; then a JSON object {finish_reason, text,
                             prompt_tokens, completion_tokens, error, status, close_reason,
                             stop_string, constraint} (the
@@ -79,7 +80,8 @@ def _to_request(request: Any) -> tuple[dict[str, str] | None, GenerationRequest]
 class _Stream:
     """Sends one request's scheduler events as Triton responses."""
 
-    __slots__ = ("constraint", "events", "interval", "pending", "pending_tokens", "rid", "scheduler", "sender")
+    __slots__ = ("constraint", "events", "interval", "pending", "pending_tokens", "rid", "scheduler", "sender",
+                 "sent")
 
     def __init__(self, sender: Any, scheduler: Any, interval: int) -> None:
         self.sender = sender
@@ -90,6 +92,7 @@ class _Stream:
         self.events = 0
         self.pending: list[str] = []  # deltas not sent yet (stream_interval)
         self.pending_tokens = 0
+        self.sent = False  # the first delta goes out at once: time to first token does not wait
 
     def __call__(self, event: TokenEvent | FinishEvent) -> None:
         if isinstance(event, TokenEvent):
@@ -105,7 +108,8 @@ class _Stream:
             if event.text_delta:
                 self.pending.append(event.text_delta)
             self.pending_tokens += len(event.token_ids)
-            if self.pending and self.pending_tokens >= self.interval:
+            if self.pending and (self.pending_tokens >= self.interval or not self.sent):
+                self.sent = True
                 self.sender.send(pb_utils.InferenceResponse(output_tensors=[
                     pb_utils.Tensor("TEXT_DELTA", np.array([self._take().encode("utf-8")], np.object_)),
                     pb_utils.Tensor("FINISH", _EMPTY)]))
