@@ -14,7 +14,7 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
@@ -330,7 +330,7 @@ def _check_string_lengths(doc: Any, key_limit: int, limit: int) -> None:
         node, pointer = stack.pop()
         if isinstance(node, dict):
             for key, value in node.items():
-                where = f"{pointer}/{_escape_pointer(key[:40])}"
+                where = pointer + json_pointer([key[:40]])
                 if len(key) > key_limit:
                     raise ConstraintError(f"grammar#{where}", f"key is {len(key)} characters; the limit is {key_limit}")
                 stack.append((value, where))
@@ -362,28 +362,44 @@ def json_depth(text: str) -> int:
     return best
 
 
-def check_schema(schema: Any, field_name: str) -> None:
+def check_schema(schema: Any, field_name: str, *, allow_bool: bool = False) -> None:
     """Check ``schema`` against its draft's meta-schema (``$schema``; Draft 2020-12 by default).
+
+    The one meta-schema check of the project (the request's constraint, the
+    schemas of a structural tag, post-validation).  ``allow_bool``: ``true``
+    and ``false`` are schemas too (post-validation takes them; a constraint
+    payload must be an object).
 
     Raises
     ------
     ConstraintError
         Naming ``<field>#<JSON pointer>`` of the offending keyword.
     """
-    if not isinstance(schema, Mapping):
-        raise ConstraintError(field_name, f"a JSON schema must be an object, got {type(schema).__name__}")
+    if not (isinstance(schema, Mapping) or (allow_bool and isinstance(schema, bool))):
+        kinds = "an object or a boolean" if allow_bool else "an object"
+        raise ConstraintError(field_name, f"a JSON schema must be {kinds}, got {type(schema).__name__}")
     try:
         # The schema's own draft when it names one ($schema), else Draft 2020-12.
         jsonschema.validators.validator_for(schema, default=Draft202012Validator).check_schema(schema)
     except SchemaError as err:
-        pointer = "".join(f"/{_escape_pointer(p)}" for p in err.absolute_path)
+        pointer = json_pointer(err.absolute_path)
         # ``field_name`` may already be a pointer (a schema embedded in a structural tag).
         at = f"{field_name}{pointer}" if "#" in field_name else f"{field_name}#{pointer}"
-        raise ConstraintError(at, f"not a valid JSON Schema: {err.message}") from err
+        raise ConstraintError(at, f"not a valid JSON Schema: {cut_message(err.message)}") from err
 
 
-def _escape_pointer(part: object) -> str:
-    return str(part).replace("~", "~0").replace("/", "~1")
+def json_pointer(parts: Iterable[str | int]) -> str:
+    """The RFC 6901 pointer of a path (``""`` for the root)."""
+    return "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in parts)
+
+
+#: Longest message quoted from jsonschema (a 10,000-value enum is quoted whole otherwise).
+MAX_MESSAGE_CHARS: Final = 512
+
+
+def cut_message(message: str) -> str:
+    """``message``, cut to :data:`MAX_MESSAGE_CHARS` with an ellipsis."""
+    return message if len(message) <= MAX_MESSAGE_CHARS else message[: MAX_MESSAGE_CHARS - 1] + "\u2026"
 
 
 def _decode(field_name: str, value: str | bytes) -> str:
@@ -446,7 +462,7 @@ def _normalize_structural_tag(doc: Any) -> dict[str, Any]:
         xgr.StructuralTag.model_validate(doc)
     except ValidationError as err:
         first = err.errors()[0]
-        pointer = "".join(f"/{_escape_pointer(p)}" for p in first["loc"])
+        pointer = json_pointer(first["loc"])
         raise ConstraintError(f"grammar#{pointer}", f"invalid structural tag: {first['msg']}") from err
     for pointer, schema in _embedded_schemas(doc, ""):
         check_schema(schema, f"grammar#{pointer}")
@@ -464,7 +480,7 @@ def _embedded_schemas(node: Any, pointer: str) -> list[tuple[str, Any]]:
             found.append((f"{pointer}/json_schema", schema))
         for key, value in node.items():
             if key != "json_schema":
-                found.extend(_embedded_schemas(value, f"{pointer}/{_escape_pointer(key)}"))
+                found.extend(_embedded_schemas(value, pointer + json_pointer([key])))
     elif isinstance(node, list):
         for i, value in enumerate(node):
             found.extend(_embedded_schemas(value, f"{pointer}/{i}"))

@@ -997,10 +997,10 @@ def test_boolean_schema_true() -> None:
     ("schema", "match"),
     [
         ({"type": "object", "properties": {"a": {"type": "text"}}},
-         r"^grammar#/properties/a/type: invalid JSON Schema"),
-        ({"type": "string", "minLength": -1}, r"^grammar#/minLength: invalid JSON Schema"),
-        ({"type": "string", "pattern": "(?<n>a)"}, r"^grammar#/pattern: invalid JSON Schema"),
-        ([1, 2], r"^grammar: a JSON Schema must be an object or a boolean, not list"),
+         r"^grammar#/properties/a/type: not a valid JSON Schema"),
+        ({"type": "string", "minLength": -1}, r"^grammar#/minLength: not a valid JSON Schema"),
+        ({"type": "string", "pattern": "(?<n>a)"}, r"^grammar#/pattern: not a valid JSON Schema"),
+        ([1, 2], r"^grammar: a JSON schema must be an object or a boolean, got list"),
     ],
 )
 def test_invalid_schema_is_a_constraint_error(schema: Any, match: str) -> None:
