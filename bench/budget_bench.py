@@ -63,7 +63,7 @@ from client import Client, ClientError, Constraint
 from deploy.server import ServerConfig, TritonServer
 from grammar_backend.closing import Closer
 from grammar_backend.compile import compile_spec
-from grammar_backend.engine import EngineConfig, GrammarEngine
+from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
 from grammar_backend.errors import GrammarError
 from grammar_backend.fidelity import validate_output
 from grammar_backend.spec import parse_constraint
@@ -155,7 +155,7 @@ def step_part(model_dir: Path, steps: int) -> dict[str, float]:
 
     bundle = load_tokenizer(str(model_dir))
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    engine = GrammarEngine(bundle.info, bundle.fingerprint, EngineConfig(max_batch=16), encode=bundle.encode)
+    engine = GrammarEngine(bundle.info, bundle.fingerprint, GrammarEngineConfig(max_batch=16), encode=bundle.encode)
     schema = json.dumps({"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]})
     prefix = tokenizer.encode('{"s":"', add_special_tokens=False)
     unit = tokenizer.encode("bin/", add_special_tokens=False)

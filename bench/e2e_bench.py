@@ -480,7 +480,7 @@ def in_process(model_dir: Path, max_tokens: int, concurrencies: Sequence[int], r
     """
     import torch
 
-    from llm_runtime.engine import EngineConfig, TorchEngine
+    from llm_runtime.engine import TorchEngine, TorchEngineConfig
     from llm_runtime.preprocess import PreprocessConfig, Preprocessor, RawRequest
     from llm_runtime.scheduler import (
         FinishEvent,
@@ -494,7 +494,7 @@ def in_process(model_dir: Path, max_tokens: int, concurrencies: Sequence[int], r
     pre = Preprocessor.from_config(PreprocessConfig(tokenizer=str(model_dir)))
     ids = [pre(RawRequest(prompt=p.encode()))[0] for p in PROMPTS]
     before = torch.get_num_threads()
-    engine = TorchEngine(model_dir, EngineConfig(max_batch_size=int(values["MAX_BATCH"]), max_seq_len=2048,
+    engine = TorchEngine(model_dir, TorchEngineConfig(max_batch_size=int(values["MAX_BATCH"]), max_seq_len=2048,
                                                  num_threads=int(values["TORCH_THREADS"]) or None))
     out: dict[int, float] = {}
     try:

@@ -139,7 +139,7 @@ def _init_worker(tokenizer: str, vocab_size: int | None, settings: Settings) -> 
     import xgrammar as xgr
 
     from grammar_backend.cache import CacheConfig
-    from grammar_backend.engine import EngineConfig, GrammarEngine
+    from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
     from grammar_backend.tokenizer import load_tokenizer
     from grammar_backend.workers import WorkerConfig
 
@@ -147,7 +147,7 @@ def _init_worker(tokenizer: str, vocab_size: int | None, settings: Settings) -> 
     engine = GrammarEngine(
         bundle.info,
         bundle.fingerprint,
-        EngineConfig(
+        GrammarEngineConfig(
             max_batch=1,
             # The parent's kill is the limit; these backstops never fire first.
             cache=CacheConfig(max_bytes=256 * 1024 * 1024, workers=1, timeout_s=4 * settings.timeout_s + 60),
@@ -399,7 +399,7 @@ def batch_figures(bundle: Any, records: list[dict[str, Any]], files: dict[str, P
     import xgrammar as xgr
 
     from grammar_backend.cache import CacheConfig
-    from grammar_backend.engine import EngineConfig, GrammarEngine
+    from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
     from grammar_backend.spec import parse_constraint
 
     chosen: list[tuple[Any, list[int]]] = []
@@ -429,7 +429,7 @@ def batch_figures(bundle: Any, records: list[dict[str, Any]], files: dict[str, P
     with tempfile.TemporaryDirectory(prefix="grammar-bench-store-") as store:
         for threads in settings.threads:
             # The on-disk store lets the second engine load what the first compiled.
-            engine = GrammarEngine(bundle.info, bundle.fingerprint, EngineConfig(
+            engine = GrammarEngine(bundle.info, bundle.fingerprint, GrammarEngineConfig(
                 max_batch=max_b, fill_threads=threads, cache=CacheConfig(workers=1, store_dir=store)))
             try:
                 for i in range(max_b):

@@ -53,7 +53,7 @@ import xgrammar as xgr
 from deploy.render import load_values, render_repository
 from deploy.server import ServerConfig, TritonServer
 from grammar_backend.compile import json_format_kwargs
-from grammar_backend.engine import EngineConfig, GrammarEngine
+from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
 from grammar_backend.spec import ConstraintOptions, parse_constraint
 from grammar_backend.tokenizer import load_tokenizer
 from llm_runtime.local_mask import LocalMaskProvider
@@ -188,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     toks = paths(bundle.encode)
     for kind, payload in cons:
         parse_constraint(kind, payload)  # the schemas pass the server's own checks
-    engine = GrammarEngine(bundle.info, bundle.fingerprint, EngineConfig(max_batch=args.rows), encode=bundle.encode)
+    engine = GrammarEngine(bundle.info, bundle.fingerprint, GrammarEngineConfig(max_batch=args.rows), encode=bundle.encode)
     times: dict[str, list[float]] = {"raw fill": [], "raw": [], "local": [], "bls tensor": [], "bls shm": []}
     with tempfile.TemporaryDirectory(prefix="grammar-step-") as tmp:
         server = start_server(Path(tmp), args.rows)

@@ -32,7 +32,7 @@ from transformers.cache_utils import Cache
 # Run as a script, sys.path[0] is bench/; the packages live at the repository root.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from llm_runtime.engine import EngineConfig, TorchEngine
+from llm_runtime.engine import TorchEngine, TorchEngineConfig
 
 
 class _MergeCache(Cache):
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     engine = TorchEngine(
         args.model_dir,
-        EngineConfig(max_batch_size=args.batch, max_seq_len=1024, initial_cache_len=512, num_threads=args.threads),
+        TorchEngineConfig(max_batch_size=args.batch, max_seq_len=1024, initial_cache_len=512, num_threads=args.threads),
     )
     rng = np.random.default_rng(0)
     top = min(engine.vocab_size, engine.tokenizer.get_vocab_size())

@@ -457,7 +457,7 @@ class _State:
 
 def _init_worker(config: RunConfig) -> _State:
     from grammar_backend.cache import CacheConfig
-    from grammar_backend.engine import EngineConfig, GrammarEngine
+    from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
     from grammar_backend.tokenizer import load_tokenizer
     from grammar_backend.workers import WorkerConfig
 
@@ -465,7 +465,7 @@ def _init_worker(config: RunConfig) -> _State:
     engine = GrammarEngine(
         bundle.info,
         bundle.fingerprint,
-        EngineConfig(
+        GrammarEngineConfig(
             max_batch=1,
             # The parent's kill is the time limit; the in-process one is a backstop
             # that must never fire first (it would leave the compile thread running).

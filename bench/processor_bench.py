@@ -33,10 +33,9 @@ import numpy as np
 # Run as a script, sys.path[0] is bench/; the packages live at the repository root.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from grammar_backend.engine import EngineConfig as GrammarEngineConfig
-from grammar_backend.engine import GrammarEngine
+from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
 from grammar_backend.tokenizer import load_tokenizer
-from llm_runtime.engine import EngineConfig, TorchEngine
+from llm_runtime.engine import TorchEngine, TorchEngineConfig
 from llm_runtime.local_mask import LocalMaskProvider
 from llm_runtime.mask import ConstraintRequest
 from llm_runtime.scheduler import (
@@ -99,11 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1, see EngineConfig)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1, see TorchEngineConfig)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
 
-    engine = TorchEngine(args.model_dir, EngineConfig(max_batch_size=max(args.batch), max_seq_len=512,
+    engine = TorchEngine(args.model_dir, TorchEngineConfig(max_batch_size=max(args.batch), max_seq_len=512,
                                                       num_threads=args.threads))
     bundle = load_tokenizer(args.model_dir, vocab_size=engine.vocab_size, stop_token_ids=sorted(engine.eos_token_ids))
     grammar = GrammarEngine(bundle.info, bundle.fingerprint, GrammarEngineConfig(max_batch=max(args.batch)),

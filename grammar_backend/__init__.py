@@ -7,7 +7,7 @@ The ``grammar`` Triton model is a thin adapter over :class:`GrammarEngine`.
 from grammar_backend.bitmask import BitmaskBuffer, bitmask_width
 from grammar_backend.cache import CacheConfig, CacheStats, CompileCache, GrammarStore
 from grammar_backend.compile import XGRAMMAR_VERSION, compile_spec
-from grammar_backend.engine import EngineConfig, GrammarEngine, StepResult
+from grammar_backend.engine import GrammarEngine, GrammarEngineConfig, StepResult
 from grammar_backend.sequences import GrammarSequence, SequenceTable, TableConfig
 from grammar_backend.spec import (
     ConstraintKind,
@@ -26,8 +26,8 @@ __all__ = [
     "ConstraintKind",
     "ConstraintOptions",
     "ConstraintSpec",
-    "EngineConfig",
     "GrammarEngine",
+    "GrammarEngineConfig",
     "GrammarSequence",
     "GrammarStore",
     "SequenceTable",

@@ -34,7 +34,7 @@ StartCallback = Callable[[GrammarError | None], None]
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class GrammarEngineConfig:
     """Grammar-engine settings (one per grammar model instance).
 
     Parameters
@@ -101,13 +101,13 @@ class GrammarEngine:
         Built with the model's padded vocabulary size and its stop tokens.
     fingerprint : str
         The tokenizer fingerprint (part of every cache key).
-    config : EngineConfig
+    config : GrammarEngineConfig
     encode : callable, optional
         ``text -> token ids`` with the model's tokenizer (no special tokens):
         needed for jump-forward, which spells forced text as the tokenizer does.
     """
 
-    def __init__(self, tokenizer_info: xgr.TokenizerInfo, fingerprint: str, config: EngineConfig,
+    def __init__(self, tokenizer_info: xgr.TokenizerInfo, fingerprint: str, config: GrammarEngineConfig,
                  encode: Encoder | None = None) -> None:
         self.config = config
         self.jump = None if encode is None else JumpForward(tokenizer_info, encode)

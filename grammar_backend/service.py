@@ -15,7 +15,7 @@ import numpy as np
 
 from grammar_backend.bitmask import bitmask_width
 from grammar_backend.cache import CacheConfig
-from grammar_backend.engine import EngineConfig, GrammarEngine
+from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
 from grammar_backend.errors import ConstraintError, GrammarError
 from grammar_backend.jump import pack_forced
 from grammar_backend.maskbuf import Attached
@@ -63,9 +63,9 @@ class GrammarModelConfig:
     max_payload_bytes: int = 2 * 1024 * 1024
     max_depth: int = 128
 
-    def engine_config(self) -> EngineConfig:
-        """The :class:`EngineConfig` these parameters describe."""
-        return EngineConfig(
+    def engine_config(self) -> GrammarEngineConfig:
+        """The :class:`GrammarEngineConfig` these parameters describe."""
+        return GrammarEngineConfig(
             max_batch=self.max_batch,
             fill_threads=self.fill_threads,
             cache=CacheConfig(

@@ -29,7 +29,7 @@ merged per-seq caches    158        224         254
 The merge cost grows with the cached length (it is a copy of every live token
 of every layer); the slot layout's only per-step copies are the B new key/value
 rows.  With 2 intra-op threads on the same loaded machine: 549 vs 688 ms (128..)
-and 757 vs 1029 ms (400..); see :class:`EngineConfig` ``num_threads``.
+and 757 vs 1029 ms (400..); see :class:`TorchEngineConfig` ``num_threads``.
 
 The model runs with ``attn_implementation="sdpa"``: with one query token,
 transformers packs grouped-query heads (``pack_gqa``) instead of repeating the
@@ -56,7 +56,7 @@ from transformers.cache_utils import Cache
 
 from .errors import EngineError, RequestError, config_error
 
-__all__ = ["Engine", "EngineConfig", "TorchEngine", "checkpoint_end_tokens"]
+__all__ = ["Engine", "TorchEngine", "TorchEngineConfig", "checkpoint_end_tokens"]
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -66,7 +66,7 @@ _DTYPES: dict[str, torch.dtype] = {
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class TorchEngineConfig:
     """Settings of :class:`TorchEngine`.
 
     Attributes
@@ -284,7 +284,7 @@ class TorchEngine:
     model_dir : str or Path
         A local checkpoint folder (``config.json``, weights, ``tokenizer.json``);
         loaded with ``local_files_only=True``: nothing is downloaded.
-    config : EngineConfig
+    config : TorchEngineConfig
         Device, dtype, slot count and lengths.
 
     Raises
@@ -299,8 +299,8 @@ class TorchEngine:
     Not thread-safe: one thread (the scheduler loop) drives it.
     """
 
-    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
-        cfg = config if config is not None else EngineConfig()
+    def __init__(self, model_dir: str | Path, config: TorchEngineConfig | None = None) -> None:
+        cfg = config if config is not None else TorchEngineConfig()
         self._config = cfg
         path = Path(model_dir)
         if not path.is_dir():

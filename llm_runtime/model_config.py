@@ -100,11 +100,11 @@ class LlmModelConfig:
                 mask_provider,
                 on_metrics=on_metrics,
             )
-        from .engine import EngineConfig, TorchEngine
+        from .engine import TorchEngine, TorchEngineConfig
 
         engine = TorchEngine(
             self.model_dir,
-            EngineConfig(device=self.device, dtype=self.dtype, max_batch_size=self.max_batch,
+            TorchEngineConfig(device=self.device, dtype=self.dtype, max_batch_size=self.max_batch,
                          max_seq_len=self.max_seq_len, num_threads=self.torch_threads or None),
         )
         return Scheduler(engine, mask_provider, SchedulerConfig(max_batch_size=self.max_batch, grammar_mode=self.mode),

@@ -23,7 +23,7 @@ from grammar_backend.closing import (
     RepeatDetector,
 )
 from grammar_backend.compile import compile_spec
-from grammar_backend.engine import EngineConfig, GrammarEngine
+from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
 from grammar_backend.errors import ConfigError
 from grammar_backend.fidelity import validate_output
 from grammar_backend.sequences import FREE, GrammarSequence
@@ -261,7 +261,7 @@ def _first_step(engine: GrammarEngine, tokenizer: Any, budget: int) -> Any:
 def test_engine_step_forces_one_token_and_reports_closing(
     qwen_info: xgr.TokenizerInfo, qwen_tokenizer: Any
 ) -> None:
-    engine = GrammarEngine(qwen_info, "qwen", EngineConfig(max_batch=2))
+    engine = GrammarEngine(qwen_info, "qwen", GrammarEngineConfig(max_batch=2))
     try:
         out = _first_step(engine, qwen_tokenizer, budget=12)
         # Row 0: of its 12 tokens, the prefix, the completion '","age":0,"tags":[]}'
@@ -295,7 +295,7 @@ def test_a_calm_sequence_may_still_finish_on_its_own(
 
 
 def test_engine_step_restricts_a_calm_row(qwen_info: xgr.TokenizerInfo, qwen_tokenizer: Any) -> None:
-    engine = GrammarEngine(qwen_info, "qwen", EngineConfig(max_batch=2))
+    engine = GrammarEngine(qwen_info, "qwen", GrammarEngineConfig(max_batch=2))
     try:
         out = _first_step(engine, qwen_tokenizer, budget=20)
         assert out.closing.tolist() == [CloseState.CALM, CloseState.OPEN]

@@ -12,7 +12,7 @@ import xgrammar as xgr
 
 from grammar_backend.bitmask import BitmaskBuffer, allowed_tokens, bitmask_width
 from grammar_backend.cache import CacheConfig
-from grammar_backend.engine import EngineConfig, GrammarEngine
+from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
 from grammar_backend.errors import (
     CompileError,
     CompileQueueFull,
@@ -33,7 +33,7 @@ from tests.unit.conftest import (
 
 @pytest.fixture()
 def engine(tiny_info: xgr.TokenizerInfo) -> GrammarEngine:
-    eng = GrammarEngine(tiny_info, "tiny-fp", EngineConfig(max_batch=8), encode=tiny_encode)
+    eng = GrammarEngine(tiny_info, "tiny-fp", GrammarEngineConfig(max_batch=8), encode=tiny_encode)
     yield eng
     eng.close()
 
@@ -145,7 +145,7 @@ class _Outcomes:
 
 
 def test_a_start_past_its_deadline_answers_and_never_creates_its_matcher(tiny_info: xgr.TokenizerInfo) -> None:
-    eng = GrammarEngine(tiny_info, "fp", EngineConfig(cache=CacheConfig(workers=1, timeout_s=0.3)))
+    eng = GrammarEngine(tiny_info, "fp", GrammarEngineConfig(cache=CacheConfig(workers=1, timeout_s=0.3)))
     try:
         eng.warm_up()
         out = _Outcomes()
@@ -166,7 +166,7 @@ def test_a_start_past_its_deadline_answers_and_never_creates_its_matcher(tiny_in
 
 
 def test_a_full_compile_queue_refuses_new_keys_but_not_cached_or_joining_ones(tiny_info: xgr.TokenizerInfo) -> None:
-    eng = GrammarEngine(tiny_info, "fp", EngineConfig(cache=CacheConfig(workers=1, max_queued=1, timeout_s=120)))
+    eng = GrammarEngine(tiny_info, "fp", GrammarEngineConfig(cache=CacheConfig(workers=1, max_queued=1, timeout_s=120)))
     try:
         eng.warm_up()
         eng.start(9, parse_constraint("regex", "[a-z]+"))
@@ -211,7 +211,7 @@ def test_token_count_out_of_range_is_a_row_error(engine: GrammarEngine) -> None:
 
 def test_engine_config_rejects_bad_values() -> None:
     with pytest.raises(ConfigError, match=r"^engine: max_batch"):
-        EngineConfig(max_batch=0)
+        GrammarEngineConfig(max_batch=0)
 
 
 # --------------------------------------------------------- real large vocabulary
@@ -240,7 +240,7 @@ def test_real_bpe_tokens_are_accepted_and_masks_allow_them(
 ) -> None:
     """Tokenize a valid output with Qwen3's BPE and force it token by token through the engine:
     every token must be allowed by the mask of its step, and the stop token only at the end."""
-    eng = GrammarEngine(qwen_info, "qwen", EngineConfig(max_batch=2))
+    eng = GrammarEngine(qwen_info, "qwen", GrammarEngineConfig(max_batch=2))
     try:
         eng.start(1, parse_constraint(kind, payload, options))
         ids = qwen_tokenizer.encode(output, add_special_tokens=False)
@@ -262,7 +262,7 @@ def test_real_bpe_tokens_are_accepted_and_masks_allow_them(
 
 
 def test_real_vocab_bitmask_padding_is_masked(qwen_info: xgr.TokenizerInfo) -> None:
-    eng = GrammarEngine(qwen_info, "qwen", EngineConfig(max_batch=1))
+    eng = GrammarEngine(qwen_info, "qwen", GrammarEngineConfig(max_batch=1))
     try:
         eng.start(1, parse_constraint("json_object", ""))
         out = eng.step(np.array([1], np.uint64), np.zeros((1, 1), np.int32), np.zeros(1, np.int32))

@@ -20,9 +20,8 @@ import torch
 import xgrammar as xgr
 from transformers import AutoTokenizer
 
-from grammar_backend.engine import EngineConfig as GrammarEngineConfig
-from grammar_backend.engine import GrammarEngine
-from llm_runtime.engine import EngineConfig, TorchEngine
+from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
+from llm_runtime.engine import TorchEngine, TorchEngineConfig
 from llm_runtime.errors import EngineError
 from llm_runtime.grammar_hook import GrammarLogitsProcessor, RowOutcome
 from llm_runtime.local_mask import LocalMaskProvider
@@ -70,7 +69,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModelInfo:
 
 @pytest.fixture(scope="module")
 def engine(tiny: TinyModelInfo) -> TorchEngine:
-    return TorchEngine(tiny.path, EngineConfig(max_batch_size=8, max_seq_len=320))
+    return TorchEngine(tiny.path, TorchEngineConfig(max_batch_size=8, max_seq_len=320))
 
 
 @pytest.fixture
@@ -329,7 +328,7 @@ def test_budget_closing_through_the_processor(engine: TorchEngine, provider: Cou
 @pytest.mark.gpu
 def test_processor_masks_cuda_logits_on_the_engines_stream(tiny: TinyModelInfo, grammar: GrammarEngine) -> None:
     """The CUDA path: pinned host rows copied on the engine's stream, the kernel applied there (per-request tensors)."""
-    engine = TorchEngine(tiny.path, EngineConfig(device="cuda", max_batch_size=4, max_seq_len=320))
+    engine = TorchEngine(tiny.path, TorchEngineConfig(device="cuda", max_batch_size=4, max_seq_len=320))
     provider = CountingProvider(grammar)
     processor = GrammarLogitsProcessor(provider, vocab_size=engine.vocab_size, end_token_ids=engine.eos_token_ids,
                                        max_rows=4, device="cuda")

@@ -10,7 +10,7 @@ import pytest
 import xgrammar as xgr
 
 from grammar_backend.closing import CloseState
-from grammar_backend.engine import EngineConfig, GrammarEngine
+from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
 from grammar_backend.errors import GrammarError
 from grammar_backend.jump import JumpForward, pack_forced
 from grammar_backend.spec import parse_constraint
@@ -87,7 +87,7 @@ def _first_step(eng: GrammarEngine, ids: list[int], jump: bool = True) -> Any:
 )
 def test_engine_jumps_only_where_the_option_allows(tiny_info: xgr.TokenizerInfo, options: dict[str, Any],
                                                    forced: bytes) -> None:
-    eng = GrammarEngine(tiny_info, "tiny", EngineConfig(max_batch=2), encode=tiny_encode)
+    eng = GrammarEngine(tiny_info, "tiny", GrammarEngineConfig(max_batch=2), encode=tiny_encode)
     try:
         eng.start(1, parse_constraint("json_schema", json.dumps(load_schema("tool_weather")), options))
         out = _first_step(eng, [1])
@@ -99,7 +99,7 @@ def test_engine_jumps_only_where_the_option_allows(tiny_info: xgr.TokenizerInfo,
 def test_a_forcing_row_never_jumps_a_calm_one_does(tiny_info: xgr.TokenizerInfo) -> None:
     """Budget closing: a row whose completion is forced follows it token by token (no jump); a calm
     row (near its budget, no new structure) still appends forced text, which every completion holds."""
-    eng = GrammarEngine(tiny_info, "tiny", EngineConfig(max_batch=2), encode=tiny_encode)
+    eng = GrammarEngine(tiny_info, "tiny", GrammarEngineConfig(max_batch=2), encode=tiny_encode)
     schema = parse_constraint("json_schema", json.dumps(load_schema("tool_weather")))
     seen: dict[int, set[bool]] = {}
     try:
@@ -116,7 +116,7 @@ def test_a_forcing_row_never_jumps_a_calm_one_does(tiny_info: xgr.TokenizerInfo)
 
 
 def test_jump_forward_needs_an_encoder(tiny_info: xgr.TokenizerInfo) -> None:
-    eng = GrammarEngine(tiny_info, "tiny", EngineConfig(max_batch=2))
+    eng = GrammarEngine(tiny_info, "tiny", GrammarEngineConfig(max_batch=2))
     try:
         eng.start(1, parse_constraint("regex", "abc"))
         with pytest.raises(GrammarError, match=r"^step: jump-forward needs the tokenizer's encoder"):
@@ -142,7 +142,7 @@ def test_real_bpe_jumps_are_canonical_and_accepted(qwen_tokenizer: Any, qwen_inf
     jump is the tokenizer's own spelling of a whole-character run, the grammar accepts it in order,
     and the output is the one expected."""
     encode = lambda text: qwen_tokenizer.encode(text, add_special_tokens=False)
-    eng = GrammarEngine(qwen_info, "qwen", EngineConfig(max_batch=1), encode=encode)
+    eng = GrammarEngine(qwen_info, "qwen", GrammarEngineConfig(max_batch=1), encode=encode)
     try:
         eng.start(1, parse_constraint(kind, payload))
         text, feed, jumps = "", [0], 0

@@ -13,7 +13,7 @@ import pytest
 import xgrammar as xgr
 
 from grammar_backend.bitmask import bitmask_width
-from grammar_backend.engine import EngineConfig, GrammarEngine
+from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
 from grammar_backend.errors import ConstraintError
 from grammar_backend.maskbuf import SHM_DIR, Attached, MaskBuffer
 from grammar_backend.service import GrammarRequest, GrammarService
@@ -31,7 +31,7 @@ def buffer() -> Iterator[MaskBuffer]:
 
 @pytest.fixture()
 def service(tiny_info: xgr.TokenizerInfo) -> Iterator[GrammarService]:
-    svc = GrammarService(GrammarEngine(tiny_info, "fp", EngineConfig(max_batch=4), encode=tiny_encode))
+    svc = GrammarService(GrammarEngine(tiny_info, "fp", GrammarEngineConfig(max_batch=4), encode=tiny_encode))
     yield svc
     svc.engine.close()
 

@@ -117,7 +117,7 @@ def test_latency_window_quantiles_reset_per_publication_sums_do_not() -> None:
 @pytest.mark.usefixtures("one_torch_thread")
 def test_scheduler_snapshots_show_the_present(tmp_path: Path) -> None:
     """While requests run the llm gauges count them; once they finish every gauge reads 0 again."""
-    from llm_runtime.engine import EngineConfig, TorchEngine
+    from llm_runtime.engine import TorchEngine, TorchEngineConfig
     from llm_runtime.scheduler import (
         FinishEvent,
         GenerationRequest,
@@ -127,7 +127,7 @@ def test_scheduler_snapshots_show_the_present(tmp_path: Path) -> None:
     )
     from llm_runtime.tiny_model import build_tiny_llama
     tiny = build_tiny_llama(tmp_path / "m", num_layers=1)
-    engine = TorchEngine(tiny.path, EngineConfig(max_batch_size=4, max_seq_len=128))
+    engine = TorchEngine(tiny.path, TorchEngineConfig(max_batch_size=4, max_seq_len=128))
     snaps: list[dict[str, float]] = []
     lock = threading.Lock()
 

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from grammar_backend.errors import ConfigError
-from llm_runtime.engine import EngineConfig, TorchEngine
+from llm_runtime.engine import TorchEngine, TorchEngineConfig
 from llm_runtime.errors import EngineError, RequestError
 from llm_runtime.tiny_model import TinyModelInfo, build_tiny_llama
 
@@ -90,7 +90,7 @@ def run_schedule(engine: TorchEngine, prompts: list[list[int]], n: int, joins: S
 def test_batched_greedy_equals_alone(
     tiny: TinyModelInfo, reference: torch.nn.Module, joins: tuple[int, ...], initial_cache_len: int
 ) -> None:
-    engine = TorchEngine(tiny.path, EngineConfig(max_batch_size=4, max_seq_len=256, initial_cache_len=initial_cache_len))
+    engine = TorchEngine(tiny.path, TorchEngineConfig(max_batch_size=4, max_seq_len=256, initial_cache_len=initial_cache_len))
     prompts = [engine.tokenizer.encode(p).ids for p in PROMPTS]
     assert len({len(p) for p in prompts}) == 3
     n = 12
@@ -104,13 +104,13 @@ def test_batched_greedy_equals_alone(
 @pytest.mark.parametrize("live_first", [0, 2], ids=["empty-engine", "two-live"])
 def test_batched_prefill_equals_prefills_alone(tiny: TinyModelInfo, reference: torch.nn.Module, live_first: int) -> None:
     """Left-padded prompts of different lengths in one forward: the same logits, then the same greedy tokens."""
-    engine = TorchEngine(tiny.path, EngineConfig(max_batch_size=8, max_seq_len=256, initial_cache_len=4))
+    engine = TorchEngine(tiny.path, TorchEngineConfig(max_batch_size=8, max_seq_len=256, initial_cache_len=4))
     prompts = [engine.tokenizer.encode(p).ids for p in PROMPTS]
     for j in range(live_first):  # sequences already decoding keep their slots and cache
         engine.prefill(100 + j, prompts[j])
     batch = engine.prefill_batch([0, 1, 2], prompts)
     assert batch.shape == (3, engine.vocab_size) and bool(torch.isfinite(batch).all())
-    alone = TorchEngine(tiny.path, EngineConfig(max_batch_size=8, max_seq_len=256))
+    alone = TorchEngine(tiny.path, TorchEngineConfig(max_batch_size=8, max_seq_len=256))
     for i, p in enumerate(prompts):
         torch.testing.assert_close(batch[i], alone.prefill(i, p), rtol=1e-4, atol=1e-4)
         assert engine.length(i) == len(p)
@@ -135,7 +135,7 @@ def test_extend_equals_feeding_token_by_token(tiny: TinyModelInfo, reference: to
     """Jump-forward's multi-token forward, in a batch whose other rows feed one token (right padding,
     rows out of slot order): the logits after the last token equal the full recomputation's, and the
     rows that fed one token decode on exactly as alone."""
-    engine = TorchEngine(tiny.path, EngineConfig(max_batch_size=4, max_seq_len=128, initial_cache_len=4))
+    engine = TorchEngine(tiny.path, TorchEngineConfig(max_batch_size=4, max_seq_len=128, initial_cache_len=4))
     prompts = [engine.tokenizer.encode(p).ids for p in PROMPTS]
     forced = engine.tokenizer.encode(" the quick brown fox jumps over the lazy dog").ids[:12]
     assert sum(chunks) == len(forced) == 12
@@ -164,7 +164,7 @@ def test_extend_equals_feeding_token_by_token(tiny: TinyModelInfo, reference: to
      ([1], r"counts must be 2 values")],
 )
 def test_extend_refuses_bad_counts(tiny: TinyModelInfo, counts: list[int], message: str) -> None:
-    engine = TorchEngine(tiny.path, EngineConfig(max_batch_size=2, max_seq_len=64))
+    engine = TorchEngine(tiny.path, TorchEngineConfig(max_batch_size=2, max_seq_len=64))
     engine.prefill_batch([0, 1], [[5, 6], [7]])
     with pytest.raises(EngineError, match=message):
         engine.extend([0, 1], np.ones((2, 3), np.int64), np.array(counts))
@@ -182,14 +182,14 @@ def test_extend_refuses_bad_counts(tiny: TinyModelInfo, counts: list[int], messa
 )
 def test_batched_prefill_refuses_bad_batches_whole(tiny: TinyModelInfo, ids: list[int], prompts: list[list[int]],
                                                    error: type[Exception], message: str) -> None:
-    engine = TorchEngine(tiny.path, EngineConfig(max_batch_size=4, max_seq_len=64))
+    engine = TorchEngine(tiny.path, TorchEngineConfig(max_batch_size=4, max_seq_len=64))
     with pytest.raises(error, match=message):
         engine.prefill_batch(ids, prompts)
     assert engine.live_count == 0  # nothing registered
 
 
 def test_release_moves_last_slot(tiny: TinyModelInfo, reference: torch.nn.Module) -> None:
-    engine = TorchEngine(tiny.path, EngineConfig(max_batch_size=3, max_seq_len=128))
+    engine = TorchEngine(tiny.path, TorchEngineConfig(max_batch_size=3, max_seq_len=128))
     prompts = [engine.tokenizer.encode(p).ids for p in PROMPTS]
     # Sequence 0 leaves first, so sequence 2 (last slot) moves into slot 0 mid-flight.
     outs = {i: [int(engine.prefill(i, p).argmax())] for i, p in enumerate(prompts)}
@@ -212,7 +212,7 @@ def test_release_moves_last_slot(tiny: TinyModelInfo, reference: torch.nn.Module
 
 
 def test_properties(tiny: TinyModelInfo) -> None:
-    engine = TorchEngine(tiny.path, EngineConfig(max_batch_size=2, max_seq_len=64))
+    engine = TorchEngine(tiny.path, TorchEngineConfig(max_batch_size=2, max_seq_len=64))
     assert engine.vocab_size == tiny.vocab_size == 448
     assert engine.tokenizer.get_vocab_size() == tiny.tokenizer_size
     assert engine.eos_token_ids == frozenset({tiny.eos_token_id})
@@ -239,7 +239,7 @@ def test_properties(tiny: TinyModelInfo) -> None:
     ],
 )
 def test_engine_misuse(tiny: TinyModelInfo, action: str, error: type[Exception], match: str) -> None:
-    engine = TorchEngine(tiny.path, EngineConfig(max_batch_size=2, max_seq_len=32))
+    engine = TorchEngine(tiny.path, TorchEngineConfig(max_batch_size=2, max_seq_len=32))
     with pytest.raises(error, match=match):
         if action == "dup_prefill":
             engine.prefill(1, [5])
@@ -287,7 +287,7 @@ def test_engine_misuse(tiny: TinyModelInfo, action: str, error: type[Exception],
 )
 def test_engine_config_rejects(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
-        EngineConfig(**kwargs)  # type: ignore[arg-type]
+        TorchEngineConfig(**kwargs)  # type: ignore[arg-type]
 
 
 def test_engine_rejects_bad_folders(tiny: TinyModelInfo, tmp_path: Path) -> None:
@@ -296,7 +296,7 @@ def test_engine_rejects_bad_folders(tiny: TinyModelInfo, tmp_path: Path) -> None
     with pytest.raises(ConfigError, match="model_dir: .* has no tokenizer.json"):
         TorchEngine(tmp_path)
     with pytest.raises(ConfigError, match="engine.max_seq_len: 2048 exceeds the model's max_position_embeddings 1024"):
-        TorchEngine(tiny.path, EngineConfig(max_seq_len=2048))
+        TorchEngine(tiny.path, TorchEngineConfig(max_seq_len=2048))
 
 
 @pytest.mark.skipif(
@@ -305,7 +305,7 @@ def test_engine_rejects_bad_folders(tiny: TinyModelInfo, tmp_path: Path) -> None
     "or set SMOLLM2_DIR)",
 )
 def test_smollm2_batched_equals_alone() -> None:
-    engine = TorchEngine(SMOLLM2_DIR, EngineConfig(max_batch_size=3, max_seq_len=256, initial_cache_len=32))
+    engine = TorchEngine(SMOLLM2_DIR, TorchEngineConfig(max_batch_size=3, max_seq_len=256, initial_cache_len=32))
     assert engine.vocab_size == 49152
     assert 2 in engine.eos_token_ids
     tok = engine.tokenizer

@@ -21,15 +21,14 @@ import pytest
 import xgrammar as xgr
 from transformers import AutoTokenizer
 
-from grammar_backend.engine import EngineConfig as GrammarEngineConfig
-from grammar_backend.engine import GrammarEngine
+from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
 from grammar_backend.errors import (
     CompileError,
     ConstraintError,
     DuplicateSequence,
     UnknownSequence,
 )
-from llm_runtime.engine import EngineConfig, TorchEngine
+from llm_runtime.engine import TorchEngine, TorchEngineConfig
 from llm_runtime.errors import Overloaded, RequestError, SchedulerClosed
 from llm_runtime.local_mask import LocalMaskProvider
 from llm_runtime.mask import ConstraintRequest, MaskStep
@@ -186,7 +185,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModelInfo:
 
 @pytest.fixture(scope="module")
 def engine(tiny: TinyModelInfo) -> TorchEngine:
-    return TorchEngine(tiny.path, EngineConfig(max_batch_size=8, max_seq_len=320))
+    return TorchEngine(tiny.path, TorchEngineConfig(max_batch_size=8, max_seq_len=320))
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import xgrammar as xgr
 
 from grammar_backend.bitmask import allowed_tokens
 from grammar_backend.closing import CloseState
-from grammar_backend.engine import EngineConfig, GrammarEngine
+from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
 from grammar_backend.errors import (
     CompileError,
     ConfigError,
@@ -90,7 +90,7 @@ def test_model_config_builds_engine_config() -> None:
 
 @pytest.fixture()
 def service(tiny_info: xgr.TokenizerInfo) -> GrammarService:
-    svc = GrammarService(GrammarEngine(tiny_info, "fp", EngineConfig(max_batch=4), encode=tiny_encode))
+    svc = GrammarService(GrammarEngine(tiny_info, "fp", GrammarEngineConfig(max_batch=4), encode=tiny_encode))
     yield svc
     svc.engine.close()
 

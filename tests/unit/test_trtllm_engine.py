@@ -158,8 +158,7 @@ def test_trtllm_engine_decodes_a_schema_through_the_processor() -> None:
     import xgrammar as xgr
     from transformers import AutoTokenizer
 
-    from grammar_backend.engine import EngineConfig as GrammarEngineConfig
-    from grammar_backend.engine import GrammarEngine
+    from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
     from llm_runtime.local_mask import LocalMaskProvider
     from llm_runtime.scheduler import FinishEvent, GenerationRequest, TokenEvent
     from llm_runtime.trtllm_engine import TrtllmGenerator
