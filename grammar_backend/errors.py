@@ -1,52 +1,44 @@
 """Exception types of the grammar engine.
 
-Every error that a request can cause is one of these types.  Each carries a
-``status`` (a gRPC status name) so that the Triton adapters map them to
-``pb_utils.TritonError`` codes in exactly one place
-(:func:`grammar_backend.errors.status_of`), and a message that names the
-offending field and the reason.
+They derive from :class:`contract.errors.ServingError` (the one root, whose
+``status`` is a gRPC status name mapped to Triton codes in one place,
+:func:`contract.errors.triton_code_name`); the root, ``InvalidArgument``,
+``ConfigError`` and the mapping are re-exported here for the engine's callers.
 """
 
 from __future__ import annotations
 
-from typing import Final
+from contract.errors import (
+    ALREADY_EXISTS,
+    DEADLINE_EXCEEDED,
+    INTERNAL,
+    INVALID_ARGUMENT,
+    NOT_FOUND,
+    RESOURCE_EXHAUSTED,
+    TRITON_CODE_NAMES,
+    UNAVAILABLE,
+    ConfigError,
+    InvalidArgument,
+    ServingError,
+    status_of,
+    triton_code_name,
+)
 
-INVALID_ARGUMENT: Final = "INVALID_ARGUMENT"
-NOT_FOUND: Final = "NOT_FOUND"
-ALREADY_EXISTS: Final = "ALREADY_EXISTS"
-RESOURCE_EXHAUSTED: Final = "RESOURCE_EXHAUSTED"
-DEADLINE_EXCEEDED: Final = "DEADLINE_EXCEEDED"
-UNAVAILABLE: Final = "UNAVAILABLE"
-INTERNAL: Final = "INTERNAL"
+__all__ = [
+    "ALREADY_EXISTS", "DEADLINE_EXCEEDED", "INTERNAL", "INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED",
+    "TRITON_CODE_NAMES", "UNAVAILABLE", "CapacityExceeded", "CompileError", "CompileQueueFull", "CompileTimeout",
+    "ConfigError", "ConstraintError", "DuplicateSequence", "GrammarError", "InvalidArgument", "SequenceError",
+    "ServingError", "TokenRejected", "TokenizerError", "UnknownSequence", "status_of", "triton_code_name",
+]
 
 
-class GrammarError(Exception):
-    """Base class of every error raised by :mod:`grammar_backend`."""
+class GrammarError(ServingError):
+    """Base class of the errors of the grammar engine (:mod:`grammar_backend`)."""
 
     status: str = INTERNAL
 
 
-class InvalidArgument(GrammarError):
-    """A request field is malformed or out of range.
-
-    Parameters
-    ----------
-    field : str
-        The request field at fault, e.g. ``"grammar"``, ``"grammar_options.indent"``,
-        or a JSON pointer inside the schema such as ``"grammar#/properties/a"``.
-    reason : str
-        Why the value is rejected.
-    """
-
-    status = INVALID_ARGUMENT
-
-    def __init__(self, field: str, reason: str) -> None:
-        super().__init__(f"{field}: {reason}")
-        self.field = field
-        self.reason = reason
-
-
-class ConstraintError(InvalidArgument):
+class ConstraintError(InvalidArgument, GrammarError):
     """A constraint (or one of its options) is malformed or not allowed."""
 
 
@@ -108,37 +100,3 @@ class TokenizerError(GrammarError):
     """A tokenizer could not be loaded or does not fit the model."""
 
     status = INVALID_ARGUMENT
-
-
-class ConfigError(GrammarError):
-    """A model or engine configuration parameter is unknown, missing or invalid."""
-
-    status = INVALID_ARGUMENT
-
-
-def status_of(err: BaseException) -> str:
-    """Return the gRPC status name for ``err`` (``INTERNAL`` for foreign exceptions)."""
-    if isinstance(err, GrammarError):
-        return err.status
-    return INTERNAL
-
-
-#: Our status names -> ``pb_utils.TritonError`` code names.  The Python
-#: backend has no DEADLINE_EXCEEDED or RESOURCE_EXHAUSTED, so those become
-#: UNAVAILABLE (the client may retry: a timed-out compile keeps running and
-#: is cached when it finishes; a full table or compile queue frees up).  Triton's gRPC
-#: frontend turns INVALID_ARG into INVALID_ARGUMENT.
-TRITON_CODE_NAMES: Final = {
-    INVALID_ARGUMENT: "INVALID_ARG",
-    NOT_FOUND: "NOT_FOUND",
-    ALREADY_EXISTS: "ALREADY_EXISTS",
-    RESOURCE_EXHAUSTED: "UNAVAILABLE",
-    DEADLINE_EXCEEDED: "UNAVAILABLE",
-    UNAVAILABLE: "UNAVAILABLE",
-    INTERNAL: "INTERNAL",
-}
-
-
-def triton_code_name(err: BaseException) -> str:
-    """The ``pb_utils.TritonError`` code name for ``err`` (the one mapping of the project)."""
-    return TRITON_CODE_NAMES[status_of(err)]

@@ -1,39 +1,39 @@
 """Exception types of the decode side.
 
-They derive from :class:`grammar_backend.errors.GrammarError` (the project's one
-error root, whose ``status`` is a gRPC status name), so the Triton adapters map
-them with the same :func:`grammar_backend.errors.status_of` /
-``triton_code_name`` as grammar errors; :class:`RequestError` is an
-:class:`grammar_backend.errors.InvalidArgument` (``field: reason`` message).
+They derive from :class:`DecodeError`, a :class:`contract.errors.ServingError`
+(the one error root, whose ``status`` is a gRPC status name), so the Triton
+adapters map them with the same :func:`contract.errors.triton_code_name` as
+grammar errors without either passing for the other; :class:`RequestError`
+is a :class:`contract.errors.InvalidArgument` (``field: reason`` message).
 """
 
 from __future__ import annotations
 
 from typing import Final
 
-from grammar_backend import errors as gerrors
+from contract import errors as cerrors
 
 CANCELLED: Final = "CANCELLED"
 
 __all__ = [
     "CANCELLED",
+    "DecodeError",
     "EngineError",
     "Overloaded",
     "RequestError",
-    "RuntimeErrorBase",
     "SchedulerClosed",
     "config_error",
     "status_of",
 ]
 
 
-class RuntimeErrorBase(gerrors.GrammarError):
+class DecodeError(cerrors.ServingError):
     """Base class of every error raised by :mod:`llm_runtime`."""
 
-    status: str = gerrors.INTERNAL
+    status: str = cerrors.INTERNAL
 
 
-class RequestError(gerrors.InvalidArgument, RuntimeErrorBase):
+class RequestError(cerrors.InvalidArgument, DecodeError):
     """A generation request has a field that is missing, out of range or malformed.
 
     Parameters
@@ -44,32 +44,31 @@ class RequestError(gerrors.InvalidArgument, RuntimeErrorBase):
         Why the value is rejected.
     """
 
-    status = gerrors.INVALID_ARGUMENT
+    status = cerrors.INVALID_ARGUMENT
 
 
-class EngineError(RuntimeErrorBase):
+class EngineError(DecodeError):
     """The engine was used against its contract (unknown sequence, no free slot, ...)."""
 
-    status = gerrors.INTERNAL
+    status = cerrors.INTERNAL
 
 
-class Overloaded(RuntimeErrorBase):
+class Overloaded(DecodeError):
     """The scheduler holds as many requests as it is configured to queue."""
 
-    status = gerrors.RESOURCE_EXHAUSTED
+    status = cerrors.RESOURCE_EXHAUSTED
 
 
-class SchedulerClosed(RuntimeErrorBase):
+class SchedulerClosed(DecodeError):
     """The scheduler is shut down and accepts no more requests."""
 
-    status = gerrors.UNAVAILABLE
+    status = cerrors.UNAVAILABLE
 
 
-def config_error(field: str, reason: str) -> gerrors.ConfigError:
-    """A :class:`grammar_backend.errors.ConfigError` whose message is ``"field: reason"``."""
-    return gerrors.ConfigError(f"{field}: {reason}")
+def config_error(field: str, reason: str) -> cerrors.ConfigError:
+    """A :class:`contract.errors.ConfigError` whose message is ``"field: reason"``."""
+    return cerrors.ConfigError(f"{field}: {reason}")
 
 
-def status_of(err: BaseException) -> str:
-    """Return the gRPC status name for ``err`` (``INTERNAL`` for foreign exceptions)."""
-    return gerrors.status_of(err)
+#: The one status mapping (re-exported for the decode side's callers).
+status_of = cerrors.status_of

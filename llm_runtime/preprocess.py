@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import contract
-from grammar_backend.errors import ConfigError, GrammarError, InvalidArgument, status_of
+from contract.errors import ConfigError, InvalidArgument, ServingError, status_of
 from grammar_backend.fidelity import validator_for
 from grammar_backend.spec import ConstraintSpec, SpecLimits, parse_constraint
 
@@ -96,7 +96,7 @@ class GenerationParams:
         )
 
 
-class RejectedRequest(GrammarError):
+class RejectedRequest(ServingError):
     """A request that preprocessing refused, as ``llm`` receives it (status kept)."""
 
     def __init__(self, message: str, status: str) -> None:

@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from grammar_backend.errors import GrammarError, triton_code_name
+from contract.errors import ServingError, triton_code_name
 from grammar_backend.metrics import TritonMetrics
 from grammar_backend.params import from_parameters, parameter_values
 from grammar_backend.service import (
@@ -112,7 +112,7 @@ def _to_response(reply: GrammarReply, wanted: frozenset[str]) -> Any:
         output_tensors=[pb_utils.Tensor(name, value) for name, value in candidates if not wanted or name in wanted])
 
 
-def _error_response(err: GrammarError, as_data: bool) -> Any:
+def _error_response(err: ServingError, as_data: bool) -> Any:
     if as_data:
         doc = json.dumps({"status": err.status, "message": str(err)}).encode()
         return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor("ERROR", np.array([doc], np.object_))])
@@ -154,7 +154,7 @@ class TritonPythonModel:
     def _send(self, request: Any, op: str, outcome: GrammarReply | Exception, errors_as_data: bool) -> None:
         if isinstance(outcome, GrammarReply):
             response = _to_response(outcome, frozenset(request.requested_output_names()))
-        elif isinstance(outcome, GrammarError):
+        elif isinstance(outcome, ServingError):
             response = _error_response(outcome, errors_as_data)
         else:  # a bug must reach the caller as INTERNAL, never hang it
             pb_utils.Logger.log_error(f"grammar: {op} failed: {outcome!r}")

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from grammar_backend.errors import GrammarError, InvalidArgument
+from contract.errors import InvalidArgument, ServingError
 from grammar_backend.metrics import TritonMetrics
 from grammar_backend.params import from_parameters, parameter_values
 from grammar_backend.teardown import quiesce_for_exit
@@ -161,7 +161,7 @@ class TritonPythonModel:
             try:
                 stream.constraint, gen_request = _to_request(request)
                 stream.rid = self.scheduler.submit(gen_request, stream)
-            except GrammarError as err:
+            except ServingError as err:
                 stream.finish(FinalState.rejected(err))
             except Exception as err:  # noqa: BLE001 - a bug: INTERNAL as data, never an error response
                 pb_utils.Logger.log_error(f"llm: request failed: {err!r}")

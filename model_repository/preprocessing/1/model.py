@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from grammar_backend.errors import GrammarError
+from contract.errors import ServingError
 from grammar_backend.params import from_parameters, parameter_values
 from grammar_backend.teardown import quiesce_for_exit
 from llm_runtime.preprocess import (
@@ -79,7 +79,7 @@ class TritonPythonModel:
             try:
                 ids, params = self.preprocess(_to_raw(request))
                 request_json = params.to_json()
-            except GrammarError as err:
+            except ServingError as err:
                 ids, request_json = [], rejection_json(err)
             except Exception as err:  # noqa: BLE001 - a bug: INTERNAL as data, never an error response
                 pb_utils.Logger.log_error(f"preprocessing failed: {err!r}")
