@@ -349,6 +349,9 @@ def parse_result(text: str, kind: str | None) -> Result:
                 f"(line {err.lineno} column {err.colno}: {err.msg})",
                 result=result,
             ) from err
+        if kind == "json_object" and not isinstance(parsed, dict):
+            raise GenerationError(f"output is {'complete' if complete else 'closed early'} under a json_object "
+                                  f"constraint but is a JSON {type(parsed).__name__}, not an object", result=result)
         result = dataclasses.replace(result, parsed=parsed)
     return result
 

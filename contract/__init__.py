@@ -23,6 +23,7 @@ __all__ = [
     "DECODING_FLAGS",
     "FINISH_REASONS",
     "JSON_KINDS",
+    "JSON_OBJECT_SCHEMA",
     "JSON_OPTION_KINDS",
     "JSON_OPTION_NAMES",
     "MAX_CONSTRAINT_BYTES",
@@ -40,8 +41,17 @@ __all__ = [
     "check_sampling",
 ]
 
-#: Every ``GRAMMAR_TYPE`` value.
+#: Every ``GRAMMAR_TYPE`` value.  What a complete output of each kind is:
+#: ``json_schema``: one JSON document valid under the schema (``GRAMMAR``);
+#: ``json_object``: one JSON object, any members (:data:`JSON_OBJECT_SCHEMA`;
+#: never a bare string, number, array or literal); ``regex``: a full match of
+#: the pattern; ``ebnf``/``lark``: a sentence of the grammar; ``choice``:
+#: exactly one of the listed strings; ``structural_tag``: free text whose
+#: tagged segments match their schemas.
 CONSTRAINT_KINDS: Final = ("json_schema", "json_object", "regex", "ebnf", "lark", "choice", "structural_tag")
+#: The schema a ``json_object`` output satisfies (compiled, post-validated and
+#: passed to TensorRT-LLM's native decoder as this text).
+JSON_OBJECT_SCHEMA: Final = '{"type":"object"}'
 #: Kinds whose output is one JSON document (parsed and validated after decoding).
 JSON_KINDS: Final = ("json_schema", "json_object")
 #: Kinds whose output the JSON-shaping options apply to: the JSON kinds.  A

@@ -9,6 +9,7 @@ from typing import Final
 
 import xgrammar as xgr
 
+import contract
 from grammar_backend.errors import CompileError
 from grammar_backend.spec import ConstraintKind, ConstraintOptions, ConstraintSpec
 
@@ -81,9 +82,9 @@ def compile_spec(compiler: xgr.GrammarCompiler, spec: ConstraintSpec) -> xgr.Com
         if kind is ConstraintKind.JSON_SCHEMA:
             return compiler.compile_json_schema(spec.payload, **json_format_kwargs(spec.options))  # type: ignore[arg-type]
         if kind is ConstraintKind.JSON_OBJECT:
-            # The empty schema is "any JSON value"; unlike the builtin JSON
+            # Any object, through the schema compiler: unlike the builtin JSON
             # grammar it honours the whitespace policy.
-            return compiler.compile_json_schema("{}", **json_format_kwargs(spec.options))  # type: ignore[arg-type]
+            return compiler.compile_json_schema(contract.JSON_OBJECT_SCHEMA, **json_format_kwargs(spec.options))  # type: ignore[arg-type]
         if kind is ConstraintKind.REGEX:
             return compiler.compile_regex(spec.payload)
         if kind is ConstraintKind.EBNF:

@@ -129,6 +129,11 @@ class ConstraintOptions:
         return [self.strict, self.whitespace, self.indent, self.any_order]
 
 
+#: Bumped whenever what a constraint compiles to changes without its text
+#: changing (2: ``json_object`` means an object, not any JSON value), so a
+#: persistent grammar store never serves a grammar of the old meaning.
+GRAMMAR_FORMAT: Final = 2
+
 #: Every option name (the JSON-shaping ones apply to json_schema and json_object,
 #: the decoding policies to every kind): the contract's.
 OPTION_NAMES: Final = contract.OPTION_NAMES
@@ -161,17 +166,18 @@ class ConstraintSpec:
 
     @property
     def schema(self) -> Mapping[str, Any] | None:
-        """The JSON schema this output must satisfy (``{}`` for any-JSON), else None."""
+        """The JSON schema this output must satisfy (``json_object``: any object), else None."""
         if self.kind is ConstraintKind.JSON_SCHEMA:
             return self.document  # type: ignore[no-any-return]
         if self.kind is ConstraintKind.JSON_OBJECT:
-            return {}
+            return json.loads(contract.JSON_OBJECT_SCHEMA)  # type: ignore[no-any-return]
         return None
 
     def cache_key(self, tokenizer_fingerprint: str, xgrammar_version: str) -> str:
-        """Hex sha256 of (kind, payload, options, tokenizer fingerprint, xgrammar version)."""
+        """Hex sha256 of (grammar format, kind, payload, options, tokenizer fingerprint, xgrammar version)."""
         material = json.dumps(
             [
+                GRAMMAR_FORMAT,
                 self.kind.value,
                 self.payload,
                 self.options.canonical(),

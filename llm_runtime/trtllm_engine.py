@@ -70,6 +70,7 @@ from typing import Any, Final
 import numpy as np
 from tokenizers import Tokenizer
 
+import contract
 from grammar_backend.errors import ConfigError, InvalidArgument
 from grammar_backend.metrics import Snapshot
 from grammar_backend.spec import ConstraintKind, ConstraintOptions, parse_constraint
@@ -214,7 +215,9 @@ def native_guided_kwargs(constraint: ConstraintRequest) -> dict[str, Any]:
     if kind is ConstraintKind.JSON_SCHEMA:
         return {"json": spec.payload}
     if kind is ConstraintKind.JSON_OBJECT:
-        return {"json_object": True}
+        # Not TensorRT-LLM's json_object (xgrammar's builtin JSON grammar, any
+        # value): the contract's meaning, an object, as a schema.
+        return {"json": contract.JSON_OBJECT_SCHEMA}
     if kind is ConstraintKind.REGEX:
         return {"regex": spec.payload}
     if kind is ConstraintKind.EBNF:

@@ -246,7 +246,8 @@ def test_parse_result_json_schema() -> None:
             "json_schema",
             {"complete": False, "parsed": None, "finish_reason": "length"},
         ),
-        ({"text": "[1, 2]"}, "json_object", {"parsed": [1, 2]}),
+        ({"text": '{"a": [1, 2]}'}, "json_object", {"parsed": {"a": [1, 2]}}),
+        ({"text": "[1, 2]"}, "json_schema", {"parsed": [1, 2]}),  # a schema may allow any value
         ({"text": "yes", "json": None}, "choice", {"parsed": None, "json": None}),
         ({"text": '{"n": 3}'}, None, {"parsed": None}),  # unconstrained: never parsed
         ({"text": "1"}, "regex", {"parsed": None}),  # "json" optional members absent is fine too
@@ -320,6 +321,12 @@ def test_parse_result_rejects_malformed(text: str, message: str) -> None:
     with pytest.raises(GenerationError, match=message) as info:
         parse_result(text, "json_schema")
     assert info.value.result is None
+
+
+def test_parse_result_complete_json_object_that_is_not_an_object_is_an_error() -> None:
+    with pytest.raises(GenerationError, match=r"^output is complete under a json_object constraint but is a JSON "
+                                              r"list, not an object$"):
+        parse_result(_result_json(text="[1, 2]"), "json_object")
 
 
 def test_parse_result_complete_but_not_json_is_an_error_with_the_result() -> None:

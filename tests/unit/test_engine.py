@@ -271,3 +271,16 @@ def test_real_vocab_bitmask_padding_is_masked(qwen_info: xgr.TokenizerInfo) -> N
         assert allowed.max() < 151669  # the 267 padding ids are never allowed
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("options", [None, '{"strict": true}', '{"whitespace": "any"}'])
+def test_json_object_means_an_object(engine: GrammarEngine, options: str | None) -> None:
+    """The contract's json_object: an object, never a bare string, number, array or literal."""
+    spec = parse_constraint("json_object", "", options)
+    engine.start(1, spec)
+    out = engine.step(np.array([1], np.uint64), np.zeros((1, 1), np.int32), np.zeros(1, np.int32))
+    allowed = {TINY_VOCAB[t] for t in allowed_tokens(out.bitmask[0], TINY_VOCAB_SIZE)}
+    assert {b"{", b'{"'} <= allowed and not allowed & {b"[", b'"', b"1", b"t", b"n"}
+    assert allowed <= {b"{", b'{"', b" ", b"\t", b"\n", b"\r"}
+    assert spec.schema == {"type": "object"}
+    engine.end([1])

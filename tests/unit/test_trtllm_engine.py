@@ -96,7 +96,7 @@ SCHEMA = '{"type":"object","properties":{"a":{"type":"integer"}}}'
     ("kind", "payload", "options", "expected"),
     [
         ("json_schema", SCHEMA, "", {"json": SCHEMA}),
-        ("json_object", "", "", {"json_object": True}),
+        ("json_object", "", "", {"json": "{\"type\":\"object\"}"}),
         ("regex", "[a-z]+", "", {"regex": "[a-z]+"}),
         ("ebnf", 'root ::= "x"', "", {"grammar": 'root ::= "x"'}),
         ("choice", '["a b", "c\\"d"]', "", {"grammar": 'root ::= "a b" | "c\\"d"'}),
