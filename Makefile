@@ -45,7 +45,7 @@ METRICS_PORT ?= 8002
 # of its composing models).
 SERVE_MODELS ?= constrained_llm
 
-LINT_PACKAGES := contract grammar_backend llm_runtime client deploy bench loadtest
+LINT_PACKAGES := contract pipeline grammar_backend llm_runtime client deploy bench loadtest
 
 VENV_STAMP      := $(BUILD)/.stamp-venv
 K8S_TOOLS       := $(BUILD)/k8s-tools

@@ -481,7 +481,6 @@ def in_process(model_dir: Path, max_tokens: int, concurrencies: Sequence[int], r
     import torch
 
     from llm_runtime.engine import TorchEngine, TorchEngineConfig
-    from llm_runtime.preprocess import PreprocessConfig, Preprocessor, RawRequest
     from llm_runtime.scheduler import (
         FinishEvent,
         GenerationRequest,
@@ -489,6 +488,7 @@ def in_process(model_dir: Path, max_tokens: int, concurrencies: Sequence[int], r
         SchedulerConfig,
         TokenEvent,
     )
+    from pipeline.preprocess import PreprocessConfig, Preprocessor, RawRequest
 
     values = json.loads((REPO / "deploy" / "values.json").read_text())
     pre = Preprocessor.from_config(PreprocessConfig(tokenizer=str(model_dir)))

@@ -19,8 +19,8 @@ from client.errors import InvalidConstraint, InvalidRequest
 from client.sdk import build_inputs
 from grammar_backend import closing, spec
 from grammar_backend.errors import ConstraintError, InvalidArgument
-from llm_runtime import postprocess
-from llm_runtime.preprocess import PreprocessConfig, RawRequest, parse_params
+from pipeline import postprocess
+from pipeline.preprocess import PreprocessConfig, RawRequest, parse_params
 
 PAYLOADS = {
     "json_schema": '{"type":"object"}',

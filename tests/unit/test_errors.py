@@ -8,7 +8,7 @@ from contract.errors import ConfigError, InvalidArgument, ServingError, status_o
 from grammar_backend import errors as g
 from llm_runtime import errors as r
 from llm_runtime.bls import RemoteGrammarError
-from llm_runtime.preprocess import RejectedRequest
+from pipeline.preprocess import RejectedRequest
 
 
 @pytest.mark.parametrize(

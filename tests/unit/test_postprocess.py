@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from llm_runtime.postprocess import (
+from pipeline.postprocess import (
     MAX_ERROR_CHARS,
     FinalState,
     build_result,

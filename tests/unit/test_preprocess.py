@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from grammar_backend.errors import ConstraintError, InvalidArgument
-from llm_runtime.preprocess import (
+from pipeline.preprocess import (
     GenerationParams,
     PreprocessConfig,
     Preprocessor,

@@ -28,7 +28,7 @@ request to ``grammar`` computes the bitmask of every constrained row while
 the batched forward runs. Every failure -- a request preprocessing refused, a
 constraint that fails to compile, an overloaded scheduler -- ends with one final
 FINISH carrying ``finish_reason: "error"`` and its gRPC status name: this model
-never sends an error response (see llm_runtime.postprocess and deploy/gateway.py).
+never sends an error response (see pipeline.postprocess and deploy/gateway.py).
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ from grammar_backend.teardown import quiesce_for_exit
 from llm_runtime.errors import CANCELLED
 from llm_runtime.mask import ConstraintRequest
 from llm_runtime.model_config import LlmModelConfig, bls_generator
-from llm_runtime.postprocess import FinalState, finish_json
-from llm_runtime.preprocess import GenerationParams
 from llm_runtime.scheduler import FinishEvent, GenerationRequest, TokenEvent
+from pipeline.postprocess import FinalState, finish_json
+from pipeline.preprocess import GenerationParams
 
 _EMPTY = np.array([b""], np.object_)
 CANCEL_POLL_EVERY = 16
@@ -130,7 +130,7 @@ class _Stream:
 
     def finish(self, final: FinalState) -> None:
         """The last response (with any delta not sent yet): errors are data in FINISH
-        (llm_runtime.postprocess), never an error response."""
+        (pipeline.postprocess), never an error response."""
         finish = finish_json(final, self.constraint)
         self.sender.send(pb_utils.InferenceResponse(output_tensors=[
             pb_utils.Tensor("TEXT_DELTA", np.array([self._take().encode("utf-8")], np.object_)),

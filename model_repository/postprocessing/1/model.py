@@ -1,4 +1,4 @@
-"""Triton model ``postprocessing`` (Python backend): a thin adapter over llm_runtime.postprocess.
+"""Triton model ``postprocessing`` (Python backend): a thin adapter over pipeline.postprocess.
 
 Tensor contract (``max_batch_size: 0``), one request per ``llm`` response:
 
@@ -22,7 +22,7 @@ import triton_python_backend_utils as pb_utils
 
 from grammar_backend.metrics import Snapshot, TritonMetrics
 from grammar_backend.teardown import quiesce_for_exit
-from llm_runtime.postprocess import FinishedOutput, result_of_finish
+from pipeline.postprocess import FinishedOutput, result_of_finish
 
 _EMPTY = np.array([b""], np.object_)
 

@@ -1,4 +1,4 @@
-"""Triton model ``preprocessing`` (Python backend): a thin adapter over llm_runtime.preprocess.
+"""Triton model ``preprocessing`` (Python backend): a thin adapter over pipeline.preprocess.
 
 Tensor contract (``max_batch_size: 0``; all inputs optional, exactly one of PROMPT/MESSAGES):
 
@@ -15,7 +15,7 @@ Outputs
     REQUEST          BYTES [1]   validated parameters + canonical constraint (JSON), or
                                  {"rejected": {"status", "message"}} naming the field and the reason
 
-A refused request is data, never an error response (see llm_runtime.postprocess):
+A refused request is data, never an error response (see pipeline.postprocess):
 ``llm`` answers it with one final error RESULT.
 """
 
@@ -30,7 +30,7 @@ import triton_python_backend_utils as pb_utils
 from contract.errors import ServingError
 from grammar_backend.params import from_parameters, parameter_values
 from grammar_backend.teardown import quiesce_for_exit
-from llm_runtime.preprocess import (
+from pipeline.preprocess import (
     PreprocessConfig,
     Preprocessor,
     RawRequest,

@@ -108,7 +108,7 @@ def rejection_json(err: BaseException) -> str:
     """The REQUEST tensor of a refused request: ``llm`` answers it with an error RESULT.
 
     Preprocessing never sends a Triton error response (see
-    :mod:`llm_runtime.postprocess`): the refusal travels as data through
+    :mod:`pipeline.postprocess`): the refusal travels as data through
     ``llm`` and ``postprocessing`` to the client's final RESULT.
     """
     return json.dumps({"rejected": {"status": status_of(err), "message": str(err)}}, ensure_ascii=False)
