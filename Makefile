@@ -146,9 +146,14 @@ test-gpu:
 	$(GPU_PY) -m pytest tests -q -m "gpu or trtllm" -rs
 
 # --------------------------------------------------------------------- lint
+# Settings in pyproject.toml (mypy strict on the packages). tests/ is a run of
+# its own (it imports bench/ scripts as modules), and every model is a module
+# named `model`: one run each.
 lint: venv
 	$(VENV)/bin/ruff check $(LINT_PACKAGES) model_repository tests
 	$(VENV)/bin/mypy $(LINT_PACKAGES)
+	$(VENV)/bin/mypy tests
+	for m in model_repository/*/1/model.py; do $(VENV)/bin/mypy $$m || exit 1; done
 
 # --------------------------------------------------------------------- loadtest
 # Headless and bounded; uses the server on $(HOST):$(GRPC_PORT) or starts the

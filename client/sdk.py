@@ -29,7 +29,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Final, Self
@@ -851,7 +851,7 @@ class Client:
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
         require_complete: bool = True,
-    ) -> Iterator[Chunk]:
+    ) -> Generator[Chunk, None, None]:
         """Stream a response as text deltas.
 
         The request is validated before this returns.  The iterator yields a
@@ -895,7 +895,7 @@ class Client:
 
     def _run(
         self, inputs: list[grpcclient.InferInput], kind: str | None, require_complete: bool
-    ) -> Iterator[Chunk]:
+    ) -> Generator[Chunk, None, None]:
         events: queue.SimpleQueue[tuple[grpcclient.InferResult | None, InferenceServerException | None]]
         events = queue.SimpleQueue()
 

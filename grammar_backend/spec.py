@@ -472,7 +472,7 @@ def _normalize_structural_tag(doc: Any) -> dict[str, Any]:
         raise ConstraintError(f"grammar#{pointer}", f"invalid structural tag: {first['msg']}") from err
     for pointer, schema in _embedded_schemas(doc, ""):
         check_schema(schema, f"grammar#{pointer}")
-    return doc
+    return dict(doc)
 
 
 def _embedded_schemas(node: Any, pointer: str) -> list[tuple[str, Any]]:

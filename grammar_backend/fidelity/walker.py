@@ -566,7 +566,7 @@ class _Walker:
         if key == "uniqueItems":
             return value is not True
         if key in ("minLength", "minItems", "minProperties"):
-            return value == 0
+            return bool(value == 0)
         if key in ("required", "properties", "patternProperties", "dependentRequired", "dependentSchemas"):
             return not value
         return False

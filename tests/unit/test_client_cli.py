@@ -23,7 +23,7 @@ from client.__main__ import (
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
-SHORT_TAG = {"triggers": ["<f="], "tags": [{"begin": "<f=add>", "schema": SCHEMA, "end": "</f>"}]}
+SHORT_TAG: dict[str, Any] = {"triggers": ["<f="], "tags": [{"begin": "<f=add>", "schema": SCHEMA, "end": "</f>"}]}
 RAW_TAG = {"type": "structural_tag", "format": {"type": "const_string", "value": "ok"}}
 
 

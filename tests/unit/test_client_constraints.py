@@ -227,13 +227,13 @@ def test_json_object_options() -> None:
     ("build", "message"),
     [
         (lambda: Constraint.regex(""), r"^regex: must not be empty$"),
-        (lambda: Constraint.regex(5), r"^regex: must be a string, got int$"),
+        (lambda: Constraint.regex(5), r"^regex: must be a string, got int$"),  # type: ignore[arg-type]
         (lambda: Constraint.ebnf("root = 'a'"), r"^ebnf: defines no rule \(no '::=' found\)$"),
         (lambda: Constraint.ebnf(""), r"^ebnf: must not be empty$"),
         (lambda: Constraint.lark("  \n"), r"^lark: must not be empty$"),
         (lambda: Constraint.choice("yes"), r"^choices: must be a list of strings, got str$"),
         (lambda: Constraint.choice([]), r"^choices: must not be empty$"),
-        (lambda: Constraint.choice(["a", 1]), r"^choices\[1\]: must be a string, got int$"),
+        (lambda: Constraint.choice(["a", 1]), r"^choices\[1\]: must be a string, got int$"),  # type: ignore[list-item]
         (lambda: Constraint.choice(["a", "b", "a"]), r"^choices\[2\]: duplicate of choices\[0\]$"),
     ],
     ids=["regex-empty", "regex-int", "ebnf-no-rule", "ebnf-empty", "lark-blank", "choice-str",

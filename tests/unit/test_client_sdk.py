@@ -62,7 +62,8 @@ def tensors(inputs: list[grpcclient.InferInput]) -> list[tuple[str, str, list[in
     return out
 
 
-DEFAULTS = [("MAX_TOKENS", "INT32", [1], [DEFAULT_MAX_TOKENS]), ("TEMPERATURE", "FP32", [1], [0.0])]
+DEFAULTS: list[tuple[str, str, list[int], list[Any]]] = [
+    ("MAX_TOKENS", "INT32", [1], [DEFAULT_MAX_TOKENS]), ("TEMPERATURE", "FP32", [1], [0.0])]
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}}
 SCHEMA_JSON = '{"type":"object","properties":{"n":{"type":"integer"}}}'
 

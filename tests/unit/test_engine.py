@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -32,7 +33,7 @@ from tests.unit.conftest import (
 
 
 @pytest.fixture()
-def engine(tiny_info: xgr.TokenizerInfo) -> GrammarEngine:
+def engine(tiny_info: xgr.TokenizerInfo) -> Iterator[GrammarEngine]:
     eng = GrammarEngine(tiny_info, "tiny-fp", GrammarEngineConfig(max_batch=8), encode=tiny_encode)
     yield eng
     eng.close()

@@ -157,7 +157,7 @@ def test_one_batched_grammar_request_per_step(engine: TorchEngine, provider: Cou
         if kind is None:
             assert out is None
             continue
-        assert out == RowOutcome(None, out.close_state, False)
+        assert out is not None and out == RowOutcome(None, out.close_state, False)
         assert toks[-1] in engine.eos_token_ids, "a constrained row must end with its end token"
         text = tok.decode(toks[:-1])
         assert re.fullmatch(CONSTRAINTS[kind][1], text), (kind, text)
@@ -190,7 +190,7 @@ def test_processor_matches_the_overlapped_scheduler(engine: TorchEngine, grammar
                 assert ps.grammar_requests == constrained_steps == len(provider.step_rows)
             else:
                 assert ps is None
-        out = []
+        out: list[tuple[str, str, tuple[int, ...]]] = []
         for ev in results:
             fin = ev[-1]
             assert isinstance(fin, FinishEvent)

@@ -96,7 +96,9 @@ def test_incomplete_character_at_the_end_is_flushed_as_replacement(tiny_tok: Tok
 
 
 def test_special_tokens_are_skipped(tiny_tok: Tokenizer) -> None:
-    ids = tiny_tok.encode("yes").ids + [tiny_tok.token_to_id("<|im_end|>")] + tiny_tok.encode("no").ids
+    end = tiny_tok.token_to_id("<|im_end|>")
+    assert end is not None
+    ids = tiny_tok.encode("yes").ids + [end] + tiny_tok.encode("no").ids
     deltas, d = stream(tiny_tok, ids)
     assert "".join(deltas) == d.text == "yesno"
 

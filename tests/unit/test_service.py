@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,7 +90,7 @@ def test_model_config_builds_engine_config() -> None:
 
 
 @pytest.fixture()
-def service(tiny_info: xgr.TokenizerInfo) -> GrammarService:
+def service(tiny_info: xgr.TokenizerInfo) -> Iterator[GrammarService]:
     svc = GrammarService(GrammarEngine(tiny_info, "fp", GrammarEngineConfig(max_batch=4), encode=tiny_encode))
     yield svc
     svc.engine.close()
@@ -163,16 +164,24 @@ def test_request_errors(service: GrammarService, request_: GrammarRequest, error
     if request_.op == "start":  # the asynchronous start reports the same error through its callback
         outcomes: list[GrammarReply | GrammarError] = []
         done = threading.Event()
-        service.start_async(request_, lambda outcome: (outcomes.append(outcome), done.set()))
+        service.start_async(request_, _collect(outcomes, done))
         assert done.wait(60)
         assert len(outcomes) == 1 and isinstance(outcomes[0], error) and re.search(match, str(outcomes[0]))
+
+
+def _collect(outcomes: list[GrammarReply | GrammarError], done: threading.Event
+             ) -> Callable[[GrammarReply | GrammarError], None]:
+    def on_done(outcome: GrammarReply | GrammarError) -> None:
+        outcomes.append(outcome)
+        done.set()
+    return on_done
 
 
 def test_start_async_replies_once_the_matcher_exists(service: GrammarService) -> None:
     outcomes: list[GrammarReply | GrammarError] = []
     done = threading.Event()
     service.start_async(GrammarRequest("start", np.array([3], np.uint64), grammar_type="regex", grammar=b"[0-9]+"),
-                        lambda outcome: (outcomes.append(outcome), done.set()))
+                        _collect(outcomes, done))
     assert done.wait(60)
     assert outcomes == [GrammarReply(active=1)]
     assert 3 in service.engine.table

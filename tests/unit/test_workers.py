@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import xgrammar as xgr
@@ -54,7 +54,7 @@ def _stats(**counts: int) -> WorkerStats:
 
 
 @pytest.fixture
-def make_workers(tiny_info: xgr.TokenizerInfo) -> Iterator[type[CompileWorkers]]:
+def make_workers(tiny_info: xgr.TokenizerInfo) -> Iterator[Callable[..., CompileWorkers]]:
     made: list[CompileWorkers] = []
 
     def make(**config: object) -> CompileWorkers:
@@ -67,7 +67,7 @@ def make_workers(tiny_info: xgr.TokenizerInfo) -> Iterator[type[CompileWorkers]]
         workers.close()
 
 
-def test_a_compiled_grammar_comes_back_usable(make_workers: type[CompileWorkers]) -> None:
+def test_a_compiled_grammar_comes_back_usable(make_workers: Callable[..., CompileWorkers]) -> None:
     workers = make_workers()
     spec = parse_constraint("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
                                                        "required": ["a"]}))
@@ -101,7 +101,7 @@ def test_a_compiled_grammar_comes_back_usable(make_workers: type[CompileWorkers]
     ids=["rejected", "cpu-limit", "memory-limit", "size-limit", "crash"],
 )
 def test_refusals_name_the_limit_and_the_next_compile_works(
-    make_workers: type[CompileWorkers], spec: ConstraintSpec, config: dict[str, object], message: str,
+    make_workers: Callable[..., CompileWorkers], spec: ConstraintSpec, config: dict[str, object], message: str,
     counter: str | None,
 ) -> None:
     workers = make_workers(**config)
@@ -119,7 +119,7 @@ def test_refusals_name_the_limit_and_the_next_compile_works(
     assert stats == _stats(**expected)
 
 
-def test_a_stalled_worker_is_killed_at_twice_the_cpu_limit(make_workers: type[CompileWorkers]) -> None:
+def test_a_stalled_worker_is_killed_at_twice_the_cpu_limit(make_workers: Callable[..., CompileWorkers]) -> None:
     workers = make_workers(cpu_s=0.5)
     workers.compile(parse_constraint("regex", "x"))  # starts this thread's worker
     (pid,) = [w.pid for w in workers._live]
@@ -135,7 +135,7 @@ def test_a_stalled_worker_is_killed_at_twice_the_cpu_limit(make_workers: type[Co
     assert workers.stats() == _stats(started=2, wall_kills=1)
 
 
-def test_close_stops_the_workers_and_refuses_compiles(make_workers: type[CompileWorkers]) -> None:
+def test_close_stops_the_workers_and_refuses_compiles(make_workers: Callable[..., CompileWorkers]) -> None:
     workers = make_workers()
     workers.compile(parse_constraint("regex", "x"))
     (worker,) = workers._live
