@@ -210,6 +210,14 @@ def sched(engine: TorchEngine, provider: XGrammarMaskProvider) -> Iterator[Sched
     assert engine.live_count == 0
 
 
+def tiny_grammar(tiny: TinyModelInfo) -> GrammarEngine:
+    """The real grammar engine over the tiny model's vocabulary (close it after use)."""
+    hf = AutoTokenizer.from_pretrained(str(tiny.path), local_files_only=True)
+    info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=tiny.vocab_size, stop_token_ids=[tiny.eos_token_id])
+    return GrammarEngine(info, "tiny", GrammarEngineConfig(max_batch=8),
+                         encode=lambda text: hf.encode(text, add_special_tokens=False))
+
+
 def prompt(engine: TorchEngine, text: str) -> list[int]:
     return engine.tokenizer.encode(text).ids
 
@@ -563,10 +571,7 @@ def test_tiny_checkpoint_is_a_plain_folder(tmp_path: Path) -> None:
 def test_scheduler_over_the_real_grammar_engine(engine: TorchEngine, tiny: TinyModelInfo, kind: str, payload: str,
                                                 pattern: str) -> None:
     """The in-process composition the Triton models split across BLS: Scheduler + LocalMaskProvider(GrammarEngine)."""
-    hf = AutoTokenizer.from_pretrained(str(tiny.path), local_files_only=True)
-    info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=tiny.vocab_size, stop_token_ids=[tiny.eos_token_id])
-    grammar = GrammarEngine(info, "tiny", GrammarEngineConfig(max_batch=8),
-                            encode=lambda text: hf.encode(text, add_special_tokens=False))
+    grammar = tiny_grammar(tiny)
     try:
         with Scheduler(engine, LocalMaskProvider(grammar), SchedulerConfig(max_batch_size=8)) as s:
             results = [submit(s, GenerationRequest(prompt(engine, p), constraint=ConstraintRequest(kind, payload, ""),
@@ -590,10 +595,7 @@ def test_scheduler_over_the_real_grammar_engine(engine: TorchEngine, tiny: TinyM
 @pytest.mark.parametrize("on_budget", ["close", "truncate"])
 def test_budget_closing_through_the_scheduler(engine: TorchEngine, tiny: TinyModelInfo, on_budget: str) -> None:
     """A random model never closes its string in 12 tokens: "close" ends every output validly, "truncate" none."""
-    hf = AutoTokenizer.from_pretrained(str(tiny.path), local_files_only=True)
-    info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=tiny.vocab_size, stop_token_ids=[tiny.eos_token_id])
-    grammar = GrammarEngine(info, "tiny", GrammarEngineConfig(max_batch=8),
-                            encode=lambda text: hf.encode(text, add_special_tokens=False))
+    grammar = tiny_grammar(tiny)
     schema = '{"type":"object","properties":{"s":{"type":"string"}},"required":["s"],"additionalProperties":false}'
     # No jump-forward: it would spell '{"s":"' in fewer tokens than the random model does.
     options = json.dumps({"on_budget": on_budget, "on_repeat": "continue", "jump_forward": False})
@@ -634,10 +636,7 @@ def test_jump_forward_appends_forced_text_in_fewer_forwards(
 ) -> None:
     """Forced runs come as multi-token events without sampling; the grammar accepts them (the
     output matches), every token is counted, and the steps run are fewer than the tokens."""
-    hf = AutoTokenizer.from_pretrained(str(tiny.path), local_files_only=True)
-    info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=tiny.vocab_size, stop_token_ids=[tiny.eos_token_id])
-    grammar = GrammarEngine(info, "tiny", GrammarEngineConfig(max_batch=8),
-                            encode=lambda text: hf.encode(text, add_special_tokens=False))
+    grammar = tiny_grammar(tiny)
     options = json.dumps({"jump_forward": jump_option, "on_repeat": "continue"})
     try:
         with Scheduler(engine, LocalMaskProvider(grammar),
@@ -664,10 +663,7 @@ def test_jump_forward_appends_forced_text_in_fewer_forwards(
 
 
 def test_a_stop_string_inside_a_jump_cuts_it(engine: TorchEngine, tiny: TinyModelInfo) -> None:
-    hf = AutoTokenizer.from_pretrained(str(tiny.path), local_files_only=True)
-    info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=tiny.vocab_size, stop_token_ids=[tiny.eos_token_id])
-    grammar = GrammarEngine(info, "tiny", GrammarEngineConfig(max_batch=8),
-                            encode=lambda text: hf.encode(text, add_special_tokens=False))
+    grammar = tiny_grammar(tiny)
     try:
         with Scheduler(engine, LocalMaskProvider(grammar), SchedulerConfig(max_batch_size=8)) as s:
             r = submit(s, GenerationRequest(prompt(engine, "x"), max_tokens=60, temperature=0.0, stop=("cation_n",),
