@@ -40,6 +40,7 @@ import numpy as np
 import xgrammar as xgr
 
 from grammar_backend.bitmask import pack_tokens
+from grammar_backend.lru import Lru
 
 __all__ = ["JumpForward", "JumpStats", "pack_forced"]
 
@@ -94,10 +95,10 @@ class JumpForward:
         self._sorted = [p for p, _ in ordinary]
         self._sorted_ids = np.array([t for _, t in ordinary], dtype=np.int64)
         self._vocab_size = int(tokenizer_info.vocab_size)
-        self._longer: dict[int, np.ndarray] = {}
+        self._longer: Lru[int, np.ndarray] = Lru(_LONGER_CACHE)
         # Forced runs repeat (the same keys in every object of a schema): spelling
         # one with the tokenizer costs 10-25 us, a lookup well under 1 us.
-        self._spelled: dict[str, tuple[int, ...]] = {}
+        self._spelled: Lru[str, tuple[int, ...]] = Lru(_SPELLED_CACHE)
         self._row = xgr.allocate_token_bitmask(1, self._vocab_size)
         self._row_words = self._row[0].numpy()  # a view: fills show through
         self.stats = JumpStats()
@@ -112,10 +113,7 @@ class JumpForward:
             return ()
         ids = self._spelled.get(text)
         if ids is None:
-            ids = self._spell(text)
-            if len(self._spelled) >= _SPELLED_CACHE:
-                self._spelled.clear()
-            self._spelled[text] = ids
+            ids = self._spelled.put(text, self._spell(text))
         if not ids:
             self.stats.skipped += 1
             return ()
@@ -166,10 +164,8 @@ class JumpForward:
             hi = lo
             while hi < len(self._sorted) and self._sorted[hi].startswith(piece):
                 hi += 1
-            cached = pack_tokens(self._sorted_ids[lo:hi], self._vocab_size) if hi > lo else np.zeros(0, np.int32)
-            if len(self._longer) >= _LONGER_CACHE:
-                self._longer.clear()
-            self._longer[token] = cached
+            cached = self._longer.put(
+                token, pack_tokens(self._sorted_ids[lo:hi], self._vocab_size) if hi > lo else np.zeros(0, np.int32))
         return cached
 
 

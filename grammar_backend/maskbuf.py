@@ -26,7 +26,6 @@ from __future__ import annotations
 import os
 import re
 import secrets
-from collections import OrderedDict
 from pathlib import Path
 from typing import Final
 
@@ -34,6 +33,7 @@ import numpy as np
 
 from grammar_backend.bitmask import bitmask_width
 from grammar_backend.errors import ConstraintError, GrammarError
+from grammar_backend.lru import Lru
 
 __all__ = ["NAME_RE", "SHM_DIR", "Attached", "MaskBuffer"]
 
@@ -114,7 +114,7 @@ class Attached:
         self.width = width
         self.capacity = capacity
         self.directory = directory
-        self._open: OrderedDict[str, np.memmap] = OrderedDict()
+        self._open: Lru[str, np.memmap] = Lru(capacity)
 
     def rows(self, name: str, count: int) -> np.ndarray:
         """Rows ``0..count`` of the buffer ``name``, to copy a step's mask into.
@@ -128,8 +128,6 @@ class Attached:
         buf = self._open.get(name)
         if buf is None:
             buf = self._attach(name)
-        else:
-            self._open.move_to_end(name)
         if count > buf.shape[0]:
             raise ConstraintError("BITMASK_BUFFER", f"{name} holds {buf.shape[0]} rows, the step has {count}")
         return buf[:count]
@@ -146,7 +144,4 @@ class Attached:
             buf = np.memmap(path, dtype=np.int32, mode="r+", shape=(size // row_bytes, self.width))
         except OSError as err:
             raise ConstraintError("BITMASK_BUFFER", f"cannot open {name}: {err.strerror}") from err
-        self._open[name] = buf
-        if len(self._open) > self.capacity:
-            self._open.popitem(last=False)
-        return buf
+        return self._open.put(name, buf)

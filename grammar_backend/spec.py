@@ -12,8 +12,6 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
-import threading
-from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
@@ -24,6 +22,7 @@ from jsonschema.exceptions import SchemaError
 
 import contract
 from grammar_backend.errors import ConstraintError
+from grammar_backend.lru import Lru
 
 Whitespace = Literal["compact", "any"] | int
 
@@ -264,22 +263,14 @@ def parse_constraint(
 #: request validation (grammar_bench: parse_constraint p50 1.7 ms, p99 15-75 ms
 #: on maskbench-dev) and runs in both preprocessing and the grammar model, for
 #: every request of a schema that clients send again and again.
-_CHECKED: OrderedDict[str, None] = OrderedDict()
-_CHECKED_MAX: Final = 4096
-_CHECKED_LOCK = threading.Lock()
+_CHECKED: Lru[str, bool] = Lru(4096)
 
 
 def _check_schema_once(schema: Any, canonical: str) -> None:
     digest = hashlib.sha256(canonical.encode("utf-8")).hexdigest()
-    with _CHECKED_LOCK:
-        if digest in _CHECKED:
-            _CHECKED.move_to_end(digest)
-            return
-    check_schema(schema, "grammar")
-    with _CHECKED_LOCK:
-        _CHECKED[digest] = None
-        while len(_CHECKED) > _CHECKED_MAX:
-            _CHECKED.popitem(last=False)
+    if _CHECKED.get(digest) is None:
+        check_schema(schema, "grammar")
+        _CHECKED.put(digest, True)
 
 
 def parse_options(options: str | bytes | Mapping[str, Any] | None, kind: str = "json_schema") -> ConstraintOptions:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import threading
-from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Final
 
@@ -22,6 +20,7 @@ from grammar_backend.fidelity.table import (
     _SCHEMA_MAP_KEYWORDS,
 )
 from grammar_backend.fidelity.walker import _root_validator, _walk
+from grammar_backend.lru import Lru
 from grammar_backend.spec import check_schema, cut_message, json_pointer
 
 # --------------------------------------------------------------------------------------
@@ -324,8 +323,7 @@ def _children(node: Mapping[str, Any], path: list[str | int]) -> Iterator[tuple[
 
 VALIDATOR_CACHE_SIZE: Final = 128
 """How many schemas' validators :func:`validator_for` keeps (least recently used goes first)."""
-_cache: OrderedDict[str, PostValidator] = OrderedDict()
-_cache_lock = threading.Lock()
+_cache: Lru[str, PostValidator] = Lru(VALIDATOR_CACHE_SIZE)
 
 
 def validator_for(schema: Mapping[str, Any] | bool) -> PostValidator:
@@ -354,17 +352,10 @@ def validator_for(schema: Mapping[str, Any] | bool) -> PostValidator:
         key = json.dumps(schema, sort_keys=True, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as err:
         raise ConstraintError("grammar", f"schema is not JSON-serializable: {err}") from err
-    with _cache_lock:
-        found = _cache.get(key)
-        if found is not None:
-            _cache.move_to_end(key)
-            return found
-    built = PostValidator(schema)  # outside the lock: building can take milliseconds
-    with _cache_lock:
-        found = _cache.setdefault(key, built)
-        _cache.move_to_end(key)
-        while len(_cache) > VALIDATOR_CACHE_SIZE:
-            _cache.popitem(last=False)
+    found = _cache.get(key)
+    if found is None:
+        # Built outside the cache's lock (milliseconds); a racing build of the same key is dropped.
+        found = _cache.put(key, PostValidator(schema))
     return found
 
 
