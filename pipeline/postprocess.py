@@ -67,8 +67,8 @@ class FinalState:
 
 @functools.lru_cache(maxsize=256)
 def _schema_of(kind: str, payload: str) -> Any:
-    """Parsed schema per constraint (``{}`` for any-JSON); cached across requests."""
-    return json.loads(payload) if kind == "json_schema" else {}
+    """Parsed schema per constraint (``json_object``: the contract's any-object schema); cached across requests."""
+    return json.loads(payload if kind == "json_schema" else contract.JSON_OBJECT_SCHEMA)
 
 
 @functools.lru_cache(maxsize=256)

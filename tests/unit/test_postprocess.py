@@ -36,6 +36,12 @@ UNIQUE = {"kind": "json_schema", "payload": '{"type":"array","items":{"type":"in
          {"parsed": True, "parse_error": None, "valid": False,
           "violations": [{"pointer": "", "message": "[1, 1] has non-unique elements"}],
           "unenforced": [{"pointer": "/uniqueItems", "keyword": "uniqueItems"}]}),
+        # json_object is validated as the contract's any-object schema.
+        (FinalState("stop", '{"a":[1]}', 5, 4), {"kind": "json_object", "payload": "", "options": ""},
+         {"parsed": True, "parse_error": None, "valid": True, "violations": [], "unenforced": []}),
+        (FinalState("stop", "[1]", 5, 4), {"kind": "json_object", "payload": "", "options": ""},
+         {"parsed": True, "parse_error": None, "valid": False, "unenforced": [],
+          "violations": [{"pointer": "", "message": "[1] is not of type 'object'"}]}),
     ],
 )
 def test_json_result(final: FinalState, constraint: dict[str, str], expected_json: dict[str, object]) -> None:
