@@ -27,6 +27,7 @@ __all__ = [
     "JSON_OPTION_KINDS",
     "JSON_OPTION_NAMES",
     "MAX_CONSTRAINT_BYTES",
+    "MAX_CONSTRAINT_DEPTH",
     "MAX_INDENT",
     "MAX_STOP_CHARS",
     "MAX_STOP_STRINGS",
@@ -78,6 +79,8 @@ MAX_WHITESPACE_RUN: Final = 64
 MAX_INDENT: Final = 16
 #: Largest constraint payload, UTF-8 bytes.
 MAX_CONSTRAINT_BYTES: Final = 2 * 1024 * 1024
+#: Deepest JSON nesting of a constraint payload (objects and arrays).
+MAX_CONSTRAINT_DEPTH: Final = 128
 
 MAX_TEMPERATURE: Final = 2.0
 MAX_TOP_K: Final = 2**31 - 1

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+import contract
 from grammar_backend.bitmask import bitmask_width
 from grammar_backend.cache import CacheConfig
 from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
@@ -60,8 +61,8 @@ class GrammarModelConfig:
     store_dir: str | None = None
     capacity: int = 1024
     idle_ttl_s: float = 600.0
-    max_payload_bytes: int = 2 * 1024 * 1024
-    max_depth: int = 128
+    max_payload_bytes: int = contract.MAX_CONSTRAINT_BYTES
+    max_depth: int = contract.MAX_CONSTRAINT_DEPTH
 
     def engine_config(self) -> GrammarEngineConfig:
         """The :class:`GrammarEngineConfig` these parameters describe."""

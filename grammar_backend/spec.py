@@ -76,7 +76,7 @@ class SpecLimits:
     """
 
     max_payload_bytes: int = contract.MAX_CONSTRAINT_BYTES
-    max_depth: int = 128
+    max_depth: int = contract.MAX_CONSTRAINT_DEPTH
     max_choices: int = 4096
     max_key_chars: int = 1024
     max_string_chars: int = 65_536

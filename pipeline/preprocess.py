@@ -32,8 +32,8 @@ class PreprocessConfig:
     max_prompt_tokens: int = 4096
     max_tokens_limit: int = 2048
     default_max_tokens: int = 256
-    max_payload_bytes: int = 2 * 1024 * 1024
-    max_depth: int = 128
+    max_payload_bytes: int = contract.MAX_CONSTRAINT_BYTES
+    max_depth: int = contract.MAX_CONSTRAINT_DEPTH
 
     def __post_init__(self) -> None:
         if not 0 < self.default_max_tokens <= self.max_tokens_limit:

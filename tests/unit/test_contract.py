@@ -108,3 +108,15 @@ def test_every_layer_reads_the_contract() -> None:
     assert set(sdk.FINISH_REASONS) == set(contract.FINISH_REASONS)
     assert constraints.KINDS == set(contract.CONSTRAINT_KINDS) == {k.value for k in spec.ConstraintKind}
     assert dataclasses.asdict(spec.ConstraintOptions()) == contract.check_options("json_schema", {})
+
+
+def test_every_layer_takes_the_contract_payload_limits() -> None:
+    from client import constraints
+    from grammar_backend.service import GrammarModelConfig
+
+    pre = PreprocessConfig(tokenizer="unused")
+    gram = GrammarModelConfig(tokenizer="unused")
+    limits = spec.SpecLimits()
+    assert (pre.max_payload_bytes, gram.max_payload_bytes, limits.max_payload_bytes,
+            constraints.MAX_CONSTRAINT_BYTES) == (contract.MAX_CONSTRAINT_BYTES,) * 4
+    assert (pre.max_depth, gram.max_depth, limits.max_depth) == (contract.MAX_CONSTRAINT_DEPTH,) * 3
