@@ -3,8 +3,9 @@
 A step's bitmask is ``B x ceil(V/32)`` int32 words: 1.2 MB at 64 rows of
 Qwen3's vocabulary.  As a BLS output tensor it is copied into the grammar
 stub's shared memory, moved through Triton's core and read back by the
-caller: measured (``bench/grammar_step_bench.py``, 64 rows, Qwen3) that made
-the round trip 5.1 ms against 1.4 ms for the same step in-process.  With a
+caller: measured (``bench/grammar_step_bench.py``, 64 rows, Qwen3, p50) that
+made the round trip 3.5-5.1 ms (two runs) against 1.4 ms for the same step
+in-process; through the buffer it is 2.45 ms.  With a
 :class:`MaskBuffer` the caller (the ``llm`` model) creates one file in
 ``/dev/shm`` per instance, passes its name with every step
 (``BITMASK_BUFFER``), and the grammar model writes the rows there instead of

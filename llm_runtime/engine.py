@@ -566,9 +566,10 @@ class TorchEngine:
         Rows are right-padded to the longest: a padded position is written to
         the row's cache past its length, where the attention mask hides it
         until a real token overwrites it, so it never reaches a real row.
-        Measured (SmolLM2-135M float32, 2 cores, 1 torch thread, context 300):
-        8 rows of 1 token 64 ms, 8 rows with one of 8 tokens 90 ms, 1 row of
-        8 tokens 36 ms vs 1 token 25 ms (see ``bench/e2e_bench.py --jump``).
+        Measured (SmolLM2-135M float32 on the shared 2-core host, 1 torch
+        thread, context ~300, median of 5): 1 row feeding 1 / 4 / 8 tokens
+        59 / 88 / 106 ms; 8 rows of 1 token 134 ms, 8 rows where one feeds 8
+        tokens 243 ms (the padding is paid by every row).
 
         Parameters
         ----------
