@@ -38,6 +38,7 @@ from llm_runtime.scheduler import (
     Scheduler,
     SchedulerConfig,
     TokenEvent,
+    jump_width,
 )
 from llm_runtime.tiny_model import TinyModelInfo, build_tiny_llama
 
@@ -674,3 +675,20 @@ def test_a_stop_string_inside_a_jump_cuts_it(engine: TorchEngine, tiny: TinyMode
         assert grammar.active_count == 0
     finally:
         grammar.close()
+
+
+@pytest.mark.parametrize(
+    ("lengths", "rows", "fill", "width"),
+    [
+        ([8], 1, 0.25, 8),  # alone: any jump pays
+        ([8], 4, 0.25, 8),  # 7 forced of 28 padded positions: exactly the share
+        ([8], 8, 0.25, 0),  # 7 of 56: dropped
+        ([8, 8], 8, 0.25, 8),  # two rows: 14 of 56
+        ([8, 3], 6, 0.25, 5),  # width 8: 9 forced for 10.5 needed; width 5: 6 for 6
+        ([2, 2, 2], 16, 0.25, 0),
+        ([5], 16, 0.0, 5),  # 0: never cut
+        ([4, 16], 2, 1.0, 4),  # only the width both rows fill entirely
+    ],
+)
+def test_jump_width(lengths: list[int], rows: int, fill: float, width: int) -> None:
+    assert jump_width(lengths, rows, fill) == width
