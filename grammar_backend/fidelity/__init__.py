@@ -19,7 +19,7 @@ constraints:
    are not guesses: every rule below was established by compiling a schema and
    pushing known-valid and known-invalid compact JSON instances through an
    ``xgrammar.GrammarMatcher`` byte by byte, and each rule is pinned by a case in
-   ``tests/unit/test_fidelity.py`` (the case names are cited in the comments).
+   ``tests/unit/test_fidelity_table.py`` (the case names are cited in the comments).
 2. **Is a finished output valid?**  :class:`PostValidator` parses the output
    text (with the line and column of a syntax error) and validates it with
    ``jsonschema.Draft202012Validator`` and its format checker, returning every

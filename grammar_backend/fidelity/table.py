@@ -1,5 +1,5 @@
 """What xgrammar 0.2.9 enforces of each JSON Schema keyword, as measured (each row pinned by
-cases in ``tests/unit/test_fidelity.py``), and the constants the walk uses."""
+cases in ``tests/unit/test_fidelity_table.py``), and the constants the walk uses."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ XGRAMMAR_VERSION_MEASURED: Final = "0.2.9"
 """The xgrammar release whose behaviour the rules of this package describe."""
 
 # --------------------------------------------------------------------------------------
-# The observed keyword table (each row is pinned by cases in tests/unit/test_fidelity.py)
+# The observed keyword table (each row is pinned by cases in tests/unit/test_fidelity_table.py)
 # --------------------------------------------------------------------------------------
 
 _E, _C, _N = Enforcement.ENFORCED, Enforcement.CONDITIONAL, Enforcement.NOT_ENFORCED
