@@ -113,7 +113,6 @@ class Attached:
 
     def __init__(self, width: int, capacity: int = 64, directory: Path = SHM_DIR) -> None:
         self.width = width
-        self.capacity = capacity
         self.directory = directory
         self._open: Lru[str, np.memmap] = Lru(capacity)
 
