@@ -253,6 +253,7 @@ CHILD = textwrap.dedent("""
     result, error = q.get(timeout=120)
     print("streaming" if error is None else f"error {{error}}", flush=True)
     if mode == "cancel":
+        sys.stdin.readline()  # the parent has seen the sequence live; cancelling earlier races its check
         c.stop_stream(cancel_requests=True)
         print("cancelled", flush=True)
     time.sleep(600)
@@ -272,14 +273,18 @@ def _wait_freed(server: TritonServer, timeout_s: float = 20.0) -> tuple[int, flo
 def test_every_way_of_leaving_frees_the_sequence(server: TritonServer, mode: str) -> None:
     """A departed client's sequence is cancelled inside the server (the gateway sends CANCEL to `llm`),
     not decoded to max_tokens (1,000 tokens: minutes here)."""
-    child = subprocess.Popen([sys.executable, "-c", CHILD, server.grpc_url, mode], stdout=subprocess.PIPE,
-                             text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    child = subprocess.Popen([sys.executable, "-c", CHILD, server.grpc_url, mode], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
-        assert child.stdout is not None
+        assert child.stdin is not None and child.stdout is not None
         assert child.stdout.readline().strip() == "streaming"
         assert grammar_active(server) == 1
         started = time.monotonic()
-        if mode == "sigkill":
+        if mode == "cancel":
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            assert child.stdout.readline().strip() == "cancelled"
+        elif mode == "sigkill":
             child.send_signal(signal.SIGKILL)
         elif mode == "sigterm":
             child.send_signal(signal.SIGTERM)
