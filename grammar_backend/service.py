@@ -22,7 +22,7 @@ from grammar_backend.jump import pack_forced
 from grammar_backend.maskbuf import Attached
 from grammar_backend.metrics import LatencyWindow, Snapshot
 from grammar_backend.sequences import TableConfig
-from grammar_backend.spec import ConstraintSpec, SpecLimits, parse_constraint
+from grammar_backend.spec import ConstraintSpec, SpecLimits, constraint_spec
 from grammar_backend.tokenizer import load_tokenizer
 from grammar_backend.workers import WorkerConfig
 
@@ -108,6 +108,7 @@ class GrammarRequest:
     grammar_type: str = ""
     grammar: bytes = b""
     grammar_options: bytes = b""
+    validated: bool = False
     jump_forward: bool = False
     budget: int = 0
     mask_buffer: str = ""
@@ -181,8 +182,8 @@ class GrammarService:
             raise ConstraintError("SEQUENCE_ID", f"start takes exactly one sequence, got {len(req.seq_ids)}")
         if req.budget < 0:
             raise ConstraintError("MAX_TOKENS", f"must be >= 0 (0: no budget closing), got {req.budget}")
-        return int(req.seq_ids[0]), parse_constraint(
-            req.grammar_type, req.grammar, req.grammar_options, self.engine.config.limits
+        return int(req.seq_ids[0]), constraint_spec(
+            req.grammar_type, req.grammar, req.grammar_options, self.engine.config.limits, validated=req.validated
         )
 
     def handle(self, req: GrammarRequest) -> GrammarReply:

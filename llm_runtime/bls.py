@@ -132,17 +132,17 @@ class BlsMaskProvider:
     def start(self, seq_id: int, constraint: ConstraintRequest) -> None:
         """Compile the constraint (in the grammar model) and create the sequence's matcher."""
         pb = self._pb
-        self._call(
-            [
-                self._op(b"start"),
-                pb.Tensor("SEQUENCE_ID", np.array([seq_id], np.uint64)),
-                pb.Tensor("GRAMMAR_TYPE", np.array([constraint.kind.encode()], np.object_)),
-                pb.Tensor("GRAMMAR", np.array([constraint.payload.encode("utf-8")], np.object_)),
-                pb.Tensor("GRAMMAR_OPTIONS", np.array([constraint.options_json.encode("utf-8")], np.object_)),
-                pb.Tensor("MAX_TOKENS", np.array([constraint.budget], np.int32)),
-            ],
-            _CONTROL_OUTPUTS,
-        )
+        inputs = [
+            self._op(b"start"),
+            pb.Tensor("SEQUENCE_ID", np.array([seq_id], np.uint64)),
+            pb.Tensor("GRAMMAR_TYPE", np.array([constraint.kind.encode()], np.object_)),
+            pb.Tensor("GRAMMAR", np.array([constraint.payload.encode("utf-8")], np.object_)),
+            pb.Tensor("GRAMMAR_OPTIONS", np.array([constraint.options_json.encode("utf-8")], np.object_)),
+            pb.Tensor("MAX_TOKENS", np.array([constraint.budget], np.int32)),
+        ]
+        if constraint.validated:
+            inputs.append(pb.Tensor("VALIDATED", np.array([True])))
+        self._call(inputs, _CONTROL_OUTPUTS)
 
     def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray,
              jump_forward: bool = False) -> MaskStep:

@@ -14,7 +14,7 @@ import numpy as np
 
 from grammar_backend.engine import GrammarEngine
 from grammar_backend.jump import pack_forced
-from grammar_backend.spec import parse_constraint
+from grammar_backend.spec import constraint_spec
 from llm_runtime.mask import ConstraintRequest, MaskStep
 
 
@@ -25,9 +25,9 @@ class LocalMaskProvider:
         self.engine = engine
 
     def start(self, seq_id: int, constraint: ConstraintRequest) -> None:
-        """Validate, compile (cached) and create the matcher."""
-        spec = parse_constraint(constraint.kind, constraint.payload, constraint.options_json,
-                                self.engine.config.limits)
+        """Validate (unless preprocessing did), compile (cached) and create the matcher."""
+        spec = constraint_spec(constraint.kind, constraint.payload, constraint.options_json,
+                               self.engine.config.limits, validated=constraint.validated)
         self.engine.start(seq_id, spec, budget=constraint.budget)
 
     def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray,

@@ -35,12 +35,17 @@ class ConstraintRequest:
     budget : int
         The request's ``max_tokens`` (set by the scheduler), for budget
         closing; 0: none.
+    validated : bool
+        The constraint is preprocessing's validated wire form
+        (:meth:`grammar_backend.spec.ConstraintSpec.wire`): the grammar side
+        trusts it instead of validating it again.
     """
 
     kind: str
     payload: str
     options_json: str
     budget: int = 0
+    validated: bool = False
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,6 @@ import numpy as np
 import torch
 import xgrammar
 
-from .errors import RequestError
 from .mask import bitmask_width
 
 __all__ = ["Sampler", "SamplingParams"]
@@ -45,30 +44,14 @@ class SamplingParams:
     seed : int or None
         Seed of the request's generator (uint64); ``None`` draws a random seed.
 
-    Raises
-    ------
-    RequestError
-        On a value out of range, naming the field.
+    Trusted: the scheduler checked them against the request contract
+    (:func:`contract.check_sampling`) before they got here.
     """
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
-
-    def __post_init__(self) -> None:
-        t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise RequestError("temperature", f"must be a finite number >= 0, got {t!r}")
-        k = self.top_k
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise RequestError("top_k", f"must be an integer >= 0, got {k!r}")
-        p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not math.isfinite(p) or not 0 < p <= 1:
-            raise RequestError("top_p", f"must be in (0, 1], got {p!r}")
-        s = self.seed
-        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < _U64):
-            raise RequestError("seed", f"must be an integer in [0, 2**64) or None, got {s!r}")
 
     @property
     def greedy(self) -> bool:

@@ -144,8 +144,6 @@ class SchedulerConfig:
         How long the idle loop sleeps between checks (submit/cancel wake it at once).
     start_threads : int
         Most threads waiting on ``MaskProvider.start`` at once (created on demand).
-    max_stop_strings, max_stop_length : int
-        Limits on the ``stop`` field (default: the request contract's).
     stats_capacity : int
         Steps kept in the per-step counters (a ring buffer).
     metrics_interval_s : float
@@ -178,8 +176,6 @@ class SchedulerConfig:
     max_queued: int = 1024
     idle_wait_s: float = 0.05
     start_threads: int = 64
-    max_stop_strings: int = contract.MAX_STOP_STRINGS
-    max_stop_length: int = contract.MAX_STOP_CHARS
     stats_capacity: int = 65536
     grammar_mode: str = "overlap"
     metrics_interval_s: float = 1.0
@@ -193,8 +189,7 @@ class SchedulerConfig:
 
         if self.max_batch_size is not None:
             positive_int("max_batch_size", self.max_batch_size)
-        for name in ("max_tokens_cap", "max_queued", "start_threads", "max_stop_strings",
-                     "max_stop_length", "stats_capacity"):
+        for name in ("max_tokens_cap", "max_queued", "start_threads", "stats_capacity"):
             positive_int(name, getattr(self, name))
         j = self.max_jump_tokens
         if isinstance(j, bool) or not isinstance(j, int) or not 0 <= j <= MAX_JUMP_TOKENS:
@@ -452,13 +447,12 @@ def check_request(
     if req.constraint is not None and not isinstance(req.constraint, ConstraintRequest):
         raise RequestError("constraint", f"must be a ConstraintRequest or None, got {type(req.constraint).__name__}")
     stop = tuple(req.stop)
-    if len(stop) > cfg.max_stop_strings:
-        raise RequestError("stop", f"at most {cfg.max_stop_strings} stop strings, got {len(stop)}")
-    for i, s in enumerate(stop):
-        if not isinstance(s, str) or not s:
-            raise RequestError(f"stop[{i}]", "must be a non-empty string")
-        if len(s) > cfg.max_stop_length:
-            raise RequestError(f"stop[{i}]", f"longer than {cfg.max_stop_length} characters")
+    try:
+        # The contract's ranges, as preprocessing (the served path's authority) applies them.
+        contract.check_sampling(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
+                                stop=stop)
+    except contract.ContractError as err:
+        raise RequestError(err.field, err.reason) from err
     params = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed)
     # The budget rides with the constraint: the grammar side closes the output before it runs out.
     constraint = None if req.constraint is None else dataclasses.replace(req.constraint, budget=mt)

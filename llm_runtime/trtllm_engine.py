@@ -73,7 +73,7 @@ from tokenizers import Tokenizer
 import contract
 from grammar_backend.errors import ConfigError, InvalidArgument
 from grammar_backend.metrics import Snapshot
-from grammar_backend.spec import ConstraintKind, ConstraintOptions, parse_constraint
+from grammar_backend.spec import ConstraintKind, ConstraintOptions, SpecLimits, constraint_spec
 
 from .detok import IncrementalDetokenizer, special_token_ids
 from .engine import checkpoint_end_tokens
@@ -207,7 +207,8 @@ def native_guided_kwargs(constraint: ConstraintRequest) -> dict[str, Any]:
     grammar_backend.errors.InvalidArgument
         A constraint native mode cannot express (naming the field).
     """
-    spec = parse_constraint(constraint.kind, constraint.payload, constraint.options_json)
+    spec = constraint_spec(constraint.kind, constraint.payload, constraint.options_json, SpecLimits(),
+                           validated=constraint.validated)
     if spec.options.canonical() != ConstraintOptions().canonical():
         raise InvalidArgument("options", "strict, whitespace, indent and any_order are not supported by the "
                                          "server's native grammar mode (TensorRT-LLM's own defaults apply)")

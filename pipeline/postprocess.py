@@ -19,7 +19,6 @@ ensemble and BLS on every Triton release (server#7804 resets BLS error codes).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 from dataclasses import dataclass
@@ -27,12 +26,8 @@ from typing import Any
 
 import contract
 from grammar_backend.errors import INTERNAL, status_of
-from grammar_backend.fidelity import (
-    UnenforcedKeyword,
-    result_json,
-    unenforced_keywords,
-    validate_output,
-)
+from grammar_backend.fidelity import result_json, validator_for
+from grammar_backend.spec import validated_constraint
 
 FINISH_REASONS = contract.FINISH_REASONS
 #: Longest ``RESULT.error`` sent to a client: messages that quote a value (an
@@ -65,22 +60,19 @@ class FinalState:
         return cls("error", "", 0, 0, error=str(err), status=status_of(err))
 
 
-@functools.lru_cache(maxsize=256)
-def _schema_of(kind: str, payload: str) -> Any:
-    """Parsed schema per constraint (``json_object``: the contract's any-object schema); cached across requests."""
-    return json.loads(payload if kind == "json_schema" else contract.JSON_OBJECT_SCHEMA)
-
-
-@functools.lru_cache(maxsize=256)
-def _unenforced(kind: str, payload: str, strict: bool) -> tuple[UnenforcedKeyword, ...]:
-    return unenforced_keywords(_schema_of(kind, payload), strict_mode=strict)
-
-
 def json_report(constraint: dict[str, str], text: str) -> dict[str, Any]:
-    """Parse + validate ``text`` against the constraint's full schema, with the fidelity report."""
-    kind, payload = constraint["kind"], constraint["payload"]
-    strict = bool(json.loads(constraint["options"] or "{}").get("strict", False))
-    return result_json(validate_output(_schema_of(kind, payload), text), _unenforced(kind, payload, strict))
+    """Parse + validate ``text`` against the constraint's full schema, with the fidelity report.
+
+    ``constraint`` is preprocessing's wire form, trusted: no meta-schema check
+    is repeated, and the validator and its report of unenforced keywords are
+    built once per schema (cached).
+    """
+    spec = validated_constraint(constraint["kind"], constraint["payload"], constraint["options"])
+    schema = spec.schema
+    if schema is None:
+        raise ValueError(f"no JSON report for a {spec.kind.value} constraint")
+    validator = validator_for(schema, checked=True)
+    return result_json(validator.validate_text(text), validator.unenforced(strict_mode=spec.options.strict))
 
 
 def build_result(final: FinalState, constraint: dict[str, str] | None) -> dict[str, Any]:

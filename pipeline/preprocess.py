@@ -7,7 +7,6 @@ naming the request field and the reason; the constraint is validated here
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -182,11 +181,10 @@ def parse_params(raw: RawRequest, config: PreprocessConfig) -> tuple[GenerationP
         if spec.kind.value == "json_schema":
             # The post-validator postprocessing will need: built now so a schema it
             # cannot use (an unresolvable or remote $ref) is refused before any token.
-            validator_for(spec.document)
+            validator_for(spec.document, checked=True)
         # Every kind carries its options: the decoding policies (on_budget,
-        # on_repeat) apply to all of them.
-        options = json.dumps(dataclasses.asdict(spec.options))
-        constraint = {"kind": spec.kind.value, "payload": spec.payload, "options": options}
+        # on_repeat) apply to all of them.  Later stages trust this form.
+        constraint = spec.wire()
     elif raw.grammar or raw.grammar_options:
         raise InvalidArgument("grammar_type", "is required when GRAMMAR or GRAMMAR_OPTIONS is given")
     params = GenerationParams(

@@ -151,6 +151,9 @@ class PostValidator:
         At most this many violations are reported per output (the ``RESULT``
         tensor is one gRPC message); :attr:`ValidationReport.truncated` says when
         more existed.
+    checked : bool, default False
+        The schema already passed :func:`~grammar_backend.spec.check_schema`
+        (a validated constraint): the meta-schema check is not repeated.
 
     Raises
     ------
@@ -170,10 +173,11 @@ class PostValidator:
 
     __slots__ = ("_max_violations", "_schema", "_unenforced", "_validator")
 
-    def __init__(self, schema: Mapping[str, Any] | bool, *, max_violations: int = 100) -> None:
+    def __init__(self, schema: Mapping[str, Any] | bool, *, max_violations: int = 100, checked: bool = False) -> None:
         if isinstance(max_violations, bool) or not isinstance(max_violations, int) or max_violations < 1:
             raise ConfigError(f"max_violations: must be a positive integer, got {max_violations!r}")
-        check_schema(schema, "grammar", allow_bool=True)
+        if not checked:
+            check_schema(schema, "grammar", allow_bool=True)
         self._schema = schema
         self._max_violations = max_violations
         self._validator = _root_validator(schema)
@@ -326,7 +330,7 @@ VALIDATOR_CACHE_SIZE: Final = 128
 _cache: Lru[str, PostValidator] = Lru(VALIDATOR_CACHE_SIZE)
 
 
-def validator_for(schema: Mapping[str, Any] | bool) -> PostValidator:
+def validator_for(schema: Mapping[str, Any] | bool, *, checked: bool = False) -> PostValidator:
     """Return the shared :class:`PostValidator` of ``schema`` (LRU of 128 schemas).
 
     The key is the schema's canonical JSON text (sorted keys), which costs one
@@ -337,6 +341,8 @@ def validator_for(schema: Mapping[str, Any] | bool) -> PostValidator:
     ----------
     schema : Mapping or bool
         A Draft 2020-12 JSON Schema.
+    checked : bool, default False
+        As :class:`PostValidator` (only matters when the validator is built).
 
     Returns
     -------
@@ -355,7 +361,7 @@ def validator_for(schema: Mapping[str, Any] | bool) -> PostValidator:
     found = _cache.get(key)
     if found is None:
         # Built outside the cache's lock (milliseconds); a racing build of the same key is dropped.
-        found = _cache.put(key, PostValidator(schema))
+        found = _cache.put(key, PostValidator(schema, checked=checked))
     return found
 
 

@@ -6,6 +6,9 @@ import json
 
 import pytest
 
+from grammar_backend.fidelity import validator as validator_module
+from grammar_backend.fidelity import walker
+from grammar_backend.spec import parse_constraint
 from pipeline.postprocess import (
     MAX_ERROR_CHARS,
     FinalState,
@@ -15,9 +18,15 @@ from pipeline.postprocess import (
 )
 from tests.unit.conftest import load_schema
 
-PERSON = {"kind": "json_schema", "payload": json.dumps(load_schema("person")), "options": '{"strict": false}'}
-UNIQUE = {"kind": "json_schema", "payload": '{"type":"array","items":{"type":"integer"},"uniqueItems":true}',
-          "options": ""}
+
+def wire(kind: str, payload: str = "", options: str | None = None) -> dict[str, str]:
+    """A constraint as preprocessing passes it on (validated, canonical)."""
+    return parse_constraint(kind, payload, options).wire()
+
+
+PERSON = wire("json_schema", json.dumps(load_schema("person")), '{"strict": false}')
+UNIQUE = wire("json_schema", '{"type":"array","items":{"type":"integer"},"uniqueItems":true}')
+OBJECT = wire("json_object")
 
 
 @pytest.mark.parametrize(
@@ -37,9 +46,9 @@ UNIQUE = {"kind": "json_schema", "payload": '{"type":"array","items":{"type":"in
           "violations": [{"pointer": "", "message": "[1, 1] has non-unique elements"}],
           "unenforced": [{"pointer": "/uniqueItems", "keyword": "uniqueItems"}]}),
         # json_object is validated as the contract's any-object schema.
-        (FinalState("stop", '{"a":[1]}', 5, 4), {"kind": "json_object", "payload": "", "options": ""},
+        (FinalState("stop", '{"a":[1]}', 5, 4), OBJECT,
          {"parsed": True, "parse_error": None, "valid": True, "violations": [], "unenforced": []}),
-        (FinalState("stop", "[1]", 5, 4), {"kind": "json_object", "payload": "", "options": ""},
+        (FinalState("stop", "[1]", 5, 4), OBJECT,
          {"parsed": True, "parse_error": None, "valid": False, "unenforced": [],
           "violations": [{"pointer": "", "message": "[1] is not of type 'object'"}]}),
     ],
@@ -82,7 +91,7 @@ def test_closed_early_and_stop_string(final: FinalState, constraint: dict[str, s
 @pytest.mark.parametrize(
     ("final", "constraint"),
     [
-        (FinalState("stop", "abc", 1, 2), {"kind": "regex", "payload": "[a-c]+", "options": ""}),
+        (FinalState("stop", "abc", 1, 2), wire("regex", "[a-c]+")),
         (FinalState("stop", "free text", 1, 2), None),
         (FinalState("error", "", 1, 0, error="sequence 7: token 5 at position 0 is rejected by the grammar"), PERSON),
     ],
@@ -103,9 +112,30 @@ def test_the_schema_draft_is_honoured() -> None:
     schema = {"$schema": "http://json-schema.org/draft-04/schema#", "type": "object",
               "properties": {"card": {"type": "string"}, "billing": {"type": "string"}},
               "dependencies": {"card": ["billing"]}}
-    constraint = {"kind": "json_schema", "payload": json.dumps(schema), "options": ""}
+    constraint = wire("json_schema", json.dumps(schema))
     report = build_result(FinalState("stop", '{"card":"1234"}', 1, 6), constraint)["json"]
     assert (report["valid"], report["violations"]) == (False, [{"pointer": "", "message": "'billing' is a dependency of 'card'"}])
+
+
+def test_the_wire_form_is_trusted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Preprocessing checked the schema: postprocessing neither re-checks it nor re-walks it per output."""
+    constraint = wire("json_schema", json.dumps({"type": "object", "properties": {"trusted_b": {"type": "integer"}},
+                                                  "required": ["trusted_b"]}))
+    walks = []
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("postprocessing validated the schema again")
+
+    def counted_walk(*args: object) -> object:
+        walks.append(1)
+        return walker._walk(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(validator_module, "check_schema", never)
+    monkeypatch.setattr(validator_module, "_walk", counted_walk)
+    for text, valid in (('{"trusted_b":1}', True), ('{"trusted_b":"x"}', False), ("{}", False)):
+        report = build_result(FinalState("stop", text, 1, 6), constraint)["json"]
+        assert (report["valid"], report["unenforced"]) == (valid, [])
+    assert len(walks) == 1
 
 
 def test_finish_round_trip_and_errors_as_data() -> None:
@@ -143,7 +173,7 @@ AGE = {"type": "object", "properties": {"age": {"type": "integer", "minimum": 0}
     ],
 )
 def test_finished_output_labels(final: FinalState, failed: bool) -> None:
-    constraint = {"kind": "json_schema", "payload": json.dumps(AGE), "options": ""}
+    constraint = wire("json_schema", json.dumps(AGE))
     out = result_of_finish(finish_json(final, constraint).encode())
     assert (out.finish_reason, out.kind, out.close_reason, out.postvalidation_failed) == (
         final.finish_reason, "json_schema", final.close_reason, failed)

@@ -9,6 +9,7 @@ so each test can check that no grammar state leaks.
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
 import time
@@ -464,12 +465,15 @@ def test_callback_error_cancels_only_that_request(engine: TorchEngine, sched: Sc
         ({"prompt_token_ids": []}, RequestError, "prompt_token_ids: must not be empty"),
         ({"prompt_token_ids": [5, 448]}, RequestError, r"prompt_token_ids: ids must be in \[0, 448\), got \[5, 448\]"),
         ({"prompt_token_ids": ["a"]}, RequestError, "prompt_token_ids: must be a sequence of integers"),
-        ({"temperature": -1.0}, RequestError, "temperature: must be a finite number >= 0"),
-        ({"top_p": 0.0}, RequestError, r"top_p: must be in \(0, 1\]"),
-        ({"top_k": -2}, RequestError, "top_k: must be an integer >= 0"),
-        ({"seed": -5}, RequestError, "seed: must be an integer"),
+        # The request contract's ranges (contract.check_sampling), as preprocessing applies them.
+        ({"temperature": -1.0}, RequestError, r"temperature: must be a number in 0\.\.2, got -1\.0"),
+        ({"temperature": 2.5}, RequestError, r"temperature: must be a number in 0\.\.2, got 2\.5"),
+        ({"temperature": math.nan}, RequestError, r"temperature: must be a number in 0\.\.2, got nan"),
+        ({"top_p": 0.0}, RequestError, r"top_p: must be a number in \(0, 1\], got 0\.0"),
+        ({"top_k": -2}, RequestError, r"top_k: must be an integer in 0\.\.\d+ \(0 = off\), got -2"),
+        ({"seed": -5}, RequestError, r"seed: must be an integer in \[0, 2\*\*64\), got -5"),
         ({"stop": ("",)}, RequestError, r"stop\[0\]: must be a non-empty string"),
-        ({"stop": ("x" * 300,)}, RequestError, r"stop\[0\]: longer than 256 characters"),
+        ({"stop": ("x" * 300,)}, RequestError, r"stop\[0\]: is 300 characters; at most 256"),
         ({"stop": tuple("abcdefghi")}, RequestError, "stop: at most 8 stop strings, got 9"),
         ({"constraint": "regex"}, RequestError, "constraint: must be a ConstraintRequest or None, got str"),
         ({"request_id": ""}, RequestError, "request_id: must be a non-empty string or None"),

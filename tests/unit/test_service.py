@@ -196,3 +196,22 @@ def test_build_engine_from_a_real_model_folder() -> None:
         assert engine.vocab_size == 49152 and engine.bitmask.width == 1536
     finally:
         engine.close()
+
+
+def test_a_validated_start_is_trusted(service: GrammarService, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`llm` forwards preprocessing's wire form with VALIDATED: no limit or meta-schema check runs again."""
+    from grammar_backend import spec as spec_module
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a validated constraint was validated again")
+
+    wire = spec_module.parse_constraint("json_schema", '{"type": "object", "properties": {"svc_v": {"type": "integer"}}}',
+                                        '{"strict": true}').wire()
+    monkeypatch.setattr(spec_module, "check_schema", never)
+    monkeypatch.setattr(spec_module, "parse_options", never)
+    request = GrammarRequest("start", np.array([7], np.uint64), grammar_type=wire["kind"],
+                             grammar=wire["payload"].encode(), grammar_options=wire["options"].encode(), validated=True)
+    assert service.handle(request).active == 1
+    with pytest.raises(AssertionError, match="validated again"):
+        service.handle(GrammarRequest("start", np.array([8], np.uint64), grammar_type="json_schema",
+                                      grammar=b'{"type": "object", "properties": {"svc_w": {}}}'))

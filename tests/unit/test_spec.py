@@ -6,14 +6,18 @@ import json
 
 import pytest
 
-from grammar_backend.errors import ConstraintError
+from grammar_backend import spec as spec_module
+from grammar_backend.errors import ConfigError, ConstraintError
 from grammar_backend.spec import (
+    OPTION_NAMES,
     ConstraintKind,
     ConstraintOptions,
     SpecLimits,
+    constraint_spec,
     json_depth,
     parse_constraint,
     parse_options,
+    validated_constraint,
 )
 from tests.unit.conftest import load_schema
 
@@ -188,3 +192,57 @@ def test_overlong_keys_and_strings_are_refused(doc: dict[str, object], match: st
     with pytest.raises(ConstraintError, match=match):
         parse_constraint("json_schema", json.dumps(doc).encode(), None)
     parse_constraint("json_schema", json.dumps({"properties": {"k" * 1024: {}}}).encode(), None)
+
+
+# ------------------------------------------------------------------ validate once: the wire form
+TOOL_TAG = '{"triggers": ["<f"], "tags": [{"begin": "<f=w>", "schema": {"type": "object"}, "end": "</f>"}]}'
+
+
+@pytest.mark.parametrize(
+    ("kind", "payload", "options"),
+    [
+        ("json_schema", json.dumps({"type": "object", "properties": {"wire_a": {"type": "integer"}}}),
+         '{"strict": true, "whitespace": 2, "indent": 4, "any_order": true}'),
+        ("json_object", "", '{"on_budget": "truncate", "on_repeat": "continue", "jump_forward": false}'),
+        ("regex", "[a-z]{3}", None),
+        ("ebnf", 'root ::= "yes" | "no"', None),
+        ("lark", 'start: "a"+', None),
+        ("choice", '["red", "green"]', None),
+        ("structural_tag", TOOL_TAG, None),
+    ],
+)
+def test_the_wire_form_rebuilds_the_spec_without_validating_again(
+    monkeypatch: pytest.MonkeyPatch, kind: str, payload: str, options: str | None
+) -> None:
+    spec = parse_constraint(kind, payload, options)
+    wire = spec.wire()
+    assert set(wire) == {"kind", "payload", "options"} and tuple(json.loads(wire["options"])) == OPTION_NAMES
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a validated constraint was validated again")
+
+    for name in ("check_schema", "parse_options", "parse_json", "_normalize_structural_tag", "_check_string_lengths"):
+        monkeypatch.setattr(spec_module, name, never)
+    again = validated_constraint(wire["kind"], wire["payload"], wire["options"])
+    assert again == spec and again.document == spec.document and again.schema == spec.schema
+    assert constraint_spec(wire["kind"], wire["payload"].encode(), wire["options"].encode(), SpecLimits(),
+                           validated=True) == spec
+
+
+@pytest.mark.parametrize(
+    ("kind", "payload", "options", "match"),
+    [
+        ("nope", "x", "{}", r"^not a validated constraint \('nope'\): 'nope' is not a valid ConstraintKind$"),
+        ("regex", "a", "", r"^not a validated constraint \('regex'\): Expecting value"),
+        ("regex", "a", '{"colour": 1}', r"^not a validated constraint \('regex'\): .*unexpected keyword argument 'colour'"),
+        ("json_schema", "{", "{}", r"^not a validated constraint \('json_schema'\): Expecting property name"),
+    ],
+)
+def test_a_malformed_wire_form_is_a_bug_not_a_client_error(kind: str, payload: str, options: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        validated_constraint(kind, payload, options)
+
+
+def test_without_the_marker_the_constraint_is_validated() -> None:
+    with pytest.raises(ConstraintError, match=r"^grammar: payload is 12 bytes; the limit is 4$"):
+        constraint_spec("regex", "[a-z]{1,100}", "", SpecLimits(max_payload_bytes=4), validated=False)

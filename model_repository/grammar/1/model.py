@@ -10,6 +10,9 @@ Inputs
     GRAMMAR_TYPE     BYTES [1]      start: constraint kind (json_schema, regex, ...)
     GRAMMAR          BYTES [1]      start: constraint payload
     GRAMMAR_OPTIONS  BYTES [1]      start: JSON object of options (optional)
+    VALIDATED        BOOL [1]       start: the constraint is preprocessing's validated wire form
+                                    (grammar_backend.spec.ConstraintSpec.wire), trusted as is
+                                    (optional; absent: validated here)
     JUMP_FORWARD     BOOL [1]       step: also return forced tokens (optional)
     BITMASK_BUFFER   BYTES [1]      step: name of the caller's mask buffer in /dev/shm
                                     (grammar_backend.maskbuf): the rows go there, not to BITMASK
@@ -73,6 +76,7 @@ def _bytes(request: Any, name: str) -> bytes:
 
 def _to_request(request: Any) -> GrammarRequest:
     jump = _array(request, "JUMP_FORWARD")
+    validated = _array(request, "VALIDATED")
     budget = _array(request, "MAX_TOKENS")
     seq_ids = _array(request, "SEQUENCE_ID")
     return GrammarRequest(
@@ -83,6 +87,7 @@ def _to_request(request: Any) -> GrammarRequest:
         grammar_type=_bytes(request, "GRAMMAR_TYPE").decode("utf-8", "replace"),
         grammar=_bytes(request, "GRAMMAR"),
         grammar_options=_bytes(request, "GRAMMAR_OPTIONS"),
+        validated=bool(validated is not None and validated.reshape(-1)[0]),
         jump_forward=bool(jump is not None and jump.reshape(-1)[0]),
         mask_buffer=_bytes(request, "BITMASK_BUFFER").decode("utf-8", "replace"),
         budget=0 if budget is None or budget.size == 0 else int(budget.reshape(-1)[0]),

@@ -67,7 +67,8 @@ def _to_request(request: Any) -> tuple[dict[str, str] | None, GenerationRequest]
         prompt_token_ids=ids.tolist(),
         # The ensemble passes the request id down (the gateway's 128-bit internal id): CANCEL names it.
         request_id=request.request_id() or None,
-        constraint=None if c is None else ConstraintRequest(c["kind"], c["payload"], c["options"]),
+        # Preprocessing validated the constraint (its wire form): the grammar side trusts it.
+        constraint=None if c is None else ConstraintRequest(c["kind"], c["payload"], c["options"], validated=True),
         max_tokens=params.max_tokens,
         temperature=params.temperature,
         top_k=params.top_k,
