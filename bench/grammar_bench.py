@@ -443,7 +443,9 @@ def batch_figures(bundle: Any, records: list[dict[str, Any]], files: dict[str, P
                     ids = np.arange(b, dtype=np.uint64)
                     tok = np.zeros((b, 1), dtype=np.int32)
                     counts = np.zeros(b, dtype=np.int32)
-                    matchers = [engine.table.get(i).matcher for i in range(b)]
+                    # xgrammar's own matchers (this engine has no llguidance backend: auto is xgrammar).
+                    matchers = [m for m in (engine.table.get(i).matcher for i in range(b))
+                                if isinstance(m, xgr.GrammarMatcher)]
                     raw_batch = xgr.BatchGrammarMatcher(threads)
                     raw_mask = np.empty((b, (bundle.vocab_size + 31) // 32), dtype=np.int32)
                     ours: list[int] = []

@@ -49,7 +49,7 @@ import tempfile
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -443,6 +443,7 @@ class RunConfig:
     vocab_size: int | None
     options: dict[str, Any]
     timeout_s: float
+    auto_timeout_s: float
 
 
 @dataclass
@@ -458,10 +459,12 @@ class _State:
 def _init_worker(config: RunConfig) -> _State:
     from grammar_backend.cache import CacheConfig
     from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
+    from grammar_backend.llg import LlgBackend
     from grammar_backend.tokenizer import load_tokenizer
     from grammar_backend.workers import WorkerConfig
 
     bundle = load_tokenizer(config.tokenizer, vocab_size=config.vocab_size)
+    auto = config.options["backend"] == "auto"
     engine = GrammarEngine(
         bundle.info,
         bundle.fingerprint,
@@ -472,8 +475,13 @@ def _init_worker(config: RunConfig) -> _State:
             cache=CacheConfig(
                 max_bytes=256 * 1024 * 1024, workers=1, timeout_s=4 * config.timeout_s + 60, negative_ttl_s=0
             ),
-            workers=WorkerConfig(cpu_s=4 * config.timeout_s + 60),
+            # auto: xgrammar's compile worker is stopped at its CPU limit, so the
+            # fallback to llguidance happens inside the phase and the worker is
+            # free for the next schema (a compile left running would hold it).
+            workers=WorkerConfig(cpu_s=config.auto_timeout_s if auto else 4 * config.timeout_s + 60),
+            auto_timeout_s=2 * config.auto_timeout_s + 5,
         ),
+        llg=LlgBackend(bundle.hf, bundle.vocab_size, bundle.stop_token_ids),
     )
     # The compile worker process starts here, outside every timed phase (1-4 s).
     engine.warm_up()
@@ -495,12 +503,22 @@ class _Forced:
     mismatches: int
 
 
+def _compile(state: _State, spec: Any) -> str:
+    """Compile ``spec`` as a start does (``backend: auto`` falls over to llguidance); returns the backend."""
+    seq_id = state.next_seq
+    state.next_seq += 1
+    state.engine.start(seq_id, spec)
+    backend: str = state.engine.table.get(seq_id).backend
+    state.engine.end([seq_id])
+    return backend
+
+
 def _force(state: _State, spec: Any, tokens: list[int], step_ns: list[int]) -> _Forced:
     """Accept ``tokens`` then the stop token one ``engine.step`` at a time, timing each step."""
     engine = state.engine
     seq_id = state.next_seq
     state.next_seq += 1
-    engine.start(seq_id, spec)  # a cache hit: the grammar was compiled just before
+    engine.start(seq_id, spec)  # a cache hit: the grammar was compiled just before (auto remembers the backend)
     ids = np.array([seq_id], dtype=np.uint64)
     tok = np.zeros((1, 1), dtype=np.int32)
     none, one = np.zeros(1, dtype=np.int32), np.ones(1, dtype=np.int32)
@@ -554,7 +572,7 @@ def run_schema(state: _State, path: str, ctx: WorkerContext) -> dict[str, Any]:
         The per-schema record (see the module docstring); ``step_ns`` holds the
         per-token step times (popped by the parent).
     """
-    from grammar_backend.errors import CompileError, ConstraintError
+    from grammar_backend.errors import CompileError, CompileTimeout, ConstraintError
     from grammar_backend.fidelity import validate_output
     from grammar_backend.spec import parse_constraint
 
@@ -585,9 +603,9 @@ def run_schema(state: _State, path: str, ctx: WorkerContext) -> dict[str, Any]:
     ctx.new_stderr()
     t0 = time.perf_counter()
     try:
-        state.engine.compile(spec)
-    except CompileError as err:
-        rec.update(status="compile_error", reason=err.reason, compile_s=time.perf_counter() - t0)
+        rec["backend"] = _compile(state, spec)
+    except (CompileError, CompileTimeout) as err:
+        rec.update(status="compile_error", reason=str(err), compile_s=time.perf_counter() - t0)
         return rec
     rec["compile_s"] = time.perf_counter() - t0
     warnings = _warnings(ctx.new_stderr())
@@ -718,18 +736,28 @@ def fmt(value: float | None, spec: str = ".3f") -> str:
     return "-" if value is None or math.isnan(value) else format(value, spec)
 
 
-def timing_summary(records: Sequence[dict[str, Any]], step_ns: np.ndarray, wall_s: float) -> dict[str, Any]:
-    """Compile-time and per-token step-time percentiles (None where there is no sample)."""
-    compiles = [r["compile_s"] for r in records if r["status"] == "compiled"]
-    return {
-        "wall_s": round(wall_s, 1),
-        "compile_s": {"count": len(compiles), "p50": finite(percentile(compiles, 50)),
-                      "p90": finite(percentile(compiles, 90)), "p99": finite(percentile(compiles, 99)),
-                      "max": max(compiles, default=None), "sum": sum(compiles)},
-        "step_us": {"tokens": int(step_ns.size), "p50": finite(percentile(step_ns, 50) / 1e3),
-                    "p99": finite(percentile(step_ns, 99) / 1e3),
-                    "max": float(step_ns.max()) / 1e3 if step_ns.size else None},
-    }
+def timing_summary(records: Sequence[dict[str, Any]], step_ns: Mapping[str, np.ndarray], wall_s: float
+                   ) -> dict[str, Any]:
+    """Compile-time and per-token step-time percentiles, in all and per serving backend (None: no sample)."""
+
+    def figures(recs: Sequence[dict[str, Any]], steps: np.ndarray) -> dict[str, Any]:
+        compiles = [r["compile_s"] for r in recs if r["status"] == "compiled"]
+        return {
+            "compile_s": {"count": len(compiles), "p50": finite(percentile(compiles, 50)),
+                          "p90": finite(percentile(compiles, 90)), "p99": finite(percentile(compiles, 99)),
+                          "max": max(compiles, default=None), "sum": sum(compiles)},
+            "step_us": {"tokens": int(steps.size), "p50": finite(percentile(steps, 50) / 1e3),
+                        "p99": finite(percentile(steps, 99) / 1e3),
+                        "max": float(steps.max()) / 1e3 if steps.size else None},
+        }
+
+    every = np.concatenate(list(step_ns.values())) if step_ns else np.zeros(0, dtype=np.int64)
+    by_backend = {}
+    for backend in sorted({r["backend"] for r in records if "backend" in r}):
+        served = [r for r in records if r.get("backend") == backend]
+        by_backend[backend] = {"schemas": len(served), "passed": sum(bool(r["passed"]) for r in served),
+                               **figures(served, step_ns.get(backend, np.zeros(0, dtype=np.int64)))}
+    return {"wall_s": round(wall_s, 1), **figures(records, every), "by_backend": by_backend}
 
 
 def select_files(directory: Path, limit: int | None, seed: int) -> list[Path]:
@@ -784,6 +812,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="grammar option strict: close objects the schema leaves open (default: no)")
     parser.add_argument("--any-order", action=argparse.BooleanOptionalAction, default=False,
                         help="grammar option any_order: object keys in any order (default: no)")
+    parser.add_argument("--backend", choices=("auto", "xgrammar", "llguidance"), default="auto",
+                        help="grammar option backend (default auto: xgrammar, llguidance where xgrammar cannot "
+                             "compile the schema within --auto-timeout CPU seconds)")
+    parser.add_argument("--auto-timeout", type=float, default=10.0,
+                        help="auto: CPU seconds xgrammar gets per compile before llguidance serves (default 10)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return parser
 
@@ -798,13 +831,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         vocab_size = DEFAULT_VOCAB_SIZE
     files = select_files(args.dir, args.limit, args.seed)
     install_interrupt_handlers()
-    options = {"strict": args.strict, "any_order": args.any_order, "whitespace": "compact"}
-    config = RunConfig(str(args.tokenizer), vocab_size, options, args.timeout)
+    options = {"strict": args.strict, "any_order": args.any_order, "whitespace": "compact", "backend": args.backend}
+    config = RunConfig(str(args.tokenizer), vocab_size, options, args.timeout, args.auto_timeout)
 
     print(f"maskbench: {len(files)} files from {args.dir}, tokenizer {args.tokenizer} (vocab {vocab_size or 'auto'}), "
           f"options {options}, {args.workers} workers, {args.timeout:g} s per phase", flush=True)
     records: list[dict[str, Any]] = []
-    steps: list[np.ndarray] = []
+    steps: dict[str, list[np.ndarray]] = {}
     start = time.monotonic()
     interrupted = False
     with WorkerPool(args.workers, _init_worker, (config,), run_schema, args.timeout) as pool:
@@ -813,7 +846,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rec = outcome_record(outcome)
                 step_ns = rec.pop("step_ns", None)
                 if step_ns is not None:
-                    steps.append(step_ns)
+                    steps.setdefault(rec["backend"], []).append(step_ns)
                 records.append(rec)
                 if not args.quiet and (len(records) % 50 == 0 or outcome.kind in ("timeout", "crash", "error")):
                     elapsed = time.monotonic() - start
@@ -824,10 +857,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             interrupted = True
         respawns = pool.respawns
     wall = time.monotonic() - start
-    step_all = np.concatenate(steps) if steps else np.zeros(0, dtype=np.int64)
     records.sort(key=lambda r: r["file"])
     table = summarize(records)
-    timings = timing_summary(records, step_all, wall)
+    timings = timing_summary(records, {b: np.concatenate(s) for b, s in steps.items()}, wall)
 
     print()
     print(format_table(table))
@@ -846,6 +878,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"per-token engine.step (accept + fill, one sequence) us over {s['tokens']} tokens: "
           f"p50 {fmt(s['p50'], '.1f')}  p99 {fmt(s['p99'], '.1f')}  max {fmt(s['max'], '.0f')}  "
           f"(with {args.workers} workers sharing the cores)")
+    for backend, b in timings["by_backend"].items():
+        bc, bs = b["compile_s"], b["step_us"]
+        print(f"served by {backend}: {b['schemas']} schemas, {b['passed']} passed; compile s p50 {fmt(bc['p50'])} "
+              f"p99 {fmt(bc['p99'])}; step us p50 {fmt(bs['p50'], '.1f')} p99 {fmt(bs['p99'], '.1f')}")
     print(f"wall {wall:.0f} s, worker respawns {respawns}{', INTERRUPTED' if interrupted else ''}")
     print(f"\nanchors (full MaskBench, {ANCHOR_TOTAL} schemas, Llama-3.1 tokenizer; this run is "
           f"{len(files)} files of the dev quarter): " + ", ".join(f"{n} {p} ({100 * p / ANCHOR_TOTAL:.1f}%)"
@@ -855,7 +891,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         doc = {
             "config": {"dir": str(args.dir), "files": len(files), "tokenizer": str(args.tokenizer),
                        "vocab_size": vocab_size, "options": options, "workers": args.workers,
-                       "timeout_s": args.timeout, "limit": args.limit, "seed": args.seed},
+                       "timeout_s": args.timeout, "auto_timeout_s": args.auto_timeout, "limit": args.limit,
+                       "seed": args.seed},
             "interrupted": interrupted,
             "respawns": respawns,
             "anchors": {"total_schemas": ANCHOR_TOTAL, "passes": dict(ANCHOR_PASSES)},

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final, TextIO
 
-from client.constraints import ON_BUDGET, ON_REPEAT, Constraint, Whitespace
+from client.constraints import BACKEND, ON_BUDGET, ON_REPEAT, Constraint, Whitespace
 from client.errors import (
     ClientError,
     ClosedEarly,
@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
                                "(server default); truncate: cut the output there")
     policies.add_argument("--on-repeat", choices=ON_REPEAT,
                           help="close: end an output that keeps repeating itself the same way (server default)")
+    policies.add_argument("--backend", choices=BACKEND,
+                          help="grammar engine: auto (server default: xgrammar, llguidance where xgrammar cannot "
+                               "compile the constraint in time), xgrammar or llguidance")
     policies.add_argument("--no-jump-forward", dest="jump_forward", action="store_false", default=None,
                           help="sample every token, also where the constraint forces the text (the server "
                                "appends forced text without sampling by default)")
@@ -169,13 +172,15 @@ def constraint_from_args(args: argparse.Namespace) -> Constraint | None:
         As :func:`_constraint_kind`, or a policy flag without a constraint.
     """
     constraint = _constraint_kind(args)
-    given = {"--on-budget": args.on_budget, "--on-repeat": args.on_repeat, "--no-jump-forward": args.jump_forward}
+    given = {"--on-budget": args.on_budget, "--on-repeat": args.on_repeat, "--no-jump-forward": args.jump_forward,
+             "--backend": args.backend}
     flags = [flag for flag, value in given.items() if value is not None]
     if not flags:
         return constraint
     if constraint is None:
         raise InvalidConstraint(flags[0], "applies only with a constraint")
-    return constraint.with_policies(on_budget=args.on_budget, on_repeat=args.on_repeat, jump_forward=args.jump_forward)
+    return constraint.with_policies(on_budget=args.on_budget, on_repeat=args.on_repeat, jump_forward=args.jump_forward,
+                                    backend=args.backend)
 
 
 def _constraint_kind(args: argparse.Namespace) -> Constraint | None:

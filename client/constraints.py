@@ -20,13 +20,14 @@ from typing import Any, Final, Literal, TypeAlias
 import contract
 from client.errors import InvalidConstraint
 
-__all__ = ["KINDS", "ON_BUDGET", "ON_REPEAT", "Constraint", "Whitespace"]
+__all__ = ["BACKEND", "KINDS", "ON_BUDGET", "ON_REPEAT", "Constraint", "Whitespace"]
 
 #: Every ``GRAMMAR_TYPE`` value (the request contract's, shared with the server).
 KINDS: Final = frozenset(contract.CONSTRAINT_KINDS)
 #: Decoding policies, valid for every kind (default first).
 ON_BUDGET: Final = contract.POLICIES["on_budget"]
 ON_REPEAT: Final = contract.POLICIES["on_repeat"]
+BACKEND: Final = contract.POLICIES["backend"]
 
 #: ``whitespace`` option: ``"compact"``, ``"any"`` or the longest whitespace run allowed.
 Whitespace: TypeAlias = Literal["compact", "any"] | int
@@ -240,7 +241,7 @@ class Constraint:
         return json.dumps(dict(self.options), sort_keys=True, separators=(",", ":"))
 
     def with_policies(self, *, on_budget: str | None = None, on_repeat: str | None = None,
-                      jump_forward: bool | None = None) -> Constraint:
+                      jump_forward: bool | None = None, backend: str | None = None) -> Constraint:
         """This constraint with decoding policies set (``None`` keeps the current or server default).
 
         Parameters
@@ -257,13 +258,18 @@ class Constraint:
             ``True`` (server default): text the constraint forces (``{"name":"``)
             is appended without sampling, several tokens per forward; the
             output is the same text.  ``False``: every token is sampled.
+        backend : {"auto", "xgrammar", "llguidance"}, optional
+            ``"auto"`` (server default): xgrammar, or llguidance where
+            xgrammar cannot compile the constraint in time; the others force
+            one engine.  ``Completion.backend`` says which served.
 
         Raises
         ------
         InvalidConstraint
             A value outside the choices above.
         """
-        given: dict[str, object] = {"on_budget": on_budget, "on_repeat": on_repeat, "jump_forward": jump_forward}
+        given: dict[str, object] = {"on_budget": on_budget, "on_repeat": on_repeat, "jump_forward": jump_forward,
+                                    "backend": backend}
         options = {**self.options, **{k: v for k, v in given.items() if v is not None}}
         return Constraint(self.kind, self.payload, options)
 

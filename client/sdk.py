@@ -197,6 +197,9 @@ class Result:
         the output kept repeating itself).
     stop_string : bool
         The output ended at one of the request's stop strings.
+    backend : str or None
+        The grammar engine that served the constraint (one of
+        ``contract.BACKENDS``; option ``backend``); None without a constraint.
     raw : Mapping[str, Any]
         The ``RESULT`` object as received.
     """
@@ -212,6 +215,7 @@ class Result:
     closed_early: bool = False
     close_reason: str | None = None
     stop_string: bool = False
+    backend: str | None = None
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
 
@@ -315,6 +319,9 @@ def parse_result(text: str, kind: str | None) -> Result:
     close_reason = _get(obj, "close_reason", str, "RESULT", nullable=True) if "close_reason" in obj else None
     if closed_early != (close_reason is not None) or close_reason not in (None, *CLOSE_REASONS):
         raise _malformed("RESULT.close_reason", f"{close_reason!r} with closed_early {closed_early}")
+    backend = _get(obj, "backend", str, "RESULT", nullable=True) if "backend" in obj else None
+    if backend not in (None, *contract.BACKENDS):
+        raise _malformed("RESULT.backend", f"expected one of {list(contract.BACKENDS)} or null, got {backend!r}")
     if complete and (finish_reason != "stop" or closed_early):
         reason = "closed_early" if closed_early else f"finish_reason {finish_reason!r}"
         raise _malformed("RESULT.complete", f"true with {reason}")
@@ -337,6 +344,7 @@ def parse_result(text: str, kind: str | None) -> Result:
         closed_early=closed_early,
         close_reason=close_reason,
         stop_string=_get(obj, "stop_string", bool, "RESULT") if "stop_string" in obj else False,
+        backend=backend,
         raw=MappingProxyType(obj),
     )
     if kind in _JSON_KINDS and (complete or closed_early):

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Final
 
 __all__ = [
+    "BACKENDS",
     "CLOSE_REASONS",
     "CONSTRAINT_KINDS",
     "DECODING_FLAGS",
@@ -63,11 +64,17 @@ JSON_OPTION_NAMES: Final = ("strict", "whitespace", "indent", "any_order")
 #: Decoding policies (every kind), their values, the default first:
 #: ``on_budget``: ``close`` forces the shortest valid completion before
 #: ``max_tokens`` runs out, ``truncate`` cuts there; ``on_repeat``: ``close``
-#: forces the completion of a runaway repetition, ``continue`` lets it run.
+#: forces the completion of a runaway repetition, ``continue`` lets it run;
+#: ``backend``: the grammar engine that serves the constraint, ``auto``
+#: xgrammar first and llguidance where xgrammar cannot compile it in time
+#: (RESULT ``backend`` says which served).
 POLICIES: Final[Mapping[str, tuple[str, ...]]] = {
     "on_budget": ("close", "truncate"),
     "on_repeat": ("close", "continue"),
+    "backend": ("auto", "xgrammar", "llguidance"),
 }
+#: The grammar engines behind ``backend`` (RESULT ``backend`` is one of them).
+BACKENDS: Final = POLICIES["backend"][1:]
 #: Boolean decoding options (every kind) and their defaults: ``jump_forward``
 #: appends the text the grammar forces without sampling it, several tokens
 #: per forward (``grammar_backend.jump``); the output text is the same.
@@ -125,7 +132,7 @@ def check_options(kind: str, options: Mapping[str, object]) -> dict[str, object]
     -------
     dict
         ``strict``, ``whitespace``, ``indent``, ``any_order``, ``on_budget``,
-        ``on_repeat``, ``jump_forward``.
+        ``on_repeat``, ``backend``, ``jump_forward``.
 
     Raises
     ------

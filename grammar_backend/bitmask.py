@@ -3,11 +3,28 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 import xgrammar as xgr
 
 from grammar_backend.errors import ConfigError, GrammarError
+
+
+class Matcher(Protocol):
+    """One sequence's matcher: the part of xgrammar's ``GrammarMatcher`` the engine,
+    the closer and jump-forward use (:class:`grammar_backend.llg.LlgMatcher` has it too).
+
+    ``rollback(n)`` undoes the last ``n`` accepted tokens or strings.
+    """
+
+    def accept_token(self, token: int, /) -> bool: ...
+    def accept_string(self, text: str, /) -> bool: ...
+    def rollback(self, steps: int, /) -> object: ...
+    def is_terminated(self) -> bool: ...
+    def is_completed(self) -> bool: ...
+    def find_jump_forward_string(self) -> str: ...
+    def fill_next_token_bitmask(self, bitmask: np.ndarray, index: int = 0, /) -> object: ...
 
 #: All 32 bits set: every token of the word allowed.
 ALL_ALLOWED = np.int32(-1)
@@ -45,13 +62,14 @@ class BitmaskBuffer:
         self._active: list[xgr.GrammarMatcher] = []
         self._rows: list[int] = []
 
-    def fill(self, matchers: Sequence[xgr.GrammarMatcher | None]) -> np.ndarray:
+    def fill(self, matchers: Sequence[Matcher | None]) -> np.ndarray:
         """Fill rows ``0..len(matchers)`` and return that view of the buffer.
 
         Row ``i`` holds the mask of ``matchers[i]``; a None row (no
         constraint, a terminated matcher, or a row in error) is all ones.
         Terminated matchers must be passed as None: xgrammar raises when
-        asked to fill a matcher that has accepted its stop token.
+        asked to fill a matcher that has accepted its stop token.  xgrammar
+        rows are filled in one batched call, other backends' row by row.
 
         Raises
         ------
@@ -67,9 +85,11 @@ class BitmaskBuffer:
         for i, matcher in enumerate(matchers):
             if matcher is None:
                 self.buffer[i].fill(ALL_ALLOWED)
-            else:
+            elif isinstance(matcher, xgr.GrammarMatcher):
                 active.append(matcher)
                 indices.append(i)
+            else:
+                matcher.fill_next_token_bitmask(self.buffer, i)
         if active:
             self._batch.batch_fill_next_token_bitmask(active, self.buffer, indices)
         return self.buffer[:rows]

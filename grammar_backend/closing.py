@@ -28,6 +28,7 @@ import numpy as np
 import xgrammar as xgr
 
 import contract
+from grammar_backend.bitmask import Matcher
 from grammar_backend.errors import ConfigError
 
 __all__ = [
@@ -189,7 +190,7 @@ class Closer:
         self._spelling = spelling
         self._longest = max(len(p) for p in spelling)
 
-    def complete(self, matcher: xgr.GrammarMatcher) -> tuple[int, ...] | None:
+    def complete(self, matcher: Matcher) -> tuple[int, ...] | None:
         """Tokens that make ``matcher``'s grammar complete from its current state.
 
         The matcher is left exactly as it was (the search accepts and rolls
@@ -205,7 +206,7 @@ class Closer:
             return None
         return tokens
 
-    def _search(self, matcher: xgr.GrammarMatcher) -> str | None:
+    def _search(self, matcher: Matcher) -> str | None:
         """Depth-first search over appended pieces, most closing piece first.
 
         At each state the piece tried first is the grammar's forced
@@ -271,7 +272,7 @@ class Closer:
         return tuple(tokens)
 
     @staticmethod
-    def _accepts(matcher: xgr.GrammarMatcher, tokens: tuple[int, ...]) -> bool:
+    def _accepts(matcher: Matcher, tokens: tuple[int, ...]) -> bool:
         """Whether ``tokens`` are accepted and leave the grammar complete; the matcher is left as it was."""
         done = 0
         try:
@@ -285,7 +286,7 @@ class Closer:
                 matcher.rollback(done)
 
 
-def _candidates(matcher: xgr.GrammarMatcher, previous: str) -> list[str]:
+def _candidates(matcher: Matcher, previous: str) -> list[str]:
     """The pieces to try after ``previous`` (the completion so far), as a stack (the last one is tried first)."""
     forced = matcher.find_jump_forward_string()
     if forced:

@@ -2,32 +2,40 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any, Final
 
 import numpy as np
 import xgrammar as xgr
 
-from grammar_backend.bitmask import BitmaskBuffer, pack_tokens
+from grammar_backend.bitmask import BitmaskBuffer, Matcher, pack_tokens
 from grammar_backend.cache import CacheConfig, CompileCache
 from grammar_backend.closing import Closer, ClosingConfig
 from grammar_backend.compile import XGRAMMAR_VERSION
 from grammar_backend.deadlines import Deadlines
 from grammar_backend.errors import (
+    CompileError,
     ConfigError,
     DuplicateSequence,
     GrammarError,
     SequenceError,
 )
 from grammar_backend.jump import Encoder, JumpForward
+from grammar_backend.llg import LLGUIDANCE_VERSION, LlgBackend, LlgCompiled
+from grammar_backend.lru import Lru
 from grammar_backend.sequences import FREE, SequenceTable, TableConfig
 from grammar_backend.spec import ConstraintSpec, SpecLimits
 from grammar_backend.workers import CompileWorkers, WorkerConfig
 
 log = logging.getLogger(__name__)
+
+XGRAMMAR: Final = "xgrammar"
+LLGUIDANCE: Final = "llguidance"
 
 #: Called once with None (the sequence's matcher exists) or the start's error.
 StartCallback = Callable[[GrammarError | None], None]
@@ -46,10 +54,20 @@ class GrammarEngineConfig:
     cache, workers, table, limits, closing
         See :class:`CacheConfig`, :class:`WorkerConfig`, :class:`TableConfig`,
         :class:`SpecLimits`, :class:`ClosingConfig`.
+    auto_timeout_s : float
+        ``backend: auto``: how long a start waits for xgrammar's compile
+        before it is served by llguidance instead (the xgrammar compile goes
+        on and serves later requests once cached).  xgrammar's compile p50
+        is 0.03 s on maskbench-dev, its p99 13.9 s (non-strict).
+    llg_compile_threads : int
+        Threads of the llguidance compile cache (a compile builds and checks
+        an ``LLMatcher``: about 1 ms; its lexer is built lazily).
     """
 
     max_batch: int = 256
     fill_threads: int = 1
+    auto_timeout_s: float = 5.0
+    llg_compile_threads: int = 1
     closing: ClosingConfig = field(default_factory=ClosingConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     workers: WorkerConfig = field(default_factory=WorkerConfig)
@@ -57,8 +75,8 @@ class GrammarEngineConfig:
     limits: SpecLimits = field(default_factory=SpecLimits)
 
     def __post_init__(self) -> None:
-        if min(self.max_batch, self.fill_threads) <= 0:
-            raise ConfigError("engine: max_batch and fill_threads must be positive")
+        if min(self.max_batch, self.fill_threads, self.llg_compile_threads) <= 0 or not self.auto_timeout_s > 0:
+            raise ConfigError("engine: max_batch, fill_threads, llg_compile_threads and auto_timeout_s must be positive")
 
 
 @dataclass(frozen=True)
@@ -105,11 +123,23 @@ class GrammarEngine:
     encode : callable, optional
         ``text -> token ids`` with the model's tokenizer (no special tokens):
         needed for jump-forward, which spells forced text as the tokenizer does.
+    llg : LlgBackend, optional
+        The llguidance backend over the same vocabulary (built from the
+        Hugging Face tokenizer); without it ``backend: llguidance`` is
+        refused and ``auto`` means xgrammar.
     """
 
     def __init__(self, tokenizer_info: xgr.TokenizerInfo, fingerprint: str, config: GrammarEngineConfig,
-                 encode: Encoder | None = None) -> None:
+                 encode: Encoder | None = None, llg: LlgBackend | None = None) -> None:
         self.config = config
+        self.llg = llg
+        # llguidance compiles in this process on its own threads: queued behind
+        # slow xgrammar compiles, the fallback from them would wait for them.
+        self.llg_cache = CompileCache(
+            dataclasses.replace(config.cache, workers=config.llg_compile_threads, store_dir=None), tokenizer_info)
+        #: backend: auto, by the xgrammar cache key: the backend that served the constraint first (sticky,
+        #: so a constraint that fell over to llguidance is not tried on xgrammar at every request).
+        self._auto: Lru[str, str] = Lru(4096)
         self.jump = None if encode is None else JumpForward(tokenizer_info, encode)
         self.tokenizer_info = tokenizer_info
         self.fingerprint = fingerprint
@@ -150,13 +180,32 @@ class GrammarEngine:
         self.cache.on_each_thread(self.workers.ensure_started)
 
     def compile(self, spec: ConstraintSpec, timeout_s: float | None = None) -> xgr.CompiledGrammar:
-        """The compiled grammar of ``spec`` (cached; single-flight; in a worker process; with a timeout).
+        """xgrammar's compiled grammar of ``spec`` (cached; single-flight; in a worker process; with a timeout).
 
         Raises
         ------
         CompileError, CompileTimeout, CompileQueueFull
         """
-        return self.cache.get(self._key(spec), self._compile_fn(spec), timeout_s)
+        return self.cache.get(self._key(spec, XGRAMMAR), self._compile_fn(spec, XGRAMMAR), timeout_s)
+
+    def backends(self, spec: ConstraintSpec) -> tuple[str, ...]:
+        """The backends a start of ``spec`` tries, in order.
+
+        Raises
+        ------
+        CompileError
+            ``backend: llguidance`` on an engine without it.
+        """
+        choice = spec.options.backend
+        if choice == "auto":
+            if self.llg is None:
+                return (XGRAMMAR,)
+            if self._auto.get(self._key(spec, XGRAMMAR)) == LLGUIDANCE:
+                return (LLGUIDANCE,)
+            return (XGRAMMAR, LLGUIDANCE)
+        if choice == LLGUIDANCE and self.llg is None:
+            raise CompileError("grammar_options.backend", "llguidance is not available on this server")
+        return (choice,)
 
     def start(self, seq_id: int, spec: ConstraintSpec, timeout_s: float | None = None, budget: int = 0) -> None:
         """Blocking form of :meth:`start_async`.
@@ -204,42 +253,84 @@ class GrammarEngine:
         if seq_id in self.table:
             # Checked before compiling too, so a duplicate costs no compile.
             raise DuplicateSequence(seq_id, "already started")
-        future = self.cache.get_future(self._key(spec), self._compile_fn(spec))
+        self._attempt(seq_id, spec, self.backends(spec), done, timeout_s, budget)
+
+    def _attempt(self, seq_id: int, spec: ConstraintSpec, backends: tuple[str, ...], done: StartCallback,
+                 timeout_s: float | None, budget: int) -> None:
+        """Start with ``backends[0]``; on its compile failing or running out of time, with the next one."""
+        backend, rest = backends[0], backends[1:]
+        cache = self.cache if backend == XGRAMMAR else self.llg_cache
+        future = cache.get_future(self._key(spec, backend), self._compile_fn(spec, backend))
         claimed = threading.Lock()  # whoever acquires it answers: the compile or the deadline
 
-        def on_compiled(fut: Future[xgr.CompiledGrammar]) -> None:
+        def fall_over(err: GrammarError) -> bool:
+            if not rest:
+                return False
+            log.info("grammar: sequence %d: %s failed (%s); trying %s", seq_id, backend, err, rest[0])
+            try:
+                self._attempt(seq_id, spec, rest, done, timeout_s, budget)
+            except GrammarError as again:
+                done(again)
+            return True
+
+        def on_compiled(fut: Future[Any]) -> None:
             if not claimed.acquire(blocking=False):
                 return
             if deadline is not None:
                 deadline.cancel()
             try:
-                self.table.start(seq_id, spec, fut.result(), budget, self.config.closing)
+                compiled = fut.result()
+            except GrammarError as err:
+                if not fall_over(err):
+                    done(err)
+                return
+            except Exception as err:
+                log.exception("grammar: compile for sequence %d failed", seq_id)
+                done(_internal(f"compiling for sequence {seq_id}", err))
+                return
+            try:
+                self.table.start(seq_id, spec, self._matcher(compiled), backend, budget, self.config.closing)
             except GrammarError as err:
                 done(err)
                 return
             except Exception as err:
                 log.exception("grammar: start of sequence %d failed", seq_id)
-                failure = GrammarError(f"grammar: internal error starting sequence {seq_id}: {err!r}")
-                failure.__cause__ = err
-                done(failure)
+                done(_internal(f"starting sequence {seq_id}", err))
                 return
+            if spec.options.backend == "auto":
+                self._auto.put(self._key(spec, XGRAMMAR), backend)
             done(None)
 
         def on_deadline() -> None:
             if claimed.acquire(blocking=False):
-                done(self.cache.timed_out(limit))
+                err = cache.timed_out(limit)
+                if not fall_over(err):
+                    done(err)
 
         deadline = None
         if not future.done():
             limit = self.cache.config.timeout_s if timeout_s is None else timeout_s
+            if rest:
+                limit = min(limit, self.config.auto_timeout_s)
             deadline = self._deadlines.call_later(limit, on_deadline)
         future.add_done_callback(on_compiled)
 
-    def _key(self, spec: ConstraintSpec) -> str:
-        return spec.cache_key(self.fingerprint, XGRAMMAR_VERSION)
+    def _key(self, spec: ConstraintSpec, backend: str) -> str:
+        version = f"xgrammar {XGRAMMAR_VERSION}" if backend == XGRAMMAR else f"llguidance {LLGUIDANCE_VERSION}"
+        return spec.cache_key(self.fingerprint, version)
 
-    def _compile_fn(self, spec: ConstraintSpec) -> Callable[[], xgr.CompiledGrammar]:
-        return lambda: self.workers.compile(spec)
+    def _compile_fn(self, spec: ConstraintSpec, backend: str) -> Callable[[], Any]:
+        if backend == XGRAMMAR:
+            return lambda: self.workers.compile(spec)
+        llg = self.llg
+        if llg is None:
+            raise CompileError("grammar_options.backend", "llguidance is not available on this server")
+        return lambda: llg.compile(spec)
+
+    def _matcher(self, compiled: Any) -> Matcher:
+        if isinstance(compiled, LlgCompiled) and self.llg is not None:
+            return self.llg.matcher(compiled)
+        return xgr.GrammarMatcher(compiled)
 
     def step(
         self,
@@ -292,8 +383,8 @@ class GrammarEngine:
         forced_rows, calm_rows = self._forced_rows, self._calm_rows
         forced_rows.clear()
         calm_rows.clear()
-        matchers: list[xgr.GrammarMatcher | None] = [None] * rows
-        jump_rows: list[tuple[int, xgr.GrammarMatcher]] | None = [] if jump_forward else None
+        matchers: list[Matcher | None] = [None] * rows
+        jump_rows: list[tuple[int, Matcher]] | None = [] if jump_forward else None
         errors: list[SequenceError | None] | None = None
         for i in range(rows):
             count = int(counts[i])
@@ -365,4 +456,11 @@ class GrammarEngine:
         """Stop the compile threads and worker processes."""
         self._deadlines.close()
         self.cache.close()
+        self.llg_cache.close()
         self.workers.close()
+
+
+def _internal(what: str, err: Exception) -> GrammarError:
+    failure = GrammarError(f"grammar: internal error {what}: {err!r}")
+    failure.__cause__ = err
+    return failure

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 import xgrammar as xgr
 
-from grammar_backend.bitmask import pack_tokens
+from grammar_backend.bitmask import Matcher, bitmask_width, pack_tokens
 from grammar_backend.lru import Lru
 
 __all__ = ["JumpForward", "JumpStats", "pack_forced"]
@@ -99,11 +99,12 @@ class JumpForward:
         # Forced runs repeat (the same keys in every object of a schema): spelling
         # one with the tokenizer costs 10-25 us, a lookup well under 1 us.
         self._spelled: Lru[str, tuple[int, ...]] = Lru(_SPELLED_CACHE)
-        self._row = xgr.allocate_token_bitmask(1, self._vocab_size)
-        self._row_words = self._row[0].numpy()  # a view: fills show through
+        # numpy, which both backends' matchers fill.
+        self._row = np.zeros((1, bitmask_width(self._vocab_size)), dtype=np.int32)
+        self._row_words = self._row[0]
         self.stats = JumpStats()
 
-    def tokens(self, matcher: xgr.GrammarMatcher) -> tuple[int, ...]:
+    def tokens(self, matcher: Matcher) -> tuple[int, ...]:
         """The forced continuation of ``matcher``, canonically tokenized (``()``: none).
 
         The matcher is left as it was.
@@ -132,7 +133,7 @@ class JumpForward:
             return ()
         return ids
 
-    def _continued(self, matcher: xgr.GrammarMatcher, ids: tuple[int, ...]) -> bool:
+    def _continued(self, matcher: Matcher, ids: tuple[int, ...]) -> bool:
         """Whether, after ``ids[:-1]``, the grammar allows a token longer than ``ids[-1]`` that starts with it."""
         longer = self._longer_than(ids[-1])
         if not longer.size:

@@ -9,8 +9,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import xgrammar as xgr
 
+from grammar_backend.bitmask import Matcher
 from grammar_backend.closing import Closer, CloseState, ClosingConfig, RepeatDetector
 from grammar_backend.errors import (
     CapacityExceeded,
@@ -59,7 +59,10 @@ class GrammarSequence:
     ----------
     seq_id : int
     spec : ConstraintSpec
-    compiled : xgrammar.CompiledGrammar
+    matcher : Matcher
+        A new matcher of the compiled constraint (xgrammar's or llguidance's).
+    backend : str
+        Which backend compiled it (``"xgrammar"`` or ``"llguidance"``).
     now : float
         Creation time on the table's clock.
     budget : int
@@ -70,7 +73,7 @@ class GrammarSequence:
     """
 
     __slots__ = (
-        "budget", "close_state", "closing", "created", "forced", "forced_at", "last_used", "matcher",
+        "backend", "budget", "close_state", "closing", "created", "forced", "forced_at", "last_used", "matcher",
         "next_check", "next_repeat_check", "repeats", "seq_id", "spec", "steps", "tokens_accepted",
     )
 
@@ -78,14 +81,16 @@ class GrammarSequence:
         self,
         seq_id: int,
         spec: ConstraintSpec,
-        compiled: xgr.CompiledGrammar,
+        matcher: Matcher,
+        backend: str,
         now: float,
         budget: int = 0,
         closing: ClosingConfig | None = None,
     ) -> None:
         self.seq_id = seq_id
         self.spec = spec
-        self.matcher = xgr.GrammarMatcher(compiled)
+        self.matcher = matcher
+        self.backend = backend
         self.tokens_accepted = 0
         self.steps = 0
         self.created = now
@@ -259,11 +264,12 @@ class SequenceTable:
         self,
         seq_id: int,
         spec: ConstraintSpec,
-        compiled: xgr.CompiledGrammar,
+        matcher: Matcher,
+        backend: str = "xgrammar",
         budget: int = 0,
         closing: ClosingConfig | None = None,
     ) -> GrammarSequence:
-        """Create the matcher of a new sequence (``budget``, ``closing``: see :class:`GrammarSequence`).
+        """Add a new sequence with its matcher (``backend``, ``budget``, ``closing``: see :class:`GrammarSequence`).
 
         Raises
         ------
@@ -279,7 +285,7 @@ class SequenceTable:
             self._evict_idle_locked(now)
             if len(self._seqs) >= self.config.capacity:
                 raise CapacityExceeded(f"sequence {seq_id}: {self.config.capacity} sequences are active")
-            seq = GrammarSequence(seq_id, spec, compiled, now, budget, closing)
+            seq = GrammarSequence(seq_id, spec, matcher, backend, now, budget, closing)
             self._seqs[seq_id] = seq
             return seq
 

@@ -19,6 +19,7 @@ from grammar_backend.cache import CacheConfig
 from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
 from grammar_backend.errors import ConstraintError, GrammarError
 from grammar_backend.jump import pack_forced
+from grammar_backend.llg import LlgBackend
 from grammar_backend.maskbuf import Attached
 from grammar_backend.metrics import LatencyWindow, Snapshot
 from grammar_backend.sequences import TableConfig
@@ -94,7 +95,8 @@ class GrammarModelConfig:
             vocab_size=self.vocab_size or None,
             stop_token_ids=list(self.stop_token_ids) or None,
         )
-        return GrammarEngine(bundle.info, bundle.fingerprint, self.engine_config(), encode=bundle.encode)
+        llg = LlgBackend(bundle.hf, bundle.vocab_size, bundle.stop_token_ids)
+        return GrammarEngine(bundle.info, bundle.fingerprint, self.engine_config(), encode=bundle.encode, llg=llg)
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,7 @@ class GrammarReply:
     forced_counts: np.ndarray | None = None
     closing: np.ndarray | None = None
     stats: str | None = None
+    backend: str | None = None  # start: the backend that serves the sequence
 
 
 class GrammarService:
@@ -171,11 +174,15 @@ class GrammarService:
             self.engine.start_async(
                 seq_id,
                 spec,
-                lambda err: done(err if err is not None else GrammarReply(active=self.engine.active_count)),
+                lambda err: done(err if err is not None else self._started(seq_id)),
                 budget=req.budget,
             )
         except GrammarError as err:
             done(err)
+
+    def _started(self, seq_id: int) -> GrammarReply:
+        backend = self.engine.table.get(seq_id).backend
+        return GrammarReply(active=self.engine.active_count, backend=backend)
 
     def _start_args(self, req: GrammarRequest) -> tuple[int, ConstraintSpec]:
         if len(req.seq_ids) != 1:
@@ -200,8 +207,9 @@ class GrammarService:
         if req.op not in OPS:
             raise ConstraintError("OP", f"unknown op {req.op!r}; expected one of {', '.join(OPS)}")
         if req.op == "start":
-            eng.start(*self._start_args(req), budget=req.budget)
-            return GrammarReply(active=eng.active_count)
+            seq_id, spec = self._start_args(req)
+            eng.start(seq_id, spec, budget=req.budget)
+            return self._started(seq_id)
         if req.op == "end":
             eng.end([int(s) for s in req.seq_ids])
             return GrammarReply(active=eng.active_count)
@@ -211,6 +219,7 @@ class GrammarService:
                 "evicted": eng.table.evicted,
                 **asdict(eng.cache.stats()),
                 "workers": asdict(eng.workers.stats()),
+                "llguidance": asdict(eng.llg_cache.stats()),
             }
             return GrammarReply(active=eng.active_count, stats=json.dumps(stats))
         rows = len(req.seq_ids)

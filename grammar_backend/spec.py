@@ -109,11 +109,14 @@ class ConstraintOptions:
         What happens when ``max_tokens`` runs out (see :data:`ON_BUDGET`).
     on_repeat : {"close", "continue"}
         What happens to a runaway value (see :data:`ON_REPEAT`).
+    backend : {"auto", "xgrammar", "llguidance"}
+        The grammar engine (``contract.POLICIES``; the compile-cache key
+        names the backend that compiled it, see :mod:`grammar_backend.engine`).
     jump_forward : bool
         Append forced text without sampling it (see :mod:`grammar_backend.jump`).
 
-    ``on_budget``, ``on_repeat`` and ``jump_forward`` apply to every kind and
-    do not change the compiled grammar, so they are not part of the cache key.
+    ``on_budget``, ``on_repeat``, ``backend`` and ``jump_forward`` apply to
+    every kind; they are not part of :meth:`canonical`.
     """
 
     strict: bool = False
@@ -122,6 +125,7 @@ class ConstraintOptions:
     any_order: bool = False
     on_budget: str = "close"
     on_repeat: str = "close"
+    backend: str = "auto"
     jump_forward: bool = contract.DECODING_FLAGS["jump_forward"]
 
     def canonical(self) -> list[Any]:

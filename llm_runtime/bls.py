@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from grammar_backend.errors import UNAVAILABLE, GrammarError
+from grammar_backend.errors import INTERNAL, UNAVAILABLE, GrammarError
 from grammar_backend.maskbuf import MaskBuffer
 from llm_runtime.mask import ConstraintRequest, MaskStep
 
@@ -33,6 +33,7 @@ _log = logging.getLogger(__name__)
 _ROW_OUTPUTS = ["TERMINATED", "ROW_ERROR", "CLOSING", "ERROR"]
 _FORCED_OUTPUTS = ["FORCED_TOKENS", "FORCED_COUNT"]
 _CONTROL_OUTPUTS = ["ACTIVE_SEQUENCES", "ERROR"]
+_START_OUTPUTS = [*_CONTROL_OUTPUTS, "BACKEND"]
 
 
 class RemoteGrammarError(GrammarError):
@@ -129,8 +130,8 @@ class BlsMaskProvider:
             raise RemoteGrammarError(doc["message"], doc["status"])
         return reply
 
-    def start(self, seq_id: int, constraint: ConstraintRequest) -> None:
-        """Compile the constraint (in the grammar model) and create the sequence's matcher."""
+    def start(self, seq_id: int, constraint: ConstraintRequest) -> str:
+        """Compile the constraint (in the grammar model) and create the sequence's matcher; returns its backend."""
         pb = self._pb
         inputs = [
             self._op(b"start"),
@@ -142,7 +143,10 @@ class BlsMaskProvider:
         ]
         if constraint.validated:
             inputs.append(pb.Tensor("VALIDATED", np.array([True])))
-        self._call(inputs, _CONTROL_OUTPUTS)
+        backend = pb.get_output_tensor_by_name(self._call(inputs, _START_OUTPUTS), "BACKEND")
+        if backend is None:
+            raise RemoteGrammarError(f"{self._model}: start answered without BACKEND", INTERNAL)
+        return bytes(backend.as_numpy().reshape(-1)[0]).decode()
 
     def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray,
              jump_forward: bool = False) -> MaskStep:

@@ -182,8 +182,8 @@ class GrammarLogitsProcessor:
         self._apply_s = 0.0
 
     # -- membership -----------------------------------------------------------
-    def start(self, key: int, seq_id: int, constraint: ConstraintRequest, prompt_len: int) -> None:
-        """Create the grammar sequence (blocking: may compile) and register its row.
+    def start(self, key: int, seq_id: int, constraint: ConstraintRequest, prompt_len: int) -> str:
+        """Create the grammar sequence (blocking: may compile) and register its row; returns its backend.
 
         Parameters
         ----------
@@ -203,7 +203,7 @@ class GrammarLogitsProcessor:
         EngineError
             If ``key`` is already registered (the grammar sequence is ended again).
         """
-        self._provider.start(seq_id, constraint)
+        backend = self._provider.start(seq_id, constraint)
         with self._lock:
             clash = key in self._rows
             if not clash:
@@ -212,6 +212,7 @@ class GrammarLogitsProcessor:
             with self._step_lock:
                 self._provider.end([seq_id])
             raise EngineError(f"request {key} already has a grammar row")
+        return backend
 
     def remove(self, keys: Sequence[int]) -> list[RowOutcome | None]:
         """Forget the rows of finished requests and end their grammar sequences (one call).

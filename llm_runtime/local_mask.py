@@ -24,11 +24,12 @@ class LocalMaskProvider:
     def __init__(self, engine: GrammarEngine) -> None:
         self.engine = engine
 
-    def start(self, seq_id: int, constraint: ConstraintRequest) -> None:
-        """Validate (unless preprocessing did), compile (cached) and create the matcher."""
+    def start(self, seq_id: int, constraint: ConstraintRequest) -> str:
+        """Validate (unless preprocessing did), compile (cached) and create the matcher; returns its backend."""
         spec = constraint_spec(constraint.kind, constraint.payload, constraint.options_json,
                                self.engine.config.limits, validated=constraint.validated)
         self.engine.start(seq_id, spec, budget=constraint.budget)
+        return self.engine.table.get(seq_id).backend
 
     def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray,
              jump_forward: bool = False) -> MaskStep:

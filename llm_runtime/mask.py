@@ -109,9 +109,10 @@ class MaskProvider(Protocol):
     to ``step`` are reused buffers: do not keep references after returning.
     """
 
-    def start(self, seq_id: int, constraint: ConstraintRequest) -> None:
+    def start(self, seq_id: int, constraint: ConstraintRequest) -> str:
         """Create the sequence's grammar state; blocking (may compile).
 
+        Returns the grammar backend that serves it (``contract.BACKENDS``).
         Raises :class:`grammar_backend.errors.GrammarError` subclasses.
         """
         ...

@@ -263,6 +263,8 @@ class FinishEvent:
     output (``"budget"``: ``finish_reason`` is then ``"length"``;
     ``"repetition"``: ``"stop"``), see :mod:`grammar_backend.closing`.
     ``stop_string``: the output ended at one of the request's stop strings.
+    ``backend``: the grammar backend that served the constraint (None: no
+    constraint, or it failed to start).
     """
 
     finish_reason: FinishReason
@@ -273,6 +275,7 @@ class FinishEvent:
     error_status: str | None = None
     close_reason: str | None = None
     stop_string: bool = False
+    backend: str | None = None
 
 
 EventCallback = Callable[[TokenEvent | FinishEvent], None]
@@ -391,6 +394,7 @@ class _Seq:
     gen: torch.Generator
     detok: IncrementalDetokenizer
     started: bool = False  # MaskProvider.start returned
+    backend: str | None = None  # what MaskProvider.start returned
     ended: bool = False  # MaskProvider.end issued
     in_engine: bool = False
     finished: bool = False
@@ -776,9 +780,9 @@ class Scheduler:
         err: BaseException | None = None
         try:
             if self._hook is not None:
-                self._hook.start(seq.seq_id, seq.seq_id, constraint, int(seq.prompt.shape[0]))
+                seq.backend = self._hook.start(seq.seq_id, seq.seq_id, constraint, int(seq.prompt.shape[0]))
             else:
-                self._provider.start(seq.seq_id, constraint)
+                seq.backend = self._provider.start(seq.seq_id, constraint)
         except Exception as exc:  # noqa: BLE001 -- delivered to the request as its FinishEvent
             err = exc
             if status_of(exc) == "INTERNAL":
@@ -1108,6 +1112,7 @@ class Scheduler:
                 error_status=status,
                 close_reason=close_reason,
                 stop_string=stop_string,
+                backend=seq.backend,
             ),
         )
 

@@ -209,6 +209,9 @@ def native_guided_kwargs(constraint: ConstraintRequest) -> dict[str, Any]:
     """
     spec = constraint_spec(constraint.kind, constraint.payload, constraint.options_json, SpecLimits(),
                            validated=constraint.validated)
+    if spec.options.backend == "llguidance":
+        raise InvalidArgument("grammar_options.backend", "the server's native grammar mode masks with TensorRT-LLM's "
+                                                         "xgrammar backend")
     if spec.options.canonical() != ConstraintOptions().canonical():
         raise InvalidArgument("options", "strict, whitespace, indent and any_order are not supported by the "
                                          "server's native grammar mode (TensorRT-LLM's own defaults apply)")
@@ -320,6 +323,7 @@ class _Request:
     cancelled: bool = False
     finished: bool = False
     has_row: bool = False
+    backend: str | None = None  # the grammar backend that masks it
     generated: int = 0
 
 
@@ -515,7 +519,7 @@ class TrtllmGenerator:
             return
         try:
             if self._processor is not None:
-                self._processor.start(req.seq_id, req.seq_id, c, int(req.prompt.shape[0]))
+                req.backend = self._processor.start(req.seq_id, req.seq_id, c, int(req.prompt.shape[0]))
                 req.has_row = True
             else:
                 # Native: the grammar model validates and compiles once (errors,
@@ -523,6 +527,7 @@ class TrtllmGenerator:
                 req.guided = native_guided_kwargs(c)
                 self._provider.start(req.seq_id, c)
                 self._provider.end([req.seq_id])
+                req.backend = "xgrammar"  # TensorRT-LLM's guided decoder (guided_decoding_backend)
         except Exception as err:  # noqa: BLE001 -- delivered to the request as its FinishEvent
             self._deliver_finish(req, "error", error=str(err), status=status_of(err))
             return
@@ -621,7 +626,7 @@ class TrtllmGenerator:
                 req.callback(TokenEvent(tail, ()))
             req.callback(FinishEvent(reason, req.detok.text, int(req.prompt.shape[0]), req.generated,
                                      error=error, error_status=status, close_reason=close_reason,
-                                     stop_string=stop_string))
+                                     stop_string=stop_string, backend=req.backend))
         except Exception:  # noqa: BLE001 -- a caller's bug must not stop the loop; logged
             _log.exception("event callback of request %s raised", req.rid)
 

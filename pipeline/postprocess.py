@@ -53,6 +53,7 @@ class FinalState:
     status: str | None = None
     close_reason: str | None = None
     stop_string: bool = False
+    backend: str | None = None
 
     @classmethod
     def rejected(cls, err: BaseException) -> FinalState:
@@ -90,6 +91,7 @@ def build_result(final: FinalState, constraint: dict[str, str] | None) -> dict[s
         "closed_early": closed,
         "close_reason": final.close_reason,
         "stop_string": final.stop_string,
+        "backend": final.backend,
         "text": final.text,
         "usage": {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens},
         "error": _cut(final.error),

@@ -82,6 +82,29 @@ def test_text_constraints_match(client: Client, constraint: Constraint, pattern:
     result = client.generate("Answer briefly.", constraint=constraint, max_tokens=40)
     assert result.finish_reason == "stop" and result.complete
     assert re.fullmatch(pattern, result.text), result.text
+    assert result.backend == "xgrammar"  # backend: auto, and xgrammar compiles all of these
+
+
+@pytest.mark.parametrize(
+    ("constraint", "backend", "pattern"),
+    [
+        # Forced: llguidance serves a schema xgrammar would serve too.
+        (Constraint.json_schema(_schema("tool_weather")).with_policies(backend="llguidance"), "llguidance", None),
+        (Constraint.regex(r"[0-9]{3}-[a-z]{2,6}").with_policies(backend="llguidance"), "llguidance",
+         r"[0-9]{3}-[a-z]{2,6}"),
+        # auto: xgrammar 0.2.9 cannot compile \p{L} ("Unicode character class escape sequence is not supported").
+        (Constraint.regex(r"\p{L}{2,12}"), "llguidance", r"[^\W\d_]{2,12}"),
+    ],
+)
+def test_the_llguidance_backend_serves_end_to_end(client: Client, constraint: Constraint, backend: str,
+                                                  pattern: str | None) -> None:
+    result = client.generate("Name a city.", constraint=constraint, max_tokens=48, require_complete=False)
+    assert result.backend == backend
+    assert result.finish_reason == "stop" and (result.complete or result.closed_early), result
+    if pattern is None:
+        assert result.json is not None and result.json.valid
+    else:
+        assert re.fullmatch(pattern, result.text), result.text
 
 
 @pytest.mark.parametrize("at_least_one", [False, True])

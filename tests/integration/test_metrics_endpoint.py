@@ -70,7 +70,10 @@ def test_metrics_move_with_the_load_and_return_to_idle(server: TritonServer) -> 
     assert value(during, "llm_waiting_requests") == 0
     assert len(results) == 8
 
-    after = wait_for(server, lambda s: all(value(s, g) == 0 for g in GAUGES))
+    # The step counter and the step histogram are separate updates (an IPC each): a scrape between
+    # them saw 65 steps and 64 timings, so wait until they agree too.
+    after = wait_for(server, lambda s: all(value(s, g) == 0 for g in GAUGES)
+                     and value(s, "llm_steps_total") == value(s, "llm_step_seconds_count"))
     assert {g: value(after, g) for g in GAUGES} == dict.fromkeys(GAUGES, 0.0)
     grew = {name: value(after, name) - value(before, name) for name in (
         "grammar_cache_hits_total", "grammar_cache_misses_total", "llm_steps_total", "llm_step_seconds_count",

@@ -153,7 +153,8 @@ def test_maskbench_outcomes(tmp_path: Path) -> None:
     data = _write_cases(tmp_path / "data", {**CASES, SLOW[0]: SLOW[1]})
     out = tmp_path / "maskbench.json"
     proc = _run("maskbench.py", [str(data), "--tokenizer", str(qwen), "--vocab-size", str(QWEN_PADDED),
-                                 "--workers", "1", "--timeout", "3", "--json", str(out), "--quiet"], timeout=120)
+                                 "--workers", "1", "--timeout", "3", "--backend", "xgrammar", "--json", str(out),
+                                 "--quiet"], timeout=120)
     doc = json.loads(out.read_text())
     by_file = {r["file"]: r for r in doc["schemas"]}
     got = {name: (r["status"], r["passed"], [v["test"] for v in r.get("valid_rejected", [])],
@@ -168,7 +169,8 @@ def test_maskbench_outcomes(tmp_path: Path) -> None:
         "WashingtonPost---slow.json": ("timeout", False, [], []),
     }
     assert by_file["Handwritten---lookbehind.json"]["reason"] == (
-        "xgrammar cannot compile this json_schema: Regex parsing error at position 3: Lookbehind is not supported yet."
+        "grammar: xgrammar cannot compile this json_schema: Regex parsing error at position 3: "
+        "Lookbehind is not supported yet."
     )
     assert by_file["Handwritten---badtype.json"]["reason"].startswith("grammar#/type: not a valid JSON Schema: ")
     assert by_file["WashingtonPost---slow.json"]["phase"] == "compile"
@@ -187,6 +189,28 @@ def test_maskbench_outcomes(tmp_path: Path) -> None:
     assert (totals["schemas"], totals["passed"], totals["timeout"], totals["invalid_accepted"], totals["caught"]) == (
         6, 1, 1, 1, 1)
     assert "TOTAL" in proc.stdout and "LLGuidance 8909" in proc.stdout
+    assert {r["backend"] for r in doc["schemas"] if r["status"] == "compiled"} == {"xgrammar"}
+    assert (doc["timings"]["by_backend"]["xgrammar"]["schemas"], doc["timings"]["by_backend"]["xgrammar"]["passed"]) == (
+        3, 1)
+
+
+@pytest.mark.parametrize("backend", ["auto", "llguidance"])
+def test_maskbench_backends(tmp_path: Path, backend: str) -> None:
+    """auto tries llguidance where xgrammar refuses a schema; llguidance alone serves every schema it compiles."""
+    qwen = _qwen_dir()
+    names = ("Handwritten---closed.json", "Handwritten---lookbehind.json")
+    data = _write_cases(tmp_path / "data", {name: CASES[name] for name in names})
+    out = tmp_path / "maskbench.json"
+    _run("maskbench.py", [str(data), "--tokenizer", str(qwen), "--vocab-size", str(QWEN_PADDED), "--workers", "1",
+                          "--backend", backend, "--json", str(out), "--quiet"], timeout=120)
+    doc = json.loads(out.read_text())
+    by_file = {r["file"]: r for r in doc["schemas"]}
+    closed, lookbehind = by_file[names[0]], by_file[names[1]]
+    assert (closed["status"], closed["passed"], closed["backend"]) == (
+        "compiled", True, "xgrammar" if backend == "auto" else "llguidance")
+    assert lookbehind["status"] == "compile_error"
+    assert lookbehind["reason"].startswith("grammar: llguidance cannot compile this json_schema: ")
+    assert doc["config"]["options"]["backend"] == backend
 
 
 # ------------------------------------------------------------ grammar_bench

@@ -192,7 +192,7 @@ def _sequence(
     compiler: xgr.GrammarCompiler, payload: dict[str, Any], budget: int, options: dict[str, str]
 ) -> GrammarSequence:
     spec = parse_constraint("json_schema", json.dumps(payload), options)
-    return GrammarSequence(1, spec, compile_spec(compiler, spec), 0.0, budget, ClosingConfig())
+    return GrammarSequence(1, spec, xgr.GrammarMatcher(compile_spec(compiler, spec)), "xgrammar", 0.0, budget, ClosingConfig())
 
 
 @pytest.mark.parametrize("budget", [24, 40, 200])

@@ -43,6 +43,7 @@ OPTION_CASES: list[tuple[str, Any]] = [
     ("on_budget", "close"), ("on_budget", "truncate"), ("on_budget", "stop"),
     ("on_repeat", "close"), ("on_repeat", "continue"), ("on_repeat", None),
     ("jump_forward", True), ("jump_forward", False), ("jump_forward", "on"), ("jump_forward", 0),
+    ("backend", "auto"), ("backend", "xgrammar"), ("backend", "llguidance"), ("backend", "outlines"),
     ("colour", "red"),
 ]
 

@@ -75,7 +75,7 @@ class XGrammarMaskProvider:
             raise CompileError("grammar", str(err).splitlines()[-1]) from err
         raise ConstraintError("grammar_type", f"unsupported kind {c.kind!r}")
 
-    def start(self, seq_id: int, constraint: ConstraintRequest) -> None:
+    def start(self, seq_id: int, constraint: ConstraintRequest) -> str:
         if self.start_gate is not None and not self.start_gate.wait(TIMEOUT):
             raise TimeoutError("start gate never opened")
         matcher = xgr.GrammarMatcher(self._compile(constraint))
@@ -84,6 +84,7 @@ class XGrammarMaskProvider:
                 raise DuplicateSequence(seq_id, "already active")
             self.matchers[seq_id] = matcher
             self.started.append(seq_id)
+        return "xgrammar"
 
     def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray,
              jump_forward: bool = False) -> MaskStep:
@@ -135,10 +136,11 @@ class FaultyRowProvider(XGrammarMaskProvider):
         self.fail_at_step = fail_at_step
         self.seen = 0
 
-    def start(self, seq_id: int, constraint: ConstraintRequest) -> None:
-        super().start(seq_id, constraint)
+    def start(self, seq_id: int, constraint: ConstraintRequest) -> str:
+        backend = super().start(seq_id, constraint)
         if constraint.payload == self.fail_payload:
             self.fail_seq = seq_id
+        return backend
 
     def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray,
              jump_forward: bool = False) -> MaskStep:

@@ -34,7 +34,7 @@ def _table(capacity: int = 8, ttl: float = 0.0, now: list[float] | None = None) 
 
 def test_lifecycle(compiled: xgr.CompiledGrammar) -> None:
     table = _table()
-    table.start(1, SPEC, compiled)
+    table.start(1, SPEC, xgr.GrammarMatcher(compiled))
     assert table.accept(1, tiny_encode("abc")) is False
     assert table.accept(1, [TINY_STOP]) is True
     assert table.get(1).tokens_accepted == 4
@@ -55,8 +55,8 @@ def test_errors_are_precise_and_local(
     compiled: xgr.CompiledGrammar, action: object, error: type[Exception], match: str
 ) -> None:
     table = _table()
-    table.start(1, SPEC, compiled)
-    table.start(3, SPEC, compiled)
+    table.start(1, SPEC, xgr.GrammarMatcher(compiled))
+    table.start(3, SPEC, xgr.GrammarMatcher(compiled))
     with pytest.raises(error, match=match):
         action(table, compiled)  # type: ignore[operator]
     # The failed operation left sequence 1 at its start and sequence 3 untouched.
@@ -66,7 +66,7 @@ def test_errors_are_precise_and_local(
 
 def test_rejected_multi_token_accept_is_atomic(compiled: xgr.CompiledGrammar) -> None:
     table = _table()
-    table.start(1, SPEC, compiled)
+    table.start(1, SPEC, xgr.GrammarMatcher(compiled))
     with pytest.raises(TokenRejected):
         table.accept(1, tiny_encode("abcz"))
     # "ab" was rolled back: the sequence accepts "abd" from its start.
@@ -75,7 +75,7 @@ def test_rejected_multi_token_accept_is_atomic(compiled: xgr.CompiledGrammar) ->
 
 def test_rollback_restores_the_matcher(compiled: xgr.CompiledGrammar) -> None:
     table = _table()
-    table.start(1, SPEC, compiled)
+    table.start(1, SPEC, xgr.GrammarMatcher(compiled))
     table.accept(1, tiny_encode("abcc"))
     table.rollback(1, 3)
     assert table.get(1).tokens_accepted == 1
@@ -85,13 +85,13 @@ def test_rollback_restores_the_matcher(compiled: xgr.CompiledGrammar) -> None:
 def test_capacity_and_idle_eviction(compiled: xgr.CompiledGrammar) -> None:
     now = [0.0]
     table = _table(capacity=2, ttl=10, now=now)
-    table.start(1, SPEC, compiled)
+    table.start(1, SPEC, xgr.GrammarMatcher(compiled))
     now[0] = 5
-    table.start(2, SPEC, compiled)
+    table.start(2, SPEC, xgr.GrammarMatcher(compiled))
     with pytest.raises(CapacityExceeded, match=r"^sequence 3: 2 sequences are active$"):
-        table.start(3, SPEC, compiled)
+        table.start(3, SPEC, xgr.GrammarMatcher(compiled))
     now[0] = 12  # sequence 1 idle for 12 s, sequence 2 for 7 s
-    table.start(3, SPEC, compiled)
+    table.start(3, SPEC, xgr.GrammarMatcher(compiled))
     assert 1 not in table and 2 in table and table.evicted == 1
     now[0] = 30
     assert table.evict_idle() == [2, 3] and len(table) == 0
@@ -127,14 +127,14 @@ def test_random_operations_never_leak(compiled: xgr.CompiledGrammar, ops: list[t
         if op == "start":
             if sid in model:
                 with pytest.raises(DuplicateSequence):
-                    table.start(sid, SPEC, compiled)
+                    table.start(sid, SPEC, xgr.GrammarMatcher(compiled))
                 continue
             expire()
             if len(model) >= 4:
                 with pytest.raises(CapacityExceeded):
-                    table.start(sid, SPEC, compiled)
+                    table.start(sid, SPEC, xgr.GrammarMatcher(compiled))
             else:
-                table.start(sid, SPEC, compiled)
+                table.start(sid, SPEC, xgr.GrammarMatcher(compiled))
                 model[sid] = (0, now[0])
         elif op == "end":
             assert table.end(sid) is (sid in model)
@@ -171,5 +171,5 @@ def test_random_operations_never_leak(compiled: xgr.CompiledGrammar, ops: list[t
 
 def test_spec_is_kept_on_the_sequence(compiled: xgr.CompiledGrammar) -> None:
     table = _table()
-    seq = table.start(9, SPEC, compiled)
+    seq = table.start(9, SPEC, xgr.GrammarMatcher(compiled))
     assert isinstance(seq.spec, ConstraintSpec) and seq.spec.payload == "ab(c|d)+"

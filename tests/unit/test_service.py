@@ -183,7 +183,7 @@ def test_start_async_replies_once_the_matcher_exists(service: GrammarService) ->
     service.start_async(GrammarRequest("start", np.array([3], np.uint64), grammar_type="regex", grammar=b"[0-9]+"),
                         _collect(outcomes, done))
     assert done.wait(60)
-    assert outcomes == [GrammarReply(active=1)]
+    assert outcomes == [GrammarReply(active=1, backend="xgrammar")]
     assert 3 in service.engine.table
 
 

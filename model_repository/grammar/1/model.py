@@ -31,6 +31,8 @@ Outputs (exactly one response per request, sent with the FINAL flag)
                                             (1: budget, 2: repetition; grammar_backend.closing)
     ACTIVE_SEQUENCES INT32 [1]              sequences holding a matcher after this request
     STATS            BYTES [1]              stats: JSON of cache and table counters
+    BACKEND          BYTES [1]              start: the grammar backend serving the sequence
+                                            (xgrammar or llguidance; grammar option backend)
     ERROR            BYTES [1]              only when requested: a request-level error as data,
                                             JSON {"status": gRPC status name, "message": ...}
 
@@ -113,6 +115,8 @@ def _to_response(reply: GrammarReply, wanted: frozenset[str]) -> Any:
         candidates.append(("FORCED_COUNT", reply.forced_counts))
     if reply.stats is not None:
         candidates.append(("STATS", np.array([reply.stats.encode()], np.object_)))
+    if reply.backend is not None:
+        candidates.append(("BACKEND", np.array([reply.backend.encode()], np.object_)))
     return pb_utils.InferenceResponse(
         output_tensors=[pb_utils.Tensor(name, value) for name, value in candidates if not wanted or name in wanted])
 

@@ -1,0 +1,235 @@
+"""The llguidance backend: compile a :class:`ConstraintSpec` with llguidance and match it
+through the matcher interface the engine, the closer and jump-forward use.
+
+xgrammar compiles eagerly (a schema can take seconds and gigabytes, see
+:mod:`grammar_backend.workers`); llguidance builds its lexer lazily, so a
+grammar is ready in about a millisecond and each mask costs more (measured
+with the Qwen3 vocabulary: ``LLMatcher`` built in 0.8 ms, one mask 1.5 ms on
+a two-property schema).  The two also fail on different schemas, which is why
+``backend: auto`` (:mod:`grammar_backend.engine`) serves a constraint with
+llguidance where xgrammar cannot compile it or runs out of time.
+
+Both write the same packed int32 bitmask (bit ``j`` of word ``j // 32`` is
+token ``j``, least significant bit first), so llguidance rows share the
+engine's bitmask buffer; its tokenizer is built with the model's padded
+vocabulary size and stop tokens, so the rows have the same width.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+import llguidance
+import llguidance.gbnf_to_lark
+import llguidance.hf
+import llguidance.numpy
+import numpy as np
+
+import contract
+from grammar_backend.errors import CompileError
+from grammar_backend.spec import ConstraintKind, ConstraintOptions, ConstraintSpec
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
+LLGUIDANCE_VERSION: Final = importlib.metadata.version("llguidance")
+
+#: What an llguidance grammar is charged in the compile cache: its text plus a
+#: fixed share for the lexer it builds lazily (llguidance does not report its
+#: memory; its documentation puts a lexer state at 1-2 kB, and the default
+#: state limit is 250,000, so this is an estimate, not a measurement).
+LEXER_ESTIMATE_BYTES: Final = 1 << 20
+
+
+def json_compile_options(options: ConstraintOptions) -> JsonCompileOptions:
+    """llguidance's JSON options (``x-guidance``) for ``options``.
+
+    Raises
+    ------
+    CompileError
+        An option llguidance cannot honour: ``indent`` (it has no pretty
+        printer), ``any_order`` (it fixes properties to the schema's order)
+        and ``strict`` (it has no mode that closes open objects).
+    """
+    for name, value in (("indent", options.indent), ("any_order", options.any_order), ("strict", options.strict)):
+        if value not in (None, False):
+            raise CompileError(f"grammar_options.{name}", "is not supported by the llguidance backend")
+    if options.whitespace == "compact":
+        return {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+    if options.whitespace == "any":
+        return {"whitespace_flexible": True}
+    # A bounded run between tokens, as xgrammar's max_whitespace_cnt.
+    return {"whitespace_flexible": True, "whitespace_pattern": f"[\\x20\\x0A\\x0D\\x09]{{0,{options.whitespace}}}"}
+
+
+def lark_of(spec: ConstraintSpec) -> str:
+    """The grammar text llguidance's ``LLMatcher`` takes for ``spec``.
+
+    Raises
+    ------
+    CompileError
+        A structural tag (xgrammar's format; not translated) or an option
+        llguidance cannot honour (:func:`json_compile_options`).
+    """
+    kind = spec.kind
+    if kind.is_json:
+        schema = spec.payload if kind is ConstraintKind.JSON_SCHEMA else contract.JSON_OBJECT_SCHEMA
+        try:
+            return str(llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=json_compile_options(spec.options)))
+        except ValueError as err:
+            raise CompileError("grammar", f"llguidance cannot compile this {kind.value}: {err}") from err
+    if kind is ConstraintKind.REGEX:
+        return str(llguidance.LLMatcher.grammar_from_regex(spec.payload))
+    if kind is ConstraintKind.LARK:
+        return str(llguidance.LLMatcher.grammar_from_lark(spec.payload))
+    if kind is ConstraintKind.EBNF:
+        return str(llguidance.LLMatcher.grammar_from_lark(llguidance.gbnf_to_lark.gbnf_to_lark(spec.payload)))
+    if kind is ConstraintKind.CHOICE:
+        # Lark string literals read JSON escapes, so json.dumps spells any choice.
+        return str(llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.document)))
+    raise CompileError("grammar_type", f"{kind.value} is not supported by the llguidance backend")
+
+
+@dataclass(frozen=True)
+class LlgCompiled:
+    """A validated llguidance grammar: sequences start from copies of ``template``.
+
+    Attributes
+    ----------
+    grammar : str
+    template : llguidance.LLMatcher
+        A matcher in its initial state, never advanced (``deep_copy`` is cheaper than a new one).
+    memory_size_bytes : int
+        What the compile cache charges for it (see :data:`LEXER_ESTIMATE_BYTES`).
+    """
+
+    grammar: str
+    template: Any
+    memory_size_bytes: int
+
+
+class LlgBackend:
+    """llguidance's tokenizer (built once, about 1 s for Qwen3) and its compile.
+
+    Parameters
+    ----------
+    hf_tokenizer : transformers.PreTrainedTokenizerFast
+    vocab_size : int
+        The model's logits width (the bitmask width in bits).
+    stop_token_ids : sequence of int
+    """
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
+        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
+                                                       eos_token=[int(t) for t in stop_token_ids])
+        self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
+
+    def compile(self, spec: ConstraintSpec) -> LlgCompiled:
+        """Build and validate ``spec``'s grammar.
+
+        Raises
+        ------
+        CompileError
+            llguidance refuses the constraint (its reason).
+        """
+        grammar = lark_of(spec)
+        template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if template.is_error():
+            reason = template.get_error().strip().splitlines()[0]
+            raise CompileError("grammar", f"llguidance cannot compile this {spec.kind.value}: {reason}")
+        return LlgCompiled(grammar, template, len(grammar) + LEXER_ESTIMATE_BYTES)
+
+    def matcher(self, compiled: LlgCompiled) -> LlgMatcher:
+        """A new sequence's matcher."""
+        return LlgMatcher(compiled.template.deep_copy(), self.tokenizer, self.stop_token_ids)
+
+
+class LlgMatcher:
+    """xgrammar's ``GrammarMatcher`` interface over an ``llguidance.LLMatcher``.
+
+    The engine, :class:`~grammar_backend.closing.Closer` and
+    :class:`~grammar_backend.jump.JumpForward` call these methods on either
+    kind of matcher.  Differences bridged here:
+
+    * ``LLMatcher.consume_token`` puts the matcher in a permanent error state
+      on a token the grammar rejects, so each token is checked first
+      (``validate_tokens``); a rejected token leaves the matcher unchanged,
+      as in xgrammar.
+    * A stop token ends the sequence: llguidance allows it wherever the
+      grammar may end (``is_accepting``) and :meth:`is_terminated` is true
+      only once it is accepted, as in xgrammar (llguidance's ``is_stopped``
+      is already true when only the stop token is left).
+    * :meth:`accept_string` spells the text with llguidance's tokenizer, and
+      :meth:`rollback` counts it as one step, as xgrammar does.
+    """
+
+    __slots__ = ("_m", "_steps", "_stops", "_terminated", "_tokenizer")
+
+    def __init__(self, matcher: Any, tokenizer: Any, stop_token_ids: frozenset[int]) -> None:
+        self._m = matcher
+        self._tokenizer = tokenizer
+        self._stops = stop_token_ids
+        self._steps: list[int] = []  # tokens consumed by each accepted step, for rollback
+        self._terminated = False
+
+    def accept_token(self, token: int) -> bool:
+        """Accept one token; False (matcher unchanged) when the grammar rejects it."""
+        if self._terminated:
+            return False
+        if token in self._stops:
+            if not self._m.is_accepting() or not self._m.consume_token(token):
+                return False
+            self._terminated = True
+        elif self._m.validate_tokens([token]) != 1 or not self._m.consume_token(token):
+            return False
+        self._steps.append(1)
+        return True
+
+    def accept_string(self, text: str) -> bool:
+        """Accept ``text`` as one step; False (matcher unchanged) when the grammar rejects it."""
+        tokens = self._tokenizer.tokenize_str(text)
+        if self._terminated or not tokens or self._m.validate_tokens(tokens) != len(tokens):
+            return False
+        if not self._m.consume_tokens(tokens):
+            return False
+        self._steps.append(len(tokens))
+        return True
+
+    def rollback(self, steps: int) -> None:
+        """Undo the last ``steps`` accepted tokens or strings."""
+        if not 0 <= steps <= len(self._steps):
+            raise ValueError(f"cannot roll back {steps} steps (at most {len(self._steps)})")
+        if steps:
+            tokens = sum(self._steps[-steps:])
+            del self._steps[-steps:]
+            if self._terminated:
+                # The stop token is the last step; llguidance keeps it in its history.
+                self._terminated = False
+            if not self._m.rollback(tokens):
+                raise RuntimeError(f"llguidance could not roll back {tokens} tokens: {self._m.get_error()}")
+
+    def is_terminated(self) -> bool:
+        """Whether a stop token was accepted."""
+        return self._terminated
+
+    def is_completed(self) -> bool:
+        """Whether the grammar may end here (a stop token is allowed)."""
+        return self._terminated or bool(self._m.is_accepting())
+
+    def find_jump_forward_string(self) -> str:
+        """The text the grammar forces next (whole UTF-8 characters only)."""
+        data = bytes(self._m.compute_ff_bytes())
+        for cut in range(len(data), max(len(data) - 4, -1), -1):
+            try:
+                return data[:cut].decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+        return ""
+
+    def fill_next_token_bitmask(self, bitmask: np.ndarray, index: int = 0) -> None:
+        """Write the mask of the next token into row ``index`` of ``bitmask``."""
+        llguidance.numpy.fill_next_token_bitmask(self._m, bitmask, index)
