@@ -10,16 +10,20 @@ in DIR, a child process:
 
 1. validates the schema with :func:`grammar_backend.spec.parse_constraint`
    (``spec_rejected`` and the reason when it fails);
-2. compiles it with :meth:`grammar_backend.engine.GrammarEngine.compile`
-   (``compile_error`` with xgrammar's reason; ``timeout`` or ``crash`` are
-   decided by this parent, which kills a worker that runs past ``--timeout``
-   and notices a worker that died, e.g. on a segfault);
+2. compiles it as a start does (:meth:`grammar_backend.engine.GrammarEngine.start`,
+   grammar option ``backend`` from ``--backend``: ``auto`` tries xgrammar,
+   stopped at ``--auto-timeout`` CPU seconds, then llguidance; the record
+   says which backend served), ``compile_error`` with the last backend's
+   reason; ``timeout`` or ``crash`` are decided by this parent, which kills
+   a worker that runs past ``--timeout`` and notices a worker that died,
+   e.g. on a segfault;
 3. forces each test instance through the engine: the instance's compact JSON
    (``json.dumps(data, separators=(",", ":"), ensure_ascii=False)``) is
    tokenized with the Hugging Face tokenizer, each token is accepted with one
    ``engine.step`` (which also fills the next mask, as in decoding), then the
-   stop token.  Before every accept the mask bit of that token is checked as
-   well, so a disagreement between the mask and the matcher is reported
+   stop token.  A token whose mask bit is clear rejects the instance there
+   (decoding could not produce it, MaskBench's rule); a token the mask allows
+   but the matcher refuses is a disagreement between the two
    (``mask_mismatches``; expected 0).
 
 A valid instance rejected is an over-constraint; an invalid instance accepted
@@ -529,14 +533,17 @@ def _force(state: _State, spec: Any, tokens: list[int], step_ns: list[int]) -> _
         res = engine.step(ids, tok, none)
         step_ns.append(clock() - t0)
         for pos, token in enumerate([*tokens, state.stop]):
-            allowed = _allowed(res.bitmask[0], token)
+            if not _allowed(res.bitmask[0], token):
+                # Decoding cannot produce it: the mask decides, as in MaskBench.  (llguidance's
+                # mask can be narrower than its parser: it keeps forced text to its own
+                # tokenization, e.g. `":"` where the parser would also take `":` then `"`.)
+                return _Forced(False, pos, mismatches)
             tok[0, 0] = token
             t0 = clock()
             res = engine.step(ids, tok, one)
             elapsed = clock() - t0
             if res.errors[0] is not None:
-                return _Forced(False, pos, mismatches + int(allowed))
-            mismatches += int(not allowed)
+                return _Forced(False, pos, mismatches + 1)  # the mask allowed what the matcher refuses
             if pos < len(tokens):  # the stop token's step fills no mask
                 step_ns.append(elapsed)
         if not bool(res.terminated[0]):

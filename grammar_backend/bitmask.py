@@ -1,14 +1,17 @@
-"""The preallocated token bitmask, filled for a whole batch in one xgrammar call."""
+"""The preallocated token bitmask, filled for a whole batch in one call per backend."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
+import llguidance
+import llguidance.numpy
 import numpy as np
 import xgrammar as xgr
 
 from grammar_backend.errors import ConfigError, GrammarError
+from grammar_backend.llg import LlgMatcher
 
 
 class Matcher(Protocol):
@@ -48,7 +51,8 @@ class BitmaskBuffer:
     vocab_size : int
         The model's padded vocabulary size (logits width).
     threads : int
-        Threads of ``xgrammar.BatchGrammarMatcher`` for the batch fill.
+        Threads of ``xgrammar.BatchGrammarMatcher`` and of llguidance's
+        ``LLExecutor`` for the batch fill.
     """
 
     def __init__(self, max_batch: int, vocab_size: int, threads: int = 1) -> None:
@@ -58,9 +62,11 @@ class BitmaskBuffer:
         self.width = bitmask_width(vocab_size)
         self.buffer = np.full((max_batch, self.width), ALL_ALLOWED, dtype=np.int32)
         self._batch = xgr.BatchGrammarMatcher(threads)
-        # Reused per step so the step path allocates only xgrammar's own lists.
+        self._executor = llguidance.LLExecutor(threads)
+        # Reused per step so the step path allocates only the backends' own lists.
         self._active: list[xgr.GrammarMatcher] = []
         self._rows: list[int] = []
+        self._llg_rows: list[tuple[Any, int]] = []
 
     def fill(self, matchers: Sequence[Matcher | None]) -> np.ndarray:
         """Fill rows ``0..len(matchers)`` and return that view of the buffer.
@@ -79,19 +85,24 @@ class BitmaskBuffer:
         rows = len(matchers)
         if rows > self.max_batch:
             raise GrammarError(f"bitmask: batch of {rows} rows exceeds max_batch {self.max_batch}")
-        active, indices = self._active, self._rows
+        active, indices, llg_rows = self._active, self._rows, self._llg_rows
         active.clear()
         indices.clear()
+        llg_rows.clear()
         for i, matcher in enumerate(matchers):
             if matcher is None:
                 self.buffer[i].fill(ALL_ALLOWED)
             elif isinstance(matcher, xgr.GrammarMatcher):
                 active.append(matcher)
                 indices.append(i)
+            elif isinstance(matcher, LlgMatcher):
+                llg_rows.append((matcher.inner, i))
             else:
                 matcher.fill_next_token_bitmask(self.buffer, i)
         if active:
             self._batch.batch_fill_next_token_bitmask(active, self.buffer, indices)
+        if llg_rows:
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, llg_rows, self.buffer)
         return self.buffer[:rows]
 
     def force(self, row: int, token: int) -> None:

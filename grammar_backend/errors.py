@@ -26,8 +26,9 @@ from contract.errors import (
 
 __all__ = [
     "ALREADY_EXISTS", "DEADLINE_EXCEEDED", "INTERNAL", "INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED",
-    "TRITON_CODE_NAMES", "UNAVAILABLE", "CapacityExceeded", "CompileError", "CompileQueueFull", "CompileTimeout",
-    "ConfigError", "ConstraintError", "DuplicateSequence", "GrammarError", "InvalidArgument", "SequenceError",
+    "TRITON_CODE_NAMES", "UNAVAILABLE", "BackendFailed", "CapacityExceeded", "CompileError", "CompileQueueFull", "CompileTimeout",
+    "ConfigError", "ConstraintError", "DuplicateSequence", "GrammarError", "InvalidArgument", "MatcherFailed",
+    "SequenceError",
     "ServingError", "TokenRejected", "TokenizerError", "UnknownSequence", "status_of", "triton_code_name",
 ]
 
@@ -88,6 +89,19 @@ class TokenRejected(SequenceError):
         super().__init__(seq_id, f"token {token_id} at position {position} is rejected by the grammar")
         self.token_id = token_id
         self.position = position
+
+
+class MatcherFailed(GrammarError):
+    """A matcher cannot go on (llguidance past one of its parser or lexer limits); raised by the matcher,
+    reported by :class:`~grammar_backend.sequences.GrammarSequence` as :class:`BackendFailed`."""
+
+    status = RESOURCE_EXHAUSTED
+
+
+class BackendFailed(SequenceError):
+    """The sequence's matcher failed (:class:`MatcherFailed`): the row ends with its reason."""
+
+    status = RESOURCE_EXHAUSTED
 
 
 class CapacityExceeded(GrammarError):

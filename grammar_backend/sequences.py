@@ -13,9 +13,11 @@ import numpy as np
 from grammar_backend.bitmask import Matcher
 from grammar_backend.closing import Closer, CloseState, ClosingConfig, RepeatDetector
 from grammar_backend.errors import (
+    BackendFailed,
     CapacityExceeded,
     ConfigError,
     DuplicateSequence,
+    MatcherFailed,
     SequenceError,
     TokenRejected,
     UnknownSequence,
@@ -118,10 +120,16 @@ class GrammarSequence:
         ------
         TokenRejected
             The grammar rejects ``tokens[i]``; the matcher is as before the call.
+        BackendFailed
+            The matcher cannot go on (:class:`~grammar_backend.errors.MatcherFailed`).
         """
         matcher = self.matcher
         for i, token in enumerate(tokens):
-            if not matcher.accept_token(int(token)):
+            try:
+                accepted = matcher.accept_token(int(token))
+            except MatcherFailed as err:
+                raise BackendFailed(self.seq_id, str(err)) from err
+            if not accepted:
                 if i:
                     matcher.rollback(i)
                 raise TokenRejected(self.seq_id, int(token), self.tokens_accepted + i)
@@ -182,7 +190,18 @@ class GrammarSequence:
 
         Repetition: every ``every`` tokens the tail is checked; a runaway
         forces the completion at once (``REPETITION``).
+
+        Raises
+        ------
+        BackendFailed
+            The matcher failed during the search (:class:`~grammar_backend.errors.MatcherFailed`).
         """
+        try:
+            return self._plan(closer, stop_token)
+        except MatcherFailed as err:
+            raise BackendFailed(self.seq_id, str(err)) from err
+
+    def _plan(self, closer: Closer, stop_token: int) -> int:
         if self.forced is not None:
             if self.forced_at < len(self.forced):
                 return self.forced[self.forced_at]

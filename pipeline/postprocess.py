@@ -26,6 +26,7 @@ from typing import Any
 
 import contract
 from grammar_backend.errors import INTERNAL, status_of
+from grammar_backend import llg
 from grammar_backend.fidelity import result_json, validator_for
 from grammar_backend.spec import validated_constraint
 
@@ -61,19 +62,24 @@ class FinalState:
         return cls("error", "", 0, 0, error=str(err), status=status_of(err))
 
 
-def json_report(constraint: dict[str, str], text: str) -> dict[str, Any]:
+def json_report(constraint: dict[str, str], text: str, backend: str | None = "xgrammar") -> dict[str, Any]:
     """Parse + validate ``text`` against the constraint's full schema, with the fidelity report.
 
     ``constraint`` is preprocessing's wire form, trusted: no meta-schema check
     is repeated, and the validator and its report of unenforced keywords are
-    built once per schema (cached).
+    built once per schema (cached).  The unenforced keywords are those of the
+    backend that served the output (``backend``).
     """
     spec = validated_constraint(constraint["kind"], constraint["payload"], constraint["options"])
     schema = spec.schema
     if schema is None:
         raise ValueError(f"no JSON report for a {spec.kind.value} constraint")
     validator = validator_for(schema, checked=True)
-    return result_json(validator.validate_text(text), validator.unenforced(strict_mode=spec.options.strict))
+    if backend == "llguidance":
+        unenforced = llg.unenforced_keywords(spec)
+    else:
+        unenforced = validator.unenforced(strict_mode=spec.options.strict)
+    return result_json(validator.validate_text(text), unenforced)
 
 
 def build_result(final: FinalState, constraint: dict[str, str] | None) -> dict[str, Any]:
@@ -99,7 +105,7 @@ def build_result(final: FinalState, constraint: dict[str, str] | None) -> dict[s
         "json": None,
     }
     if constraint is not None and constraint["kind"] in ("json_schema", "json_object") and final.error is None:
-        result["json"] = json_report(constraint, final.text)
+        result["json"] = json_report(constraint, final.text, final.backend)
     return result
 
 

@@ -263,6 +263,9 @@ def test_parse_result_json_schema() -> None:
         # A stop string under a constraint: incomplete, not parsed.
         ({"complete": False, "stop_string": True, "text": '{"n": '}, "json_schema",
          {"complete": False, "parsed": None, "stop_string": True, "closed_early": False}),
+        # The grammar backend that served it.
+        ({"backend": "llguidance"}, "json_schema", {"backend": "llguidance", "parsed": {"n": 3}}),
+        ({"backend": None}, None, {"backend": None}),
     ],
 )
 def test_parse_result_variants(overrides: dict[str, Any], kind: str | None, expected: dict[str, Any]) -> None:
@@ -298,6 +301,8 @@ def _without(key: str) -> str:
         (_result_json(closed_early=True, close_reason="tired"),
          r"RESULT\.close_reason: 'tired' with closed_early True$"),
         (_result_json(closed_early="yes"), r"RESULT\.closed_early: expected bool, got str$"),
+        (_result_json(backend="outlines"),
+         r"RESULT\.backend: expected one of \['xgrammar', 'llguidance'\] or null, got 'outlines'$"),
         (_without("usage"), r"RESULT\.usage: missing$"),
         (_result_json(usage={"prompt_tokens": "3", "completion_tokens": 1}),
          r"RESULT\.usage\.prompt_tokens: expected int, got str$"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,8 +13,9 @@ import xgrammar as xgr
 
 from grammar_backend.bitmask import allowed_tokens
 from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
-from grammar_backend.errors import CompileError, TokenRejected
-from grammar_backend.llg import LlgBackend, json_compile_options
+from grammar_backend.errors import BackendFailed, CompileError, TokenRejected
+from grammar_backend.llg import LlgBackend, json_compile_options, refusal
+from grammar_backend.llg import unenforced_keywords as llg_unenforced
 from grammar_backend.spec import ConstraintOptions, parse_constraint
 from tests.unit.conftest import load_schema
 
@@ -120,19 +122,47 @@ def test_auto_serves_what_xgrammar_cannot_compile_with_llguidance(engine: Gramma
 
 def test_auto_serves_a_slow_xgrammar_compile_with_llguidance(engine: GrammarEngine, qwen_info: xgr.TokenizerInfo,
                                                              qwen_tokenizer: Any) -> None:
-    """Past ``auto_timeout_s`` the start is served by llguidance; xgrammar's compile goes on and is cached."""
-    words = [f"item-{i:05d}-{i * 7919 % 100_003}" for i in range(3000)]  # xgrammar: about a second
-    schema = json.dumps({"type": "object", "properties": {"pick": {"enum": words}}, "required": ["pick"]})
-    eng = GrammarEngine(qwen_info, "qwen", GrammarEngineConfig(max_batch=1, auto_timeout_s=0.05), llg=engine.llg)
+    """Past ``auto_timeout_s`` the start is served by the second backend; the first one's compile goes on and is
+    cached.  (A 1,500-word choice takes xgrammar about 0.05 s through its worker process; the limit here is 5 ms.)"""
+    words = [f"item-{i:05d}-{i * 7919 % 100_003}" for i in range(1500)]
+    spec = parse_constraint("choice", json.dumps(words))
+    eng = GrammarEngine(qwen_info, "qwen", GrammarEngineConfig(max_batch=1, auto_timeout_s=0.005), llg=engine.llg)
     try:
-        eng.start(1, parse_constraint("json_schema", schema))
+        assert eng.backends(spec) == ("xgrammar", "llguidance")
+        eng.start(1, spec)
         assert eng.table.get(1).backend == "llguidance"
-        ids = qwen_tokenizer.encode(json.dumps({"pick": words[1234]}, separators=(",", ":")), add_special_tokens=False)
-        _drive(eng, 1, ids, int(qwen_info.stop_token_ids[0]))
-        eng.compile(parse_constraint("json_schema", schema))  # still compiling, then cached for xgrammar requests
-        assert eng.cache.stats().entries == 1 and eng.cache.stats().timeouts == 1
+        _drive(eng, 1, qwen_tokenizer.encode(words[1234], add_special_tokens=False), int(qwen_info.stop_token_ids[0]))
+        eng.compile(spec)  # still compiling, then cached for xgrammar requests
+        assert (eng.cache.stats().entries, eng.cache.stats().timeouts) == (1, 1)
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize(
+    ("kind", "payload", "options", "order"),
+    [
+        # Measured on maskbench-dev: llguidance first for JSON (grammar_backend.engine.auto_order).
+        ("json_schema", '{"type":"object"}', None, ("llguidance", "xgrammar")),
+        ("json_object", "", {"whitespace": "any"}, ("llguidance", "xgrammar")),
+        ("regex", "[a-z]+", None, ("xgrammar", "llguidance")),
+        ("choice", '["a","b"]', None, ("xgrammar", "llguidance")),
+        # What llguidance cannot honour stays on xgrammar.
+        ("json_schema", '{"type":"object"}', {"indent": 2}, ("xgrammar",)),
+        ("json_schema", '{"type":"object"}', {"strict": True}, ("xgrammar",)),
+        ("structural_tag", '{"triggers":["<f"],"tags":[{"begin":"<f>","schema":{"type":"object"},"end":"</f>"}]}',
+         None, ("xgrammar",)),
+        # Forced.
+        ("json_schema", '{"type":"object"}', {"backend": "xgrammar"}, ("xgrammar",)),
+        ("regex", "[a-z]+", {"backend": "llguidance"}, ("llguidance",)),
+    ],
+)
+def test_auto_order(qwen_info: xgr.TokenizerInfo, engine: GrammarEngine, kind: str, payload: str,
+                    options: dict[str, object] | None, order: tuple[str, ...]) -> None:
+    fresh = GrammarEngine(qwen_info, "qwen", GrammarEngineConfig(max_batch=1), llg=engine.llg)
+    try:
+        assert fresh.backends(parse_constraint(kind, payload, options)) == order
+    finally:
+        fresh.close()
 
 
 def test_auto_keeps_xgrammar_where_it_compiles(engine: GrammarEngine) -> None:
@@ -151,9 +181,37 @@ def test_auto_keeps_xgrammar_where_it_compiles(engine: GrammarEngine) -> None:
         ({"strict": True}, r"^grammar_options\.strict: is not supported by the llguidance backend$"),
     ],
 )
-def test_options_llguidance_cannot_honour_are_refused(options: dict[str, object], match: str) -> None:
+def test_options_llguidance_cannot_honour_are_refused(engine: GrammarEngine, options: dict[str, object],
+                                                      match: str) -> None:
+    spec = parse_constraint("json_schema", '{"type":"object"}', {**options, "backend": "llguidance"})
+    assert str(refusal(spec)) == match.strip("^$").replace("\\", "")
     with pytest.raises(CompileError, match=match):
-        json_compile_options(ConstraintOptions(**options))  # type: ignore[arg-type]
+        engine.start(10, spec)
+
+
+@pytest.mark.parametrize(
+    ("whitespace", "expected"),
+    [
+        ("compact", {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}),
+        ("any", {"whitespace_flexible": True}),
+        (3, {"whitespace_flexible": True, "whitespace_pattern": "[\\x20\\x0A\\x0D\\x09]{0,3}"}),
+    ],
+)
+def test_json_compile_options(whitespace: str | int, expected: dict[str, object]) -> None:
+    # Unimplemented keywords and oneOf are approximated, as with xgrammar (post-validation checks them).
+    assert json_compile_options(ConstraintOptions(whitespace=whitespace)) == {  # type: ignore[arg-type]
+        "coerce_one_of": True, "lenient": True, **expected}
+
+
+def test_limits_llguidance_meets_at_the_first_token_refuse_the_compile(engine: GrammarEngine) -> None:
+    words = json.dumps([f"w{i}" for i in range(2500)])  # more alternatives than its parser's 2,000 items per row
+    with pytest.raises(CompileError, match=r"^grammar: llguidance cannot compile this choice: .*max is 2000"):
+        engine.start(11, parse_constraint("choice", words, {"backend": "llguidance"}))
+    engine.start(11, parse_constraint("choice", words))  # auto: xgrammar first for a choice
+    try:
+        assert engine.table.get(11).backend == "xgrammar"
+    finally:
+        engine.end([11])
 
 
 def test_structural_tags_and_a_missing_backend_are_refused(engine: GrammarEngine, tiny_info: xgr.TokenizerInfo) -> None:
@@ -167,3 +225,94 @@ def test_structural_tags_and_a_missing_backend_are_refused(engine: GrammarEngine
         assert bare.backends(parse_constraint("regex", "a")) == ("xgrammar",)
     finally:
         bare.close()
+
+
+def test_budget_closing_works_on_llguidance_rows(engine: GrammarEngine, qwen_tokenizer: Any) -> None:
+    """The closer drives an llguidance matcher through the same interface: a model looping inside a
+    string is closed within its budget, with the same completion as on xgrammar."""
+    schema = json.dumps({"type": "object", "properties": {"name": {"type": "string"},
+                                                          "tags": {"type": "array", "items": {"type": "string"}}},
+                         "required": ["name", "tags"]})
+    encode = lambda text: qwen_tokenizer.encode(text, add_special_tokens=False)
+    loop = encode('{"name":"') + encode("a") * 100
+    stop = int(engine.tokenizer_info.stop_token_ids[0])
+    outputs = {}
+    for seq_id, backend in ((8, "xgrammar"), (9, "llguidance")):
+        engine.start(seq_id, parse_constraint("json_schema", schema, {"backend": backend}), budget=30)
+        try:
+            ids, tokens = np.array([seq_id], np.uint64), []
+            out = engine.step(ids, np.zeros((1, 1), np.int32), np.zeros(1, np.int32))
+            while not out.terminated[0]:
+                allowed = set(allowed_tokens(out.bitmask[0], QWEN_VOCAB).tolist())
+                want = loop[len(tokens)]
+                token = want if want in allowed else min(allowed)  # the model's choice, else what the mask leaves
+                tokens.append(token)
+                out = engine.step(ids, np.array([[token]], np.int32), np.ones(1, np.int32))
+                assert out.errors == (None,)
+            assert len(tokens) <= 30 and tokens[-1] == stop
+            outputs[backend] = qwen_tokenizer.decode(tokens[:-1])
+        finally:
+            engine.end([seq_id])
+    assert outputs["llguidance"] == outputs["xgrammar"]
+    assert json.loads(outputs["llguidance"]) == {"name": "a" * 21, "tags": []}
+
+
+def _accepts(engine: GrammarEngine, qwen_tokenizer: Any, spec: Any, text: str) -> bool:
+    engine.start(12, spec)
+    try:
+        ids = [*qwen_tokenizer.encode(text, add_special_tokens=False), int(engine.tokenizer_info.stop_token_ids[0])]
+        out = engine.step(np.array([12], np.uint64), np.array([ids], np.int32), np.array([len(ids)], np.int32))
+        return out.errors == (None,) and bool(out.terminated[0])
+    finally:
+        engine.end([12])
+
+
+@pytest.mark.parametrize(
+    ("schema", "violation", "unenforced"),
+    [
+        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1,1]", [("/uniqueItems", "uniqueItems")]),
+        ({"type": "object", "properties": {"not": {"not": {"type": "string"}}}}, '{"not":"x"}',
+         [("/properties/not/not", "not")]),
+        ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "1", [("/oneOf", "oneOf")]),
+        ({"type": "string", "format": "colour"}, None, [("/format", "format")]),
+        # Enforced by llguidance (xgrammar 0.2.9 lets "2023-02-30" through): nothing to report.
+        ({"type": "string", "format": "date"}, None, []),
+        ({"oneOf": [{"type": "integer"}, {"type": "string"}]}, None, []),  # disjoint: exact
+    ],
+)
+def test_the_llguidance_fidelity_report(engine: GrammarEngine, qwen_tokenizer: Any, schema: dict[str, Any],
+                                        violation: str | None, unenforced: list[tuple[str, str]]) -> None:
+    """Each reported keyword is one llguidance really lets through (the violating output decodes)."""
+    spec = parse_constraint("json_schema", json.dumps(schema), {"backend": "llguidance"})
+    assert [(u.pointer, u.keyword) for u in llg_unenforced(spec)] == unenforced
+    if violation is not None:
+        assert _accepts(engine, qwen_tokenizer, spec, violation)
+
+
+def test_llguidance_enforces_calendar_dates(engine: GrammarEngine, qwen_tokenizer: Any) -> None:
+    spec = parse_constraint("json_schema", '{"type":"string","format":"date"}', {"backend": "llguidance"})
+    assert _accepts(engine, qwen_tokenizer, spec, '"2024-02-29"')
+    assert not _accepts(engine, qwen_tokenizer, spec, '"2023-02-30"')
+
+
+def test_an_llguidance_limit_mid_sequence_fails_that_row_only(engine: GrammarEngine, qwen_tokenizer: Any) -> None:
+    """Past the first token (which the compile probes), a parser limit ends the row with llguidance's reason."""
+    words = " | ".join(f'"w{i}"' for i in range(2500))  # more than its parser's 2,000 items per row
+    # The compile probe takes "x" (the first token its mask allows); "y" then opens the wide rule.
+    wide = parse_constraint("lark", f'start: ("x" | "z") "y" c\nc: {words}', {"backend": "llguidance"})
+    engine.start(13, wide)
+    engine.start(14, parse_constraint("regex", "xy[a-z]+", {"backend": "llguidance"}))
+    try:
+        ids = np.array([13, 14], np.uint64)
+        out = engine.step(ids, np.zeros((2, 1), np.int32), np.zeros(2, np.int32))
+        feed = np.array([qwen_tokenizer.encode("x", add_special_tokens=False)] * 2, np.int32)
+        out = engine.step(ids, feed, np.ones(2, np.int32))
+        assert out.errors == (None, None)
+        feed = np.array([qwen_tokenizer.encode("y", add_special_tokens=False)] * 2, np.int32)
+        out = engine.step(ids, feed, np.ones(2, np.int32))
+        assert isinstance(out.errors[0], BackendFailed)
+        assert re.fullmatch(r"sequence 13: llguidance stopped: Parser Error: Current row has \d+ items; max is 2000.*",
+                            str(out.errors[0]))
+        assert out.errors[1] is None
+    finally:
+        engine.end([13, 14])

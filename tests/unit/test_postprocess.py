@@ -117,6 +117,22 @@ def test_the_schema_draft_is_honoured() -> None:
     assert (report["valid"], report["violations"]) == (False, [{"pointer": "", "message": "'billing' is a dependency of 'card'"}])
 
 
+@pytest.mark.parametrize(
+    ("backend", "unenforced"),
+    [
+        ("xgrammar", [{"pointer": "/properties/d/format", "keyword": "format"},
+                      {"pointer": "/properties/u/uniqueItems", "keyword": "uniqueItems"}]),
+        # llguidance enforces format date; it ignores uniqueItems (its own warnings, grammar_backend.llg).
+        ("llguidance", [{"pointer": "/properties/u/uniqueItems", "keyword": "uniqueItems"}]),
+    ],
+)
+def test_the_fidelity_report_is_the_serving_backends(backend: str, unenforced: list[dict[str, str]]) -> None:
+    constraint = wire("json_schema", json.dumps({"type": "object", "properties": {
+        "d": {"type": "string", "format": "date"}, "u": {"type": "array", "uniqueItems": True}}}))
+    result = build_result(FinalState("stop", '{"d":"2024-01-02","u":[1]}', 1, 9, backend=backend), constraint)
+    assert (result["backend"], result["json"]["valid"], result["json"]["unenforced"]) == (backend, True, unenforced)
+
+
 def test_the_wire_form_is_trusted(monkeypatch: pytest.MonkeyPatch) -> None:
     """Preprocessing checked the schema: postprocessing neither re-checks it nor re-walks it per output."""
     constraint = wire("json_schema", json.dumps({"type": "object", "properties": {"trusted_b": {"type": "integer"}},
