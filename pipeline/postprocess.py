@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import contract
-from grammar_backend.errors import INTERNAL, status_of
 from grammar_backend import llg
+from grammar_backend.errors import INTERNAL, status_of
 from grammar_backend.fidelity import result_json, validator_for
 from grammar_backend.spec import validated_constraint
 
