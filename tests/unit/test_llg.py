@@ -240,7 +240,7 @@ def test_budget_closing_works_on_llguidance_rows(engine: GrammarEngine, qwen_tok
     for seq_id, backend in ((8, "xgrammar"), (9, "llguidance")):
         engine.start(seq_id, parse_constraint("json_schema", schema, {"backend": backend}), budget=30)
         try:
-            ids, tokens = np.array([seq_id], np.uint64), []
+            ids, tokens = np.array([seq_id], np.uint64), list[int]()
             out = engine.step(ids, np.zeros((1, 1), np.int32), np.zeros(1, np.int32))
             while not out.terminated[0]:
                 allowed = set(allowed_tokens(out.bitmask[0], QWEN_VOCAB).tolist())
