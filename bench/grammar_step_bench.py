@@ -10,9 +10,10 @@ real token paths (four schemas: person, order, weather tool, an open object;
 row ``r`` follows schema ``r % 4``; Qwen3's 151,936-token vocabulary), in
 one run, interleaved by round:
 
-* ``raw``: xgrammar alone in this process: ``accept_token`` per row, then one
-  ``BatchGrammarMatcher.batch_fill_next_token_bitmask`` (``raw fill`` is
-  the fill call alone, the floor of any grammar step);
+* ``raw``: the backend alone in this process: ``accept_token`` per row, then
+  one batched fill (xgrammar's ``BatchGrammarMatcher``, or llguidance's
+  ``fill_next_token_bitmask_par`` with ``--backend llguidance``; ``raw
+  fill`` is the fill call alone, the floor of any grammar step);
 * ``local``: :class:`llm_runtime.local_mask.LocalMaskProvider` over
   :class:`grammar_backend.GrammarEngine` in this process (what the decode
   loop calls when both live in one process);
@@ -54,6 +55,7 @@ from deploy.render import load_values, render_repository
 from deploy.server import ServerConfig, TritonServer
 from grammar_backend.compile import json_format_kwargs
 from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
+from grammar_backend.llg import LlgBackend
 from grammar_backend.spec import ConstraintOptions, parse_constraint
 from grammar_backend.tokenizer import load_tokenizer
 from llm_runtime.local_mask import LocalMaskProvider
@@ -74,8 +76,9 @@ CASES: Final[tuple[tuple[str, str], ...]] = (
 )
 
 
-def constraints() -> list[tuple[str, str]]:
-    return [("json_schema", (SCHEMAS / f"{name}.json").read_text()) for name, _ in CASES]
+def constraints(backend: str) -> list[tuple[str, str, str]]:
+    options = json.dumps({"backend": backend})
+    return [("json_schema", (SCHEMAS / f"{name}.json").read_text(), options) for name, _ in CASES]
 
 
 def paths(encode: Any) -> list[list[int]]:
@@ -85,12 +88,14 @@ def paths(encode: Any) -> list[list[int]]:
     return [p[:n] for p in ids]
 
 
-def time_raw(info: xgr.TokenizerInfo, cons: list[tuple[str, str]], toks: list[list[int]],
-             rows: int) -> dict[str, list[float]]:
+def time_raw(info: xgr.TokenizerInfo, llg: LlgBackend | None, cons: list[tuple[str, str, str]],
+             toks: list[list[int]], rows: int) -> dict[str, list[float]]:
+    if llg is not None:
+        return time_raw_llguidance(llg, cons, toks, rows)
     compiler = xgr.GrammarCompiler(info, max_threads=1)
     # The engine's default JSON options (compact separators, non-strict): the same grammars.
     kwargs: Any = json_format_kwargs(ConstraintOptions())
-    compiled = [compiler.compile_json_schema(p, **kwargs) for _, p in cons]
+    compiled = [compiler.compile_json_schema(p, **kwargs) for _, p, _ in cons]
     matchers = [xgr.GrammarMatcher(compiled[r % len(compiled)]) for r in range(rows)]
     batch = xgr.BatchGrammarMatcher(1)
     bitmask = xgr.allocate_token_bitmask(rows, info.vocab_size)
@@ -110,13 +115,40 @@ def time_raw(info: xgr.TokenizerInfo, cons: list[tuple[str, str]], toks: list[li
     return {"raw fill": fill, "raw": step}
 
 
-def time_local(engine: GrammarEngine, cons: list[tuple[str, str]], toks: list[list[int]], rows: int,
+def time_raw_llguidance(llg: LlgBackend, cons: list[tuple[str, str, str]], toks: list[list[int]],
+                        rows: int) -> dict[str, list[float]]:
+    """llguidance alone: ``consume_token`` per row, then one ``fill_next_token_bitmask_par`` (one thread)."""
+    import llguidance
+    import llguidance.numpy
+
+    compiled = [llg.compile(parse_constraint(k, p, o)) for k, p, o in cons]
+    matchers = [compiled[r % len(compiled)].template.deep_copy() for r in range(rows)]
+    executor = llguidance.LLExecutor(1)
+    bitmask = llguidance.numpy.allocate_token_bitmask(rows, QWEN_VOCAB)
+    targets = [(m, r) for r, m in enumerate(matchers)]
+    fill: list[float] = []
+    step: list[float] = []
+    for i in range(len(toks[0]) + 1):
+        t0 = time.perf_counter()
+        if i:
+            for r, m in enumerate(matchers):
+                if not m.consume_token(toks[r % len(toks)][i - 1]):
+                    raise RuntimeError(f"raw: row {r} rejected its token at step {i}: {m.get_error()}")
+        t1 = time.perf_counter()
+        llguidance.numpy.fill_next_token_bitmask_par(executor, targets, bitmask)
+        t2 = time.perf_counter()
+        fill.append(t2 - t1)
+        step.append(t2 - t0)
+    return {"raw fill": fill, "raw": step}
+
+
+def time_local(engine: GrammarEngine, cons: list[tuple[str, str, str]], toks: list[list[int]], rows: int,
                jump: bool) -> list[float]:
     provider = LocalMaskProvider(engine)
     ids = np.arange(1, rows + 1, dtype=np.uint64) + np.uint64(10**6 * (1 + int(time.monotonic())))
     for r in range(rows):
-        kind, payload = cons[r % len(cons)]
-        provider.start(int(ids[r]), ConstraintRequest(kind, payload, ""))
+        kind, payload, options = cons[r % len(cons)]
+        provider.start(int(ids[r]), ConstraintRequest(kind, payload, options))
     tokens = np.zeros((rows, 1), np.int32)
     counts = np.zeros(rows, np.int32)
     out: list[float] = []
@@ -135,7 +167,7 @@ def time_local(engine: GrammarEngine, cons: list[tuple[str, str]], toks: list[li
     return out
 
 
-def time_bls(server: TritonServer, cons: list[tuple[str, str]], toks: list[list[int]], rows: int, jump: bool,
+def time_bls(server: TritonServer, cons: list[tuple[str, str, str]], toks: list[list[int]], rows: int, jump: bool,
              buffer: bool) -> list[float]:
     # The driver feeds token i at step i + 1 and stops after the last path token is fed,
     # so its step count equals the other modes' (paths + the first, empty step).
@@ -181,14 +213,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=64, help="sequences per step (default %(default)s)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default %(default)s)")
     parser.add_argument("--jump-forward", action="store_true", help="also return jump-forward tokens")
+    parser.add_argument("--backend", choices=("xgrammar", "llguidance"), default="xgrammar",
+                        help="grammar option backend of every row, in every mode (default %(default)s)")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = parser.parse_args(argv)
     bundle = load_tokenizer(QWEN_DIR, vocab_size=QWEN_VOCAB)
-    cons = constraints()
+    cons = constraints(args.backend)
     toks = paths(bundle.encode)
-    for kind, payload in cons:
-        parse_constraint(kind, payload)  # the schemas pass the server's own checks
-    engine = GrammarEngine(bundle.info, bundle.fingerprint, GrammarEngineConfig(max_batch=args.rows), encode=bundle.encode)
+    for kind, payload, options in cons:
+        parse_constraint(kind, payload, options)  # the schemas pass the server's own checks
+    llg = LlgBackend(bundle.hf, bundle.vocab_size, bundle.stop_token_ids)
+    engine = GrammarEngine(bundle.info, bundle.fingerprint, GrammarEngineConfig(max_batch=args.rows),
+                           encode=bundle.encode, llg=llg)
     times: dict[str, list[float]] = {"raw fill": [], "raw": [], "local": [], "bls tensor": [], "bls shm": []}
     with tempfile.TemporaryDirectory(prefix="grammar-step-") as tmp:
         server = start_server(Path(tmp), args.rows)
@@ -204,14 +240,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     elif mode == "local":
                         times["local"] += time_local(engine, cons, toks, args.rows, args.jump_forward)[1:]
                     else:
-                        for k, v in time_raw(bundle.info, cons, toks, args.rows).items():
+                        raw_llg = llg if args.backend == "llguidance" else None
+                        for k, v in time_raw(bundle.info, raw_llg, cons, toks, args.rows).items():
                             times[k] += v[1:]
         finally:
             server.stop()
             engine.close()
     figures = {k: summary(v) for k, v in times.items()}
-    print(f"== grammar step, {args.rows} rows, Qwen3 vocabulary, {len(toks[0])} steps x {args.rounds} rounds, "
-          f"jump-forward {'on' if args.jump_forward else 'off'} ==")
+    print(f"== grammar step, {args.backend}, {args.rows} rows, Qwen3 vocabulary, {len(toks[0])} steps x "
+          f"{args.rounds} rounds, jump-forward {'on' if args.jump_forward else 'off'} ==")
     for k, f in figures.items():
         print(f"  {k:9s} p50 {f['p50_ms']:7.3f} ms   p99 {f['p99_ms']:7.3f} ms   mean {f['mean_ms']:7.3f} ms")
     floor = figures["raw fill"]["p50_ms"]

@@ -505,6 +505,7 @@ class _Forced:
     accepted: bool
     position: int | None  # token index where it was rejected (len(tokens) = the stop token)
     mismatches: int
+    text_accepted: bool = False  # rejected by the mask only: the matcher takes every token (a tokenization rule)
 
 
 def _compile(state: _State, spec: Any) -> str:
@@ -527,27 +528,34 @@ def _force(state: _State, spec: Any, tokens: list[int], step_ns: list[int]) -> _
     tok = np.zeros((1, 1), dtype=np.int32)
     none, one = np.zeros(1, dtype=np.int32), np.ones(1, dtype=np.int32)
     mismatches = 0
+    masked_at: int | None = None
     clock = time.perf_counter_ns
     try:
         t0 = clock()
         res = engine.step(ids, tok, none)
         step_ns.append(clock() - t0)
         for pos, token in enumerate([*tokens, state.stop]):
-            if not _allowed(res.bitmask[0], token):
-                # Decoding cannot produce it: the mask decides, as in MaskBench.  (llguidance's
-                # mask can be narrower than its parser: it keeps forced text to its own
-                # tokenization, e.g. `":"` where the parser would also take `":` then `"`.)
-                return _Forced(False, pos, mismatches)
+            allowed = _allowed(res.bitmask[0], token)
+            if not allowed and masked_at is None:
+                # Decoding cannot produce it: the mask decides, as in MaskBench.  The
+                # matcher goes on, to tell a tokenization rule from a rejected text:
+                # llguidance's mask keeps forced text to its own tokenization (`":"`
+                # as one token where its parser also takes `":` then `"`).
+                masked_at = pos
             tok[0, 0] = token
             t0 = clock()
             res = engine.step(ids, tok, one)
             elapsed = clock() - t0
             if res.errors[0] is not None:
+                if masked_at is not None:
+                    return _Forced(False, masked_at, mismatches)
                 return _Forced(False, pos, mismatches + 1)  # the mask allowed what the matcher refuses
-            if pos < len(tokens):  # the stop token's step fills no mask
+            if pos < len(tokens) and masked_at is None:  # the stop token's step fills no mask
                 step_ns.append(elapsed)
         if not bool(res.terminated[0]):
             raise RuntimeError(f"sequence {seq_id}: stop token accepted but the matcher is not terminated")
+        if masked_at is not None:
+            return _Forced(False, masked_at, mismatches, text_accepted=True)
         return _Forced(True, None, mismatches)
     finally:
         engine.end([seq_id])
@@ -636,7 +644,7 @@ def run_schema(state: _State, path: str, ctx: WorkerContext) -> dict[str, Any]:
         if test["valid"] and not forced.accepted:
             position = len(tokens) if forced.position is None else forced.position
             over.append({"test": index, "token": position, "of": len(tokens),
-                         "at": _context_at(state, tokens, position)})
+                         "at": _context_at(state, tokens, position), "tokenization_only": forced.text_accepted})
         elif not test["valid"] and forced.accepted:
             try:
                 report = validate_output(schema, text)
@@ -683,7 +691,7 @@ def outcome_record(outcome: Outcome) -> dict[str, Any]:
 _COLUMNS: Final = ("schemas", "spec_rejected", "compile_error", "timeout", "crash", "error", "bad_file",
                    "compiled", "passed", "over_schemas", "valid_rejected", "valid_total", "under_schemas",
                    "invalid_accepted", "caught", "validator_errors", "invalid_total", "untokenizable",
-                   "mask_mismatches")
+                   "mask_mismatches", "valid_rejected_tokenization")
 
 
 def summarize(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, int]]:
@@ -700,6 +708,7 @@ def summarize(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, int]]:
             over, under = rec.get("valid_rejected", []), rec.get("invalid_accepted", [])
             row["over_schemas"] += int(bool(over))
             row["valid_rejected"] += len(over)
+            row["valid_rejected_tokenization"] += sum(1 for o in over if o.get("tokenization_only"))
             row["under_schemas"] += int(bool(under))
             row["invalid_accepted"] += len(under)
             row["caught"] += sum(1 for u in under if u["caught"])
@@ -820,10 +829,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--any-order", action=argparse.BooleanOptionalAction, default=False,
                         help="grammar option any_order: object keys in any order (default: no)")
     parser.add_argument("--backend", choices=("auto", "xgrammar", "llguidance"), default="auto",
-                        help="grammar option backend (default auto: xgrammar, llguidance where xgrammar cannot "
-                             "compile the schema within --auto-timeout CPU seconds)")
+                        help="grammar option backend (default auto: llguidance, xgrammar where llguidance "
+                             "refuses the schema)")
     parser.add_argument("--auto-timeout", type=float, default=10.0,
-                        help="auto: CPU seconds xgrammar gets per compile before llguidance serves (default 10)")
+                        help="auto: CPU seconds xgrammar gets per compile before the other backend is tried "
+                             "(default 10)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return parser
 
@@ -880,6 +890,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"crashes {total['crash']}, harness errors {total['error']}, untokenizable instances "
           f"{total['untokenizable']}, mask/accept mismatches {total['mask_mismatches']}, post-validator "
           f"refusals {total['validator_errors']}")
+    print(f"valid instances rejected: {total['valid_rejected']} in {total['over_schemas']} schemas, of which "
+          f"{total['valid_rejected_tokenization']} by the mask only (the matcher takes the text: a tokenization rule)")
     print(f"compile s ({c['count']} compiled schemas): p50 {fmt(c['p50'])}  p90 {fmt(c['p90'])}  "
           f"p99 {fmt(c['p99'])}  max {fmt(c['max'])}  sum {c['sum']:.0f}")
     print(f"per-token engine.step (accept + fill, one sequence) us over {s['tokens']} tokens: "

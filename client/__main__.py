@@ -114,8 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     policies.add_argument("--on-repeat", choices=ON_REPEAT,
                           help="close: end an output that keeps repeating itself the same way (server default)")
     policies.add_argument("--backend", choices=BACKEND,
-                          help="grammar engine: auto (server default: xgrammar, llguidance where xgrammar cannot "
-                               "compile the constraint in time), xgrammar or llguidance")
+                          help="grammar engine: auto (server default: llguidance for JSON, xgrammar for the rest, "
+                               "each falling back to the other), xgrammar or llguidance")
     policies.add_argument("--no-jump-forward", dest="jump_forward", action="store_false", default=None,
                           help="sample every token, also where the constraint forces the text (the server "
                                "appends forced text without sampling by default)")

@@ -259,9 +259,10 @@ class Constraint:
             is appended without sampling, several tokens per forward; the
             output is the same text.  ``False``: every token is sampled.
         backend : {"auto", "xgrammar", "llguidance"}, optional
-            ``"auto"`` (server default): xgrammar, or llguidance where
-            xgrammar cannot compile the constraint in time; the others force
-            one engine.  ``Completion.backend`` says which served.
+            ``"auto"`` (server default): llguidance for JSON, xgrammar for
+            the other kinds, each falling back to the other where it cannot
+            compile the constraint (in time); the others force one engine.
+            ``Result.backend`` says which served.
 
         Raises
         ------

@@ -65,9 +65,9 @@ JSON_OPTION_NAMES: Final = ("strict", "whitespace", "indent", "any_order")
 #: ``on_budget``: ``close`` forces the shortest valid completion before
 #: ``max_tokens`` runs out, ``truncate`` cuts there; ``on_repeat``: ``close``
 #: forces the completion of a runaway repetition, ``continue`` lets it run;
-#: ``backend``: the grammar engine that serves the constraint, ``auto``
-#: xgrammar first and llguidance where xgrammar cannot compile it in time
-#: (RESULT ``backend`` says which served).
+#: ``backend``: the grammar engine that serves the constraint, ``auto`` the
+#: server's choice (llguidance for JSON, xgrammar for the rest, each falling
+#: back to the other; RESULT ``backend`` says which served).
 POLICIES: Final[Mapping[str, tuple[str, ...]]] = {
     "on_budget": ("close", "truncate"),
     "on_repeat": ("close", "continue"),

@@ -6,8 +6,9 @@ xgrammar compiles eagerly (a schema can take seconds and gigabytes, see
 grammar is ready in about a millisecond and each mask costs more (measured
 with the Qwen3 vocabulary: ``LLMatcher`` built in 0.8 ms, one mask 1.5 ms on
 a two-property schema).  The two also fail on different schemas, which is why
-``backend: auto`` (:mod:`grammar_backend.engine`) serves a constraint with
-llguidance where xgrammar cannot compile it or runs out of time.
+``backend: auto`` (:func:`grammar_backend.engine.auto_order`) serves JSON with
+llguidance first and xgrammar where llguidance refuses it, and the other kinds
+the other way round.
 
 Both write the same packed int32 bitmask (bit ``j`` of word ``j // 32`` is
 token ``j``, least significant bit first), so llguidance rows share the

@@ -316,3 +316,12 @@ def test_an_llguidance_limit_mid_sequence_fails_that_row_only(engine: GrammarEng
         assert out.errors[1] is None
     finally:
         engine.end([13, 14])
+
+
+def test_when_both_backends_refuse_the_error_is_the_first_ones(engine: GrammarEngine) -> None:
+    with pytest.raises(CompileError) as info:
+        engine.start(15, parse_constraint("regex", "(a"))  # auto: xgrammar first for a regex
+    assert info.value.field == "grammar"
+    assert re.fullmatch(r"grammar: xgrammar cannot compile this regex: .+ \(llguidance too: llguidance cannot compile "
+                        r"this regex: .+\)", str(info.value), re.DOTALL), str(info.value)
+    assert 15 not in engine.table

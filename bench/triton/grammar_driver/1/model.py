@@ -3,7 +3,7 @@
 Tensor contract (``max_batch_size: 0``)
 
 Inputs
-    CONFIG  BYTES [1]  JSON {"constraints": [[kind, payload], ...], "paths": [[token ids], ...],
+    CONFIG  BYTES [1]  JSON {"constraints": [[kind, payload, options], ...], "paths": [[token ids], ...],
                        "rows": B, "jump_forward": bool, "buffer": bool}: row ``r`` follows
                        constraint and path ``r % len(paths)``; every row feeds its path's next
                        token per step; ``buffer``: masks through a shared-memory mask buffer
@@ -39,7 +39,7 @@ class TritonPythonModel:
 
     def _steps(self, provider: BlsMaskProvider, cfg: dict[str, Any], rows: int) -> dict[str, Any]:
         paths = [list(map(int, p)) for p in cfg["paths"]]
-        constraints = [ConstraintRequest(k, p, "") for k, p in cfg["constraints"]]
+        constraints = [ConstraintRequest(k, p, o) for k, p, o in cfg["constraints"]]
         ids = np.array([secrets.randbits(63) + 1 for _ in range(rows)], np.uint64)
         for r in range(rows):
             provider.start(int(ids[r]), constraints[r % len(constraints)])
