@@ -38,7 +38,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -99,20 +99,27 @@ def time_raw(info: xgr.TokenizerInfo, llg: LlgBackend | None, cons: list[tuple[s
     matchers = [xgr.GrammarMatcher(compiled[r % len(compiled)]) for r in range(rows)]
     batch = xgr.BatchGrammarMatcher(1)
     bitmask = xgr.allocate_token_bitmask(rows, info.vocab_size)
-    fill: list[float] = []
-    step: list[float] = []
+    return _time_path(matchers, lambda m, t: bool(m.accept_token(t)),
+                      lambda: batch.batch_fill_next_token_bitmask(matchers, bitmask), toks)
+
+
+def _time_path(matchers: list[Any], accept: Callable[[Any, int], bool], fill: Callable[[], object],
+               toks: list[list[int]]) -> dict[str, list[float]]:
+    """Step every row along its token path: accept one token per row, then one batched fill; both timed."""
+    fills: list[float] = []
+    steps: list[float] = []
     for i in range(len(toks[0]) + 1):
         t0 = time.perf_counter()
         if i:
             for r, m in enumerate(matchers):
-                if not m.accept_token(toks[r % len(toks)][i - 1]):
+                if not accept(m, toks[r % len(toks)][i - 1]):
                     raise RuntimeError(f"raw: row {r} rejected its token at step {i}")
         t1 = time.perf_counter()
-        batch.batch_fill_next_token_bitmask(matchers, bitmask)
+        fill()
         t2 = time.perf_counter()
-        fill.append(t2 - t1)
-        step.append(t2 - t0)
-    return {"raw fill": fill, "raw": step}
+        fills.append(t2 - t1)
+        steps.append(t2 - t0)
+    return {"raw fill": fills, "raw": steps}
 
 
 def time_raw_llguidance(llg: LlgBackend, cons: list[tuple[str, str, str]], toks: list[list[int]],
@@ -126,20 +133,8 @@ def time_raw_llguidance(llg: LlgBackend, cons: list[tuple[str, str, str]], toks:
     executor = llguidance.LLExecutor(1)
     bitmask = llguidance.numpy.allocate_token_bitmask(rows, QWEN_VOCAB)
     targets = [(m, r) for r, m in enumerate(matchers)]
-    fill: list[float] = []
-    step: list[float] = []
-    for i in range(len(toks[0]) + 1):
-        t0 = time.perf_counter()
-        if i:
-            for r, m in enumerate(matchers):
-                if not m.consume_token(toks[r % len(toks)][i - 1]):
-                    raise RuntimeError(f"raw: row {r} rejected its token at step {i}: {m.get_error()}")
-        t1 = time.perf_counter()
-        llguidance.numpy.fill_next_token_bitmask_par(executor, targets, bitmask)
-        t2 = time.perf_counter()
-        fill.append(t2 - t1)
-        step.append(t2 - t0)
-    return {"raw fill": fill, "raw": step}
+    return _time_path(matchers, lambda m, t: bool(m.consume_token(t)),
+                      lambda: llguidance.numpy.fill_next_token_bitmask_par(executor, targets, bitmask), toks)
 
 
 def time_local(engine: GrammarEngine, cons: list[tuple[str, str, str]], toks: list[list[int]], rows: int,
