@@ -8,11 +8,12 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any
 
 import numpy as np
 import xgrammar as xgr
 
+import contract
 from grammar_backend.bitmask import BitmaskBuffer, Matcher, pack_tokens
 from grammar_backend.cache import CacheConfig, CompileCache
 from grammar_backend.closing import Closer, ClosingConfig
@@ -36,8 +37,8 @@ from grammar_backend.workers import CompileWorkers, WorkerConfig
 
 log = logging.getLogger(__name__)
 
-XGRAMMAR: Final = "xgrammar"
-LLGUIDANCE: Final = "llguidance"
+#: The backend names (the request contract's, ``contract.BACKENDS``).
+XGRAMMAR, LLGUIDANCE = contract.BACKENDS
 
 #: Called once with None (the sequence's matcher exists) or the start's error.
 StartCallback = Callable[[GrammarError | None], None]
@@ -142,6 +143,10 @@ class GrammarEngine:
         #: backend: auto, by the xgrammar cache key: the backend that served the constraint first (sticky,
         #: so a constraint that fell over to llguidance is not tried on xgrammar at every request).
         self._auto: Lru[str, str] = Lru(4096)
+        self._counts_lock = threading.Lock()
+        self._starts: dict[str, int] = {}
+        #: ``backend: auto`` starts that the first backend refused or did not compile in time.
+        self.fallbacks = 0
         self.jump = None if encode is None else JumpForward(tokenizer_info, encode)
         self.tokenizer_info = tokenizer_info
         self.fingerprint = fingerprint
@@ -189,6 +194,11 @@ class GrammarEngine:
         CompileError, CompileTimeout, CompileQueueFull
         """
         return self.cache.get(self._key(spec, XGRAMMAR), self._compile_fn(spec, XGRAMMAR), timeout_s)
+
+    def starts(self) -> dict[str, int]:
+        """Sequences started so far, by the backend that serves them."""
+        with self._counts_lock:
+            return dict(self._starts)
 
     def backends(self, spec: ConstraintSpec) -> tuple[str, ...]:
         """The backends a start of ``spec`` tries, in order.
@@ -273,6 +283,8 @@ class GrammarEngine:
                 done(err if first is None else _also(first, backend, err))
                 return
             log.info("grammar: sequence %d: %s failed (%s); trying %s", seq_id, backend, err, rest[0])
+            with self._counts_lock:
+                self.fallbacks += 1
             try:
                 self._attempt(seq_id, spec, rest, done, timeout_s, budget, first or err)
             except GrammarError as again:
@@ -303,6 +315,8 @@ class GrammarEngine:
                 return
             if spec.options.backend == "auto":
                 self._auto.put(self._key(spec, XGRAMMAR), backend)
+            with self._counts_lock:
+                self._starts[backend] = self._starts.get(backend, 0) + 1
             done(None)
 
         def on_deadline() -> None:

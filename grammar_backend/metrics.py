@@ -84,7 +84,7 @@ def _latency(name: str, help_text: str, model: str) -> tuple[MetricSpec, ...]:
 
 METRICS: Final[tuple[MetricSpec, ...]] = (
     # grammar model
-    MetricSpec("grammar_active_sequences", "gauge", "Sequences holding an xgrammar matcher now", "grammar"),
+    MetricSpec("grammar_active_sequences", "gauge", "Sequences holding a matcher now", "grammar"),
     MetricSpec("grammar_cache_bytes", "gauge", "Bytes of compiled grammars in the compile cache", "grammar"),
     MetricSpec("grammar_cache_entries", "gauge", "Compiled grammars in the compile cache", "grammar"),
     MetricSpec("grammar_compiles_in_flight", "gauge", "Compiles running or queued now", "grammar"),
@@ -96,6 +96,10 @@ METRICS: Final[tuple[MetricSpec, ...]] = (
     MetricSpec("grammar_compile_failures_total", "counter", "Compiles that failed (bad constraint, limits)", "grammar"),
     MetricSpec("grammar_compile_timeouts_total", "counter", "Starts that gave up waiting for a compile", "grammar"),
     MetricSpec("grammar_compile_seconds_total", "counter", "Seconds spent compiling", "grammar"),
+    MetricSpec("grammar_starts_total", "counter", "Sequences started, by the grammar backend that serves them",
+               "grammar", ("backend",)),
+    MetricSpec("grammar_backend_fallbacks_total", "counter",
+               "backend auto: starts the first backend refused or did not compile in time", "grammar"),
     *_latency("grammar_step_seconds", "Grammar step per batch (accept tokens + fill the masks)", "grammar"),
     # llm model
     MetricSpec("llm_live_requests", "gauge", "Requests not finished now (compiling, waiting or decoding)", "llm"),

@@ -160,6 +160,10 @@ class GrammarService:
         snap.put("grammar_compile_failures_total", c.compile_failures)
         snap.put("grammar_compile_timeouts_total", c.timeouts)
         snap.put("grammar_compile_seconds_total", c.compile_seconds)
+        starts = eng.starts()
+        for backend in contract.BACKENDS:
+            snap.put("grammar_starts_total", starts.get(backend, 0), backend=backend)
+        snap.put("grammar_backend_fallbacks_total", eng.fallbacks)
         snap.put_latency("grammar_step_seconds", self.step_latency)
         return snap
 

@@ -16,6 +16,7 @@ from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
 from grammar_backend.errors import BackendFailed, CompileError, TokenRejected
 from grammar_backend.llg import LlgBackend, json_compile_options, refusal
 from grammar_backend.llg import unenforced_keywords as llg_unenforced
+from grammar_backend.service import GrammarService
 from grammar_backend.spec import ConstraintOptions, parse_constraint
 from tests.unit.conftest import load_schema
 
@@ -134,6 +135,10 @@ def test_auto_serves_a_slow_xgrammar_compile_with_llguidance(engine: GrammarEngi
         _drive(eng, 1, qwen_tokenizer.encode(words[1234], add_special_tokens=False), int(qwen_info.stop_token_ids[0]))
         eng.compile(spec)  # still compiling, then cached for xgrammar requests
         assert (eng.cache.stats().entries, eng.cache.stats().timeouts) == (1, 1)
+        assert (eng.starts(), eng.fallbacks) == ({"llguidance": 1}, 1)
+        snap = GrammarService(eng).metrics_snapshot().values
+        assert [snap[("grammar_starts_total", (("backend", b),))] for b in ("xgrammar", "llguidance")] == [0.0, 1.0]
+        assert snap[("grammar_backend_fallbacks_total", ())] == 1.0
     finally:
         eng.close()
 
