@@ -35,10 +35,17 @@ GAUGES = ("llm_live_requests", "llm_batch_size", "llm_waiting_requests", "llm_co
           "grammar_active_sequences")
 
 
+def idle(series: Series) -> bool:
+    """Every gauge at 0, and the step counter and step histogram agree: they are separate updates (an
+    IPC each), and scrapes between them saw 65 steps with 64 timings, and 2 steps ahead at idle."""
+    return all(value(series, g) == 0 for g in GAUGES) and (
+        value(series, "llm_steps_total") == value(series, "llm_step_seconds_count"))
+
+
 def test_metrics_move_with_the_load_and_return_to_idle(server: TritonServer) -> None:
     with Client(server.grpc_url) as c:  # warm: compile once, every model has published
         c.generate("Hi.", constraint=Constraint.regex("[a-z]{2}"), max_tokens=8, require_complete=False)
-    before = wait_for(server, lambda s: all(value(s, g) == 0 for g in GAUGES))
+    before = wait_for(server, idle)
     assert [g for g in GAUGES if value(before, g) != 0] == []
 
     never_done = Constraint.regex("[a-z]{300}").with_policies(on_budget="truncate")
@@ -70,10 +77,7 @@ def test_metrics_move_with_the_load_and_return_to_idle(server: TritonServer) -> 
     assert value(during, "llm_waiting_requests") == 0
     assert len(results) == 8
 
-    # The step counter and the step histogram are separate updates (an IPC each): a scrape between
-    # them saw 65 steps and 64 timings, so wait until they agree too.
-    after = wait_for(server, lambda s: all(value(s, g) == 0 for g in GAUGES)
-                     and value(s, "llm_steps_total") == value(s, "llm_step_seconds_count"))
+    after = wait_for(server, idle)
     assert {g: value(after, g) for g in GAUGES} == dict.fromkeys(GAUGES, 0.0)
     grew = {name: value(after, name) - value(before, name) for name in (
         "grammar_cache_hits_total", "grammar_cache_misses_total", "llm_steps_total", "llm_step_seconds_count",
