@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -29,6 +30,8 @@ from grammar_backend.workers import WorkerConfig
 
 OPS = ("start", "step", "rollback", "end", "stats")
 
+
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class GrammarModelConfig:
@@ -95,7 +98,12 @@ class GrammarModelConfig:
             vocab_size=self.vocab_size or None,
             stop_token_ids=list(self.stop_token_ids) or None,
         )
-        llg = LlgBackend(bundle.hf, bundle.vocab_size, bundle.stop_token_ids)
+        llg: LlgBackend | None = None
+        try:
+            llg = LlgBackend(bundle.hf, bundle.vocab_size, bundle.stop_token_ids)
+        except ValueError as err:  # llguidance takes fast (Rust) tokenizers only
+            log.warning("grammar: the llguidance backend is off for %s (%s): backend auto serves with xgrammar, "
+                        "backend llguidance is refused", self.tokenizer, err)
         return GrammarEngine(bundle.info, bundle.fingerprint, self.engine_config(), encode=bundle.encode, llg=llg)
 
 

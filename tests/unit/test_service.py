@@ -30,6 +30,7 @@ from grammar_backend.service import (
     GrammarRequest,
     GrammarService,
 )
+from grammar_backend.spec import parse_constraint
 from tests.unit.conftest import TINY_STOP, TINY_VOCAB_SIZE, tiny_encode
 
 
@@ -215,3 +216,23 @@ def test_a_validated_start_is_trusted(service: GrammarService, monkeypatch: pyte
     with pytest.raises(AssertionError, match="validated again"):
         service.handle(GrammarRequest("start", np.array([8], np.uint64), grammar_type="json_schema",
                                       grammar=b'{"type": "object", "properties": {"svc_w": {}}}'))
+
+
+def test_a_tokenizer_llguidance_cannot_take_leaves_it_off(monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    folder = Path(__file__).resolve().parents[2] / "build" / "models" / "smollm2-135m-instruct"
+    if not (folder / "config.json").is_file():
+        pytest.skip(f"{folder} missing (run `make model`)")
+
+    def slow_only(*args: object, **kwargs: object) -> None:
+        raise ValueError("Only fast tokenizers are supported")
+
+    monkeypatch.setattr("grammar_backend.service.LlgBackend", slow_only)
+    engine = GrammarModelConfig(tokenizer=str(folder)).build_engine()
+    try:
+        assert engine.llg is None
+        assert "the llguidance backend is off" in caplog.text and "Only fast tokenizers are supported" in caplog.text
+        with pytest.raises(CompileError, match=r"^grammar_options\.backend: llguidance is not available on this server$"):
+            engine.start(1, parse_constraint("regex", "a", {"backend": "llguidance"}))
+    finally:
+        engine.close()
