@@ -214,8 +214,8 @@ class GrammarEngine:
                 return (XGRAMMAR,)
             served = self._auto.get(self._key(spec, XGRAMMAR))
             return (served,) if served is not None else auto_order(spec)
-        if choice == LLGUIDANCE and self.llg is None:
-            raise CompileError("grammar_options.backend", "llguidance is not available on this server")
+        if choice == LLGUIDANCE:
+            self._llg()  # refused now on an engine without it
         return (choice,)
 
     def start(self, seq_id: int, spec: ConstraintSpec, timeout_s: float | None = None, budget: int = 0) -> None:
@@ -338,14 +338,17 @@ class GrammarEngine:
     def _compile_fn(self, spec: ConstraintSpec, backend: str) -> Callable[[], Any]:
         if backend == XGRAMMAR:
             return lambda: self.workers.compile(spec)
-        llg = self.llg
-        if llg is None:
-            raise CompileError("grammar_options.backend", "llguidance is not available on this server")
+        llg = self._llg()
         return lambda: llg.compile(spec)
 
+    def _llg(self) -> LlgBackend:
+        if self.llg is None:
+            raise CompileError("grammar_options.backend", "llguidance is not available on this server")
+        return self.llg
+
     def _matcher(self, compiled: Any) -> Matcher:
-        if isinstance(compiled, LlgCompiled) and self.llg is not None:
-            return self.llg.matcher(compiled)
+        if isinstance(compiled, LlgCompiled):
+            return self._llg().matcher(compiled)
         return xgr.GrammarMatcher(compiled)
 
     def step(
@@ -412,10 +415,10 @@ class GrammarEngine:
                     seq.accept(tokens[i, :count])
                 seq.steps += 1
                 token = seq.plan(self.closer, self._stop_token) if seq.closes and not seq.terminated else FREE
-            except SequenceError as err:
+            except (SequenceError, MatcherFailed) as err:
                 if errors is None:
                     errors = [None] * rows
-                errors[i] = err
+                errors[i] = _row_error(int(seq_ids[i]), err)
                 continue
             if seq.terminated:
                 terminated[i] = True
@@ -447,7 +450,7 @@ class GrammarEngine:
                 except MatcherFailed as err:
                     if errors is None:
                         errors = [None] * rows
-                    errors[i] = BackendFailed(int(seq_ids[i]), str(err))
+                    errors[i] = _row_error(int(seq_ids[i]), err)
             forced = tuple(found)
         return StepResult(
             bitmask=bitmask,
@@ -506,6 +509,11 @@ def _also(first: GrammarError, backend: str, err: GrammarError) -> GrammarError:
         combined = type(first)(f"{first} ({backend} too: {reason})")
     combined.__cause__ = first
     return combined
+
+
+def _row_error(seq_id: int, err: SequenceError | MatcherFailed) -> SequenceError:
+    """A step's row error: a matcher that cannot go on becomes that row's :class:`BackendFailed`."""
+    return BackendFailed(seq_id, str(err)) if isinstance(err, MatcherFailed) else err
 
 
 def _internal(what: str, err: Exception) -> GrammarError:

@@ -13,11 +13,9 @@ import numpy as np
 from grammar_backend.bitmask import Matcher
 from grammar_backend.closing import Closer, CloseState, ClosingConfig, RepeatDetector
 from grammar_backend.errors import (
-    BackendFailed,
     CapacityExceeded,
     ConfigError,
     DuplicateSequence,
-    MatcherFailed,
     SequenceError,
     TokenRejected,
     UnknownSequence,
@@ -120,16 +118,12 @@ class GrammarSequence:
         ------
         TokenRejected
             The grammar rejects ``tokens[i]``; the matcher is as before the call.
-        BackendFailed
-            The matcher cannot go on (:class:`~grammar_backend.errors.MatcherFailed`).
+        MatcherFailed
+            The matcher cannot go on (llguidance past a limit).
         """
         matcher = self.matcher
         for i, token in enumerate(tokens):
-            try:
-                accepted = matcher.accept_token(int(token))
-            except MatcherFailed as err:
-                raise BackendFailed(self.seq_id, str(err)) from err
-            if not accepted:
+            if not matcher.accept_token(int(token)):
                 if i:
                     matcher.rollback(i)
                 raise TokenRejected(self.seq_id, int(token), self.tokens_accepted + i)
@@ -193,15 +187,9 @@ class GrammarSequence:
 
         Raises
         ------
-        BackendFailed
-            The matcher failed during the search (:class:`~grammar_backend.errors.MatcherFailed`).
+        MatcherFailed
+            The matcher failed during the search.
         """
-        try:
-            return self._plan(closer, stop_token)
-        except MatcherFailed as err:
-            raise BackendFailed(self.seq_id, str(err)) from err
-
-    def _plan(self, closer: Closer, stop_token: int) -> int:
         if self.forced is not None:
             if self.forced_at < len(self.forced):
                 return self.forced[self.forced_at]

@@ -189,7 +189,7 @@ def test_auto_keeps_xgrammar_where_it_compiles(engine: GrammarEngine) -> None:
 def test_options_llguidance_cannot_honour_are_refused(engine: GrammarEngine, options: dict[str, object],
                                                       match: str) -> None:
     spec = parse_constraint("json_schema", '{"type":"object"}', {**options, "backend": "llguidance"})
-    assert str(refusal(spec)) == match.strip("^$").replace("\\", "")
+    assert re.fullmatch(match, str(refusal(spec)))
     with pytest.raises(CompileError, match=match):
         engine.start(10, spec)
 
