@@ -41,7 +41,6 @@ import argparse
 import json
 import random
 import sys
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -57,10 +56,9 @@ if str(REPO) not in sys.path:
 
 # Imported after the sys.path entry above.
 import xgrammar as xgr
-from e2e_bench import MODEL_DIR, pct, render_repository
+from e2e_bench import MODEL_DIR, pct, served_ensemble
 
 from client import Client, ClientError, Constraint
-from deploy.server import ServerConfig, TritonServer
 from grammar_backend.closing import Closer
 from grammar_backend.compile import compile_spec
 from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
@@ -238,36 +236,26 @@ def served_part(model_dir: Path, schemas: Sequence[tuple[str, dict[str, Any], An
     """
     close_budget_only = {"on_budget": "close", "on_repeat": "continue"}
     minimal = shortest(model_dir, schemas)
-    with tempfile.TemporaryDirectory(prefix="budget-bench-") as tmp:
-        repo = Path(tmp) / "model_repository"
-        render_repository(repo, model_dir)
-        server = TritonServer(ServerConfig(model_repository=repo, models=(ENSEMBLE,), log_file=Path(tmp) / "log"))
-        server.start()
-        try:
-            server.wait_ready()
-            url = server.grpc_url
+    with served_ensemble(model_dir, "budget-bench-") as url:
+        def run(jobs: list[tuple[str, int, dict[str, str], int]]) -> dict[tuple[str, int], dict[str, Any]]:
+            with ThreadPoolExecutor(concurrency) as pool:
+                done = pool.map(lambda job: one(url, schemas[job[1]][1], job[2], job[3]), jobs)
+                return {(job[0], job[1]): {**outcome, "budget": job[3]} for job, outcome in zip(jobs, done,
+                                                                                               strict=True)}
 
-            def run(jobs: list[tuple[str, int, dict[str, str], int]]) -> dict[tuple[str, int], dict[str, Any]]:
-                with ThreadPoolExecutor(concurrency) as pool:
-                    done = pool.map(lambda job: one(url, schemas[job[1]][1], job[2], job[3]), jobs)
-                    return {(job[0], job[1]): {**outcome, "budget": job[3]} for job, outcome in zip(jobs, done,
-                                                                                                   strict=True)}
-
-            t0 = time.perf_counter()
-            first = run([job for i in range(len(schemas)) for job in _pair(
-                ("before", i, MODES["truncate"], max_tokens), ("after", i, MODES["close"], max_tokens), i)])
-            natural = {i: first["before", i]["tokens"] for i in range(len(schemas)) if first["before", i]["complete"]}
-            jobs = []
-            for i, n in natural.items():
-                for share in (50, 80):
-                    budget = max(1, n * share // 100)
-                    jobs += _pair((f"close{share}", i, MODES["close"], budget),
-                                  (f"truncate{share}", i, MODES["truncate"], budget), i)
-                jobs.append(("ample", i, close_budget_only, max_tokens))
-            second = run(jobs)
-            elapsed = time.perf_counter() - t0
-        finally:
-            server.stop()
+        t0 = time.perf_counter()
+        first = run([job for i in range(len(schemas)) for job in _pair(
+            ("before", i, MODES["truncate"], max_tokens), ("after", i, MODES["close"], max_tokens), i)])
+        natural = {i: first["before", i]["tokens"] for i in range(len(schemas)) if first["before", i]["complete"]}
+        jobs = []
+        for i, n in natural.items():
+            for share in (50, 80):
+                budget = max(1, n * share // 100)
+                jobs += _pair((f"close{share}", i, MODES["close"], budget),
+                              (f"truncate{share}", i, MODES["truncate"], budget), i)
+            jobs.append(("ample", i, close_budget_only, max_tokens))
+        second = run(jobs)
+        elapsed = time.perf_counter() - t0
     outcomes = {**first, **second}
     figures: dict[str, Any] = {"elapsed_s": elapsed, "schemas": len(schemas), "natural": len(natural)}
     for key in ("before", "after", "close50", "truncate50", "close80", "truncate80"):

@@ -53,6 +53,7 @@ shared machine: read ratios from one run, not absolute figures across runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -61,7 +62,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -170,6 +171,21 @@ def render_repository(dst: Path, model_dir: Path, grammar_mode: str = "", stream
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"render failed (exit {proc.returncode}): {proc.stderr.strip()}")
+
+
+@contextlib.contextmanager
+def served_ensemble(model_dir: Path, prefix: str) -> Iterator[str]:
+    """A real tritonserver serving the rendered ensemble on loopback, for the block; yields its gRPC URL."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        repo = Path(tmp) / "model_repository"
+        render_repository(repo, model_dir)
+        server = TritonServer(ServerConfig(model_repository=repo, models=(ENSEMBLE,), log_file=Path(tmp) / "log"))
+        server.start()
+        try:
+            server.wait_ready()
+            yield server.grpc_url
+        finally:
+            server.stop()
 
 
 # --------------------------------------------------------------------------- requests

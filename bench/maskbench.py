@@ -11,9 +11,9 @@ in DIR, a child process:
 1. validates the schema with :func:`grammar_backend.spec.parse_constraint`
    (``spec_rejected`` and the reason when it fails);
 2. compiles it as a start does (:meth:`grammar_backend.engine.GrammarEngine.start`,
-   grammar option ``backend`` from ``--backend``: ``auto`` tries xgrammar,
-   stopped at ``--auto-timeout`` CPU seconds, then llguidance; the record
-   says which backend served), ``compile_error`` with the last backend's
+   grammar option ``backend`` from ``--backend``: ``auto`` tries llguidance
+   first for JSON, then xgrammar, whose compile is stopped at
+   ``--auto-timeout`` CPU seconds; the record says which backend served), ``compile_error`` with the last backend's
    reason; ``timeout`` or ``crash`` are decided by this parent, which kills
    a worker that runs past ``--timeout`` and notices a worker that died,
    e.g. on a segfault;
@@ -24,7 +24,11 @@ in DIR, a child process:
    stop token.  A token whose mask bit is clear rejects the instance there
    (decoding could not produce it, MaskBench's rule); a token the mask allows
    but the matcher refuses is a disagreement between the two
-   (``mask_mismatches``; expected 0).
+   (``mask_mismatches``; expected 0).  With ``--value-checks`` (the served
+   default, :mod:`grammar_backend.values`) a completed value that breaks
+   its subschema where the grammar cannot express it also rejects the
+   instance, at that value's end: decoding would drop it and generate it
+   again.
 
 A valid instance rejected is an over-constraint; an invalid instance accepted
 is an under-constraint, and the post-validator
@@ -448,6 +452,7 @@ class RunConfig:
     options: dict[str, Any]
     timeout_s: float
     auto_timeout_s: float
+    value_checks: bool = True
 
 
 @dataclass
@@ -457,6 +462,7 @@ class _State:
     vocab_bytes: list[bytes]
     options: dict[str, Any]
     stop: int
+    value_checks: bool = True
     next_seq: int = 1
 
 
@@ -493,7 +499,8 @@ def _init_worker(config: RunConfig) -> _State:
     # tokenization reproduces the instance byte for byte (Qwen's NFC normalizer
     # may not).  0.4 s once per worker for 151,936 tokens.
     vocab_bytes = list(bundle.info.decoded_vocab)
-    return _State(engine, bundle, vocab_bytes, dict(config.options), int(bundle.stop_token_ids[0]))
+    return _State(engine, bundle, vocab_bytes, dict(config.options), int(bundle.stop_token_ids[0]),
+                  config.value_checks)
 
 
 def _allowed(row: np.ndarray, token: int) -> bool:
@@ -506,6 +513,7 @@ class _Forced:
     position: int | None  # token index where it was rejected (len(tokens) = the stop token)
     mismatches: int
     text_accepted: bool = False  # rejected by the mask only: the matcher takes every token (a tokenization rule)
+    by_value_check: bool = False  # rejected where a completed value broke the schema (grammar_backend.values)
 
 
 def _compile(state: _State, spec: Any) -> str:
@@ -523,7 +531,8 @@ def _force(state: _State, spec: Any, tokens: list[int], step_ns: list[int]) -> _
     engine = state.engine
     seq_id = state.next_seq
     state.next_seq += 1
-    engine.start(seq_id, spec)  # a cache hit: the grammar was compiled just before (auto remembers the backend)
+    # A cache hit: the grammar was compiled just before (auto remembers the backend).
+    engine.start(seq_id, spec, value_checks=state.value_checks)
     ids = np.array([seq_id], dtype=np.uint64)
     tok = np.zeros((1, 1), dtype=np.int32)
     none, one = np.zeros(1, dtype=np.int32), np.ones(1, dtype=np.int32)
@@ -550,6 +559,8 @@ def _force(state: _State, spec: Any, tokens: list[int], step_ns: list[int]) -> _
                 if masked_at is not None:
                     return _Forced(False, masked_at, mismatches)
                 return _Forced(False, pos, mismatches + 1)  # the mask allowed what the matcher refuses
+            if res.dropped[0] and masked_at is None:
+                return _Forced(False, pos, mismatches, by_value_check=True)
             if pos < len(tokens) and masked_at is None:  # the stop token's step fills no mask
                 step_ns.append(elapsed)
         if not bool(res.terminated[0]):
@@ -632,6 +643,7 @@ def run_schema(state: _State, path: str, ctx: WorkerContext) -> dict[str, Any]:
     over: list[dict[str, Any]] = []
     under: list[dict[str, Any]] = []
     untokenizable: list[int] = []
+    checked: list[int] = []  # invalid instances a value check rejected
     mismatches = 0
     for index, test in enumerate(tests):
         text = compact_json(test["data"])
@@ -644,7 +656,10 @@ def run_schema(state: _State, path: str, ctx: WorkerContext) -> dict[str, Any]:
         if test["valid"] and not forced.accepted:
             position = len(tokens) if forced.position is None else forced.position
             over.append({"test": index, "token": position, "of": len(tokens),
-                         "at": _context_at(state, tokens, position), "tokenization_only": forced.text_accepted})
+                         "at": _context_at(state, tokens, position), "tokenization_only": forced.text_accepted,
+                         "value_check": forced.by_value_check})
+        elif not test["valid"] and forced.by_value_check:
+            checked.append(index)
         elif not test["valid"] and forced.accepted:
             try:
                 report = validate_output(schema, text)
@@ -660,11 +675,13 @@ def run_schema(state: _State, path: str, ctx: WorkerContext) -> dict[str, Any]:
         valid_rejected=over,
         invalid_accepted=under,
         untokenizable=untokenizable,
+        value_checked=checked,
         mask_mismatches=mismatches,
         tokens=len(step_ns),
         step_ns=np.asarray(step_ns, dtype=np.int64),
     )
     rec["passed"] = not over and not under and not untokenizable and mismatches == 0
+    rec["passed_or_caught"] = not over and not untokenizable and mismatches == 0 and all(u["caught"] for u in under)
     return rec
 
 
@@ -691,7 +708,8 @@ def outcome_record(outcome: Outcome) -> dict[str, Any]:
 _COLUMNS: Final = ("schemas", "spec_rejected", "compile_error", "timeout", "crash", "error", "bad_file",
                    "compiled", "passed", "over_schemas", "valid_rejected", "valid_total", "under_schemas",
                    "invalid_accepted", "caught", "validator_errors", "invalid_total", "untokenizable",
-                   "mask_mismatches", "valid_rejected_tokenization")
+                   "mask_mismatches", "valid_rejected_tokenization", "valid_rejected_value_check", "value_checked",
+                   "value_checked_schemas", "passed_or_caught")
 
 
 def summarize(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, int]]:
@@ -703,12 +721,16 @@ def summarize(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, int]]:
             row["schemas"] += 1
             row[rec["status"]] += 1
             row["passed"] += int(bool(rec["passed"]))
+            row["passed_or_caught"] += int(bool(rec.get("passed_or_caught")))
             row["valid_total"] += rec.get("n_valid", 0)
             row["invalid_total"] += rec.get("n_invalid", 0)
             over, under = rec.get("valid_rejected", []), rec.get("invalid_accepted", [])
             row["over_schemas"] += int(bool(over))
             row["valid_rejected"] += len(over)
             row["valid_rejected_tokenization"] += sum(1 for o in over if o.get("tokenization_only"))
+            row["valid_rejected_value_check"] += sum(1 for o in over if o.get("value_check"))
+            row["value_checked"] += len(rec.get("value_checked", []))
+            row["value_checked_schemas"] += int(bool(rec.get("value_checked")))
             row["under_schemas"] += int(bool(under))
             row["invalid_accepted"] += len(under)
             row["caught"] += sum(1 for u in under if u["caught"])
@@ -832,8 +854,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="grammar option backend (default auto: llguidance, xgrammar where llguidance "
                              "refuses the schema)")
     parser.add_argument("--auto-timeout", type=float, default=10.0,
-                        help="auto: CPU seconds xgrammar gets per compile before the other backend is tried "
+                        help="CPU seconds xgrammar gets per compile under auto, where it is the fallback "
                              "(default 10)")
+    parser.add_argument("--value-checks", action=argparse.BooleanOptionalAction, default=True,
+                        help="check each completed value against what the grammar leaves unenforced, as "
+                             "decoding does (grammar_backend.values; default: yes)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return parser
 
@@ -849,7 +874,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     files = select_files(args.dir, args.limit, args.seed)
     install_interrupt_handlers()
     options = {"strict": args.strict, "any_order": args.any_order, "whitespace": "compact", "backend": args.backend}
-    config = RunConfig(str(args.tokenizer), vocab_size, options, args.timeout, args.auto_timeout)
+    config = RunConfig(str(args.tokenizer), vocab_size, options, args.timeout, args.auto_timeout, args.value_checks)
 
     print(f"maskbench: {len(files)} files from {args.dir}, tokenizer {args.tokenizer} (vocab {vocab_size or 'auto'}), "
           f"options {options}, {args.workers} workers, {args.timeout:g} s per phase", flush=True)
@@ -891,7 +916,13 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{total['untokenizable']}, mask/accept mismatches {total['mask_mismatches']}, post-validator "
           f"refusals {total['validator_errors']}")
     print(f"valid instances rejected: {total['valid_rejected']} in {total['over_schemas']} schemas, of which "
-          f"{total['valid_rejected_tokenization']} by the mask only (the matcher takes the text: a tokenization rule)")
+          f"{total['valid_rejected_tokenization']} by the mask only (the matcher takes the text: a tokenization "
+          f"rule), {total['valid_rejected_value_check']} by a value check")
+    print(f"passed when post-validation counts (every valid instance accepted, every invalid one rejected while "
+          f"decoding or flagged by post-validation): {total['passed_or_caught']}/{total['schemas']} "
+          f"({100 * total['passed_or_caught'] / max(1, total['schemas']):.1f}%)")
+    print(f"value checks {'on' if args.value_checks else 'off'}: {total['value_checked']} invalid instances "
+          f"rejected at a value's end in {total['value_checked_schemas']} schemas")
     print(f"compile s ({c['count']} compiled schemas): p50 {fmt(c['p50'])}  p90 {fmt(c['p90'])}  "
           f"p99 {fmt(c['p99'])}  max {fmt(c['max'])}  sum {c['sum']:.0f}")
     print(f"per-token engine.step (accept + fill, one sequence) us over {s['tokens']} tokens: "
@@ -911,6 +942,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "config": {"dir": str(args.dir), "files": len(files), "tokenizer": str(args.tokenizer),
                        "vocab_size": vocab_size, "options": options, "workers": args.workers,
                        "timeout_s": args.timeout, "auto_timeout_s": args.auto_timeout, "limit": args.limit,
+                       "value_checks": args.value_checks,
                        "seed": args.seed},
             "interrupted": interrupted,
             "respawns": respawns,

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final, TextIO
 
+import contract
 from client.constraints import BACKEND, ON_BUDGET, ON_REPEAT, Constraint, Whitespace
 from client.errors import (
     ClientError,
@@ -116,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     policies.add_argument("--backend", choices=BACKEND,
                           help="grammar engine: auto (server default: llguidance for JSON, xgrammar for the rest, "
                                "each falling back to the other), xgrammar or llguidance")
+    policies.add_argument("--value-retries", type=int, metavar="N",
+                          help="JSON: times a completed value that breaks the schema may be dropped and generated "
+                               f"again (server default {contract.VALUE_RETRIES}; 0: off)")
     policies.add_argument("--no-jump-forward", dest="jump_forward", action="store_false", default=None,
                           help="sample every token, also where the constraint forces the text (the server "
                                "appends forced text without sampling by default)")
@@ -173,14 +177,14 @@ def constraint_from_args(args: argparse.Namespace) -> Constraint | None:
     """
     constraint = _constraint_kind(args)
     given = {"--on-budget": args.on_budget, "--on-repeat": args.on_repeat, "--no-jump-forward": args.jump_forward,
-             "--backend": args.backend}
+             "--backend": args.backend, "--value-retries": args.value_retries}
     flags = [flag for flag, value in given.items() if value is not None]
     if not flags:
         return constraint
     if constraint is None:
         raise InvalidConstraint(flags[0], "applies only with a constraint")
     return constraint.with_policies(on_budget=args.on_budget, on_repeat=args.on_repeat, jump_forward=args.jump_forward,
-                                    backend=args.backend)
+                                    backend=args.backend, value_retries=args.value_retries)
 
 
 def _constraint_kind(args: argparse.Namespace) -> Constraint | None:

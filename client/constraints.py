@@ -241,7 +241,8 @@ class Constraint:
         return json.dumps(dict(self.options), sort_keys=True, separators=(",", ":"))
 
     def with_policies(self, *, on_budget: str | None = None, on_repeat: str | None = None,
-                      jump_forward: bool | None = None, backend: str | None = None) -> Constraint:
+                      jump_forward: bool | None = None, backend: str | None = None,
+                      value_retries: int | None = None) -> Constraint:
         """This constraint with decoding policies set (``None`` keeps the current or server default).
 
         Parameters
@@ -263,6 +264,12 @@ class Constraint:
             the other kinds, each falling back to the other where it cannot
             compile the constraint (in time); the others force one engine.
             ``Result.backend`` says which served.
+        value_retries : int, optional
+            JSON kinds: how many times the server may drop a completed value
+            that breaks the schema where the grammar cannot express it
+            (``uniqueItems``, a ``format``'s calendar, ``not``...) and
+            generate it again (server default ``contract.VALUE_RETRIES``;
+            0: off).  ``Result.value_retries`` says how many were used.
 
         Raises
         ------
@@ -270,7 +277,7 @@ class Constraint:
             A value outside the choices above.
         """
         given: dict[str, object] = {"on_budget": on_budget, "on_repeat": on_repeat, "jump_forward": jump_forward,
-                                    "backend": backend}
+                                    "backend": backend, "value_retries": value_retries}
         options = {**self.options, **{k: v for k, v in given.items() if v is not None}}
         return Constraint(self.kind, self.payload, options)
 

@@ -200,6 +200,9 @@ class Result:
     backend : str or None
         The grammar engine that served the constraint (one of
         ``contract.BACKENDS``; option ``backend``); None without a constraint.
+    value_retries : int
+        Times a completed value broke the schema and was generated again
+        (option ``value_retries``).
     raw : Mapping[str, Any]
         The ``RESULT`` object as received.
     """
@@ -216,6 +219,7 @@ class Result:
     close_reason: str | None = None
     stop_string: bool = False
     backend: str | None = None
+    value_retries: int = 0
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
 
@@ -345,6 +349,7 @@ def parse_result(text: str, kind: str | None) -> Result:
         close_reason=close_reason,
         stop_string=_get(obj, "stop_string", bool, "RESULT") if "stop_string" in obj else False,
         backend=backend,
+        value_retries=_get(obj, "value_retries", int, "RESULT") if "value_retries" in obj else 0,
         raw=MappingProxyType(obj),
     )
     if kind in _JSON_KINDS and (complete or closed_early):

@@ -34,10 +34,12 @@ __all__ = [
     "MAX_STOP_STRINGS",
     "MAX_TEMPERATURE",
     "MAX_TOP_K",
+    "MAX_VALUE_RETRIES",
     "MAX_WHITESPACE_RUN",
     "OPTION_NAMES",
     "POLICIES",
     "SEED_LIMIT",
+    "VALUE_RETRIES",
     "ContractError",
     "check_options",
     "check_sampling",
@@ -79,7 +81,13 @@ BACKENDS: Final = POLICIES["backend"][1:]
 #: appends the text the grammar forces without sampling it, several tokens
 #: per forward (``grammar_backend.jump``); the output text is the same.
 DECODING_FLAGS: Final[Mapping[str, bool]] = {"jump_forward": True}
-OPTION_NAMES: Final = (*JSON_OPTION_NAMES, *POLICIES, *DECODING_FLAGS)
+#: ``value_retries`` (JSON kinds; an integer option) default and bound: how many
+#: times one output may drop tokens to retry a completed value that breaks
+#: the schema where the grammar cannot express it (``grammar_backend.values``);
+#: 0 turns the value checks off.  RESULT ``value_retries`` says how many were used.
+VALUE_RETRIES: Final = 8
+MAX_VALUE_RETRIES: Final = 64
+OPTION_NAMES: Final = (*JSON_OPTION_NAMES, *POLICIES, *DECODING_FLAGS, "value_retries")
 #: Bound on a whitespace run when the policy is an integer (larger bounds let a
 #: model loop on whitespace, which the ``"compact"`` default prevents).
 MAX_WHITESPACE_RUN: Final = 64
@@ -132,7 +140,7 @@ def check_options(kind: str, options: Mapping[str, object]) -> dict[str, object]
     -------
     dict
         ``strict``, ``whitespace``, ``indent``, ``any_order``, ``on_budget``,
-        ``on_repeat``, ``backend``, ``jump_forward``.
+        ``on_repeat``, ``backend``, ``jump_forward``, ``value_retries``.
 
     Raises
     ------
@@ -167,6 +175,11 @@ def check_options(kind: str, options: Mapping[str, object]) -> dict[str, object]
     if indent is not None and (isinstance(indent, bool) or not isinstance(indent, int) or not 0 <= indent <= MAX_INDENT):
         raise ContractError("grammar_options.indent", f"must be null or an integer 0..{MAX_INDENT}, got {indent!r}")
     out["indent"] = indent
+    retries = options.get("value_retries", VALUE_RETRIES)
+    if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= MAX_VALUE_RETRIES:
+        raise ContractError("grammar_options.value_retries",
+                            f"must be an integer 0..{MAX_VALUE_RETRIES}, got {retries!r}")
+    out["value_retries"] = retries
     if kind not in JSON_OPTION_KINDS:
         for name, default in _JSON_OPTION_DEFAULTS.items():
             if out[name] != default:

@@ -28,11 +28,12 @@ from grammar_backend.errors import (
     MatcherFailed,
     SequenceError,
 )
-from grammar_backend.jump import Encoder, JumpForward
+from grammar_backend.jump import Encoder, JumpForward, PrefixIndex
 from grammar_backend.llg import LLGUIDANCE_VERSION, LlgBackend, LlgCompiled, refusal
 from grammar_backend.lru import Lru
 from grammar_backend.sequences import FREE, SequenceTable, TableConfig
 from grammar_backend.spec import ConstraintSpec, SpecLimits
+from grammar_backend.values import ValueChecks, rules_for
 from grammar_backend.workers import CompileWorkers, WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,15 @@ class StepResult:
         int8 ``[B]``: the row's :class:`~grammar_backend.closing.CloseState`
         (non-zero: its mask forces a completion because the budget runs out or
         the output repeats itself).  A view of a reused buffer, like ``bitmask``.
+    dropped : numpy.ndarray
+        int32 ``[B]``: tokens the row's value check dropped at this step (a
+        completed value broke the schema: :mod:`grammar_backend.values`).  The
+        caller drops as many of the row's last tokens, and feeds the row again
+        from the token before them; its mask here is for that position and is
+        not sampled this step.  A reused buffer's view.
+    hold : numpy.ndarray
+        int32 ``[B]``: how many of the row's last tokens a value check may
+        still drop (stream nothing of them yet).  A reused buffer's view.
     """
 
     bitmask: np.ndarray
@@ -111,6 +121,8 @@ class StepResult:
     errors: tuple[SequenceError | None, ...]
     forced: tuple[tuple[int, ...], ...]
     closing: np.ndarray
+    dropped: np.ndarray
+    hold: np.ndarray
 
 
 class GrammarEngine:
@@ -147,7 +159,10 @@ class GrammarEngine:
         self._starts: dict[str, int] = {}
         #: ``backend: auto`` starts that the first backend refused or did not compile in time.
         self.fallbacks = 0
-        self.jump = None if encode is None else JumpForward(tokenizer_info, encode)
+        # Sorted once, shared by jump-forward and the value checks (which build it on first use without one).
+        index = None if encode is None else PrefixIndex(tokenizer_info)
+        self.jump = None if encode is None else JumpForward(tokenizer_info, encode, index)
+        self.values = ValueChecks(tokenizer_info, index)
         self.tokenizer_info = tokenizer_info
         self.fingerprint = fingerprint
         self.vocab_size = int(tokenizer_info.vocab_size)
@@ -166,6 +181,9 @@ class GrammarEngine:
         self.bitmask = BitmaskBuffer(config.max_batch, self.vocab_size, config.fill_threads)
         self._terminated = np.zeros(config.max_batch, dtype=bool)
         self._closing = np.zeros(config.max_batch, dtype=np.int8)
+        self._dropped = np.zeros(config.max_batch, dtype=np.int32)
+        self._hold = np.zeros(config.max_batch, dtype=np.int32)
+        self._ban_rows: list[tuple[int, np.ndarray]] = []  # reused: (row, what its bans leave allowed)
         self._forced_rows: list[tuple[int, int]] = []  # reused: (row, token) forced this step
         self._calm_rows: list[tuple[int, int]] = []  # reused: (row, completion token) of calm rows
         self.closer = Closer(tokenizer_info, config.closing.search)
@@ -218,7 +236,8 @@ class GrammarEngine:
             self._llg()  # refused now on an engine without it
         return (choice,)
 
-    def start(self, seq_id: int, spec: ConstraintSpec, timeout_s: float | None = None, budget: int = 0) -> None:
+    def start(self, seq_id: int, spec: ConstraintSpec, timeout_s: float | None = None, budget: int = 0,
+              value_checks: bool = False) -> None:
         """Blocking form of :meth:`start_async`.
 
         Raises
@@ -232,7 +251,7 @@ class GrammarEngine:
             outcome.append(err)
             done.set()
 
-        self.start_async(seq_id, spec, finish, timeout_s, budget)
+        self.start_async(seq_id, spec, finish, timeout_s, budget, value_checks)
         done.wait()
         if outcome[0] is not None:
             raise outcome[0]
@@ -244,11 +263,15 @@ class GrammarEngine:
         done: StartCallback,
         timeout_s: float | None = None,
         budget: int = 0,
+        value_checks: bool = False,
     ) -> None:
         """Compile (or fetch) the grammar of ``spec``, then create the sequence's matcher.
 
         ``budget`` is the request's ``max_tokens`` (0: unknown, no budget
         closing; see :class:`~grammar_backend.sequences.GrammarSequence`).
+        ``value_checks``: the caller can drop tokens the step reports in
+        ``StepResult.dropped``, so values are checked as they complete
+        (:mod:`grammar_backend.values`, up to the ``value_retries`` option).
 
         Never blocks on a compile: ``done`` is called exactly once, with None
         once the matcher exists or with the error, from this thread (cache
@@ -264,10 +287,11 @@ class GrammarEngine:
         if seq_id in self.table:
             # Checked before compiling too, so a duplicate costs no compile.
             raise DuplicateSequence(seq_id, "already started")
-        self._attempt(seq_id, spec, self.backends(spec), done, timeout_s, budget)
+        self._attempt(seq_id, spec, self.backends(spec), done, timeout_s, budget, value_checks)
 
     def _attempt(self, seq_id: int, spec: ConstraintSpec, backends: tuple[str, ...], done: StartCallback,
-                 timeout_s: float | None, budget: int, first: GrammarError | None = None) -> None:
+                 timeout_s: float | None, budget: int, value_checks: bool,
+                 first: GrammarError | None = None) -> None:
         """Start with ``backends[0]``; on its compile failing or running out of time, with the next one.
 
         When every backend fails, the error is the first one's (the primary backend's reason),
@@ -286,7 +310,7 @@ class GrammarEngine:
             with self._counts_lock:
                 self.fallbacks += 1
             try:
-                self._attempt(seq_id, spec, rest, done, timeout_s, budget, first or err)
+                self._attempt(seq_id, spec, rest, done, timeout_s, budget, value_checks, first or err)
             except GrammarError as again:
                 done(again)
 
@@ -305,7 +329,11 @@ class GrammarEngine:
                 done(_internal(f"compiling for sequence {seq_id}", err))
                 return
             try:
-                self.table.start(seq_id, spec, self._matcher(compiled), backend, budget, self.config.closing)
+                retries = spec.options.value_retries if value_checks else 0
+                rules = rules_for(spec, backend) if retries else None
+                seq = self.table.start(seq_id, spec, self._matcher(compiled), backend, budget, self.config.closing)
+                if rules is not None:
+                    seq.check_values(self.values, self.values.scanner(rules), retries)
             except GrammarError as err:
                 done(err)
                 return
@@ -399,6 +427,10 @@ class GrammarEngine:
         terminated.fill(False)
         closing = self._closing[:rows]
         closing.fill(0)
+        dropped, hold, ban_rows = self._dropped[:rows], self._hold[:rows], self._ban_rows
+        dropped.fill(0)
+        hold.fill(0)
+        ban_rows.clear()
         forced_rows, calm_rows = self._forced_rows, self._calm_rows
         forced_rows.clear()
         calm_rows.clear()
@@ -423,6 +455,16 @@ class GrammarEngine:
             if seq.terminated:
                 terminated[i] = True
                 continue
+            values = seq.values
+            if count and seq.dropped:
+                dropped[i] = seq.dropped
+            banned = False
+            if values is not None:
+                hold[i] = values.hold()
+                keep = values.bans.get(seq.tokens_accepted) if values.bans else None
+                if keep is not None:
+                    ban_rows.append((i, keep))
+                    banned = True  # forced text may be spelled with a banned token: no jump here
             if seq.closes:
                 closing[i] = seq.close_state
                 if seq.forcing:
@@ -430,7 +472,7 @@ class GrammarEngine:
                     continue  # its row is all ones after the fill, then one bit below
                 if token != FREE:
                     calm_rows.append((i, token))
-            if jump_rows is not None and seq.spec.options.jump_forward:
+            if jump_rows is not None and seq.spec.options.jump_forward and not banned:
                 # A calm row (near its budget) jumps too: forced text is part of
                 # every completion, so appending it cannot grow what is still
                 # open; a forcing row (above) follows its plan token by token.
@@ -441,6 +483,8 @@ class GrammarEngine:
             self.bitmask.force(i, token)
         for i, token in calm_rows:
             self.bitmask.restrict(i, self._calm_row, token)
+        for i, keep in ban_rows:
+            np.bitwise_and(bitmask[i], keep, out=bitmask[i])
         forced = self._no_forced[:rows]
         if jump_rows and jump is not None:
             found = list(forced)
@@ -458,6 +502,8 @@ class GrammarEngine:
             errors=self._no_errors[:rows] if errors is None else tuple(errors),
             forced=forced,
             closing=closing,
+            dropped=dropped,
+            hold=hold,
         )
 
     def rollback(self, seq_ids: Sequence[int], counts: Sequence[int]) -> tuple[SequenceError | None, ...]:

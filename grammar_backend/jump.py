@@ -74,6 +74,29 @@ class JumpStats:
     skipped: int = 0
 
 
+class PrefixIndex:
+    """The tokenizer's ordinary tokens sorted by spelling: the ones that start with a piece are a contiguous run.
+
+    Built once per engine (sorting Qwen3's 151,643 pieces takes about 0.1 s)
+    and shared by jump-forward and the value checks.
+    """
+
+    def __init__(self, tokenizer_info: xgr.TokenizerInfo) -> None:
+        self.vocab: list[bytes] = [bytes(p) for p in tokenizer_info.decoded_vocab]
+        self.special = frozenset(int(t) for t in (*tokenizer_info.special_token_ids, *tokenizer_info.stop_token_ids))
+        ordinary = sorted((p, t) for t, p in enumerate(self.vocab) if p and t not in self.special)
+        self._sorted = [p for p, _ in ordinary]
+        self._sorted_ids = np.array([t for _, t in ordinary], dtype=np.int64)
+
+    def starting(self, piece: bytes, *, longer: bool = False) -> np.ndarray:
+        """Ids of the ordinary tokens that start with ``piece`` (``longer``: other than ``piece`` itself)."""
+        lo = (bisect.bisect_right if longer else bisect.bisect_left)(self._sorted, piece)
+        hi = lo
+        while hi < len(self._sorted) and self._sorted[hi].startswith(piece):
+            hi += 1
+        return self._sorted_ids[lo:hi]
+
+
 class JumpForward:
     """Canonical jump-forward tokens for a matcher's current state.
 
@@ -86,14 +109,11 @@ class JumpForward:
         added (``tokenizer.encode(text, add_special_tokens=False)``).
     """
 
-    def __init__(self, tokenizer_info: xgr.TokenizerInfo, encode: Encoder) -> None:
-        self._vocab: list[bytes] = [bytes(p) for p in tokenizer_info.decoded_vocab]
-        self._special = frozenset(int(t) for t in (*tokenizer_info.special_token_ids, *tokenizer_info.stop_token_ids))
+    def __init__(self, tokenizer_info: xgr.TokenizerInfo, encode: Encoder, index: PrefixIndex | None = None) -> None:
+        self._index = index if index is not None else PrefixIndex(tokenizer_info)
+        self._vocab = self._index.vocab
+        self._special = self._index.special
         self._encode = encode
-        # Ordinary tokens sorted by spelling: the ones that extend a piece are a contiguous run.
-        ordinary = sorted((p, t) for t, p in enumerate(self._vocab) if p and t not in self._special)
-        self._sorted = [p for p, _ in ordinary]
-        self._sorted_ids = np.array([t for _, t in ordinary], dtype=np.int64)
         self._vocab_size = int(tokenizer_info.vocab_size)
         self._longer: Lru[int, np.ndarray] = Lru(_LONGER_CACHE)
         # Forced runs repeat (the same keys in every object of a schema): spelling
@@ -160,13 +180,8 @@ class JumpForward:
         """
         cached = self._longer.get(token)
         if cached is None:
-            piece = self._vocab[token]
-            lo = bisect.bisect_right(self._sorted, piece)  # skips the piece itself
-            hi = lo
-            while hi < len(self._sorted) and self._sorted[hi].startswith(piece):
-                hi += 1
-            cached = self._longer.put(
-                token, pack_tokens(self._sorted_ids[lo:hi], self._vocab_size) if hi > lo else np.zeros(0, np.int32))
+            ids = self._index.starting(self._vocab[token], longer=True)
+            cached = self._longer.put(token, pack_tokens(ids, self._vocab_size) if ids.size else np.zeros(0, np.int32))
         return cached
 
 

@@ -35,7 +35,7 @@ import contract
 from grammar_backend.errors import CompileError, MatcherFailed
 from grammar_backend.fidelity.report import UnenforcedKeyword
 from grammar_backend.lru import Lru
-from grammar_backend.spec import ConstraintKind, ConstraintOptions, ConstraintSpec, json_pointer
+from grammar_backend.spec import ConstraintKind, ConstraintOptions, ConstraintSpec, keyword_sites
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
@@ -283,10 +283,6 @@ class LlgMatcher:
 
 
 #: Keywords whose values are data or names, never schemas (not searched for keywords).
-_DATA_KEYWORDS: Final = frozenset({"enum", "const", "default", "examples", "required", "description", "title",
-                                   "$comment", "x-guidance"})
-#: Keywords whose values map names to schemas.
-_SCHEMA_MAPS: Final = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 _UNIMPLEMENTED: Final = re.compile(r"^Unimplemented keys: (\[.*\])$")
 _UNKNOWN_FORMAT: Final = re.compile(r"^Unknown format: (.*)$")
 
@@ -318,24 +314,11 @@ def unenforced_keywords(spec: ConstraintSpec) -> tuple[UnenforcedKeyword, ...]:
         elif warning.startswith("oneOf not fully supported"):
             keywords["oneOf"] = "decoded as anyOf by llguidance (exactly one is not enforced)"
     found: list[UnenforcedKeyword] = []
-    stack: list[tuple[Any, str]] = [(spec.schema, "")]
-    while stack:
-        node, pointer = stack.pop()
-        if isinstance(node, list):
-            stack.extend((item, f"{pointer}/{i}") for i, item in enumerate(node))
-            continue
-        if not isinstance(node, dict):
-            continue
-        for key, value in node.items():
-            at = pointer + json_pointer([key])
-            if key in keywords:
-                found.append(UnenforcedKeyword(at, key, keywords[key]))
-            if key == "format" and value in formats:
-                found.append(UnenforcedKeyword(at, key, f"format {value!r} is unknown to llguidance (ignored)"))
-            if key in _SCHEMA_MAPS and isinstance(value, dict):
-                stack.extend((sub, at + json_pointer([name])) for name, sub in value.items())
-            elif key not in _DATA_KEYWORDS:
-                stack.append((value, at))
+    for at, key, value in keyword_sites(spec.schema):
+        if key in keywords:
+            found.append(UnenforcedKeyword(at, key, keywords[key]))
+        if key == "format" and isinstance(value, str) and value in formats:
+            found.append(UnenforcedKeyword(at, key, f"format {value!r} is unknown to llguidance (ignored)"))
     return _UNENFORCED.put(spec, tuple(sorted(found, key=lambda u: u.pointer)))
 
 

@@ -21,6 +21,7 @@ from grammar_backend.errors import (
     UnknownSequence,
 )
 from grammar_backend.spec import ConstraintSpec
+from grammar_backend.values import ValueChecks, ValueScanner
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,9 @@ class GrammarSequence:
     """
 
     __slots__ = (
-        "backend", "budget", "close_state", "closing", "created", "forced", "forced_at", "last_used", "matcher",
-        "next_check", "next_repeat_check", "repeats", "seq_id", "spec", "steps", "tokens_accepted",
+        "backend", "budget", "checks", "close_state", "closing", "created", "dropped", "forced", "forced_at",
+        "last_used", "matcher", "next_check", "next_repeat_check", "repeats", "retries_left", "seq_id", "spec",
+        "steps", "tokens_accepted", "values",
     )
 
     def __init__(
@@ -105,6 +107,17 @@ class GrammarSequence:
         #: ``tokens_accepted`` at which the budget (resp. the repetition) is checked next.
         self.next_check = 0 if self.budget else -1
         self.next_repeat_check = self.closing.repeat.min_tokens
+        #: Value checks (:mod:`grammar_backend.values`): off unless :meth:`check_values` turns them on.
+        self.values: ValueScanner | None = None
+        self.checks: ValueChecks | None = None
+        self.retries_left = 0
+        #: Tokens the last :meth:`accept` dropped to retry a value that broke the schema (0: none).
+        self.dropped = 0
+
+    def check_values(self, checks: ValueChecks, scanner: ValueScanner, retries: int) -> None:
+        """Check each value as it completes, dropping tokens to retry one that breaks the schema (``retries`` times)."""
+        if retries > 0:
+            self.checks, self.values, self.retries_left = checks, scanner, retries
 
     @property
     def terminated(self) -> bool:
@@ -113,6 +126,10 @@ class GrammarSequence:
 
     def accept(self, tokens: Sequence[int] | np.ndarray) -> None:
         """Accept ``tokens`` atomically: on a rejected token, roll back the ones accepted before it.
+
+        With value checks on, a value they complete that breaks the schema is
+        backtracked (:meth:`ValueChecks.backtrack`): :attr:`dropped` says how
+        many tokens went.
 
         Raises
         ------
@@ -140,6 +157,20 @@ class GrammarSequence:
                     self.close_state = CloseState.OPEN
                     self.next_check = self.tokens_accepted if self.budget else -1
                     break
+        self.dropped = 0
+        values = self.values
+        if values is not None:
+            # A completion being forced (or kept calm) is the closer's plan: not second-guessed.
+            found = values.push([int(t) for t in tokens],
+                                check=self.forced is None and self.close_state == CloseState.OPEN)
+            if found is not None and self.checks is not None:
+                dropped = self.checks.backtrack(self.matcher, values, found)
+                if dropped:
+                    self._rolled_back(dropped)
+                    self.dropped = dropped
+                    self.retries_left -= 1
+                    if not self.retries_left:  # the budget is spent: what completes now stands
+                        self.values = None
 
     def rollback(self, count: int) -> None:
         """Undo the last ``count`` accepted tokens.
@@ -154,14 +185,20 @@ class GrammarSequence:
             raise SequenceError(self.seq_id, f"cannot roll back {count} tokens (at most {limit})")
         if count:
             self.matcher.rollback(count)
-            self.tokens_accepted -= count
-            if self.repeats is not None:
-                self.repeats.rollback(count)
-            if self.forced is not None:
-                self.forced = None
-                self.close_state = CloseState.OPEN
-            if self.budget:
-                self.next_check = min(self.next_check, self.tokens_accepted)
+            if self.values is not None:
+                self.values.rollback(count)
+            self._rolled_back(count)
+
+    def _rolled_back(self, count: int) -> None:
+        """Counters after the matcher (and the scanner) dropped ``count`` tokens."""
+        self.tokens_accepted -= count
+        if self.repeats is not None:
+            self.repeats.rollback(count)
+        if self.forced is not None:
+            self.forced = None
+            self.close_state = CloseState.OPEN
+        if self.budget:
+            self.next_check = min(self.next_check, self.tokens_accepted)
 
     def plan(self, closer: Closer, stop_token: int) -> int:
         """This step's closing token, or :data:`FREE`; :attr:`close_state` says what it means.

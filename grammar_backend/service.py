@@ -122,6 +122,7 @@ class GrammarRequest:
     jump_forward: bool = False
     budget: int = 0
     mask_buffer: str = ""
+    value_checks: bool = False
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,8 @@ class GrammarReply:
     forced_tokens: np.ndarray | None = None
     forced_counts: np.ndarray | None = None
     closing: np.ndarray | None = None
+    dropped: np.ndarray | None = None  # step: sent only when a row dropped tokens
+    hold: np.ndarray | None = None  # step: sent only when a row holds tokens back
     stats: str | None = None
     backend: str | None = None  # start: the backend that serves the sequence
 
@@ -188,6 +191,7 @@ class GrammarService:
                 spec,
                 lambda err: done(err if err is not None else self._started(seq_id)),
                 budget=req.budget,
+                value_checks=req.value_checks,
             )
         except GrammarError as err:
             done(err)
@@ -220,7 +224,7 @@ class GrammarService:
             raise ConstraintError("OP", f"unknown op {req.op!r}; expected one of {', '.join(OPS)}")
         if req.op == "start":
             seq_id, spec = self._start_args(req)
-            eng.start(seq_id, spec, budget=req.budget)
+            eng.start(seq_id, spec, budget=req.budget, value_checks=req.value_checks)
             return self._started(seq_id)
         if req.op == "end":
             eng.end([int(s) for s in req.seq_ids])
@@ -260,4 +264,6 @@ class GrammarService:
             forced_tokens=forced_tokens,
             forced_counts=forced_counts,
             closing=out.closing,
+            dropped=out.dropped if out.dropped.any() else None,
+            hold=out.hold if out.hold.any() else None,
         )

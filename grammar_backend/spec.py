@@ -13,7 +13,7 @@ import dataclasses
 import enum
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
@@ -114,9 +114,13 @@ class ConstraintOptions:
         names the backend that compiled it, see :mod:`grammar_backend.engine`).
     jump_forward : bool
         Append forced text without sampling it (see :mod:`grammar_backend.jump`).
+    value_retries : int
+        Times an output may drop tokens to retry a value that breaks the
+        schema (see :mod:`grammar_backend.values`; JSON kinds; 0: off).
 
-    ``on_budget``, ``on_repeat``, ``backend`` and ``jump_forward`` apply to
-    every kind; they are not part of :meth:`canonical`.
+    ``on_budget``, ``on_repeat``, ``backend``, ``jump_forward`` and
+    ``value_retries`` apply to every kind (the last only matters for JSON);
+    they are not part of :meth:`canonical`.
     """
 
     strict: bool = False
@@ -127,6 +131,7 @@ class ConstraintOptions:
     on_repeat: str = "close"
     backend: str = "auto"
     jump_forward: bool = contract.DECODING_FLAGS["jump_forward"]
+    value_retries: int = contract.VALUE_RETRIES
 
     def canonical(self) -> list[Any]:
         """A JSON-serializable canonical form of what shapes the grammar, used in the cache key."""
@@ -446,6 +451,38 @@ def check_schema(schema: Any, field_name: str, *, allow_bool: bool = False) -> N
 def json_pointer(parts: Iterable[str | int]) -> str:
     """The RFC 6901 pointer of a path (``""`` for the root)."""
     return "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in parts)
+
+
+#: Keywords whose values are data, never schemas (not walked).
+DATA_KEYWORDS: Final = frozenset({"enum", "const", "default", "examples", "required", "description", "title",
+                                  "$comment", "x-guidance"})
+#: Keywords whose values map names to schemas (the names are not keywords); ``dependencies``
+#: maps names to schemas or to lists of names (draft 4-7).
+SCHEMA_MAPS: Final = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas",
+                                "dependencies"})
+
+
+def keyword_sites(schema: Any) -> Iterator[tuple[str, str, Any]]:
+    """``(pointer, keyword, value)`` of every keyword of every subschema of ``schema``.
+
+    A property named like a keyword (``"properties": {"format": {...}}``) is a
+    name, never reported; data (``enum``, ``default``...) is not walked.
+    """
+    stack: list[tuple[Any, str]] = [(schema, "")]
+    while stack:
+        node, pointer = stack.pop()
+        if isinstance(node, list):
+            stack.extend((item, f"{pointer}/{i}") for i, item in enumerate(node))
+            continue
+        if not isinstance(node, dict):
+            continue
+        for key, value in node.items():
+            at = pointer + json_pointer([key])
+            yield at, key, value
+            if key in SCHEMA_MAPS and isinstance(value, dict):
+                stack.extend((sub, at + json_pointer([name])) for name, sub in value.items())
+            elif key not in DATA_KEYWORDS:
+                stack.append((value, at))
 
 
 #: Longest message quoted from jsonschema (a 10,000-value enum is quoted whole otherwise).

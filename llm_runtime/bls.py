@@ -30,7 +30,7 @@ _log = logging.getLogger(__name__)
 # errors as data, because Triton 2.51's BLS resets error codes to INTERNAL
 # (triton-inference-server/server#7804) and a bad constraint must reach the
 # client as INVALID_ARGUMENT.
-_ROW_OUTPUTS = ["TERMINATED", "ROW_ERROR", "CLOSING", "ERROR"]
+_ROW_OUTPUTS = ["TERMINATED", "ROW_ERROR", "CLOSING", "DROPPED", "HOLD", "ERROR"]
 _FORCED_OUTPUTS = ["FORCED_TOKENS", "FORCED_COUNT"]
 _CONTROL_OUTPUTS = ["ACTIVE_SEQUENCES", "ERROR"]
 _START_OUTPUTS = [*_CONTROL_OUTPUTS, "BACKEND"]
@@ -143,6 +143,8 @@ class BlsMaskProvider:
         ]
         if constraint.validated:
             inputs.append(pb.Tensor("VALIDATED", np.array([True])))
+        if constraint.value_checks:
+            inputs.append(pb.Tensor("VALUE_CHECKS", np.array([True])))
         backend = pb.get_output_tensor_by_name(self._call(inputs, _START_OUTPUTS), "BACKEND")
         if backend is None:
             raise RemoteGrammarError(f"{self._model}: start answered without BACKEND", INTERNAL)
@@ -193,6 +195,8 @@ class BlsMaskProvider:
             closing=output("CLOSING"),
             forced_tokens=output("FORCED_TOKENS"),
             forced_counts=output("FORCED_COUNT"),
+            dropped=output("DROPPED"),
+            hold=output("HOLD"),
         )
 
     def _open_buffer(self, vocab_bits: int) -> None:

@@ -140,6 +140,7 @@ class Engine(Protocol):
     def decode(self, seq_ids: Sequence[int], tokens: Sequence[int] | np.ndarray) -> torch.Tensor: ...
     def extend(self, seq_ids: Sequence[int], tokens: np.ndarray, counts: np.ndarray) -> torch.Tensor: ...
     def release(self, seq_id: int) -> None: ...
+    def truncate(self, seq_id: int, length: int) -> None: ...
 
 
 class _SlotKVCache(Cache):
@@ -637,6 +638,23 @@ class TorchEngine:
         if in_order:
             return logits
         return logits[torch.tensor(slots, device=self._device)]
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        """Keep only the first ``length`` cached positions of ``seq_id`` (a value check dropped tokens).
+
+        The positions past it stay in the slot, hidden by the attention mask
+        until the next tokens overwrite them, as padded positions are.
+
+        Raises
+        ------
+        EngineError
+            If ``seq_id`` is not live or ``length`` is not in ``0..length(seq_id)``.
+        """
+        slot = self._slot(seq_id)
+        if not 0 <= length <= int(self._lengths[slot]):
+            raise EngineError(f"sequence {seq_id}: cannot truncate {int(self._lengths[slot])} cached tokens "
+                              f"to {length}")
+        self._lengths[slot] = length
 
     @torch.no_grad()
     def release(self, seq_id: int) -> None:

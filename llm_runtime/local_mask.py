@@ -28,7 +28,7 @@ class LocalMaskProvider:
         """Validate (unless preprocessing did), compile (cached) and create the matcher; returns its backend."""
         spec = constraint_spec(constraint.kind, constraint.payload, constraint.options_json,
                                self.engine.config.limits, validated=constraint.validated)
-        self.engine.start(seq_id, spec, budget=constraint.budget)
+        self.engine.start(seq_id, spec, budget=constraint.budget, value_checks=constraint.value_checks)
         return self.engine.table.get(seq_id).backend
 
     def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray,
@@ -43,6 +43,8 @@ class LocalMaskProvider:
             closing=out.closing,
             forced_tokens=forced_tokens,
             forced_counts=forced_counts,
+            dropped=out.dropped if out.dropped.any() else None,
+            hold=out.hold if out.hold.any() else None,
         )
 
     def end(self, seq_ids: Sequence[int]) -> None:

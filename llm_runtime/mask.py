@@ -39,6 +39,10 @@ class ConstraintRequest:
         The constraint is preprocessing's validated wire form
         (:meth:`grammar_backend.spec.ConstraintSpec.wire`): the grammar side
         trusts it instead of validating it again.
+    value_checks : bool
+        The caller drops the tokens ``MaskStep.dropped`` reports (set by the
+        scheduler, which can): completed values are checked
+        (:mod:`grammar_backend.values`).
     """
 
     kind: str
@@ -46,6 +50,7 @@ class ConstraintRequest:
     options_json: str
     budget: int = 0
     validated: bool = False
+    value_checks: bool = False
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,14 @@ class MaskStep:
         Jump-forward (only when the step asked for it): int32 ``[B, F]`` and
         ``[B]``; row ``i``'s first ``forced_counts[i]`` tokens spell the text
         its grammar forces next (:mod:`grammar_backend.jump`).
+    dropped : np.ndarray or None
+        int32 ``[B]``: tokens the row's value check dropped (None: no row
+        did).  The row's last ``dropped[i]`` tokens are no longer part of
+        its output; its mask here is not sampled: the next step feeds the
+        token before them again, with no token to accept.
+    hold : np.ndarray or None
+        int32 ``[B]``: how many of the row's last tokens a value check may
+        still drop, so not streamed yet (None: no row holds any).
     """
 
     bitmask: np.ndarray
@@ -77,6 +90,8 @@ class MaskStep:
     closing: np.ndarray | None = None
     forced_tokens: np.ndarray | None = None
     forced_counts: np.ndarray | None = None
+    dropped: np.ndarray | None = None
+    hold: np.ndarray | None = None
 
     def check(self, rows: int, width: int) -> str | None:
         """Why this answer does not fit a step of ``rows`` rows of ``width`` words (``None``: it fits)."""
@@ -89,6 +104,10 @@ class MaskStep:
             return f"errors must have {rows} entries, got {len(self.errors)}"
         if self.closing is not None and (not isinstance(self.closing, np.ndarray) or self.closing.shape != (rows,)):
             return f"closing must be int8 [{rows}] or None"
+        for name in ("dropped", "hold"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, np.ndarray) or value.shape != (rows,)):
+                return f"{name} must be int32 [{rows}] or None"
         ft, fc = self.forced_tokens, self.forced_counts
         if (ft is None) != (fc is None):
             return "forced_tokens and forced_counts come together"

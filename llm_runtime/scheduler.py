@@ -265,6 +265,8 @@ class FinishEvent:
     ``stop_string``: the output ended at one of the request's stop strings.
     ``backend``: the grammar backend that served the constraint (None: no
     constraint, or it failed to start).
+    ``value_retries``: times a completed value broke the schema and its tokens
+    were dropped and generated again (:mod:`grammar_backend.values`).
     """
 
     finish_reason: FinishReason
@@ -276,6 +278,7 @@ class FinishEvent:
     close_reason: str | None = None
     stop_string: bool = False
     backend: str | None = None
+    value_retries: int = 0
 
 
 EventCallback = Callable[[TokenEvent | FinishEvent], None]
@@ -403,6 +406,12 @@ class _Seq:
     jump: tuple[int, ...] = ()  # forced tokens appended at the last step: the next step feeds them
     close_state: int = CloseState.OPEN  # the grammar side's CLOSING of the last step
     history: list[int] | None = None  # prompt + generated tokens (processor mode only)
+    # Value checks (grammar_backend.values; constrained rows outside processor mode):
+    out: list[int] | None = None  # the generated tokens
+    committed: int = 0  # how many of them are streamed (pushed to the detokenizer)
+    held: int = 0  # how many accepted ones the grammar side may still drop (its HOLD of the last step)
+    refeed: bool = False  # tokens were dropped: the next step feeds last_token again and accepts nothing
+    retries: int = 0  # times tokens were dropped
 
 
 @dataclass(frozen=True)
@@ -696,11 +705,15 @@ class Scheduler:
     # -- validation -------------------------------------------------------------
     def _validate(self, req: GenerationRequest, callback: EventCallback) -> _Seq:
         checked = check_request(req, callback, self._cfg, vocab_size=self._vocab, context_len=self._engine.max_seq_len)
+        constraint = checked.constraint
+        # This loop can drop tokens, so completed values are checked; a logits processor cannot.
+        checks = constraint is not None and self._hook is None
         return _Seq(
             rid=req.request_id or "",
             seq_id=0,
             prompt=checked.prompt,
-            constraint=checked.constraint,
+            constraint=dataclasses.replace(constraint, value_checks=True) if checks and constraint else constraint,
+            out=[] if checks else None,
             max_tokens=req.max_tokens,
             params=checked.params,
             stop=checked.stop,
@@ -817,7 +830,7 @@ class Scheduler:
                     self._g_tokens[j, :n] = s.jump
                     self._g_counts[j] = n
                     width = max(width, n)
-                elif s.in_engine:
+                elif s.in_engine and not s.refeed:
                     self._g_tokens[j, 0] = s.last_token
                     self._g_counts[j] = 1
                 else:
@@ -916,12 +929,15 @@ class Scheduler:
             elif mstep is not None:
                 sel: list[int] = []
                 ft, fc = mstep.forced_tokens, mstep.forced_counts
+                dropped, hold = mstep.dropped, mstep.hold
                 for j, i in enumerate(constrained):
                     s = order[i]
+                    s.refeed = False
                     if s.finished:
                         continue
                     if mstep.closing is not None:
                         s.close_state = int(mstep.closing[j])
+                    s.held = 0 if hold is None else int(hold[j])
                     row_err = mstep.errors[j]
                     if row_err is not None:
                         # The grammar side reports row errors as text only; after
@@ -929,6 +945,8 @@ class Scheduler:
                         self._finish(s, "error", ends, error=row_err, status="INTERNAL")
                     elif bool(mstep.terminated[j]):
                         self._finish(s, "stop", ends)
+                    elif dropped is not None and dropped[j] > 0:
+                        self._drop(s, int(dropped[j]), ends)  # not sampled: fed again at the next step
                     else:
                         sel.append(j)
                         masked_rows.append(i)
@@ -948,7 +966,7 @@ class Scheduler:
         tokens, dead = self._sampler.sample(logits, [s.params for s in order], [s.gen for s in order])
         outputs = jumped = 0
         for i, s in enumerate(order):
-            if s.finished:
+            if s.finished or s.refeed:
                 continue
             if s.jump:
                 n = self._take_jump(s, ends)
@@ -967,13 +985,18 @@ class Scheduler:
             if tok in self._eos:
                 self._finish(s, "stop", ends)
                 continue
-            delta = s.detok.push(tok)
-            if s.detok.stopped:
-                self._finish(s, "stop", ends, delta=delta, tokens=(tok,), stop_string=True)
-            elif s.generated >= s.max_tokens:
-                self._finish(s, "length", ends, delta=delta, tokens=(tok,))
+            sent: tuple[int, ...] = (tok,)
+            if s.out is None:
+                delta = s.detok.push(tok)
             else:
-                self._deliver(s, TokenEvent(delta, (tok,)))
+                s.out.append(tok)
+                delta, sent = self._commit(s, len(s.out) - 1 - s.held)
+            if s.detok.stopped:
+                self._finish(s, "stop", ends, delta=delta, tokens=sent, stop_string=True)
+            elif s.generated >= s.max_tokens:
+                self._finish(s, "length", ends, delta=delta, tokens=sent)
+            elif sent:
+                self._deliver(s, TokenEvent(delta, sent))
         self._stats.record(fwd_s, wait_s, gram_s, b, c, len(new), outputs, jumped)
         self._purge()
         self._end(ends)
@@ -1002,9 +1025,58 @@ class Scheduler:
                 feed[r, 0] = s.last_token
         return feed, counts
 
+    def _commit(self, s: _Seq, upto: int) -> tuple[str, tuple[int, ...]]:
+        """Stream ``s.out[s.committed:upto]`` (no value check can drop them any more): their text and ids.
+
+        Stops at a stop string (``s.detok.stopped``): the tokens after it are
+        not part of the output and not counted, as if never sampled.
+        """
+        out = s.out
+        if out is None or upto <= s.committed:
+            return "", ()
+        delta = ""
+        start = s.committed
+        for n in range(start, upto):
+            delta += s.detok.push(out[n])
+            if s.detok.stopped:
+                upto = n + 1
+                s.generated -= len(out) - upto
+                del out[upto:]
+                break
+        s.committed = upto
+        return delta, tuple(out[start:upto])
+
+    def _drop(self, s: _Seq, count: int, ends: list[int]) -> None:
+        """A value check dropped the row's last ``count`` tokens: forget them, and feed the token before them again."""
+        out = s.out
+        keep = -1 if out is None else len(out) - count
+        if out is None or keep < s.committed:  # never: the grammar side holds back what it may drop
+            self._finish(s, "error", ends, error=f"the grammar side dropped {count} tokens, "
+                         f"{len(out or ())} generated and {s.committed} already streamed", status="INTERNAL")
+            return
+        del out[keep:]
+        s.generated -= count
+        s.retries += 1
+        s.jump = ()
+        s.refeed = True
+        prompt_len = int(s.prompt.shape[0])
+        s.last_token = out[-1] if out else int(s.prompt[-1])
+        # The cache holds the prompt and every token fed so far, the dropped ones too.
+        self._engine.truncate(s.seq_id, prompt_len + keep - 1)
+
     def _take_jump(self, s: _Seq, ends: list[int]) -> int:
         """Append ``s.jump`` (forced, not sampled) to the output; returns the tokens taken."""
         toks = s.jump
+        if s.out is not None:
+            s.out.extend(toks)
+            s.generated += len(toks)
+            s.last_token = toks[-1]
+            delta, sent = self._commit(s, len(s.out) - len(toks) - s.held)
+            if s.detok.stopped:
+                self._finish(s, "stop", ends, delta=delta, tokens=sent, stop_string=True)
+            elif sent:
+                self._deliver(s, TokenEvent(delta, sent))
+            return len(toks)
         delta = ""
         for n, tok in enumerate(toks, 1):
             delta += s.detok.push(tok)
@@ -1094,6 +1166,10 @@ class Scheduler:
         if seq.started and not seq.ended:
             seq.ended = True
             ends.append(seq.seq_id)
+        if seq.out is not None and not seq.detok.stopped:  # the end: nothing can be dropped any more
+            flushed, rest = self._commit(seq, len(seq.out))
+            delta, tokens = delta + flushed, tokens + rest
+            stop_string = stop_string or seq.detok.stopped
         tail = seq.detok.finish()
         with self._lock:
             self._live.pop(seq.rid, None)
@@ -1113,6 +1189,7 @@ class Scheduler:
                 close_reason=close_reason,
                 stop_string=stop_string,
                 backend=seq.backend,
+                value_retries=seq.retries,
             ),
         )
 

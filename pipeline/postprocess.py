@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import contract
-from grammar_backend import llg
 from grammar_backend.errors import INTERNAL, status_of
 from grammar_backend.fidelity import result_json, validator_for
 from grammar_backend.spec import validated_constraint
+from grammar_backend.values import unenforced_for
 
 FINISH_REASONS = contract.FINISH_REASONS
 #: Longest ``RESULT.error`` sent to a client: messages that quote a value (an
@@ -55,6 +55,7 @@ class FinalState:
     close_reason: str | None = None
     stop_string: bool = False
     backend: str | None = None
+    value_retries: int = 0
 
     @classmethod
     def rejected(cls, err: BaseException) -> FinalState:
@@ -74,12 +75,7 @@ def json_report(constraint: dict[str, str], text: str, backend: str | None = "xg
     schema = spec.schema
     if schema is None:
         raise ValueError(f"no JSON report for a {spec.kind.value} constraint")
-    validator = validator_for(schema, checked=True)
-    if backend == "llguidance":
-        unenforced = llg.unenforced_keywords(spec)
-    else:
-        unenforced = validator.unenforced(strict_mode=spec.options.strict)
-    return result_json(validator.validate_text(text), unenforced)
+    return result_json(validator_for(schema, checked=True).validate_text(text), unenforced_for(spec, backend))
 
 
 def build_result(final: FinalState, constraint: dict[str, str] | None) -> dict[str, Any]:
@@ -98,6 +94,7 @@ def build_result(final: FinalState, constraint: dict[str, str] | None) -> dict[s
         "close_reason": final.close_reason,
         "stop_string": final.stop_string,
         "backend": final.backend,
+        "value_retries": final.value_retries,
         "text": final.text,
         "usage": {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens},
         "error": _cut(final.error),

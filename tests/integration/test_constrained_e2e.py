@@ -107,6 +107,30 @@ def test_the_llguidance_backend_serves_end_to_end(client: Client, constraint: Co
         assert re.fullmatch(pattern, result.text), result.text
 
 
+#: Four distinct letters: what the prompt asks for repeats one.
+LETTERS_ONCE = {"type": "array", "items": {"enum": ["a", "b", "c", "d"]}, "minItems": 4, "maxItems": 4,
+                "uniqueItems": True}
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_value_checks_retry_a_repeated_item_over_grpc(client: Client, backend: str) -> None:
+    """uniqueItems is in neither grammar: the served loop drops the repeated item and generates it again
+    (DROPPED over BLS), streams nothing it may drop (HOLD), and RESULT counts the retries; with
+    value_retries 0 the same request repeats an item and post-validation flags it."""
+    prompt = 'Write the JSON array ["a","a","a","a"].'
+    checked = Constraint.json_schema(LETTERS_ONCE).with_policies(backend=backend)
+    chunks = list(client.stream(prompt, constraint=checked, max_tokens=40, require_complete=False))
+    result = chunks[-1].result
+    assert result is not None and result.backend == backend
+    assert "".join(c.text for c in chunks) == result.text
+    assert result.complete and result.json is not None and result.json.valid, result
+    assert sorted(json.loads(result.text)) == ["a", "b", "c", "d"] and result.value_retries > 0
+    unchecked = client.generate(prompt, constraint=checked.with_policies(value_retries=0), max_tokens=40,
+                                require_complete=False)
+    assert unchecked.value_retries == 0 and unchecked.json is not None and not unchecked.json.valid, unchecked
+    assert unchecked.json.violations[0].message.endswith("has non-unique elements")
+
+
 @pytest.mark.parametrize("at_least_one", [False, True])
 def test_structural_tag_tool_call(client: Client, at_least_one: bool) -> None:
     tool = _schema("tool_weather")

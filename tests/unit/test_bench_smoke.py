@@ -154,7 +154,7 @@ def test_maskbench_outcomes(tmp_path: Path) -> None:
     out = tmp_path / "maskbench.json"
     proc = _run("maskbench.py", [str(data), "--tokenizer", str(qwen), "--vocab-size", str(QWEN_PADDED),
                                  "--workers", "1", "--timeout", "3", "--backend", "xgrammar", "--json", str(out),
-                                 "--quiet"], timeout=120)
+                                 "--no-value-checks", "--quiet"], timeout=120)
     doc = json.loads(out.read_text())
     by_file = {r["file"]: r for r in doc["schemas"]}
     got = {name: (r["status"], r["passed"], [v["test"] for v in r.get("valid_rejected", [])],
@@ -184,12 +184,15 @@ def test_maskbench_outcomes(tmp_path: Path) -> None:
         "schemas": 4, "spec_rejected": 1, "compile_error": 1, "timeout": 0, "crash": 0, "error": 0, "bad_file": 0,
         "compiled": 2, "passed": 1, "over_schemas": 1, "valid_rejected": 1, "valid_total": 6, "under_schemas": 0,
         "invalid_accepted": 0, "caught": 0, "validator_errors": 0, "invalid_total": 5, "untokenizable": 0, "mask_mismatches": 0,
-        "valid_rejected_tokenization": 0,
+        "valid_rejected_tokenization": 0, "valid_rejected_value_check": 0, "value_checked": 0,
+        "value_checked_schemas": 0, "passed_or_caught": 1,
     }
     totals = doc["totals"]
     assert (totals["schemas"], totals["passed"], totals["timeout"], totals["invalid_accepted"], totals["caught"]) == (
         6, 1, 1, 1, 1)
     assert "TOTAL" in proc.stdout and "LLGuidance 8909" in proc.stdout
+    assert "passed when post-validation counts (every valid instance accepted, every invalid one rejected while " \
+           "decoding or flagged by post-validation): 2/6 (33.3%)" in proc.stdout
     assert {r["backend"] for r in doc["schemas"] if r["status"] == "compiled"} == {"xgrammar"}
     assert (doc["timings"]["by_backend"]["xgrammar"]["schemas"], doc["timings"]["by_backend"]["xgrammar"]["passed"]) == (
         3, 1)
@@ -214,6 +217,20 @@ def test_maskbench_backends(tmp_path: Path, backend: str) -> None:
     assert ("(xgrammar too: xgrammar cannot compile this json_schema: Regex parsing error at position 3: Lookbehind "
             "is not supported yet.)" in lookbehind["reason"]) is (backend == "auto")
     assert doc["config"]["options"]["backend"] == backend
+
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_maskbench_value_checks(tmp_path: Path, backend: str) -> None:
+    """With value checks (the default) the repeated item is rejected at its end, as decoding would drop it."""
+    name = "Synthesized_1.json"
+    data = _write_cases(tmp_path / "data", {name: CASES[name]})
+    out = tmp_path / "maskbench.json"
+    proc = _run("maskbench.py", [str(data), "--tokenizer", str(_qwen_dir()), "--vocab-size", str(QWEN_PADDED),
+                                 "--workers", "1", "--backend", backend, "--json", str(out), "--quiet"], timeout=120)
+    (rec,) = json.loads(out.read_text())["schemas"]
+    assert (rec["passed"], rec["value_checked"], rec["invalid_accepted"], rec["valid_rejected"]) == (True, [1], [], [])
+    assert "value checks on: 1 invalid instances rejected at a value's end in 1 schemas" in proc.stdout
 
 
 # ------------------------------------------------------------ grammar_bench

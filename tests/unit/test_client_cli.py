@@ -80,6 +80,7 @@ def parse(argv: list[str], files: dict[str, str]) -> Constraint | None:
          lambda f: Constraint.json_schema(SCHEMA).with_policies(on_repeat="close")),
         (["--regex", "a+", "--no-jump-forward", "p"], lambda f: Constraint("regex", "a+", {"jump_forward": False})),
         (["--regex", "a+", "--backend", "llguidance", "p"], lambda f: Constraint("regex", "a+", {"backend": "llguidance"})),
+        (["--json-object", "--value-retries", "3", "p"], lambda f: Constraint("json_object", "", {"value_retries": 3})),
     ],
 )
 def test_constraint_from_args(argv: list[str], expected: Any, files: dict[str, str]) -> None:

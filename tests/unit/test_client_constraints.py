@@ -384,6 +384,7 @@ def test_from_file_missing(tmp_path: Path) -> None:
         (Constraint.json_schema({"type": "object"}, strict=True), {"on_repeat": "continue", "on_budget": None},
          '{"on_repeat":"continue","strict":true}'),
         (Constraint("regex", "a+"), {"jump_forward": False}, '{"jump_forward":false}'),
+        (Constraint.json_schema({"type": "array"}), {"value_retries": 0}, '{"value_retries":0}'),
         (Constraint.choice(["a", "b"]), {}, ""),
     ],
 )

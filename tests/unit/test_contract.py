@@ -44,6 +44,8 @@ OPTION_CASES: list[tuple[str, Any]] = [
     ("on_repeat", "close"), ("on_repeat", "continue"), ("on_repeat", None),
     ("jump_forward", True), ("jump_forward", False), ("jump_forward", "on"), ("jump_forward", 0),
     ("backend", "auto"), ("backend", "xgrammar"), ("backend", "llguidance"), ("backend", "outlines"),
+    ("value_retries", 0), ("value_retries", contract.MAX_VALUE_RETRIES), ("value_retries", contract.MAX_VALUE_RETRIES + 1),
+    ("value_retries", -1), ("value_retries", True), ("value_retries", 2.0),
     ("colour", "red"),
 ]
 

@@ -93,7 +93,8 @@ def test_request_round_trip(pre: Preprocessor) -> None:
     _, params = pre(raw)
     expected: dict[str, Any] = {"kind": "json_schema", "payload": '{"type":"object"}',
                                 "options": '{"strict":true,"whitespace":"compact","indent":null,"any_order":false,'
-                                           '"on_budget":"close","on_repeat":"close","backend":"auto","jump_forward":true}'}
+                                           '"on_budget":"close","on_repeat":"close","backend":"auto","jump_forward":true,'
+                                               '"value_retries":8}'}
     assert params.constraint == expected
     assert GenerationParams.from_json(params.to_json()) == params
     assert (params.max_tokens, params.temperature, params.top_k, params.seed, params.stop) == (7, 0.5, 40, 3, ("\n\n",))

@@ -158,6 +158,25 @@ def test_extend_equals_feeding_token_by_token(tiny: TinyModelInfo, reference: to
         assert others[i] == greedy_reference(reference, prompts[i], len(chunks) + 1)
 
 
+def test_truncate_then_feed_equals_never_having_fed(tiny: TinyModelInfo, reference: torch.nn.Module) -> None:
+    """A value check's drop: after truncating 3 fed tokens and feeding the last kept one again, the
+    logits are the full recomputation's of the kept prefix (the stale positions stay hidden)."""
+    engine = TorchEngine(tiny.path, TorchEngineConfig(max_batch_size=2, max_seq_len=64))
+    prompt = engine.tokenizer.encode(PROMPTS[0]).ids
+    fed = engine.tokenizer.encode(" the quick brown fox jumps").ids[:5]
+    engine.prefill_batch([0], [prompt])
+    for token in fed:
+        engine.decode([0], [token])
+    engine.truncate(0, len(prompt) + 1)  # keeps fed[0]; fed[1] is fed again
+    logits = engine.decode([0], [fed[1]])[0]
+    assert engine.length(0) == len(prompt) + 2
+    with torch.inference_mode():
+        full = reference(torch.tensor([prompt + fed[:2]]), use_cache=False).logits[0, -1]
+    torch.testing.assert_close(logits, full, rtol=1e-4, atol=1e-4)
+    with pytest.raises(EngineError, match=r"^sequence 0: cannot truncate \d+ cached tokens to 99$"):
+        engine.truncate(0, 99)
+
+
 @pytest.mark.parametrize(
     ("counts", "message"),
     [([0, 1], r"counts must be 2 values in 1\.\.3"), ([4, 1], r"counts must be 2 values in 1\.\.3"),

@@ -624,6 +624,37 @@ def test_budget_closing_through_the_scheduler(engine: TorchEngine, tiny: TinyMod
         grammar.close()
 
 
+#: Four distinct items of four values: a random model repeats one almost always.
+PERMUTATION = json.dumps({"type": "array", "items": {"enum": [0, 1, 2, 3]}, "minItems": 4, "maxItems": 4,
+                          "uniqueItems": True})
+
+
+@pytest.mark.parametrize("retries", [0, 8])
+def test_value_checks_retry_repeated_items(engine: TorchEngine, tiny: TinyModelInfo, retries: int) -> None:
+    """uniqueItems is in no grammar: without retries most outputs repeat an item; with them every output is a
+    permutation, the dropped tokens never reach the stream (Result.wait: the deltas add up to the text), and
+    the cache and the grammar side are left clean."""
+    grammar = tiny_grammar(tiny)
+    options = json.dumps({"value_retries": retries})
+    try:
+        with Scheduler(engine, LocalMaskProvider(grammar), SchedulerConfig(max_batch_size=8)) as s:
+            results = [submit(s, GenerationRequest(prompt(engine, "x"), max_tokens=40, temperature=1.0, seed=i,
+                                                   constraint=ConstraintRequest("json_schema", PERMUTATION, options)))
+                       for i in range(8)]
+            finals = [r.wait() for r in results]
+        items = [json.loads(f.text) for f in finals]
+        assert all(f.finish_reason == "stop" and len(i) == 4 for f, i in zip(finals, items, strict=True))
+        unique = [len(set(i)) == 4 for i in items]
+        if retries:
+            assert all(unique) and all(0 < f.value_retries <= retries for f in finals)
+            assert all(f.completion_tokens == len(r.token_ids) + 1 for f, r in zip(finals, results, strict=True))
+        else:
+            assert sum(unique) < 4 and all(f.value_retries == 0 for f in finals)
+        assert grammar.active_count == 0 and engine.live_count == 0
+    finally:
+        grammar.close()
+
+
 #: A schema whose keys are long forced runs: jump-forward spells them without sampling.
 JUMP_SCHEMA = json.dumps({
     "type": "object",

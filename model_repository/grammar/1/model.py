@@ -19,6 +19,9 @@ Inputs
                                     (optional)
     MAX_TOKENS       INT32 [1]      start: the request's token budget, for budget closing
                                     (optional; absent or 0: none)
+    VALUE_CHECKS     BOOL [1]       start: the caller drops the tokens DROPPED reports, so
+                                    completed values are checked (grammar_backend.values;
+                                    optional; absent: off)
 
 Outputs (exactly one response per request, sent with the FINAL flag)
     BITMASK          INT32 [B, ceil(V/32)]  step without BITMASK_BUFFER: mask of each row's next token
@@ -29,6 +32,10 @@ Outputs (exactly one response per request, sent with the FINAL flag)
     FORCED_COUNT     INT32 [B]              step with JUMP_FORWARD
     CLOSING          INT8 [B]               step: 0, or the row's mask forces a completion
                                             (1: budget, 2: repetition; grammar_backend.closing)
+    DROPPED          INT32 [B]              step: tokens the row's value check dropped (sent only
+                                            when a row dropped some)
+    HOLD             INT32 [B]              step: the row's last tokens a value check may still
+                                            drop (sent only when a row holds some)
     ACTIVE_SEQUENCES INT32 [1]              sequences holding a matcher after this request
     STATS            BYTES [1]              stats: JSON of cache and table counters
     BACKEND          BYTES [1]              start: the grammar backend serving the sequence
@@ -80,6 +87,7 @@ def _to_request(request: Any) -> GrammarRequest:
     jump = _array(request, "JUMP_FORWARD")
     validated = _array(request, "VALIDATED")
     budget = _array(request, "MAX_TOKENS")
+    checks = _array(request, "VALUE_CHECKS")
     seq_ids = _array(request, "SEQUENCE_ID")
     return GrammarRequest(
         op=_bytes(request, "OP").decode("utf-8", "replace"),
@@ -93,6 +101,7 @@ def _to_request(request: Any) -> GrammarRequest:
         jump_forward=bool(jump is not None and jump.reshape(-1)[0]),
         mask_buffer=_bytes(request, "BITMASK_BUFFER").decode("utf-8", "replace"),
         budget=0 if budget is None or budget.size == 0 else int(budget.reshape(-1)[0]),
+        value_checks=bool(checks is not None and checks.reshape(-1)[0]),
     )
 
 
@@ -108,6 +117,10 @@ def _to_response(reply: GrammarReply, wanted: frozenset[str]) -> Any:
         candidates.append(("TERMINATED", reply.terminated))
     if reply.closing is not None:
         candidates.append(("CLOSING", reply.closing))
+    if reply.dropped is not None:
+        candidates.append(("DROPPED", reply.dropped))
+    if reply.hold is not None:
+        candidates.append(("HOLD", reply.hold))
     if reply.row_errors:
         candidates.append(("ROW_ERROR", np.array([e.encode() for e in reply.row_errors], np.object_)))
     if reply.forced_tokens is not None and reply.forced_counts is not None:

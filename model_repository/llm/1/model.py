@@ -120,7 +120,8 @@ class _Stream:
             self.sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
         final = FinalState(event.finish_reason, event.text, event.prompt_tokens, event.completion_tokens,
-                           event.error, event.error_status, event.close_reason, event.stop_string, event.backend)
+                           event.error, event.error_status, event.close_reason, event.stop_string, event.backend,
+                           event.value_retries)
         self.finish(final)
 
     def _take(self) -> str:

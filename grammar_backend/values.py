@@ -1,0 +1,639 @@
+"""Value checks: enforce at value boundaries what the grammar cannot express.
+
+Neither backend's grammar can say "the items are unique", "this date exists",
+"if ``a`` is present ``b`` is too", ``not``, lookahead patterns, large
+``multipleOf``...  (their fidelity reports list them per schema).  Decoding
+used to let such values through and post-validation flagged the finished
+output.  Here, while a sequence decodes:
+
+1. :class:`ValueScanner` follows the accepted bytes as JSON and reports each
+   value as it completes (a string's closing quote, a number's terminator, a
+   literal's last letter, a container's closing bracket), with its token span
+   and its location in the schema (:meth:`ValueRules.child`).
+2. :class:`ValueRules` knows the schema locations whose values must be checked
+   (the *anchors*: where the serving backend leaves a keyword unenforced,
+   and every ``format``), and validates a completed value against the full
+   subschema of its anchor with ``jsonschema``; an array with
+   ``uniqueItems`` is also checked item by item, so a repeated item is caught
+   as it completes, not at the closing bracket.
+3. On a violation, :meth:`GrammarSequence.backtrack
+   <grammar_backend.sequences.GrammarSequence.backtrack>` rolls the matcher back
+   to the latest choice point inside the offending value (the last position
+   where the grammar allowed another token), bans the token taken there (or,
+   where that token also closed the value, every token spelling the same
+   ending) and reports how many tokens the engine must drop.  Each sequence
+   has a retry budget (the ``value_retries`` option); after it, or where the
+   value has no choice point, the value stands and post-validation reports it.
+
+Only engines that can drop tokens use this (the embedded scheduler): a
+logits processor or TensorRT-LLM's native decoder cannot take tokens back, so
+their sequences start without checks (:meth:`GrammarEngine.start`'s
+``value_checks``).  Streaming holds back the tokens that a check may still
+revoke: :meth:`ValueScanner.hold` counts the tokens since the start of the
+outermost open anchored value.
+
+Costs (Qwen3 vocabulary, 2-core host): scanning is a Python loop over bytes,
+about 1 us per token; a check is one ``jsonschema`` validation of the completed
+value (20-200 us for small values); a backtrack fills one mask per candidate
+position (0.05-1 ms each), and happens only on a violation.  A sequence whose
+schema has no anchor carries no scanner and pays nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+from urllib.parse import unquote
+
+import numpy as np
+import xgrammar as xgr
+
+from grammar_backend import llg
+from grammar_backend.bitmask import Matcher, bitmask_width, pack_tokens
+from grammar_backend.fidelity import UnenforcedKeyword, validator_for
+from grammar_backend.fidelity.walker import _root_validator
+from grammar_backend.jump import PrefixIndex
+from grammar_backend.spec import ConstraintSpec, json_pointer, keyword_sites
+
+__all__ = ["GROWING", "MAX_SEARCH", "ValueChecks", "ValueRules", "ValueScanner", "Violation", "rules_for", "unenforced_for"]
+
+#: A value location's keywords that make where its children are ambiguous
+#: (which branch, which of several schemas): below them no child location is
+#: known, so the whole value is checked when it completes.
+_AMBIGUOUS: Final = frozenset({
+    "anyOf", "oneOf", "allOf", "if", "then", "else", "not", "dependentSchemas", "$dynamicRef",
+    "unevaluatedProperties", "unevaluatedItems", "dependencies",
+})
+#: Keys that may sit next to ``$ref`` without changing what it means.
+_ANNOTATIONS: Final = frozenset({"$comment", "description", "title", "default", "examples", "$id", "$schema",
+                                 "deprecated", "readOnly", "writeOnly"})
+#: Schema keys whose next pointer segment names a child schema that is itself a value location.
+_NAMED_CHILDREN: Final = frozenset({"properties", "patternProperties", "$defs", "definitions", "prefixItems"})
+_ONE_CHILD: Final = frozenset({"additionalProperties", "additionalItems"})
+#: Keywords a container breaks by lacking members or items: a retry may add one instead of closing.
+GROWING: Final = frozenset({"dependentRequired", "dependencies", "required", "contains", "minContains",
+                            "minProperties", "minItems"})
+#: Most positions a backtrack examines (one mask fill each) before the value is left as it is.
+MAX_SEARCH: Final = 64
+#: Deepest ``$ref`` chain followed.
+_MAX_REF_HOPS: Final = 32
+
+
+def unenforced_for(spec: ConstraintSpec, backend: str | None) -> tuple[UnenforcedKeyword, ...]:
+    """The keywords of ``spec``'s schema that ``backend``'s grammar leaves unenforced (its fidelity report).
+
+    llguidance's come from its own warnings (:func:`grammar_backend.llg.unenforced_keywords`),
+    xgrammar's from the measured table (:func:`grammar_backend.fidelity.unenforced_keywords`).
+    """
+    schema = spec.schema
+    if schema is None:
+        return ()
+    if backend == "llguidance":
+        return llg.unenforced_keywords(spec)
+    return validator_for(schema, checked=True).unenforced(strict_mode=spec.options.strict)
+
+
+def _unescape(segment: str) -> str:
+    return segment.replace("~1", "/").replace("~0", "~")
+
+
+def _segments(pointer: str) -> list[str]:
+    return [_unescape(s) for s in pointer.split("/")[1:]] if pointer else []
+
+
+class ValueRules:
+    """Where the values of one schema are checked, and the checks (one per constraint and backend).
+
+    Parameters
+    ----------
+    schema : Mapping or bool
+        The constraint's (validated) JSON schema.
+    unenforced : iterable of UnenforcedKeyword
+        The serving backend's fidelity report (:func:`unenforced_for`).
+    """
+
+    def __init__(self, schema: Mapping[str, Any] | bool, unenforced: Iterable[UnenforcedKeyword]) -> None:
+        self._root = schema
+        self._validator = _root_validator(schema)
+        self._nodes: dict[str, Any] = {}
+        self._subs: dict[str, Any] = {}
+        self._children: dict[tuple[str, str | int], str | None] = {}
+        pointers = {u.pointer for u in unenforced}
+        pointers.update(_format_pointers(schema))
+        anchors = {self.locate(a) for a in (self._anchor(p) for p in pointers) if a is not None}
+        self.anchors: frozenset[str] = frozenset(a for a in anchors if a is not None)
+        self.unique: frozenset[str] = frozenset(
+            a for a in self.anchors if isinstance(self.node(a), dict) and self.node(a).get("uniqueItems") is True)
+        self.root: str | None = self.locate("")
+
+    def __bool__(self) -> bool:
+        """Whether any value is checked."""
+        return bool(self.anchors)
+
+    def node(self, pointer: str) -> Any:
+        """The schema node at ``pointer`` (None: no such node)."""
+        found = self._nodes.get(pointer, self)
+        if found is self:
+            found = self._root
+            for seg in _segments(pointer):
+                if isinstance(found, dict):
+                    found = found.get(seg)
+                elif isinstance(found, list) and seg.isdigit() and int(seg) < len(found):
+                    found = found[int(seg)]
+                else:
+                    found = None
+                    break
+            self._nodes[pointer] = found
+        return found
+
+    def locate(self, pointer: str) -> str | None:
+        """``pointer`` after following pure ``$ref`` chains (a ``$ref`` with only annotations beside it).
+
+        None where a reference is not local (``#...``) or the chain is too long.
+        """
+        for _ in range(_MAX_REF_HOPS):
+            node = self.node(pointer)
+            if not isinstance(node, dict) or "$ref" not in node or any(k not in _ANNOTATIONS for k in node
+                                                                         if k != "$ref"):
+                return pointer
+            ref = node["$ref"]
+            if not isinstance(ref, str) or not ref.startswith("#") or (len(ref) > 1 and ref[1] != "/"):
+                return None
+            pointer = unquote(ref[1:])
+        return None
+
+    def _anchor(self, pointer: str) -> str | None:
+        """The value location a keyword at ``pointer`` is checked at: the deepest one reached by plain steps."""
+        segs = _segments(pointer)
+        node: Any = self._root
+        loc, at, i = "", "", 0
+        while i < len(segs) and isinstance(node, dict):
+            seg = segs[i]
+            child = node.get(seg)
+            if seg in _NAMED_CHILDREN or (seg == "items" and isinstance(child, list)):
+                if i + 1 >= len(segs) or not isinstance(child, (dict, list)):
+                    break
+                name = segs[i + 1]
+                node = child.get(name) if isinstance(child, dict) else (
+                    child[int(name)] if name.isdigit() and int(name) < len(child) else None)
+                at += json_pointer([seg, name])
+                i += 2
+            elif seg == "items" or seg in _ONE_CHILD:
+                node = child
+                at = f"{at}/{seg}"
+                i += 1
+            else:
+                break
+            if isinstance(node, dict):
+                loc = at
+        return loc
+
+    def child(self, parent: str | None, key: str | int) -> str | None:
+        """The location of a value's member ``key`` (an object key or an array index), None when unknown."""
+        if parent is None:
+            return None
+        memo = (parent, key if isinstance(key, str) or key < 64 else 64)
+        if memo in self._children:
+            return self._children[memo]
+        found = self._child(parent, key)
+        self._children[memo] = found
+        return found
+
+    def _child(self, parent: str, key: str | int) -> str | None:
+        node = self.node(parent)
+        if not isinstance(node, dict) or "$ref" in node or any(k in node for k in _AMBIGUOUS):
+            return None
+        if isinstance(key, str):
+            props = node.get("properties")
+            if isinstance(props, dict) and key in props:
+                return self.locate(parent + json_pointer(["properties", key]))
+            patterns = node.get("patternProperties")
+            if isinstance(patterns, dict):
+                hits = [p for p in patterns if _search(p, key)]
+                if len(hits) > 1:
+                    return None
+                if hits:
+                    return self.locate(parent + json_pointer(["patternProperties", hits[0]]))
+            extra = node.get("additionalProperties")
+            return self.locate(f"{parent}/additionalProperties") if isinstance(extra, dict) else None
+        prefix = node.get("prefixItems")
+        if isinstance(prefix, list) and key < len(prefix):
+            return self.locate(f"{parent}/prefixItems/{key}")
+        items = node.get("items")
+        if isinstance(items, list):  # draft 4-7 tuple form
+            if key < len(items):
+                return self.locate(f"{parent}/items/{key}")
+            extra = node.get("additionalItems")
+            return self.locate(f"{parent}/additionalItems") if isinstance(extra, dict) else None
+        return self.locate(f"{parent}/items") if isinstance(items, dict) else None
+
+    def errors(self, pointer: str, value: Any) -> list[tuple[tuple[str | int, ...], str, str]]:
+        """Violations of the subschema at ``pointer`` by ``value``: (instance path within ``value``, keyword, message).
+
+        Path and keyword are the deepest among the error and its branch errors
+        (``anyOf``: where a branch failed).
+        """
+        sub = self._subs.get(pointer)
+        if sub is None:
+            sub = self._subs[pointer] = self._validator.evolve(schema=self.node(pointer))
+        return [(*_deepest(e), e.message) for e in sub.iter_errors(value)]
+
+
+def _deepest(error: Any) -> tuple[tuple[str | int, ...], str]:
+    """The deepest instance path, and its keyword, among ``error`` and the branch errors under it."""
+    best: tuple[str | int, ...] = tuple(error.absolute_path)
+    keyword = str(error.validator)
+    for inner in error.context or ():
+        path, inner_keyword = _deepest(inner)
+        if len(path) > len(best):
+            best, keyword = path, inner_keyword
+    return best, keyword
+
+
+def _search(pattern: str, key: str) -> bool:
+    try:
+        return re.search(pattern, key) is not None
+    except re.error:
+        return True  # unknown to Python: count it as a hit, which makes the location ambiguous
+
+
+def _format_pointers(schema: Any) -> Iterable[str]:
+    """Pointers of every ``format`` keyword: the calendar, address ranges... are checked by no grammar."""
+    return (at for at, key, value in keyword_sites(schema) if key == "format" and isinstance(value, str))
+
+
+_RULES: dict[tuple[ConstraintSpec, str], ValueRules | None] = {}
+
+
+def rules_for(spec: ConstraintSpec, backend: str) -> ValueRules | None:
+    """The value rules of ``spec`` served by ``backend`` (cached; None: JSON is not checked, or nothing to check)."""
+    memo = (spec, backend)
+    if memo in _RULES:
+        return _RULES[memo]
+    schema = spec.schema
+    rules = None
+    if schema is not None and spec.options.indent is None:
+        built = ValueRules(schema, unenforced_for(spec, backend))
+        rules = built if built else None
+    if len(_RULES) >= 1024:
+        _RULES.clear()
+    _RULES[memo] = rules
+    return rules
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    """A completed value that breaks its subschema.
+
+    Attributes
+    ----------
+    start, end : int
+        Token span of the offending value: its first byte is in token
+        ``start``, its last in token ``end - 1``.
+    last_byte : int
+        Offset of the value's last byte in the sequence's output bytes.
+    message : str
+        The first violation, for logs and tests.
+    may_grow : bool
+        Whether a retry may keep the value open where it closed: true for
+        a scalar, and for a container that lacks a member or an item
+        (``dependentRequired``, ``contains``...: :data:`GROWING`); false for
+        a container whose content is wrong (``not``, ``oneOf``...), where
+        adding members would only repeat keys.
+    """
+
+    start: int
+    end: int
+    last_byte: int
+    message: str
+    may_grow: bool = True
+
+
+_OBJ, _ARR, _STR, _NUM, _LIT = range(5)
+# What a container expects next.
+_KEY, _COLON, _VALUE, _NEXT = range(4)
+_NUMBER_BYTES: Final = frozenset(b"0123456789+-.eE")
+_SPACE: Final = frozenset(b" \t\n\r")
+
+
+class _Node:
+    """A value being scanned (or just completed)."""
+
+    __slots__ = ("children", "end", "expect", "key", "kind", "last_byte", "pointer", "raw", "seen", "start",
+                 "value")
+
+    def __init__(self, kind: int, pointer: str | None, start: int) -> None:
+        self.kind = kind
+        self.pointer = pointer
+        self.start = start
+        self.end = start + 1
+        self.last_byte = -1
+        self.raw = bytearray()  # scalars (and an object's key being read)
+        self.value: Any = {} if kind == _OBJ else [] if kind == _ARR else None
+        self.children: dict[str | int, _Node] | None = {} if kind <= _ARR else None
+        self.expect = _KEY if kind == _OBJ else _VALUE
+        self.key: str | int | None = None
+        self.seen: set[str] | None = None  # canonical items of a uniqueItems array
+
+
+class ValueScanner:
+    """Follows one sequence's output as JSON and checks each value as it completes.
+
+    Parameters
+    ----------
+    rules : ValueRules
+    vocab : list of bytes
+        Each token's bytes (the tokenizer's decoded vocabulary).
+    """
+
+    def __init__(self, rules: ValueRules, vocab: list[bytes]) -> None:
+        self.rules = rules
+        self._vocab = vocab
+        self.tokens: list[int] = []
+        #: Output byte offset at which each token starts.
+        self.offsets: list[int] = []
+        #: Banned choices by position (tokens accepted before them): the packed mask of what stays allowed.
+        self.bans: dict[int, np.ndarray] = {}
+        self._reset()
+
+    def _reset(self) -> None:
+        self._stack: list[_Node] = []
+        self._scalar: _Node | None = None
+        self._in_key = False
+        self._escape = False
+        self._done = False
+        self._bytes = 0
+
+    def push(self, tokens: Iterable[int], *, check: bool = True) -> Violation | None:
+        """Follow ``tokens``; the first violation of a value they complete (None: none, or ``check`` off)."""
+        found: Violation | None = None
+        for token in tokens:
+            index = len(self.tokens)
+            self.tokens.append(token)
+            self.offsets.append(self._bytes)
+            for byte in self._vocab[token]:
+                bad = self._byte(byte, index)
+                if bad is not None and check and found is None:
+                    found = bad
+                self._bytes += 1
+        return found
+
+    def rollback(self, count: int) -> None:
+        """Forget the last ``count`` tokens (rescans the rest without checking: they passed)."""
+        kept = self.tokens[: len(self.tokens) - count]
+        self.tokens, self.offsets = [], []
+        # A ban holds for the prefix it was made after: gone once that prefix is.
+        for position in [p for p in self.bans if p > len(kept)]:
+            del self.bans[position]
+        self._reset()
+        self.push(kept, check=False)
+
+    def hold(self) -> int:
+        """How many of the last tokens a check may still revoke: those since the outermost open anchored value began."""
+        anchors = self.rules.anchors
+        for node in self._stack:
+            if node.pointer in anchors:
+                return len(self.tokens) - node.start
+        scalar = self._scalar
+        if scalar is not None and scalar.pointer in anchors:
+            return len(self.tokens) - scalar.start
+        return 0
+
+    # -- the byte machine ---------------------------------------------------------------
+
+    def _byte(self, byte: int, index: int) -> Violation | None:
+        scalar = self._scalar
+        if scalar is not None:
+            if scalar.kind == _STR:
+                return self._string_byte(scalar, byte, index)
+            if scalar.kind == _NUM:
+                if byte in _NUMBER_BYTES:
+                    self._extend(scalar, byte, index)
+                    return None
+                bad = self._complete(scalar)  # the terminator is structure: handled below
+            else:
+                self._extend(scalar, byte, index)
+                if len(scalar.raw) == len(_LITERALS[scalar.raw[0]]):
+                    return self._complete(scalar)
+                return None
+            return bad or self._structure(byte, index)
+        return self._structure(byte, index)
+
+    def _string_byte(self, node: _Node, byte: int, index: int) -> Violation | None:
+        if self._escape:
+            self._escape = False
+        elif byte == 0x5C:  # backslash
+            self._escape = True
+        elif byte == 0x22:  # closing quote
+            if self._in_key:
+                self._in_key = False
+                self._scalar = None
+                parent = self._stack[-1]
+                parent.key = json.loads(bytes(node.raw) + b'"')
+                parent.expect = _COLON
+                return None
+            self._extend(node, byte, index)
+            return self._complete(node)
+        self._extend(node, byte, index)
+        return None
+
+    @staticmethod
+    def _extend(node: _Node, byte: int, index: int) -> None:
+        node.raw.append(byte)
+        node.end = index + 1
+
+    def _structure(self, byte: int, index: int) -> Violation | None:
+        if byte in _SPACE or self._done:
+            return None
+        stack = self._stack
+        top = stack[-1] if stack else None
+        if top is not None and top.kind == _OBJ and top.expect != _VALUE:
+            if byte == 0x22 and top.expect == _KEY:  # a key
+                name = _Node(_STR, None, index)
+                name.raw.append(byte)
+                self._scalar, self._in_key = name, True
+            elif byte == 0x3A:  # colon
+                top.expect = _VALUE
+            elif byte == 0x2C:  # comma
+                top.expect = _KEY
+            elif byte == 0x7D:  # closing brace
+                return self._close(top, byte, index)
+            return None
+        if top is not None and top.kind == _ARR:
+            if byte == 0x2C:
+                top.expect = _VALUE
+                return None
+            if byte == 0x5D:
+                return self._close(top, byte, index)
+        # A value begins.
+        if top is None:
+            pointer = self.rules.root
+        else:
+            key: str | int = top.key if top.kind == _OBJ and top.key is not None else len(top.value)
+            if top.kind == _ARR:
+                top.key = key
+            pointer = self.rules.child(top.pointer, key)
+            top.expect = _NEXT
+        if byte == 0x7B:
+            stack.append(_Node(_OBJ, pointer, index))
+        elif byte == 0x5B:
+            node = _Node(_ARR, pointer, index)
+            if pointer in self.rules.unique:
+                node.seen = set()
+            stack.append(node)
+        else:
+            kind = _STR if byte == 0x22 else _NUM if byte in _NUMBER_BYTES else _LIT
+            node = _Node(kind, pointer, index)
+            node.raw.append(byte)
+            node.last_byte = self._bytes
+            self._scalar = node
+        return None
+
+    def _close(self, node: _Node, byte: int, index: int) -> Violation | None:
+        node.end = index + 1
+        node.last_byte = self._bytes
+        self._stack.pop()
+        return self._completed(node)
+
+    def _complete(self, node: _Node) -> Violation | None:
+        self._scalar = None
+        node.last_byte = self._bytes - 1 if node.kind == _NUM else self._bytes
+        try:
+            node.value = json.loads(bytes(node.raw))
+        except ValueError:
+            node.value = None  # never with a grammar-accepted output; not checked
+            return None
+        return self._completed(node)
+
+    def _completed(self, node: _Node) -> Violation | None:
+        stack = self._stack
+        found: Violation | None = None
+        parent = stack[-1] if stack else None
+        if parent is None:
+            self._done = True
+        else:
+            key = parent.key
+            if parent.kind == _OBJ and isinstance(key, str):
+                parent.value[key] = node.value
+                parent.key = None
+            else:
+                parent.value.append(node.value)
+            if parent.children is not None and key is not None:  # always: set when the value began
+                parent.children[key] = node
+            if parent.seen is not None:
+                canon = _canonical(node.value)
+                if canon in parent.seen:
+                    found = Violation(node.start, node.end, node.last_byte, "repeats an earlier item (uniqueItems)")
+                parent.seen.add(canon)
+        if found is None and node.pointer in self.rules.anchors:
+            errors = self.rules.errors(node.pointer, node.value)
+            if errors:
+                path, keyword, message = max(errors, key=lambda e: len(e[0]))
+                target = node
+                for step in path:
+                    inner = target.children.get(step) if target.children is not None else None
+                    if inner is None:
+                        break
+                    target = inner
+                grow = target.children is None or keyword in GROWING
+                found = Violation(target.start, target.end, target.last_byte, message, grow)
+        return found
+
+
+_LITERALS: Final = {ord("t"): b"true", ord("f"): b"false", ord("n"): b"null"}
+
+
+def _canonical(value: Any) -> str:
+    """One text per JSON value under JSON Schema equality (``1`` equals ``1.0``; key order is irrelevant)."""
+    return json.dumps(_normal(value), sort_keys=True, separators=(",", ":"))
+
+
+def _normal(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_normal(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _normal(v) for k, v in value.items()}
+    return value
+
+
+class ValueChecks:
+    """The engine-level half of the value checks: the vocabulary, and the backtrack.
+
+    Parameters
+    ----------
+    tokenizer_info : xgrammar.TokenizerInfo
+    index : PrefixIndex, optional
+        Shared with jump-forward (built here when not given).
+    """
+
+    def __init__(self, tokenizer_info: xgr.TokenizerInfo, index: PrefixIndex | None = None) -> None:
+        self._info = tokenizer_info
+        self._index = index
+        self.vocab_size = int(tokenizer_info.vocab_size)
+        self._row = np.zeros((1, bitmask_width(self.vocab_size)), dtype=np.int32)
+        #: Backtracks done, and violations left standing (no choice point in reach).
+        self.backtracks = 0
+        self.unfixable = 0
+
+    @property
+    def index(self) -> PrefixIndex:
+        """The sorted vocabulary (built on first use: about 0.1 s)."""
+        if self._index is None:
+            self._index = PrefixIndex(self._info)
+        return self._index
+
+    def scanner(self, rules: ValueRules) -> ValueScanner:
+        """A new sequence's scanner."""
+        return ValueScanner(rules, self.index.vocab)
+
+    def backtrack(self, matcher: Matcher, scanner: ValueScanner, violation: Violation) -> int:
+        """Roll ``matcher`` back to the latest choice point inside the offending value and ban the choice taken there.
+
+        Walks back from the last accepted token; a position inside the
+        value's span is a choice point when its mask, less the bans already
+        there and less the choice taken, still allows a token.  The choice
+        taken is the token itself, or, where that token also ends the value
+        (``"}`` closing a string), every token that starts with the same bytes
+        up to the value's end: any of them would end the value the same way.
+
+        Returns
+        -------
+        int
+            Tokens dropped (the matcher and the scanner are rolled back by as
+            many); 0 when no choice point is within :data:`MAX_SEARCH`
+            positions: then nothing changed.
+        """
+        tokens, offsets, vocab = scanner.tokens, scanner.offsets, self.index.vocab
+        total = len(tokens)
+        lowest = max(violation.start, total - MAX_SEARCH)
+        row, words = self._row, self._row[0]
+        for position in range(total - 1, lowest - 1, -1):
+            matcher.rollback(1)
+            if position >= violation.end:
+                continue
+            token = tokens[position]
+            piece = vocab[token]
+            cut = violation.last_byte - offsets[position] + 1
+            if cut <= len(piece) and not violation.may_grow:
+                continue  # this token closes the container: keep it, change what is inside
+            taken = self.index.starting(piece[:cut]) if 0 < cut < len(piece) else np.array([token], np.int64)
+            ban = pack_tokens(taken, self.vocab_size)
+            keep = np.invert(ban, out=ban)
+            earlier = scanner.bans.get(position)
+            if earlier is not None:
+                np.bitwise_and(keep, earlier, out=keep)
+            matcher.fill_next_token_bitmask(row, 0)
+            if np.bitwise_and(words, keep).any():
+                scanner.bans[position] = keep
+                scanner.rollback(total - position)
+                self.backtracks += 1
+                return total - position
+        for token in tokens[lowest:]:  # no choice point: restore the matcher
+            matcher.accept_token(token)
+        self.unfixable += 1
+        return 0

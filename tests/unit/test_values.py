@@ -1,0 +1,259 @@
+"""Value checks (grammar_backend.values): where values are checked, the scanner, and the backtrack on real matchers."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import xgrammar as xgr
+
+from grammar_backend.bitmask import allowed_tokens
+from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
+from grammar_backend.fidelity import UnenforcedKeyword
+from grammar_backend.llg import LlgBackend
+from grammar_backend.llg import unenforced_keywords as llg_unenforced
+from grammar_backend.spec import parse_constraint
+from grammar_backend.values import ValueRules, ValueScanner, rules_for
+from pipeline.postprocess import FinalState, build_result
+
+QWEN_VOCAB = 151_936
+#: One token per byte: the scanner's unit tests need no tokenizer.
+BYTES = [bytes([b]) for b in range(256)]
+
+
+def _u(pointer: str) -> UnenforcedKeyword:
+    return UnenforcedKeyword(pointer, pointer.rsplit("/", 1)[-1], "test")
+
+
+@pytest.mark.parametrize(
+    ("schema", "unenforced", "anchors", "unique"),
+    [
+        ({"type": "array", "uniqueItems": True}, ["/uniqueItems"], {""}, {""}),
+        ({"properties": {"d": {"type": "string", "format": "date"}}}, [], {"/properties/d"}, set()),
+        # Through a pure $ref: the location is the reference's target.
+        ({"$defs": {"d": {"format": "date"}}, "properties": {"a": {"$ref": "#/$defs/d"}}}, [], {"/$defs/d"}, set()),
+        # Below a branch nothing is known: the value holding anyOf is checked whole.
+        ({"properties": {"x": {"anyOf": [{"properties": {"d": {"format": "date"}}}, {"type": "integer"}]}}}, [],
+         {"/properties/x"}, set()),
+        ({"type": "object", "dependentRequired": {"a": ["b"]}}, ["/dependentRequired"], {""}, set()),
+        ({"items": {"type": "array", "uniqueItems": True}}, ["/items/uniqueItems"], {"/items"}, {"/items"}),
+        ({"prefixItems": [{"not": {"const": 0}}]}, ["/prefixItems/0/not"], {"/prefixItems/0"}, set()),
+        ({"type": "object", "properties": {"n": {"type": "integer"}}}, [], set(), set()),
+    ],
+    ids=["unique-root", "format", "ref", "anyof", "dependent-required", "items", "prefix-items", "nothing"],
+)
+def test_anchors(schema: dict[str, Any], unenforced: list[str], anchors: set[str], unique: set[str]) -> None:
+    rules = ValueRules(schema, [_u(p) for p in unenforced])
+    assert (set(rules.anchors), set(rules.unique), bool(rules)) == (anchors, unique, bool(anchors))
+
+
+CHILD_SCHEMA: dict[str, Any] = {
+    "$defs": {"n": {"type": "integer"}},
+    "properties": {"a": {"$ref": "#/$defs/n"}, "b": {"type": "string"}, "c": {"anyOf": [{"type": "object"}]}},
+    "patternProperties": {"^x": {"type": "number"}, "^xy": {"type": "number"}},
+    "additionalProperties": {"type": "boolean"},
+}
+
+
+@pytest.mark.parametrize(
+    ("schema", "parent", "key", "expected"),
+    [
+        (CHILD_SCHEMA, "", "a", "/$defs/n"),
+        (CHILD_SCHEMA, "", "b", "/properties/b"),
+        (CHILD_SCHEMA, "", "xa", "/patternProperties/^x"),
+        (CHILD_SCHEMA, "", "xy", None),  # two patterns match: ambiguous
+        (CHILD_SCHEMA, "", "zz", "/additionalProperties"),
+        (CHILD_SCHEMA, "/properties/c", "k", None),  # below anyOf
+        (CHILD_SCHEMA, None, "a", None),
+        ({"prefixItems": [{}, {}], "items": {"type": "integer"}}, "", 1, "/prefixItems/1"),
+        ({"prefixItems": [{}, {}], "items": {"type": "integer"}}, "", 2, "/items"),
+        ({"items": [{}, {}], "additionalItems": {"type": "integer"}}, "", 5, "/additionalItems"),
+        ({"type": "array"}, "", 0, None),
+    ],
+)
+def test_child_locations(schema: dict[str, Any], parent: str | None, key: str | int, expected: str | None) -> None:
+    assert ValueRules(schema, []).child(parent, key) == expected
+
+
+def _scan(schema: dict[str, Any], unenforced: list[str], text: str) -> tuple[ValueScanner, Any]:
+    scanner = ValueScanner(ValueRules(schema, [_u(p) for p in unenforced]), BYTES)
+    return scanner, scanner.push(list(text.encode()))
+
+
+@pytest.mark.parametrize(
+    ("schema", "unenforced", "text", "found"),
+    [
+        ({"type": "array", "uniqueItems": True}, ["/uniqueItems"], "[1,2,3]", None),
+        # The repeated item, as it completes (its span: the third item).
+        ({"type": "array", "uniqueItems": True}, ["/uniqueItems"], "[1,2,1.0,", (5, 8, 7, "repeats")),
+        ({"type": "array", "uniqueItems": True}, ["/uniqueItems"], '[{"a":1,"b":2},{"b":2,"a":1}]',
+         (15, 28, 27, "repeats")),
+        ({"properties": {"d": {"format": "date"}}}, [], '{"d":"2023-02-30"}', (5, 17, 16, "is not a 'date'")),
+        ({"properties": {"d": {"format": "date"}}}, [], '{"d":"2024-02-29"}', None),
+        ({"type": "object", "dependentRequired": {"a": ["b"]}}, ["/dependentRequired"], '{"a":1}',
+         (0, 7, 6, "'b' is a dependency of 'a'")),
+        ({"type": "object", "dependentRequired": {"a": ["b"]}}, ["/dependentRequired"], '{"a":1,"b":2}', None),
+        # An error inside the checked value points at the offending member's span.
+        ({"properties": {"x": {"anyOf": [{"properties": {"n": {"multipleOf": 7}}}]}}}, ["/properties/x/anyOf"],
+         '{"x":{"m":1,"n":22}}', (16, 18, 17, "not valid under any")),
+        ({"prefixItems": [{"not": {"const": 0}}]}, ["/prefixItems/0/not"], "[0]", (1, 2, 1, "should not be valid")),
+        ({"items": {"multipleOf": 3}}, ["/items/multipleOf"], "[3, 6 ,  10 ]", (9, 11, 10, "multiple of 3")),
+        ({"items": {"not": {"const": True}}}, ["/items/not"], "[false,true]", (7, 11, 10, "should not be valid")),
+    ],
+    ids=["unique", "repeat", "repeat-objects", "date", "leap-day", "dependent-required", "dependent-ok",
+         "anyof-member", "not", "number-spaces", "literal"],
+)
+def test_violations(schema: dict[str, Any], unenforced: list[str], text: str,
+                    found: tuple[int, int, int, str] | None) -> None:
+    _, violation = _scan(schema, unenforced, text)
+    if found is None:
+        assert violation is None
+    else:
+        assert violation is not None
+        assert (violation.start, violation.end, violation.last_byte) == found[:3]
+        assert found[3] in violation.message
+
+
+@pytest.mark.parametrize(
+    ("text", "hold"),
+    [
+        ('{"a":[1,', 3),  # the checked array began at byte 5: 3 tokens may still go
+        ('{"a":[1,2],', 0),  # it completed and passed
+        ('{"a":[1,2],"b":"x', 0),  # b is not checked
+        ('{"a":', 0),
+    ],
+)
+def test_hold_counts_what_a_check_may_still_drop(text: str, hold: int) -> None:
+    schema = {"properties": {"a": {"type": "array", "uniqueItems": True}, "b": {"type": "string"}}}
+    scanner, violation = _scan(schema, ["/properties/a/uniqueItems"], text)
+    assert (violation, scanner.hold()) == (None, hold)
+
+
+def test_rollback_rescans_and_drops_later_bans() -> None:
+    scanner, _ = _scan({"type": "array", "uniqueItems": True}, ["/uniqueItems"], "[1,2")
+    scanner.bans = {2: np.zeros(1, np.int32), 4: np.zeros(1, np.int32)}
+    scanner.rollback(2)
+    assert (scanner.tokens, sorted(scanner.bans), scanner.hold()) == (list(b"[1"), [2], 2)
+    # The rescan knows the items again: a repeat is still caught.
+    violation = scanner.push(list(b",1,"))
+    assert violation is not None and "repeats" in violation.message
+
+
+def test_rules_are_cached_and_absent_without_anchors() -> None:
+    plain = parse_constraint("json_schema", '{"type":"object","properties":{"n":{"type":"integer"}}}')
+    dated = parse_constraint("json_schema", '{"type":"string","format":"date"}')
+    assert rules_for(plain, "xgrammar") is None
+    assert rules_for(dated, "llguidance") is rules_for(dated, "llguidance") is not None
+    assert rules_for(parse_constraint("regex", "a+"), "xgrammar") is None
+
+
+def test_result_reports_the_retries() -> None:
+    assert build_result(FinalState("stop", "[1]", 1, 4, value_retries=3), None)["value_retries"] == 3
+
+
+# -- the engine: real matchers over the Qwen3 vocabulary ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine(qwen_tokenizer: Any, qwen_info: xgr.TokenizerInfo) -> Iterator[GrammarEngine]:
+    stops = [int(t) for t in qwen_info.stop_token_ids]
+    eng = GrammarEngine(qwen_info, "qwen", GrammarEngineConfig(max_batch=2),
+                        encode=lambda text: qwen_tokenizer.encode(text, add_special_tokens=False),
+                        llg=LlgBackend(qwen_tokenizer, QWEN_VOCAB, stops))
+    yield eng
+    eng.close()
+
+
+def _feed(eng: GrammarEngine, ids: list[int]) -> list[tuple[int, int]]:
+    """Step sequence 1 through ``ids`` until a value check drops tokens; each step's (dropped, hold)."""
+    seen = []
+    for token in ids:
+        res = eng.step(np.array([1], np.uint64), np.array([[token]], np.int32), np.array([1], np.int32))
+        assert res.errors[0] is None
+        seen.append((int(res.dropped[0]), int(res.hold[0])))
+        if res.dropped[0]:
+            break
+    return seen
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_a_repeated_item_is_dropped_and_banned(engine: GrammarEngine, qwen_tokenizer: Any, backend: str) -> None:
+    """``[3,7,3`` : the third item repeats the first; the step drops it, and its mask bans ``3`` there."""
+    schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+    spec = parse_constraint("json_schema", json.dumps(schema), {"backend": backend})
+    ids = [qwen_tokenizer.convert_tokens_to_ids(t) for t in ["[", "3", ",", "7", ",", "3", ","]]
+    engine.start(1, spec, value_checks=True)
+    try:
+        seen = _feed(engine, ids)
+        # Every token since "[" may go; the item "3" completes at the comma after it: both go, and "3" is
+        # banned after "[3,7,", where the array is still open (5 tokens held).
+        assert seen == [(0, 1), (0, 2), (0, 3), (0, 4), (0, 5), (0, 6), (2, 5)]
+        seq = engine.table.get(1)
+        assert (seq.tokens_accepted, seq.retries_left) == (5, 7)
+        res = engine.step(np.array([1], np.uint64), np.zeros((1, 1), np.int32), np.zeros(1, np.int32))
+        allowed = set(allowed_tokens(res.bitmask[0], QWEN_VOCAB).tolist())
+        assert ids[5] not in allowed and qwen_tokenizer.convert_tokens_to_ids("5") in allowed
+    finally:
+        engine.end([1])
+
+
+def test_a_date_that_does_not_exist_goes_back_to_its_last_choice(engine: GrammarEngine, qwen_tokenizer: Any) -> None:
+    """xgrammar's date grammar takes ``2023-02-30``: the check drops back to the day's last digit."""
+    spec = parse_constraint("json_schema", '{"type":"string","format":"date"}', {"backend": "xgrammar"})
+    ids = qwen_tokenizer.encode('"2023-02-30"', add_special_tokens=False)
+    engine.start(1, spec, value_checks=True)
+    try:
+        seen = _feed(engine, ids)
+        assert seen[-1] == (2, 10) and len(seen) == len(ids)  # the string is open again: its 10 tokens held
+        assert qwen_tokenizer.decode(ids[: engine.table.get(1).tokens_accepted]) == '"2023-02-3'
+    finally:
+        engine.end([1])
+
+
+@pytest.mark.parametrize(("retries", "checks", "drops"), [(1, True, [2, 0]), (0, True, [0, 0]), (8, False, [0, 0])],
+                         ids=["budget-of-one", "option-off", "caller-cannot-drop"])
+def test_the_retry_budget_and_who_can_drop(engine: GrammarEngine, qwen_tokenizer: Any, retries: int, checks: bool,
+                                           drops: list[int]) -> None:
+    spec = parse_constraint("json_schema", '{"type":"array","uniqueItems":true}',
+                            {"backend": "llguidance", "value_retries": retries})
+    one = qwen_tokenizer.convert_tokens_to_ids("1")
+    comma = qwen_tokenizer.convert_tokens_to_ids(",")
+    engine.start(1, spec, value_checks=checks)
+    try:
+        _feed(engine, [qwen_tokenizer.convert_tokens_to_ids("["), one, comma])
+        got = []
+        for _ in range(2):  # a repeat, twice: the second stands once the budget is spent
+            got.append(_feed(engine, [qwen_tokenizer.convert_tokens_to_ids("2"), comma, one, comma])[-1][0])
+        assert got == drops
+    finally:
+        engine.end([1])
+
+
+def test_a_property_named_like_a_keyword_is_a_name() -> None:
+    """``format`` as a property name (and under draft-4 ``dependencies``) is no keyword: llguidance's report and
+    the anchors see only the real ``format`` below it (this schema once failed a start with a TypeError)."""
+    schema = {"type": "object", "dependencies": {"format": {"required": ["a"]}},
+              "properties": {"format": {"type": "object", "properties": {"at": {"type": "string", "format": "date"}}}}}
+    spec = parse_constraint("json_schema", json.dumps(schema), {"backend": "llguidance"})
+    rules = rules_for(spec, "llguidance")
+    assert rules is not None and set(rules.anchors) == {"", "/properties/format/properties/at"}
+    assert [(u.pointer, u.keyword) for u in llg_unenforced(spec)] == [("/dependencies", "dependencies")]
+
+
+@pytest.mark.parametrize(
+    ("schema", "unenforced", "text", "may_grow"),
+    [
+        ({"type": "object", "dependentRequired": {"a": ["b"]}}, ["/dependentRequired"], '{"a":1}', True),
+        ({"type": "array", "contains": {"const": 2}}, ["/contains"], "[1]", True),
+        ({"type": "object", "not": {"required": ["a"]}}, ["/not"], '{"a":1}', False),
+        ({"type": "array", "not": {"maxItems": 1}}, ["/not"], "[1]", False),
+        ({"not": {"const": "x"}}, ["/not"], '"x"', True),  # a scalar: its closing quote is a choice too
+    ],
+)
+def test_a_retry_adds_members_only_where_some_are_missing(schema: dict[str, Any], unenforced: list[str], text: str,
+                                                          may_grow: bool) -> None:
+    _, violation = _scan(schema, unenforced, text)
+    assert violation is not None and violation.may_grow is may_grow
