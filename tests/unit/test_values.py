@@ -102,9 +102,12 @@ def _scan(schema: dict[str, Any], unenforced: list[str], text: str) -> tuple[Val
         ({"prefixItems": [{"not": {"const": 0}}]}, ["/prefixItems/0/not"], "[0]", (1, 2, 1, "should not be valid")),
         ({"items": {"multipleOf": 3}}, ["/items/multipleOf"], "[3, 6 ,  10 ]", (9, 11, 10, "multiple of 3")),
         ({"items": {"not": {"const": True}}}, ["/items/not"], "[false,true]", (7, 11, 10, "should not be valid")),
+        # A repeated key, in any object: refused at its closing quote (the key's span).
+        ({"type": "object"}, [], '{"a":1,"b":{"a":2},"a"', (19, 22, 21, "repeats the key 'a'")),
+        ({"type": "object"}, [], '{"a":1,"b":{"a":2},"c":3}', None),
     ],
     ids=["unique", "repeat", "repeat-objects", "date", "leap-day", "dependent-required", "dependent-ok",
-         "anyof-member", "not", "number-spaces", "literal"],
+         "anyof-member", "not", "number-spaces", "literal", "repeated-key", "keys-ok"],
 )
 def test_violations(schema: dict[str, Any], unenforced: list[str], text: str,
                     found: tuple[int, int, int, str] | None) -> None:
@@ -124,6 +127,7 @@ def test_violations(schema: dict[str, Any], unenforced: list[str], text: str,
         ('{"a":[1,2],', 0),  # it completed and passed
         ('{"a":[1,2],"b":"x', 0),  # b is not checked
         ('{"a":', 0),
+        ('{"a":[1,2],"bc', 3),  # a key being read: it may repeat one
     ],
 )
 def test_hold_counts_what_a_check_may_still_drop(text: str, hold: int) -> None:
@@ -142,11 +146,14 @@ def test_rollback_rescans_and_drops_later_bans() -> None:
     assert violation is not None and "repeats" in violation.message
 
 
-def test_rules_are_cached_and_absent_without_anchors() -> None:
+def test_rules_are_cached_and_only_for_json() -> None:
+    """Every JSON output is scanned (repeated keys), with or without anchors; other kinds are not."""
     plain = parse_constraint("json_schema", '{"type":"object","properties":{"n":{"type":"integer"}}}')
     dated = parse_constraint("json_schema", '{"type":"string","format":"date"}')
-    assert rules_for(plain, "xgrammar") is None
+    rules = rules_for(plain, "xgrammar")
+    assert rules is not None and not rules.anchors
     assert rules_for(dated, "llguidance") is rules_for(dated, "llguidance") is not None
+    assert rules_for(parse_constraint("json_object", ""), "llguidance") is not None
     assert rules_for(parse_constraint("regex", "a+"), "xgrammar") is None
 
 
