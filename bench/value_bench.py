@@ -17,7 +17,8 @@ two flipping from schema to schema so machine noise hits both alike):
 
 Per run: completed outputs (``complete`` or closed early) and how many of
 them validate against the full schema; outputs that used retries and the
-retries; completion tokens and the sum of request latencies.  The last line
+retries; output tokens, tokens generated (with those the retries dropped:
+``RESULT.value_dropped_tokens``) and the sum of request latencies.  The last line
 reads ``completed outputs valid: before X% (A/B), after Y% (C/D)``.
 Nothing here asserts: figures vary with the machine; read ratios from one run.
 """
@@ -86,13 +87,14 @@ def one(url: str, schema: dict[str, Any], retries: int | None, max_tokens: int) 
         with Client(url, timeout_s=900) as client:
             result = client.generate(prompt, constraint=constraint, max_tokens=max_tokens, require_complete=False)
     except ClientError as err:
-        return {"outcome": f"error: {err}"[:120], "tokens": 0, "seconds": time.perf_counter() - t0, "retries": 0,
-                "completed": False, "valid": False, "violations": []}
+        return {"outcome": f"error: {err}"[:120], "tokens": 0, "dropped": 0, "seconds": time.perf_counter() - t0,
+                "retries": 0, "completed": False, "valid": False, "violations": []}
     completed = result.complete or result.closed_early
     valid = bool(result.json is not None and result.json.valid)
     return {
         "outcome": "valid" if valid else "invalid" if completed else "truncated",
         "tokens": result.usage.completion_tokens,
+        "dropped": result.value_dropped_tokens,
         "seconds": time.perf_counter() - t0,
         "retries": result.value_retries,
         "completed": completed,
@@ -130,6 +132,7 @@ def figures(outcomes: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "retried_outputs": sum(1 for o in outcomes if o["retries"]),
         "retries": sum(o["retries"] for o in outcomes),
         "tokens": sum(o["tokens"] for o in outcomes),
+        "generated": sum(o["tokens"] + o["dropped"] for o in outcomes),
         "seconds": sum(o["seconds"] for o in outcomes),
         "errors": sum(1 for o in outcomes if o["outcome"].startswith("error")),
     }
@@ -153,10 +156,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     before, after = figures(runs["before"]), figures(runs["after"])
     for name, f in (("before (value_retries 0)", before), ("after (default)", after)):
         print(f"{name}: {f['completed']}/{f['outputs']} completed, {f['completed_valid']} of them valid; "
-              f"{f['retried_outputs']} outputs retried ({f['retries']} retries); {f['tokens']} tokens, "
-              f"{f['seconds']:.1f} s of request time; {f['errors']} errors")
-    print(f"cost: tokens after/before {after['tokens'] / max(1, before['tokens']):.3f}, request time after/before "
-          f"{after['seconds'] / max(1e-9, before['seconds']):.3f}")
+              f"{f['retried_outputs']} outputs retried ({f['retries']} retries); {f['tokens']} output tokens, "
+              f"{f['generated']} generated (with the dropped ones); {f['seconds']:.1f} s of request time; "
+              f"{f['errors']} errors")
+    print(f"cost: tokens generated after/before {after['generated'] / max(1, before['generated']):.3f}, request time "
+          f"after/before {after['seconds'] / max(1e-9, before['seconds']):.3f}")
 
     def share(f: dict[str, Any]) -> str:
         return f"{100 * f['completed_valid'] / max(1, f['completed']):.1f}% ({f['completed_valid']}/{f['completed']})"

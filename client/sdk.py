@@ -203,6 +203,9 @@ class Result:
     value_retries : int
         Times a completed value broke the schema and was generated again
         (option ``value_retries``).
+    value_dropped_tokens : int
+        Tokens those retries dropped (generated, so paid for, but not part of
+        the text nor of ``usage.completion_tokens``).
     raw : Mapping[str, Any]
         The ``RESULT`` object as received.
     """
@@ -220,6 +223,7 @@ class Result:
     stop_string: bool = False
     backend: str | None = None
     value_retries: int = 0
+    value_dropped_tokens: int = 0
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
 
@@ -350,6 +354,7 @@ def parse_result(text: str, kind: str | None) -> Result:
         stop_string=_get(obj, "stop_string", bool, "RESULT") if "stop_string" in obj else False,
         backend=backend,
         value_retries=_get(obj, "value_retries", int, "RESULT") if "value_retries" in obj else 0,
+        value_dropped_tokens=_get(obj, "value_dropped_tokens", int, "RESULT") if "value_dropped_tokens" in obj else 0,
         raw=MappingProxyType(obj),
     )
     if kind in _JSON_KINDS and (complete or closed_early):

@@ -100,6 +100,11 @@ METRICS: Final[tuple[MetricSpec, ...]] = (
                "grammar", ("backend",)),
     MetricSpec("grammar_backend_fallbacks_total", "counter",
                "backend auto: starts the first backend refused or did not compile in time", "grammar"),
+    MetricSpec("grammar_value_retries_total", "counter",
+               "Completed values that broke the schema and were dropped to be generated again", "grammar"),
+    MetricSpec("grammar_value_unfixed_total", "counter",
+               "Completed values that broke the schema with no choice left to retry (post-validation flags them)",
+               "grammar"),
     *_latency("grammar_step_seconds", "Grammar step per batch (accept tokens + fill the masks)", "grammar"),
     # llm model
     MetricSpec("llm_live_requests", "gauge", "Requests not finished now (compiling, waiting or decoding)", "llm"),

@@ -175,6 +175,8 @@ class GrammarService:
         for backend in contract.BACKENDS:
             snap.put("grammar_starts_total", starts.get(backend, 0), backend=backend)
         snap.put("grammar_backend_fallbacks_total", eng.fallbacks)
+        snap.put("grammar_value_retries_total", eng.values.backtracks)
+        snap.put("grammar_value_unfixed_total", eng.values.unfixable)
         snap.put_latency("grammar_step_seconds", self.step_latency)
         return snap
 

@@ -39,9 +39,10 @@ revoke: :meth:`ValueScanner.hold` counts the tokens since the start of the
 outermost open anchored value.
 
 Costs (Qwen3 vocabulary, 2-core host): scanning is a Python loop over bytes,
-1.8 us per token with :meth:`ValueScanner.hold` (a 590-token, 1.6 kB output); a check is one ``jsonschema`` validation of the completed
-value (20-200 us for small values); a backtrack fills one mask per candidate
-position (0.05-1 ms each), and happens only on a violation.
+1.8 us per token with :meth:`ValueScanner.hold` (a 590-token, 1.6 kB output);
+a check is one ``jsonschema`` validation of the completed value (20-200 us
+for small values); a backtrack fills one mask per candidate position
+(0.05-1 ms each), and happens only on a violation.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ from grammar_backend.jump import PrefixIndex
 from grammar_backend.lru import Lru
 from grammar_backend.spec import ConstraintSpec, json_pointer, keyword_sites
 
-__all__ = ["GROWING", "MAX_SEARCH", "ValueChecks", "ValueRules", "ValueScanner", "Violation", "rules_for", "unenforced_for"]
+__all__ = ["GROWING", "MAX_SEARCH", "ValueChecks", "ValueRules", "ValueScanner", "Violation", "rules_for",
+           "unenforced_for"]
 
 #: A value location's keywords that make where its children are ambiguous
 #: (which branch, which of several schemas): below them no child location is
@@ -84,6 +86,8 @@ GROWING: Final = frozenset({"dependentRequired", "dependencies", "required", "co
                             "minProperties", "minItems"})
 #: Most positions a backtrack examines (one mask fill each) before the value is left as it is.
 MAX_SEARCH: Final = 64
+#: Most child locations remembered per schema (an open object's keys are the client's to choose).
+_MAX_CHILD_MEMO: Final = 4096
 #: Deepest ``$ref`` chain followed.
 _MAX_REF_HOPS: Final = 32
 
@@ -201,11 +205,12 @@ class ValueRules:
         """The location of a value's member ``key`` (an object key or an array index), None when unknown."""
         if parent is None:
             return None
-        memo = (parent, key if isinstance(key, str) or key < 64 else 64)
+        memo = (parent, key)
         if memo in self._children:
             return self._children[memo]
         found = self._child(parent, key)
-        self._children[memo] = found
+        if len(self._children) < _MAX_CHILD_MEMO:
+            self._children[memo] = found
         return found
 
     def _child(self, parent: str, key: str | int) -> str | None:

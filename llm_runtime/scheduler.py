@@ -266,7 +266,9 @@ class FinishEvent:
     ``backend``: the grammar backend that served the constraint (None: no
     constraint, or it failed to start).
     ``value_retries``: times a completed value broke the schema and its tokens
-    were dropped and generated again (:mod:`grammar_backend.values`).
+    were dropped and generated again (:mod:`grammar_backend.values`);
+    ``value_dropped_tokens``: how many tokens that dropped in all (sampled,
+    so spent, but not in ``completion_tokens``).
     """
 
     finish_reason: FinishReason
@@ -279,6 +281,7 @@ class FinishEvent:
     stop_string: bool = False
     backend: str | None = None
     value_retries: int = 0
+    value_dropped_tokens: int = 0
 
 
 EventCallback = Callable[[TokenEvent | FinishEvent], None]
@@ -412,6 +415,7 @@ class _Seq:
     held: int = 0  # how many accepted ones the grammar side may still drop (its HOLD of the last step)
     refeed: bool = False  # tokens were dropped: the next step feeds last_token again and accepts nothing
     retries: int = 0  # times tokens were dropped
+    dropped: int = 0  # tokens dropped in all
 
 
 @dataclass(frozen=True)
@@ -1057,6 +1061,7 @@ class Scheduler:
         del out[keep:]
         s.generated -= count
         s.retries += 1
+        s.dropped += count
         s.jump = ()
         s.refeed = True
         prompt_len = int(s.prompt.shape[0])
@@ -1190,6 +1195,7 @@ class Scheduler:
                 stop_string=stop_string,
                 backend=seq.backend,
                 value_retries=seq.retries,
+                value_dropped_tokens=seq.dropped,
             ),
         )
 

@@ -56,6 +56,7 @@ class FinalState:
     stop_string: bool = False
     backend: str | None = None
     value_retries: int = 0
+    value_dropped_tokens: int = 0
 
     @classmethod
     def rejected(cls, err: BaseException) -> FinalState:
@@ -95,6 +96,7 @@ def build_result(final: FinalState, constraint: dict[str, str] | None) -> dict[s
         "stop_string": final.stop_string,
         "backend": final.backend,
         "value_retries": final.value_retries,
+        "value_dropped_tokens": final.value_dropped_tokens,
         "text": final.text,
         "usage": {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens},
         "error": _cut(final.error),

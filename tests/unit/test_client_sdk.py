@@ -266,7 +266,8 @@ def test_parse_result_json_schema() -> None:
         # The grammar backend that served it.
         ({"backend": "llguidance"}, "json_schema", {"backend": "llguidance", "parsed": {"n": 3}}),
         ({"backend": None}, None, {"backend": None}),
-        ({"value_retries": 2}, "json_schema", {"value_retries": 2}),
+        ({"value_retries": 2, "value_dropped_tokens": 7}, "json_schema",
+         {"value_retries": 2, "value_dropped_tokens": 7}),
     ],
 )
 def test_parse_result_variants(overrides: dict[str, Any], kind: str | None, expected: dict[str, Any]) -> None:

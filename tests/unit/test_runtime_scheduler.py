@@ -647,6 +647,7 @@ def test_value_checks_retry_repeated_items(engine: TorchEngine, tiny: TinyModelI
         unique = [len(set(i)) == 4 for i in items]
         if retries:
             assert all(unique) and all(0 < f.value_retries <= retries for f in finals)
+            assert all(f.value_dropped_tokens >= 2 * f.value_retries for f in finals)  # an item and its comma
             assert all(f.completion_tokens == len(r.token_ids) + 1 for f, r in zip(finals, results, strict=True))
         else:
             assert sum(unique) < 4 and all(f.value_retries == 0 for f in finals)

@@ -158,7 +158,8 @@ def test_rules_are_cached_and_only_for_json() -> None:
 
 
 def test_result_reports_the_retries() -> None:
-    assert build_result(FinalState("stop", "[1]", 1, 4, value_retries=3), None)["value_retries"] == 3
+    result = build_result(FinalState("stop", "[1]", 1, 4, value_retries=3, value_dropped_tokens=9), None)
+    assert (result["value_retries"], result["value_dropped_tokens"]) == (3, 9)
 
 
 # -- the engine: real matchers over the Qwen3 vocabulary ---------------------------------------------
@@ -193,8 +194,10 @@ def test_a_repeated_item_is_dropped_and_banned(engine: GrammarEngine, qwen_token
     spec = parse_constraint("json_schema", json.dumps(schema), {"backend": backend})
     ids = [qwen_tokenizer.convert_tokens_to_ids(t) for t in ["[", "3", ",", "7", ",", "3", ","]]
     engine.start(1, spec, value_checks=True)
+    before = engine.values.backtracks
     try:
         seen = _feed(engine, ids)
+        assert engine.values.backtracks == before + 1  # grammar_value_retries_total
         # Every token since "[" may go; the item "3" completes at the comma after it: both go, and "3" is
         # banned after "[3,7,", where the array is still open (5 tokens held).
         assert seen == [(0, 1), (0, 2), (0, 3), (0, 4), (0, 5), (0, 6), (2, 5)]

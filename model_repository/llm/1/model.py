@@ -121,7 +121,7 @@ class _Stream:
             return
         final = FinalState(event.finish_reason, event.text, event.prompt_tokens, event.completion_tokens,
                            event.error, event.error_status, event.close_reason, event.stop_string, event.backend,
-                           event.value_retries)
+                           event.value_retries, event.value_dropped_tokens)
         self.finish(final)
 
     def _take(self) -> str:
