@@ -16,7 +16,10 @@ one run, interleaved by round:
   fill`` is the fill call alone, the floor of any grammar step);
 * ``local``: :class:`llm_runtime.local_mask.LocalMaskProvider` over
   :class:`grammar_backend.GrammarEngine` in this process (what the decode
-  loop calls when both live in one process);
+  loop calls when both live in one process); ``local checked``: the same
+  with value checks on (:mod:`grammar_backend.values`, as the embedded
+  decode loop starts its sequences: every token scanned, anchored values
+  validated as they complete);
 * ``bls tensor`` and ``bls shm``: the served ``grammar`` model (rendered with the Qwen3 tokenizer,
   ``MAX_BATCH`` = B), called over BLS by a bench-only Triton model
   (``bench/triton/grammar_driver``) through the same
@@ -138,12 +141,12 @@ def time_raw_llguidance(llg: LlgBackend, cons: list[tuple[str, str, str]], toks:
 
 
 def time_local(engine: GrammarEngine, cons: list[tuple[str, str, str]], toks: list[list[int]], rows: int,
-               jump: bool) -> list[float]:
+               jump: bool, checks: bool = False) -> list[float]:
     provider = LocalMaskProvider(engine)
     ids = np.arange(1, rows + 1, dtype=np.uint64) + np.uint64(10**6 * (1 + int(time.monotonic())))
     for r in range(rows):
         kind, payload, options = cons[r % len(cons)]
-        provider.start(int(ids[r]), ConstraintRequest(kind, payload, options))
+        provider.start(int(ids[r]), ConstraintRequest(kind, payload, options, value_checks=checks))
     tokens = np.zeros((rows, 1), np.int32)
     counts = np.zeros(rows, np.int32)
     out: list[float] = []
@@ -220,20 +223,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     llg = LlgBackend(bundle.hf, bundle.vocab_size, bundle.stop_token_ids)
     engine = GrammarEngine(bundle.info, bundle.fingerprint, GrammarEngineConfig(max_batch=args.rows),
                            encode=bundle.encode, llg=llg)
-    times: dict[str, list[float]] = {"raw fill": [], "raw": [], "local": [], "bls tensor": [], "bls shm": []}
+    times: dict[str, list[float]] = {"raw fill": [], "raw": [], "local": [], "local checked": [], "bls tensor": [],
+                                     "bls shm": []}
     with tempfile.TemporaryDirectory(prefix="grammar-step-") as tmp:
         server = start_server(Path(tmp), args.rows)
         try:
             time_bls(server, cons, toks, args.rows, args.jump_forward, True)  # warm-up: compiles
             time_local(engine, cons, toks, args.rows, args.jump_forward)
             for r in range(args.rounds):
-                order = ["bls shm", "bls tensor", "local", "raw"]
+                order = ["bls shm", "bls tensor", "local", "local checked", "raw"]
                 for mode in order if r % 2 == 0 else order[::-1]:
                     if mode.startswith("bls"):
                         times[mode] += time_bls(server, cons, toks, args.rows, args.jump_forward,
                                                 mode == "bls shm")[1:]
-                    elif mode == "local":
-                        times["local"] += time_local(engine, cons, toks, args.rows, args.jump_forward)[1:]
+                    elif mode.startswith("local"):
+                        times[mode] += time_local(engine, cons, toks, args.rows, args.jump_forward,
+                                                  mode == "local checked")[1:]
                     else:
                         raw_llg = llg if args.backend == "llguidance" else None
                         for k, v in time_raw(bundle.info, raw_llg, cons, toks, args.rows).items():
@@ -245,10 +250,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"== grammar step, {args.backend}, {args.rows} rows, Qwen3 vocabulary, {len(toks[0])} steps x "
           f"{args.rounds} rounds, jump-forward {'on' if args.jump_forward else 'off'} ==")
     for k, f in figures.items():
-        print(f"  {k:9s} p50 {f['p50_ms']:7.3f} ms   p99 {f['p99_ms']:7.3f} ms   mean {f['mean_ms']:7.3f} ms")
+        print(f"  {k:13s} p50 {f['p50_ms']:7.3f} ms   p99 {f['p99_ms']:7.3f} ms   mean {f['mean_ms']:7.3f} ms")
     floor = figures["raw fill"]["p50_ms"]
     local = figures["local"]["p50_ms"]
-    print(f"  p50 ratios: local/raw fill {local / floor:.2f}; " + "; ".join(
+    print(f"  p50 ratios: local/raw fill {local / floor:.2f}; local checked/local "
+          f"{figures['local checked']['p50_ms'] / local:.2f}; " + "; ".join(
         f"{m}/raw fill {figures[m]['p50_ms'] / floor:.2f}, {m}/local {figures[m]['p50_ms'] / local:.2f}"
         for m in ("bls tensor", "bls shm")))
     if args.json is not None:
