@@ -161,8 +161,12 @@ class GrammarSequence:
         values = self.values
         if values is not None:
             # A completion being forced (or kept calm) is the closer's plan: not second-guessed.
-            found = values.push([int(t) for t in tokens],
-                                check=self.forced is None and self.close_state == CloseState.OPEN)
+            try:
+                found = values.push([int(t) for t in tokens],
+                                    check=self.forced is None and self.close_state == CloseState.OPEN)
+            except (LookupError, TypeError, ValueError, AttributeError) as err:
+                # A scanner bug fails this row only (engine.step reports it), never the batch.
+                raise SequenceError(self.seq_id, f"value check failed: {err!r}") from err
             if found is not None and self.checks is not None:
                 dropped = self.checks.backtrack(self.matcher, values, found)
                 if dropped:

@@ -425,13 +425,13 @@ class ValueScanner:
                 if byte in _NUMBER_BYTES:
                     self._extend(scalar, byte, index)
                     return None
-                bad = self._complete(scalar)  # the terminator is structure: handled below
-            else:
-                self._extend(scalar, byte, index)
-                if len(scalar.raw) == len(_LITERALS[scalar.raw[0]]):
-                    return self._complete(scalar)
-                return None
-            return bad or self._structure(byte, index)
+                bad = self._complete(scalar)
+                after = self._structure(byte, index)  # the terminator, whatever the number was
+                return bad or after
+            self._extend(scalar, byte, index)
+            if len(scalar.raw) == len(_LITERALS[scalar.raw[0]]):
+                return self._complete(scalar)
+            return None
         return self._structure(byte, index)
 
     def _string_byte(self, node: _Node, byte: int, index: int) -> Violation | None:

@@ -267,3 +267,18 @@ def test_a_retry_adds_members_only_where_some_are_missing(schema: dict[str, Any]
                                                           may_grow: bool) -> None:
     _, violation = _scan(schema, unenforced, text)
     assert violation is not None and violation.may_grow is may_grow
+
+
+@pytest.mark.parametrize(
+    ("text", "done"),
+    [('{"n":4,"m":{"k":[1,2]},"o":5}', True), ('{"n":4}', True), ('{"n":4 ,"m":"x"', False)],
+)
+def test_a_violation_does_not_lose_the_structure_after_it(text: str, done: bool) -> None:
+    """The number's terminator is structure: the scan goes on after a violation that is left standing
+    (no choice point, or the budget spent), and a rescan that passes the same number stays in step."""
+    schema = {"properties": {"n": {"multipleOf": 3}}}
+    scanner, violation = _scan(schema, ["/properties/n/multipleOf"], text)
+    assert violation is not None and (violation.start, violation.end) == (5, 6)
+    assert (scanner._done, len(scanner._stack)) == (done, 0 if done else 1)
+    scanner.rollback(0)  # the rescan, unchecked
+    assert (scanner._done, len(scanner._stack), scanner.push(list(b" "))) == (done, 0 if done else 1, None)
