@@ -81,7 +81,7 @@ BACKENDS: Final = POLICIES["backend"][1:]
 #: appends the text the grammar forces without sampling it, several tokens
 #: per forward (``grammar_backend.jump``); the output text is the same.
 DECODING_FLAGS: Final[Mapping[str, bool]] = {"jump_forward": True}
-#: ``value_retries`` (JSON kinds; an integer option) default and bound: how many
+#: ``value_retries`` (JSON kinds only, like the JSON options; an integer) default and bound: how many
 #: times one output may drop tokens to retry a completed value that breaks
 #: the schema where the grammar cannot express it (``grammar_backend.values``);
 #: 0 turns the value checks off.  RESULT ``value_retries`` says how many were used.
@@ -189,7 +189,7 @@ def check_options(kind: str, options: Mapping[str, object]) -> dict[str, object]
 
 
 _JSON_OPTION_DEFAULTS: Final[Mapping[str, object]] = {"strict": False, "whitespace": "compact", "indent": None,
-                                                      "any_order": False}
+                                                      "any_order": False, "value_retries": VALUE_RETRIES}
 
 
 def check_sampling(

@@ -118,9 +118,9 @@ class ConstraintOptions:
         Times an output may drop tokens to retry a value that breaks the
         schema (see :mod:`grammar_backend.values`; JSON kinds; 0: off).
 
-    ``on_budget``, ``on_repeat``, ``backend``, ``jump_forward`` and
-    ``value_retries`` apply to every kind (the last only matters for JSON);
-    they are not part of :meth:`canonical`.
+    ``on_budget``, ``on_repeat``, ``backend`` and ``jump_forward`` apply to
+    every kind, ``value_retries`` to the JSON kinds; none of them is part of
+    :meth:`canonical`.
     """
 
     strict: bool = False
