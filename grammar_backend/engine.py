@@ -333,7 +333,7 @@ class GrammarEngine:
                 rules = rules_for(spec, backend) if retries else None
                 seq = self.table.start(seq_id, spec, self._matcher(compiled), backend, budget, self.config.closing)
                 if rules is not None:
-                    seq.check_values(self.values, self.values.scanner(rules), retries)
+                    seq.check_values(self.values, rules, retries)
             except GrammarError as err:
                 done(err)
                 return

@@ -21,7 +21,7 @@ from grammar_backend.errors import (
     UnknownSequence,
 )
 from grammar_backend.spec import ConstraintSpec
-from grammar_backend.values import ValueChecks, ValueScanner
+from grammar_backend.values import ValueChecks, ValueRules, ValueScanner
 
 
 @dataclass(frozen=True)
@@ -114,10 +114,10 @@ class GrammarSequence:
         #: Tokens the last :meth:`accept` dropped to retry a value that broke the schema (0: none).
         self.dropped = 0
 
-    def check_values(self, checks: ValueChecks, scanner: ValueScanner, retries: int) -> None:
+    def check_values(self, checks: ValueChecks, rules: ValueRules, retries: int) -> None:
         """Check each value as it completes, dropping tokens to retry one that breaks the schema (``retries`` times)."""
         if retries > 0:
-            self.checks, self.values, self.retries_left = checks, scanner, retries
+            self.checks, self.values, self.retries_left = checks, ValueScanner(rules, checks.index.vocab), retries
 
     @property
     def terminated(self) -> bool:

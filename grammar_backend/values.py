@@ -133,7 +133,7 @@ class ValueRules:
         self._children: dict[tuple[str, str | int], str | None] = {}
         pointers = {u.pointer for u in unenforced}
         pointers.update(_format_pointers(schema))
-        anchors = {self.locate(a) for a in (self._anchor(p) for p in pointers) if a is not None}
+        anchors = {self.locate(self._anchor(p)) for p in pointers}
         self.anchors: frozenset[str] = frozenset(a for a in anchors if a is not None)
         self.unique: frozenset[str] = frozenset(
             a for a in self.anchors if isinstance(self.node(a), dict) and self.node(a).get("uniqueItems") is True)
@@ -175,7 +175,7 @@ class ValueRules:
             pointer = unquote(ref[1:])
         return None
 
-    def _anchor(self, pointer: str) -> str | None:
+    def _anchor(self, pointer: str) -> str:
         """The value location a keyword at ``pointer`` is checked at: the deepest one reached by plain steps."""
         segs = _segments(pointer)
         node: Any = self._root
@@ -223,7 +223,10 @@ class ValueRules:
                 return self.locate(parent + json_pointer(["properties", key]))
             patterns = node.get("patternProperties")
             if isinstance(patterns, dict):
-                hits = [p for p in patterns if _search(p, key)]
+                try:
+                    hits = [p for p in patterns if re.search(p, key)]
+                except re.error:  # never after the schema check, which compiles every pattern with re
+                    return None
                 if len(hits) > 1:
                     return None
                 if hits:
@@ -262,13 +265,6 @@ def _deepest(error: Any) -> tuple[tuple[str | int, ...], str]:
         if len(path) > len(best):
             best, keyword = path, inner_keyword
     return best, keyword
-
-
-def _search(pattern: str, key: str) -> bool:
-    try:
-        return re.search(pattern, key) is not None
-    except re.error:
-        return True  # unknown to Python: count it as a hit, which makes the location ambiguous
 
 
 def _format_pointers(schema: Any) -> Iterable[str]:
@@ -600,10 +596,6 @@ class ValueChecks:
         if self._index is None:
             self._index = PrefixIndex(self._info)
         return self._index
-
-    def scanner(self, rules: ValueRules) -> ValueScanner:
-        """A new sequence's scanner."""
-        return ValueScanner(rules, self.index.vocab)
 
     def backtrack(self, matcher: Matcher, scanner: ValueScanner, violation: Violation) -> int:
         """Roll ``matcher`` back to the latest choice point inside the offending value and ban the choice taken there.

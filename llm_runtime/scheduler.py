@@ -409,7 +409,7 @@ class _Seq:
     jump: tuple[int, ...] = ()  # forced tokens appended at the last step: the next step feeds them
     close_state: int = CloseState.OPEN  # the grammar side's CLOSING of the last step
     history: list[int] | None = None  # prompt + generated tokens (processor mode only)
-    # Value checks (grammar_backend.values; constrained rows outside processor mode):
+    # Value checks (grammar_backend.values; JSON-constrained rows outside processor mode):
     out: list[int] | None = None  # the generated tokens
     committed: int = 0  # how many of them are streamed (pushed to the detokenizer)
     held: int = 0  # how many accepted ones the grammar side may still drop (its HOLD of the last step)
@@ -710,8 +710,8 @@ class Scheduler:
     def _validate(self, req: GenerationRequest, callback: EventCallback) -> _Seq:
         checked = check_request(req, callback, self._cfg, vocab_size=self._vocab, context_len=self._engine.max_seq_len)
         constraint = checked.constraint
-        # This loop can drop tokens, so completed values are checked; a logits processor cannot.
-        checks = constraint is not None and self._hook is None
+        # This loop can drop tokens, so completed JSON values are checked; a logits processor cannot.
+        checks = constraint is not None and self._hook is None and constraint.kind in contract.JSON_KINDS
         return _Seq(
             rid=req.request_id or "",
             seq_id=0,
