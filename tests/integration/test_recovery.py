@@ -91,7 +91,10 @@ def test_killed_part_ends_streams_and_recovers(server: TritonServer, supervised:
     assert ended_after < 30, ended_after
     cause = {"grammar": "model 'grammar' failed its probe", "llm": "model 'llm' failed its probe",
              "tritonserver": "tritonserver exited with status -9"}[victim]
-    assert supervised.last_cause.startswith(cause), supervised.last_cause
+    # Triton 2.51 may abort itself when a stub dies under it (seen once for the grammar stub, under the load
+    # of a full `make test`: "tritonserver exited with status -6"); the supervisor's answer is the same restart.
+    causes = (cause,) if victim == "tritonserver" else (cause, "tritonserver exited with status -6")
+    assert supervised.last_cause.startswith(causes), supervised.last_cause
     # Back in service: a new request completes.
     with Client(server.grpc_url) as sdk:
         result = sdk.generate("Pick one.", constraint=Constraint.choice(["yes", "no"]), max_tokens=5)
