@@ -11,6 +11,7 @@
 #   make lint        ruff + mypy
 #   make bench       grammar and MaskBench benchmarks on $(SHARED)/data/maskbench-dev
 #   make bench-e2e   constrained vs unconstrained served, equal work (BENCH_QUICK=1: a few minutes)
+#   make bench-path  the serving path around a fast (tiny) forward: served vs in-process, CPU per process
 #   make loadtest    locust over gRPC, every output checked (LOADTEST_TIME, LOADTEST_USERS, LOADTEST_SHAPE)
 #
 # Expensive steps are guarded by stamp files under build/, so re-running a
@@ -71,10 +72,10 @@ RENDER_EXTRA ?=
 CLIENT_SCHEMA := {"type":"object","properties":{"name":{"type":"string","maxLength":40},"age":{"type":"integer","minimum":0,"maximum":120}},"required":["name","age"],"additionalProperties":false}
 CLIENT_HINT   := $(PY) -m client --url $(HOST):$(GRPC_PORT) --schema '$(CLIENT_SCHEMA)' "Invent a person."
 
-.PHONY: help venv k8s-tools model tokenizers render serve test test-gpu lint bench bench-e2e loadtest clean
+.PHONY: help venv k8s-tools model tokenizers render serve test test-gpu lint bench bench-e2e bench-path loadtest clean
 
 help:
-	@sed -n '1p;3,15p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
+	@sed -n '1p;3,16p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
 
 # --------------------------------------------------------------------- venv
 venv: $(VENV_STAMP)
@@ -177,6 +178,15 @@ BENCH_QUICK ?=
 bench-e2e: venv model
 	$(PY) bench/e2e_bench.py $(if $(filter 1,$(BENCH_QUICK)),--quick) \
 		--json $(BUILD)/bench/e2e.json --plot $(BUILD)/bench/e2e.png
+
+# --------------------------------------------------------------------- bench-path
+# The serving path around a tiny checkpoint (a few-ms forward, a GPU step's
+# stand-in; built once under build/models/tiny-llama): served vs in-process,
+# constrained vs unconstrained at equal work, TTFT, inter-delta gaps and CPU
+# per server process (bench/path_bench.py). Its last line is the c16 summary.
+bench-path: venv
+	$(PY) bench/path_bench.py $(if $(filter 1,$(BENCH_QUICK)),--quick) \
+		--json $(BUILD)/bench/path.json --plot $(BUILD)/bench/path.png
 
 # --------------------------------------------------------------------- bench
 BENCH_DATA := $(SHARED)/data/maskbench-dev

@@ -25,7 +25,7 @@ What it does, in one process and one server:
    runs first (the constrained one pays the one-time grammar compile, shown
    on its own line) and is not counted.
 4. Stops the server and parses the ``llm step stats: {json}`` line the llm
-   model logs at shutdown: forward time, the per-step BLS round trip to the
+   model logs at shutdown: forward time, the per-step round trip to the
    grammar model (``grammar_s``) and the part of it NOT hidden behind the
    forward (``mask_wait_s``).  These figures cover every step of the run,
    warm-up and unconstrained steps included (unconstrained steps carry no
@@ -149,10 +149,11 @@ def ratio(num: float, den: float) -> str:
     return f"{num / den:.3f}"
 
 
-def render_repository(dst: Path, model_dir: Path, grammar_mode: str = "", stream_interval: int = 1) -> None:
+def render_repository(dst: Path, model_dir: Path, grammar_mode: str = "", stream_interval_ms: float | None = None
+                      ) -> None:
     """Render ``model_repository/`` into ``dst`` exactly as ``make render`` does
     (``grammar_mode``: the llm model's ``GRAMMAR_MODE``, ``""`` = its default;
-    ``stream_interval``: its ``STREAM_INTERVAL``).
+    ``stream_interval_ms``: its ``STREAM_INTERVAL_MS``, None = ``deploy/values.json``'s).
 
     Raises
     ------
@@ -166,8 +167,9 @@ def render_repository(dst: Path, model_dir: Path, grammar_mode: str = "", stream
         "--values", str(REPO / "deploy" / "values.json"),
         "--set", f"MODEL_DIR={model_dir.resolve()}",
         "--set", f"GRAMMAR_MODE={grammar_mode}",
-        "--set", f"STREAM_INTERVAL={stream_interval}",
     ]  # fmt: skip
+    if stream_interval_ms is not None:
+        cmd += ["--set", f"STREAM_INTERVAL_MS={stream_interval_ms:g}"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"render failed (exit {proc.returncode}): {proc.stderr.strip()}")
@@ -452,7 +454,7 @@ def print_report(
         print(f"  instance {i}: steps {st.get('steps')}, max batch seen {st.get('max_batch_size_seen')}")
         for name, label in (
             ("forward_s", "forward"),
-            ("grammar_s", "grammar BLS round trip"),
+            ("grammar_s", "grammar round trip"),
             ("mask_wait_s", "mask wait (not hidden)"),
         ):
             p50, p99 = float(st.get(f"{name}_p50", math.nan)), float(st.get(f"{name}_p99", math.nan))
@@ -464,7 +466,7 @@ def print_report(
         print(f"  {key}: {int(f['steps'])} steps, p50 {ms(f['step_s_p50'])} ms, p99 {ms(f['step_s_p99'])} ms, "
               f"per row p50 {ms(f['per_row_s_p50'])} ms")  # fmt: skip
     print()
-    print("== equal work: decode step at a full batch (forward + mask wait, steps where no prompt joined) ==")
+    print("== equal work: decode step at a full batch (the whole step, steps where no prompt joined) ==")
     ratios = equal_work_ratios(stats, concurrencies)
     for conc, (free, cons, r) in ratios.items():
         print(f"  batch {conc:2d}: free p50 {ms(free)} ms, constrained p50 {ms(cons)} ms, "
@@ -486,13 +488,15 @@ class _NoGrammar:
     step = end = start
 
 
-def in_process(model_dir: Path, max_tokens: int, concurrencies: Sequence[int], rounds: int) -> dict[int, float]:
+def in_process(model_dir: Path, max_tokens: int, concurrencies: Sequence[int], rounds: int, *,
+               max_batch: int | None = None, torch_threads: int | None = None) -> dict[int, float]:
     """Unconstrained tokens/s of the same engine in this process, no Triton: the serving overhead's reference.
 
     Same prompts (through the preprocessing model's own chat template), same
     greedy decoding, same ``TORCH_THREADS`` and batch limit as the served
-    ``llm`` model; wall time from the first submit to the last finish, as the
-    served side measures from the first request start to the last response.
+    ``llm`` model (``deploy/values.json``'s unless given); wall time from the
+    first submit to the last finish, as the served side measures from the
+    first request start to the last response.
     """
     import torch
 
@@ -510,8 +514,10 @@ def in_process(model_dir: Path, max_tokens: int, concurrencies: Sequence[int], r
     pre = Preprocessor.from_config(PreprocessConfig(tokenizer=str(model_dir)))
     ids = [pre(RawRequest(prompt=p.encode()))[0] for p in PROMPTS]
     before = torch.get_num_threads()
-    engine = TorchEngine(model_dir, TorchEngineConfig(max_batch_size=int(values["MAX_BATCH"]), max_seq_len=2048,
-                                                 num_threads=int(values["TORCH_THREADS"]) or None))
+    batch_limit = max_batch if max_batch is not None else int(values["MAX_BATCH"])
+    threads = torch_threads if torch_threads is not None else int(values["TORCH_THREADS"]) or None
+    engine = TorchEngine(model_dir, TorchEngineConfig(max_batch_size=batch_limit, max_seq_len=2048,
+                                                      num_threads=threads))
     out: dict[int, float] = {}
     try:
         with Scheduler(engine, _NoGrammar(), SchedulerConfig()) as sched:  # type: ignore[arg-type]
@@ -610,8 +616,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, default=None, help="write every figure and record here")
     parser.add_argument("--grammar-mode", choices=("overlap", "processor"), default="overlap",
                         help="the llm model's grammar_mode (processor: TensorRT-LLM's serial call order)")
-    parser.add_argument("--stream-interval", type=int, default=1,
-                        help="the llm model's STREAM_INTERVAL: tokens per streamed response (default %(default)s)")
+    parser.add_argument("--stream-interval-ms", type=float, default=None,
+                        help="the llm model's STREAM_INTERVAL_MS: least ms between a stream's responses "
+                             "(default: deploy/values.json's)")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG of tokens/s and step times here")
     parser.add_argument("--quick", action="store_true",
                         help="a few minutes: 1 round, 32 max tokens, concurrency 1 and 8 (also BENCH_QUICK=1)")
@@ -635,7 +642,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="e2e-bench-") as tmp:
         repo = Path(tmp) / "model_repository"
         log = Path(tmp) / "tritonserver.log"
-        render_repository(repo, args.model_dir, args.grammar_mode, args.stream_interval)
+        render_repository(repo, args.model_dir, args.grammar_mode, args.stream_interval_ms)
         server = TritonServer(ServerConfig(model_repository=repo, models=(ENSEMBLE,), log_file=log))
         t0 = time.perf_counter()
         server.start()

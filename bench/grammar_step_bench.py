@@ -20,13 +20,15 @@ one run, interleaved by round:
   with value checks on (:mod:`grammar_backend.values`, as the embedded
   decode loop starts its sequences: every token scanned, anchored values
   validated as they complete);
-* ``bls tensor`` and ``bls shm``: the served ``grammar`` model (rendered with the Qwen3 tokenizer,
-  ``MAX_BATCH`` = B), called over BLS by a bench-only Triton model
+* ``bls tensor`` and ``channel``: the served ``grammar`` model (rendered with the Qwen3 tokenizer,
+  ``MAX_BATCH`` = B), called by a bench-only Triton model
   (``bench/triton/grammar_driver``) through the same
   :class:`llm_runtime.bls.BlsMaskProvider` the ``llm`` model uses: the
-  round trip the decode loop waits on; ``tensor``: the masks come back as
-  a BLS output tensor, ``shm``: through the caller's shared-memory mask
-  buffer (:mod:`grammar_backend.maskbuf`, what the ``llm`` model uses).
+  round trip the decode loop waits on; ``bls tensor``: each step over BLS,
+  the masks back as a BLS output tensor; ``channel``: each step over the
+  grammar channel (:mod:`grammar_backend.channel`) with the masks in the
+  caller's shared-memory buffer (:mod:`grammar_backend.maskbuf`), what the
+  ``llm`` model uses.
 
 Every figure is per step (all B rows).  The ratios ``bls / raw fill`` and
 ``bls / local`` are the cost of the engine's bookkeeping and of the separate
@@ -224,18 +226,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine = GrammarEngine(bundle.info, bundle.fingerprint, GrammarEngineConfig(max_batch=args.rows),
                            encode=bundle.encode, llg=llg)
     times: dict[str, list[float]] = {"raw fill": [], "raw": [], "local": [], "local checked": [], "bls tensor": [],
-                                     "bls shm": []}
+                                     "channel": []}
     with tempfile.TemporaryDirectory(prefix="grammar-step-") as tmp:
         server = start_server(Path(tmp), args.rows)
         try:
             time_bls(server, cons, toks, args.rows, args.jump_forward, True)  # warm-up: compiles
             time_local(engine, cons, toks, args.rows, args.jump_forward)
             for r in range(args.rounds):
-                order = ["bls shm", "bls tensor", "local", "local checked", "raw"]
+                order = ["channel", "bls tensor", "local", "local checked", "raw"]
                 for mode in order if r % 2 == 0 else order[::-1]:
-                    if mode.startswith("bls"):
+                    if mode in ("bls tensor", "channel"):
                         times[mode] += time_bls(server, cons, toks, args.rows, args.jump_forward,
-                                                mode == "bls shm")[1:]
+                                                mode == "channel")[1:]
                     elif mode.startswith("local"):
                         times[mode] += time_local(engine, cons, toks, args.rows, args.jump_forward,
                                                   mode == "local checked")[1:]
@@ -256,7 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"  p50 ratios: local/raw fill {local / floor:.2f}; local checked/local "
           f"{figures['local checked']['p50_ms'] / local:.2f}; " + "; ".join(
         f"{m}/raw fill {figures[m]['p50_ms'] / floor:.2f}, {m}/local {figures[m]['p50_ms'] / local:.2f}"
-        for m in ("bls tensor", "bls shm")))
+        for m in ("bls tensor", "channel")))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"figures": figures, "times": times}, indent=1), encoding="utf-8")

@@ -1,4 +1,4 @@
-"""What the TensorRT-LLM-style grammar processor costs against the overlapped grammar step.
+"""What the grammar step after the forward (a logits processor's call order) costs against the overlapped one.
 
 One torch engine, one real grammar engine (xgrammar over the model's own
 vocabulary), one JSON schema; three modes interleaved in every round, same
@@ -7,9 +7,10 @@ greedy requests:
 * ``free``: no constraint (the forward alone);
 * ``overlap``: the torch scheduler's default, the grammar step of step ``t``
   on a worker thread while the forward of step ``t`` runs;
-* ``processor``: :class:`llm_runtime.grammar_hook.GrammarLogitsProcessor`
-  after the forward, serially -- TensorRT-LLM's call order (the ``llm``
-  model's ``grammar_mode: processor``, and the engine ``tensorrt_llm``).
+* ``processor``: the same grammar step after the forward, serially -- the
+  call order of an engine's logits processor (the ``llm`` model's
+  ``grammar_mode: processor``; the same request and reading of its answer,
+  :mod:`llm_runtime.grammar_phase`).
 
 Figures are per decode step at a fixed live batch (only steps where every row
 was live count), so different output lengths between modes do not mix in.
@@ -78,7 +79,7 @@ def run_batch(engine: TorchEngine, grammar: GrammarEngine, mode: str, batch: int
             if not done.acquire(timeout=600):
                 raise TimeoutError("a request did not finish")
         s = sched.stats()
-        ps = sched.processor_stats()
+        summary = sched.summary()
     full = (s.batch_size == batch) & (s.prefill_rows == 0)
     wait = np.nan_to_num(s.mask_wait_s)
     step = s.forward_s + wait
@@ -87,7 +88,7 @@ def run_batch(engine: TorchEngine, grammar: GrammarEngine, mode: str, batch: int
         "steps": int(full.sum()),
         "step_s": step[full].tolist(),
         "grammar_s": gram[np.isfinite(gram)].tolist(),
-        "grammar_requests": None if ps is None else ps.grammar_requests,
+        "grammar_requests": int(summary["grammar_requests"]),
         "constrained_steps": int((s.constrained_rows > 0).sum()),
     }
 

@@ -31,7 +31,7 @@ from grammar_backend.errors import (
 from grammar_backend.jump import Encoder, JumpForward, PrefixIndex
 from grammar_backend.llg import LLGUIDANCE_VERSION, LlgBackend, LlgCompiled, refusal
 from grammar_backend.lru import Lru
-from grammar_backend.sequences import FREE, SequenceTable, TableConfig
+from grammar_backend.sequences import FREE, GrammarSequence, SequenceTable, TableConfig
 from grammar_backend.spec import ConstraintSpec, SpecLimits
 from grammar_backend.values import ValueChecks, rules_for
 from grammar_backend.workers import CompileWorkers, WorkerConfig
@@ -114,6 +114,11 @@ class StepResult:
     hold : numpy.ndarray
         int32 ``[B]``: how many of the row's last tokens a value check may
         still drop (stream nothing of them yet).  A reused buffer's view.
+    forced_safe : numpy.ndarray
+        int32 ``[B]``: for a row whose forced tokens start its output, how
+        many of the first of them no value check can drop once accepted
+        (0 elsewhere: the caller holds forced tokens until the next step's
+        ``hold``).  A reused buffer's view.
     """
 
     bitmask: np.ndarray
@@ -123,6 +128,7 @@ class StepResult:
     closing: np.ndarray
     dropped: np.ndarray
     hold: np.ndarray
+    forced_safe: np.ndarray
 
 
 class GrammarEngine:
@@ -183,9 +189,10 @@ class GrammarEngine:
         self._closing = np.zeros(config.max_batch, dtype=np.int8)
         self._dropped = np.zeros(config.max_batch, dtype=np.int32)
         self._hold = np.zeros(config.max_batch, dtype=np.int32)
+        self._forced_safe = np.zeros(config.max_batch, dtype=np.int32)
         self._ban_rows: list[tuple[int, np.ndarray]] = []  # reused: (row, what its bans leave allowed)
         self._forced_rows: list[tuple[int, int]] = []  # reused: (row, token) forced this step
-        self._calm_rows: list[tuple[int, int]] = []  # reused: (row, completion token) of calm rows
+        self._calm_rows: list[tuple[int, int, GrammarSequence]] = []  # reused: (row, completion token, its sequence)
         self.closer = Closer(tokenizer_info, config.closing.search)
         self._calm_row = pack_tokens(self.closer.calm_tokens(), self.vocab_size)
         stops = [int(t) for t in tokenizer_info.stop_token_ids]
@@ -428,8 +435,10 @@ class GrammarEngine:
         closing = self._closing[:rows]
         closing.fill(0)
         dropped, hold, ban_rows = self._dropped[:rows], self._hold[:rows], self._ban_rows
+        forced_safe = self._forced_safe[:rows]
         dropped.fill(0)
         hold.fill(0)
+        forced_safe.fill(0)
         ban_rows.clear()
         forced_rows, calm_rows = self._forced_rows, self._calm_rows
         forced_rows.clear()
@@ -471,7 +480,7 @@ class GrammarEngine:
                     forced_rows.append((i, token))
                     continue  # its row is all ones after the fill, then one bit below
                 if token != FREE:
-                    calm_rows.append((i, token))
+                    calm_rows.append((i, token, seq))
             if jump_rows is not None and seq.spec.options.jump_forward and not banned:
                 # A calm row (near its budget) jumps too: forced text is part of
                 # every completion, so appending it cannot grow what is still
@@ -481,8 +490,19 @@ class GrammarEngine:
         bitmask = self.bitmask.fill(matchers)
         for i, token in forced_rows:
             self.bitmask.force(i, token)
-        for i, token in calm_rows:
-            self.bitmask.restrict(i, self._calm_row, token)
+        for i, token, seq in calm_rows:
+            if not self.bitmask.allows(i, token):
+                # The kept completion no longer starts here (checked between budget checks, not searched).
+                try:
+                    token = seq.recheck(self.closer, self._stop_token)
+                except MatcherFailed as err:
+                    if errors is None:
+                        errors = [None] * rows
+                    errors[i] = _row_error(int(seq_ids[i]), err)
+                    continue
+                closing[i] = seq.close_state
+            if token != FREE:
+                self.bitmask.restrict(i, self._calm_row, token)
         for i, keep in ban_rows:
             np.bitwise_and(bitmask[i], keep, out=bitmask[i])
         forced = self._no_forced[:rows]
@@ -495,6 +515,11 @@ class GrammarEngine:
                     if errors is None:
                         errors = [None] * rows
                     errors[i] = _row_error(int(seq_ids[i]), err)
+                    continue
+                scanner = self.table.get(int(seq_ids[i])).values
+                if found[i] and scanner is not None and not scanner.tokens:
+                    # The output's first forced run (`{"name":`): how much of it streams at once?
+                    forced_safe[i] = scanner.safe_prefix(found[i])
             forced = tuple(found)
         return StepResult(
             bitmask=bitmask,
@@ -504,6 +529,7 @@ class GrammarEngine:
             closing=closing,
             dropped=dropped,
             hold=hold,
+            forced_safe=forced_safe,
         )
 
     def rollback(self, seq_ids: Sequence[int], counts: Sequence[int]) -> tuple[SequenceError | None, ...]:

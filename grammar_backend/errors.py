@@ -28,7 +28,7 @@ __all__ = [
     "ALREADY_EXISTS", "DEADLINE_EXCEEDED", "INTERNAL", "INVALID_ARGUMENT", "NOT_FOUND", "RESOURCE_EXHAUSTED",
     "TRITON_CODE_NAMES", "UNAVAILABLE", "BackendFailed", "CapacityExceeded", "CompileError", "CompileQueueFull", "CompileTimeout",
     "ConfigError", "ConstraintError", "DuplicateSequence", "GrammarError", "InvalidArgument", "MatcherFailed",
-    "SequenceError",
+    "RemoteGrammarError", "SequenceError",
     "ServingError", "TokenRejected", "TokenizerError", "UnknownSequence", "status_of", "triton_code_name",
 ]
 
@@ -37,6 +37,14 @@ class GrammarError(ServingError):
     """Base class of the errors of the grammar engine (:mod:`grammar_backend`)."""
 
     status: str = INTERNAL
+
+
+class RemoteGrammarError(GrammarError):
+    """An error answered by the ``grammar`` model to another process (over BLS or the step channel), its status kept."""
+
+    def __init__(self, message: str, status: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class ConstraintError(InvalidArgument, GrammarError):

@@ -113,7 +113,8 @@ METRICS: Final[tuple[MetricSpec, ...]] = (
     MetricSpec("llm_constrained_sequences", "gauge", "Constrained sequences in the decode batch now", "llm"),
     MetricSpec("llm_steps_total", "counter", "Decode steps run", "llm"),
     *_latency("llm_step_seconds", "Decode step (forward + mask wait)", "llm"),
-    *_latency("llm_grammar_roundtrip_seconds", "Grammar request per step (BLS round trip)", "llm"),
+    *_latency("llm_grammar_roundtrip_seconds", "Grammar request per step (round trip over the grammar channel)",
+              "llm"),
     *_latency("llm_mask_wait_seconds", "Part of the grammar round trip not hidden behind the forward", "llm"),
     # postprocessing model
     MetricSpec("constrained_llm_outputs_total", "counter", "Finished outputs by finish reason and constraint kind",
@@ -279,13 +280,20 @@ class TritonMetrics:
         """Whether ``min_interval_s`` has passed since the last publication."""
         return self._clock() - self._last >= self._interval
 
-    def publish(self, snapshot: Snapshot, *, force: bool = False) -> None:
-        """Put the snapshot's changes on the endpoint (when due, or always with ``force``)."""
+    def publish(self, snapshot: Snapshot | Callable[[], Snapshot], *, force: bool = False) -> None:
+        """Put the snapshot's changes on the endpoint (when due, or always with ``force``).
+
+        Pass the function that takes the snapshot where several threads
+        publish (the grammar model's start threads and step channel): it is
+        called under this object's lock, so snapshots reach the endpoint in
+        the order they were taken and a counter never seems to go down.
+        """
         with self._lock:
             if not force and not self.due():
                 return
             self._last = self._clock()
-            for u in self._publisher.updates(snapshot):
+            snap = snapshot() if callable(snapshot) else snapshot
+            for u in self._publisher.updates(snap):
                 series = self._series.get((u.name, u.labels))
                 if series is None:
                     series = self._families[u.name].Metric(labels=dict(u.labels))

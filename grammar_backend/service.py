@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -17,6 +18,7 @@ import numpy as np
 import contract
 from grammar_backend.bitmask import bitmask_width
 from grammar_backend.cache import CacheConfig
+from grammar_backend.channel import ChannelReply, ChannelServer, ChannelStart, ChannelStep
 from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
 from grammar_backend.errors import ConstraintError, GrammarError
 from grammar_backend.jump import pack_forced
@@ -28,7 +30,7 @@ from grammar_backend.spec import ConstraintSpec, SpecLimits, constraint_spec
 from grammar_backend.tokenizer import load_tokenizer
 from grammar_backend.workers import WorkerConfig
 
-OPS = ("start", "step", "rollback", "end", "stats")
+OPS = ("start", "step", "rollback", "end", "stats", "channel")
 
 
 log = logging.getLogger(__name__)
@@ -135,24 +137,96 @@ class GrammarReply:
     row_errors: list[str] = field(default_factory=list)  # empty: no row failed
     forced_tokens: np.ndarray | None = None
     forced_counts: np.ndarray | None = None
+    forced_safe: np.ndarray | None = None  # step with jump forward: see StepResult.forced_safe
     closing: np.ndarray | None = None
     dropped: np.ndarray | None = None  # step: sent only when a row dropped tokens
     hold: np.ndarray | None = None  # step: sent only when a row holds tokens back
     stats: str | None = None
     backend: str | None = None  # start: the backend that serves the sequence
+    channel: str | None = None  # channel: the grammar channel's socket (grammar_backend.channel)
+    seconds: float | None = None  # step: how long the step took here (accept, fill, copy)
 
 
 class GrammarService:
     """Dispatches grammar-model requests to a :class:`GrammarEngine`.
 
     The model serves ``start`` with :meth:`start_async` (a compile holds no
-    thread); every other op is fast and runs inline through :meth:`handle`.
+    thread); every other op is fast and runs inline through :meth:`handle`,
+    from the model's ``execute`` (BLS) or from a grammar channel
+    connection's thread (:meth:`channel_step`, :meth:`channel_start`,
+    :meth:`channel_end`): one lock keeps the non-start ops one at a time, as
+    the engine's step buffers and the matchers need.
     """
 
     def __init__(self, engine: GrammarEngine) -> None:
         self.engine = engine
         self.step_latency = LatencyWindow()
         self.buffers = Attached(bitmask_width(engine.vocab_size))
+        self._ops = threading.Lock()
+        self._channel: ChannelServer | None = None
+
+    def open_channel(self, on_served: Callable[[str], None] | None = None) -> str:
+        """Listen on the grammar channel (:mod:`grammar_backend.channel`); returns the socket's path.
+
+        ``on_served`` gets each served request's op name, on its connection's thread.
+
+        Raises
+        ------
+        GrammarError
+            The socket cannot be created.
+        """
+        if self._channel is None:
+            self._channel = ChannelServer(self, on_served=on_served)
+        return str(self._channel.path)
+
+    def close_channel(self) -> None:
+        """Stop the grammar channel (callers fall back to BLS)."""
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    # -- the grammar channel's requests (grammar_backend.channel.ChannelHandler) ----------
+    def channel_step(self, step: ChannelStep) -> ChannelReply:
+        """A step that came over the channel: exactly :meth:`handle`'s ``step``."""
+        reply = self.handle(GrammarRequest(op="step", seq_ids=step.seq_ids, tokens=step.tokens, counts=step.counts,
+                                           jump_forward=step.jump_forward, mask_buffer=step.mask_buffer))
+        if reply.terminated is None or reply.closing is None:
+            raise GrammarError("grammar: a step reply without TERMINATED or CLOSING")
+        return ChannelReply(active=reply.active, terminated=reply.terminated, closing=reply.closing,
+                            dropped=reply.dropped, hold=reply.hold, row_errors=tuple(reply.row_errors),
+                            forced_tokens=reply.forced_tokens, forced_counts=reply.forced_counts,
+                            forced_safe=reply.forced_safe, seconds=reply.seconds or 0.0)
+
+    def channel_start(self, start: ChannelStart) -> str:
+        """A start that came over the channel: :meth:`start_async`, waited for; returns the backend.
+
+        Raises
+        ------
+        GrammarError
+            The start's error (bad constraint, compile failure or timeout, ...).
+        """
+        done = threading.Event()
+        outcome: list[GrammarReply | GrammarError] = []
+
+        def finished(result: GrammarReply | GrammarError) -> None:
+            outcome.append(result)
+            done.set()
+
+        self.start_async(GrammarRequest(
+            op="start", seq_ids=np.array([start.seq_id], np.uint64), grammar_type=start.kind, grammar=start.payload,
+            grammar_options=start.options, validated=start.validated, budget=start.budget,
+            value_checks=start.value_checks), finished)
+        done.wait()  # the engine bounds the compile (compile_timeout_s), and calls back exactly once
+        result = outcome[0]
+        if isinstance(result, GrammarError):
+            raise result
+        if result.backend is None:
+            raise GrammarError("grammar: a start reply without BACKEND")
+        return result.backend
+
+    def channel_end(self, seq_ids: Sequence[int]) -> int:
+        """An end that came over the channel; returns the sequences still active."""
+        return self.handle(GrammarRequest(op="end", seq_ids=np.asarray(seq_ids, np.uint64))).active
 
     def metrics_snapshot(self) -> Snapshot:
         """The ``grammar`` metrics of :mod:`grammar_backend.metrics`, now."""
@@ -228,6 +302,16 @@ class GrammarService:
             seq_id, spec = self._start_args(req)
             eng.start(seq_id, spec, budget=req.budget, value_checks=req.value_checks)
             return self._started(seq_id)
+        if req.op == "channel":
+            if self._channel is None:
+                raise GrammarError("grammar: the grammar channel is not open")
+            return GrammarReply(active=eng.active_count, channel=str(self._channel.path))
+        with self._ops:
+            return self._serial(req)
+
+    def _serial(self, req: GrammarRequest) -> GrammarReply:
+        """The ops that run one at a time (under ``_ops``)."""
+        eng = self.engine
         if req.op == "end":
             eng.end([int(s) for s in req.seq_ids])
             return GrammarReply(active=eng.active_count)
@@ -252,20 +336,28 @@ class GrammarService:
         out = eng.step(req.seq_ids, tokens, counts, jump_forward=req.jump_forward)
         if buffer is not None:
             np.copyto(buffer, out.bitmask)
-        self.step_latency.add(time.perf_counter() - t0)
-        forced_tokens = forced_counts = None
+        seconds = time.perf_counter() - t0
+        self.step_latency.add(seconds)
+        forced_tokens = forced_counts = forced_safe = None
         if req.jump_forward:
             forced_tokens, forced_counts = pack_forced(out.forced)
+            forced_safe = out.forced_safe.copy()
+        # The per-row arrays are copied (B bytes each): the engine's buffers are
+        # the next step's, which another caller's thread may run before this
+        # reply is sent.  The bitmask is the exception: it is only returned
+        # to a caller without a mask buffer, and copied into a tensor at once.
         return GrammarReply(
             active=eng.active_count,
-            bitmask=None if buffer is not None else out.bitmask,
-            terminated=out.terminated,
+            bitmask=None if buffer is not None else out.bitmask.copy(),
+            terminated=out.terminated.copy(),
             # Sent only when a row failed: an all-empty BYTES tensor of B rows cost
             # the BLS round trip ~0.1 ms at B = 64 for nothing.
             row_errors=[str(e) if e else "" for e in out.errors] if any(out.errors) else [],
             forced_tokens=forced_tokens,
             forced_counts=forced_counts,
-            closing=out.closing,
-            dropped=out.dropped if out.dropped.any() else None,
-            hold=out.hold if out.hold.any() else None,
+            forced_safe=forced_safe,
+            closing=out.closing.copy(),
+            dropped=out.dropped.copy() if out.dropped.any() else None,
+            hold=out.hold.copy() if out.hold.any() else None,
+            seconds=seconds,
         )

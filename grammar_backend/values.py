@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 from urllib.parse import unquote
@@ -329,8 +329,8 @@ _SPACE: Final = frozenset(b" \t\n\r")
 class _Node:
     """A value being scanned (or just completed)."""
 
-    __slots__ = ("children", "end", "expect", "key", "kind", "last_byte", "pointer", "raw", "seen", "start",
-                 "value")
+    __slots__ = ("children", "end", "expect", "key", "keys_raw", "kind", "last_byte", "pointer", "raw", "seen",
+                 "start", "value")
 
     def __init__(self, kind: int, pointer: str | None, start: int) -> None:
         self.kind = kind
@@ -344,6 +344,7 @@ class _Node:
         self.expect = _KEY if kind == _OBJ else _VALUE
         self.key: str | int | None = None
         self.seen: set[str] | None = None  # canonical items of a uniqueItems array
+        self.keys_raw: list[bytes] = []  # an object's keys as written (quotes included), in order
 
 
 class ValueScanner:
@@ -400,15 +401,47 @@ class ValueScanner:
 
     def hold(self) -> int:
         """How many of the last tokens a check may still revoke: those since the outermost open anchored
-        value began, or else since the key being read began."""
+        value began, or else since the key being read began, while it may still repeat an earlier one."""
         anchors = self.rules.anchors
         for node in self._stack:
             if node.pointer in anchors:
                 return len(self.tokens) - node.start
         scalar = self._scalar
-        if scalar is not None and (self._in_key or scalar.pointer in anchors):
+        if scalar is not None and ((self._in_key and self._may_repeat(scalar)) or scalar.pointer in anchors):
             return len(self.tokens) - scalar.start
         return 0
+
+    def safe_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of ``tokens``, at the start of an output, no check can drop once they are accepted.
+
+        The longest prefix after which nothing is held (:meth:`hold`): what
+        of the output's first forced run (``{"name":`` after a new object)
+        streams at once instead of a step later, however much of the run the
+        caller takes.  None past a value that breaks its schema.  This
+        scanner is left as it is.
+        """
+        probe = ValueScanner(self.rules, self._vocab)
+        safe = 0
+        for k, token in enumerate(tokens, 1):
+            if probe.push((token,)) is not None:
+                break
+            if probe.hold() == 0:
+                safe = k
+        return safe
+
+    def _may_repeat(self, key: _Node) -> bool:
+        """Whether the key being read may still turn out to repeat one of its object's keys.
+
+        Only while its bytes so far begin one written before (or an escape
+        makes its spelling uncertain): the first key of an object, and a key
+        once it differs from every earlier one, stream at once.  Holding
+        every key until its closing quote put the first text of a JSON output
+        two or three steps after an unconstrained one's.
+        """
+        raw = bytes(key.raw)
+        if b"\\" in raw:
+            return True
+        return any(earlier.startswith(raw) for earlier in self._stack[-1].keys_raw)
 
     # -- the byte machine ---------------------------------------------------------------
 
@@ -441,6 +474,7 @@ class ValueScanner:
                 self._scalar = None
                 parent = self._stack[-1]
                 parent.key = key = json.loads(bytes(node.raw) + b'"')
+                parent.keys_raw.append(bytes(node.raw) + b'"')
                 parent.expect = _COLON
                 if key in parent.value:  # the grammar lets an open object repeat a key; parsers disagree on it
                     return Violation(node.start, index + 1, self._bytes, f"repeats the key {key!r}")

@@ -2,9 +2,12 @@
 
 :class:`GrammarLogitsProcessor` is the one object through which an engine that
 owns its own decode loop (TensorRT-LLM) consumes the ``grammar`` model's
-bitmask.  The torch scheduler drives the very same object in its
-``grammar_mode="processor"`` (no overlap), so its logic runs in every test and
-in the served ensemble here, where TensorRT-LLM cannot be installed.
+bitmask.  TensorRT-LLM cannot be installed here: ``tests/unit/test_grammar_hook.py``
+drives it in TensorRT-LLM's call order with the real tiny torch model.  It
+reads a step's answer as the torch scheduler does
+(:meth:`llm_runtime.mask.MaskStep.row_kind`); unlike the scheduler it cannot
+append forced tokens or drop tokens, so it never jumps forward and its
+sequences run without value checks.
 
 Call contract (TensorRT-LLM's batched logits processor,
 ``tensorrt_llm.sampling_params.BatchedLogitsProcessor.__call__(req_ids,
@@ -50,7 +53,7 @@ import xgrammar
 from grammar_backend.closing import CloseState
 
 from .errors import EngineError
-from .mask import ConstraintRequest, MaskProvider, MaskStep, bitmask_width
+from .mask import ROW_ERROR, ROW_MASK, ROW_STOP, ConstraintRequest, MaskProvider, MaskStep, bitmask_width
 
 __all__ = ["GrammarLogitsProcessor", "ProcessorStats", "RowOutcome"]
 
@@ -348,16 +351,17 @@ class GrammarLogitsProcessor:
             if fault is not None:
                 r.error = fault
             elif out is not None:
-                if out.closing is not None:
-                    r.close_state = int(out.closing[j])
-                row_err = out.errors[j]
-                if row_err is not None:
-                    r.error = row_err
-                elif bool(out.terminated[j]):
-                    r.terminated = True
-                else:
+                r.close_state = out.close_state(j)
+                kind = out.row_kind(j)
+                if kind == ROW_MASK:
                     dst[:] = out.bitmask[j]
                     continue
+                if kind == ROW_STOP:
+                    r.terminated = True
+                elif kind == ROW_ERROR:
+                    r.error = out.errors[j]
+                else:  # never asked for: its sequences are started without value checks
+                    r.error = "the grammar side dropped tokens, which a logits processor cannot take back"
             dst[:] = self._end_row
         masked = [i for i, _ in live]
         self._apply(logits, masked, len(req_ids), stream_ptr)

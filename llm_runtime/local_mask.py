@@ -8,6 +8,7 @@ consumes it before it asks for the next step, so no copy is made.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -34,6 +35,7 @@ class LocalMaskProvider:
     def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray,
              jump_forward: bool = False) -> MaskStep:
         """Accept new tokens and fill the next masks."""
+        t0 = time.perf_counter()
         out = self.engine.step(seq_ids, tokens, counts, jump_forward=jump_forward)
         forced_tokens, forced_counts = pack_forced(out.forced) if jump_forward else (None, None)
         return MaskStep(
@@ -45,6 +47,8 @@ class LocalMaskProvider:
             forced_counts=forced_counts,
             dropped=out.dropped if out.dropped.any() else None,
             hold=out.hold if out.hold.any() else None,
+            forced_safe=out.forced_safe if jump_forward else None,
+            grammar_s=time.perf_counter() - t0,
         )
 
     def end(self, seq_ids: Sequence[int]) -> None:

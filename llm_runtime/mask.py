@@ -17,7 +17,13 @@ import numpy as np
 # One definition of the packed-mask width, shared with the grammar side.
 from grammar_backend.bitmask import bitmask_width
 
-__all__ = ["ConstraintRequest", "MaskProvider", "MaskStep", "bitmask_width"]
+__all__ = ["ROW_DROP", "ROW_ERROR", "ROW_MASK", "ROW_STOP", "ConstraintRequest", "MaskProvider", "MaskStep",
+           "bitmask_width"]
+
+#: What one row of a step's answer means (:meth:`MaskStep.row_kind`): sample it under its mask; it
+#: failed (``errors[j]`` says why); its grammar ended (the stop token was accepted); a value check
+#: dropped its last tokens (it is fed again, not sampled).
+ROW_MASK, ROW_ERROR, ROW_STOP, ROW_DROP = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,14 @@ class MaskStep:
     hold : np.ndarray or None
         int32 ``[B]``: how many of the row's last tokens a value check may
         still drop, so not streamed yet (None: no row holds any).
+    forced_safe : np.ndarray or None
+        int32 ``[B]`` (with forced tokens): for a row whose forced tokens
+        start its output, how many of the first of them no value check can
+        drop once accepted; 0 (or None): hold them until the next step's
+        ``hold``.
+    grammar_s : float
+        How long the step took on the grammar side itself (NaN: not
+        reported); the rest of the caller's wait is the call's transport.
     """
 
     bitmask: np.ndarray
@@ -92,6 +106,39 @@ class MaskStep:
     forced_counts: np.ndarray | None = None
     dropped: np.ndarray | None = None
     hold: np.ndarray | None = None
+    forced_safe: np.ndarray | None = None
+    grammar_s: float = float("nan")
+
+    def row_kind(self, j: int) -> int:
+        """What row ``j`` means: :data:`ROW_ERROR`, :data:`ROW_STOP`, :data:`ROW_DROP` or :data:`ROW_MASK`
+        (in that order: the one reading of an answer, for every engine)."""
+        if self.errors[j] is not None:
+            return ROW_ERROR
+        if self.terminated[j]:
+            return ROW_STOP
+        if self.dropped is not None and self.dropped[j] > 0:
+            return ROW_DROP
+        return ROW_MASK
+
+    def close_state(self, j: int) -> int:
+        """Row ``j``'s :class:`~grammar_backend.closing.CloseState` (0: open)."""
+        return 0 if self.closing is None else int(self.closing[j])
+
+    def held(self, j: int) -> int:
+        """How many of row ``j``'s last tokens a value check may still drop."""
+        return 0 if self.hold is None else int(self.hold[j])
+
+    def forced(self, j: int, limit: int) -> tuple[int, ...]:
+        """Row ``j``'s forced tokens, at most ``limit`` of them (empty when fewer than two: one forced
+        token saves no forward, it is sampled under the mask)."""
+        fc, ft = self.forced_counts, self.forced_tokens
+        if fc is None or ft is None or fc[j] < 2 or limit < 2:
+            return ()
+        return tuple(int(t) for t in ft[j, : min(int(fc[j]), limit)])
+
+    def forced_safe_of(self, j: int) -> int:
+        """How many of row ``j``'s first forced tokens stream as soon as they are taken."""
+        return 0 if self.forced_safe is None else int(self.forced_safe[j])
 
     def check(self, rows: int, width: int) -> str | None:
         """Why this answer does not fit a step of ``rows`` rows of ``width`` words (``None``: it fits)."""
@@ -104,7 +151,7 @@ class MaskStep:
             return f"errors must have {rows} entries, got {len(self.errors)}"
         if self.closing is not None and (not isinstance(self.closing, np.ndarray) or self.closing.shape != (rows,)):
             return f"closing must be int8 [{rows}] or None"
-        for name in ("dropped", "hold"):
+        for name in ("dropped", "hold", "forced_safe"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, np.ndarray) or value.shape != (rows,)):
                 return f"{name} must be int32 [{rows}] or None"

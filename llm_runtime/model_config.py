@@ -19,11 +19,10 @@ from .scheduler import (
     Scheduler,
     SchedulerConfig,
 )
+from .streaming import MAX_STREAM_INTERVAL_MS
 from .trtllm_engine import TRTLLM_BACKENDS, TRTLLM_GRAMMAR_MODES, TrtllmConfig
 
 ENGINES: Final = ("torch", "tensorrt_llm")
-#: Largest ``stream_interval`` (tokens per streamed response).
-MAX_STREAM_INTERVAL: Final = 64
 #: The grammar modes each engine takes; the first is its default.
 ENGINE_GRAMMAR_MODES: Final = {"torch": SCHEDULER_GRAMMAR_MODES, "tensorrt_llm": TRTLLM_GRAMMAR_MODES}
 
@@ -49,12 +48,13 @@ class LlmModelConfig:
     (see :mod:`llm_runtime.trtllm_engine`).  ``trtllm_backend``,
     ``engine_dir`` (the built engine of ``trtllm_backend: tensorrt``; ``model_dir``
     stays the Hugging Face folder: tokenizer, end tokens) and
-    ``kv_cache_free_fraction`` apply to tensorrt_llm only.  ``stream_interval``:
-    after the first text delta (sent at once), deltas are sent every this
-    many tokens (and at the end): each
-    response costs an ensemble step, a ``postprocessing`` execution and a
-    gateway message, so a larger interval trades inter-token latency for
-    throughput (README, "Measured").
+    ``kv_cache_free_fraction`` apply to tensorrt_llm only.
+    ``stream_interval_ms``: after the first text delta (sent at once), a
+    request's text is sent once this many milliseconds have passed since its
+    last response, and at the end (:class:`llm_runtime.streaming.DeltaCoalescer`;
+    0: every token).  Each response costs IPC in two processes, an ensemble
+    step and a gateway message, so a longer interval trades the smoothness
+    of the stream for throughput at GPU token rates (README, "Measured").
     """
 
     model_dir: str
@@ -69,7 +69,7 @@ class LlmModelConfig:
     trtllm_backend: str = "pytorch"
     engine_dir: str = ""
     kv_cache_free_fraction: float = 0.85
-    stream_interval: int = 1
+    stream_interval_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -78,8 +78,9 @@ class LlmModelConfig:
         if self.grammar_mode and self.grammar_mode not in modes:
             raise ConfigError(f"llm: engine {self.engine!r} takes grammar_mode {', '.join(modes)}, "
                               f"got {self.grammar_mode!r}")
-        if not 1 <= self.stream_interval <= MAX_STREAM_INTERVAL:
-            raise ConfigError(f"llm: stream_interval must be in 1..{MAX_STREAM_INTERVAL}, got {self.stream_interval}")
+        if not 0 <= self.stream_interval_ms <= MAX_STREAM_INTERVAL_MS:
+            raise ConfigError(f"llm: stream_interval_ms must be in 0..{MAX_STREAM_INTERVAL_MS}, "
+                              f"got {self.stream_interval_ms}")
         if self.engine == "torch" and (self.trtllm_backend != TRTLLM_BACKENDS[0] or self.engine_dir):
             raise ConfigError("llm: trtllm_backend and engine_dir apply to engine 'tensorrt_llm' only")
 

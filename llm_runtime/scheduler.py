@@ -4,8 +4,9 @@ One loop thread owns the engine.  Requests join and leave the batch at step
 boundaries; constrained and unconstrained requests share one batch.  For decode
 step ``t`` the loop
 
-1. hands the grammar step (the tokens sampled at ``t-1`` for every constrained
-   row, or an empty list for a row that joins now) to the step worker thread,
+1. launches the grammar step (the tokens sampled at ``t-1`` for every constrained
+   row, or an empty list for a row that joins now) through its
+   :class:`~llm_runtime.grammar_phase.GrammarPhase`, on a worker thread,
 2. runs ONE batched forward for the rows already in the engine, plus ONE prefill
    forward for all the rows that join now (left-padded), while the grammar step runs,
 3. waits for the mask (the wait AFTER the forward is what the overlap did not
@@ -14,7 +15,10 @@ step ``t`` the loop
 4. retires finished rows (engine slot freed, ``MaskProvider.end`` called once for
    all of them).
 
-Jump-forward (overlap mode, request option ``jump_forward``, on by default):
+In ``grammar_mode="processor"`` the grammar step runs after the forward
+instead (an engine logits processor's call order); everything else is the same.
+
+Jump-forward (request option ``jump_forward``, on by default):
 the grammar step also returns the text each row's grammar forces next,
 canonically tokenized (:mod:`grammar_backend.jump`).  A row with two or more
 forced tokens takes them instead of a sampled token; the next step feeds
@@ -52,7 +56,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Final, Literal, Self
 
@@ -73,8 +77,8 @@ from .errors import (
     config_error,
     status_of,
 )
-from .grammar_hook import GrammarLogitsProcessor, ProcessorStats
-from .mask import ConstraintRequest, MaskProvider, MaskStep, bitmask_width
+from .grammar_phase import GrammarPhase, JumpPolicy
+from .mask import ROW_DROP, ROW_ERROR, ROW_STOP, ConstraintRequest, MaskProvider, bitmask_width
 from .sampler import Sampler, SamplingParams
 
 __all__ = [
@@ -89,7 +93,6 @@ __all__ = [
     "TokenEvent",
     "check_request",
     "closed_finish",
-    "jump_width",
 ]
 
 _log = logging.getLogger(__name__)
@@ -113,18 +116,6 @@ def closed_finish(reason: FinishReason, close_state: int, stop_string: bool) -> 
     if close_reason == CLOSE_REASONS[CloseState.BUDGET]:
         return "length", close_reason
     return reason, close_reason
-
-
-def jump_width(lengths: Sequence[int], rows: int, min_fill: float) -> int:
-    """The widest jump ``K >= 2`` whose forced tokens fill ``min_fill`` of a ``rows``-row forward's padding.
-
-    ``lengths`` are the jumping rows' forced-token counts (each at least 2);
-    0 when no width qualifies (see ``SchedulerConfig.jump_min_fill``).
-    """
-    for k in range(max(lengths, default=0), 1, -1):
-        if sum(min(n, k) - 1 for n in lengths) >= min_fill * rows * (k - 1):
-            return k
-    return 0
 
 
 @dataclass(frozen=True)
@@ -152,23 +143,24 @@ class SchedulerConfig:
     grammar_mode : str
         ``"overlap"`` (default): the grammar step of step ``t`` runs on a worker
         thread while the forward of step ``t`` runs.  ``"processor"``: after the
-        forward, through :class:`llm_runtime.grammar_hook.GrammarLogitsProcessor`
-        -- the object and call order of the TensorRT-LLM engine, serial with
-        the forward (for tests of that path and for measuring what the overlap
-        saves); a logits processor cannot append tokens, so it never jumps forward.
+        forward, serially, as an engine's logits processor would call it (for
+        measuring what the overlap saves); the same request and the same
+        reading of its answer otherwise (:mod:`llm_runtime.grammar_phase`).
     max_jump_tokens : int
         Most forced tokens a row appends in one step (jump-forward; 0: off
         for every request).  Bounds the extra width of that step's forward.
     jump_min_fill : float
         The next forward is right-padded to its widest jump, so every row
-        pays for it: a step's jumps are cut to the widest width ``K`` whose
-        forced tokens fill at least this share of the padding,
-        ``sum(min(k_i, K) - 1) >= jump_min_fill * rows * (K - 1)``, and
-        dropped when no ``K >= 2`` does (those rows sample under the mask
-        instead).  Measured on the 2-core CPU host (SmolLM2-135M): one row
-        jumping 8 tokens in a batch of 8 made the step 134 -> 243 ms, about
-        break-even (fill 0.125); in a batch of 16, jumps without this rule
-        cut constrained throughput to 0.918 of free.  0: never cut.
+        pays for it.  Until the engine's cost of a wider forward is measured
+        (:class:`~llm_runtime.grammar_phase.JumpPolicy`), a forward ``K``
+        wide is taken to cost ``1 + jump_min_fill * (K - 1)`` times a
+        one-token one: a step's jumps are cut to the width that adds the
+        most tokens per unit of cost, and dropped when a plain step does
+        better (those rows sample under the mask instead).  Measured on the
+        2-core CPU host (SmolLM2-135M): one row jumping 8 tokens in a batch
+        of 8 made the step 134 -> 243 ms, about break-even (fill 0.125); in
+        a batch of 16, jumps without this rule cut constrained throughput to
+        0.918 of free.  0: jumps assumed free until measured.
     """
 
     max_batch_size: int | None = None
@@ -295,13 +287,19 @@ class SchedulerStats:
     ----------
     steps : int
         Steps run since the last reset.
+    step_s : np.ndarray
+        float64 seconds of the whole step (grammar request, forward, masking,
+        sampling, streaming the tokens).
     forward_s : np.ndarray
         float64 seconds of the step's forward work (batched decode + prefills).
     mask_wait_s : np.ndarray
         float64 seconds the loop waited for the mask AFTER its forward finished
         (0 when the grammar step was hidden, NaN when no row was constrained).
     grammar_s : np.ndarray
-        float64 seconds ``MaskProvider.step`` took on the worker (NaN: no row constrained).
+        float64 seconds ``MaskProvider.step`` took (NaN: no row constrained).
+    grammar_service_s : np.ndarray
+        float64 seconds of it the grammar side reported as its own work (NaN:
+        not reported); ``grammar_s`` minus this is the call's transport.
     batch_size, constrained_rows, prefill_rows : np.ndarray
         int32 rows per step.
     output_tokens, jump_tokens : np.ndarray
@@ -314,9 +312,11 @@ class SchedulerStats:
     """
 
     steps: int
+    step_s: np.ndarray
     forward_s: np.ndarray
     mask_wait_s: np.ndarray
     grammar_s: np.ndarray
+    grammar_service_s: np.ndarray
     batch_size: np.ndarray
     constrained_rows: np.ndarray
     prefill_rows: np.ndarray
@@ -332,9 +332,11 @@ class _Stats:
     def __init__(self, capacity: int) -> None:
         self.lock = threading.Lock()
         self.capacity = capacity
+        self.step = np.zeros(capacity)
         self.forward = np.zeros(capacity)
         self.mask_wait = np.zeros(capacity)
         self.grammar = np.zeros(capacity)
+        self.service = np.zeros(capacity)
         self.batch = np.zeros(capacity, dtype=np.int32)
         self.constrained = np.zeros(capacity, dtype=np.int32)
         self.prefill = np.zeros(capacity, dtype=np.int32)
@@ -344,13 +346,16 @@ class _Stats:
         self.max_batch = 0
         self.end_errors = 0
 
-    def record(self, fwd: float, wait: float, gram: float, batch: int, constrained: int, prefill: int,
-               outputs: int, jumps: int) -> None:
+    def record(self, step: float, fwd: float, phase: GrammarPhase | None, batch: int, constrained: int,
+               prefill: int, outputs: int, jumps: int) -> None:
         with self.lock:
             i = self.steps % self.capacity
+            self.step[i] = step
             self.forward[i] = fwd
-            self.mask_wait[i] = wait
-            self.grammar[i] = gram
+            nan = math.nan
+            self.mask_wait[i] = nan if phase is None else phase.wait_s
+            self.grammar[i] = nan if phase is None else phase.call_s
+            self.service[i] = nan if phase is None else phase.grammar_s
             self.batch[i] = batch
             self.constrained[i] = constrained
             self.prefill[i] = prefill
@@ -366,9 +371,11 @@ class _Stats:
             order = (np.arange(n) + start) % self.capacity
             return SchedulerStats(
                 steps=self.steps,
+                step_s=self.step[order].copy(),
                 forward_s=self.forward[order].copy(),
                 mask_wait_s=self.mask_wait[order].copy(),
                 grammar_s=self.grammar[order].copy(),
+                grammar_service_s=self.service[order].copy(),
                 batch_size=self.batch[order].copy(),
                 constrained_rows=self.constrained[order].copy(),
                 prefill_rows=self.prefill[order].copy(),
@@ -407,9 +414,9 @@ class _Seq:
     generated: int = 0
     last_token: int = -1
     jump: tuple[int, ...] = ()  # forced tokens appended at the last step: the next step feeds them
+    jump_safe: int = 0  # how many of the first of them no value check can drop (they stream at once)
     close_state: int = CloseState.OPEN  # the grammar side's CLOSING of the last step
-    history: list[int] | None = None  # prompt + generated tokens (processor mode only)
-    # Value checks (grammar_backend.values; JSON-constrained rows outside processor mode):
+    # Value checks (grammar_backend.values; JSON-constrained rows):
     out: list[int] | None = None  # the generated tokens
     committed: int = 0  # how many of them are streamed (pushed to the detokenizer)
     held: int = 0  # how many accepted ones the grammar side may still drop (its HOLD of the last step)
@@ -520,18 +527,14 @@ class Scheduler:
         self._device = engine.device
 
         b, w = self._max_batch, bitmask_width(self._vocab)
-        # Reused per-step buffers: grammar-step inputs, the batch's bitmask rows and logits.
-        self._g_ids = np.zeros(b, dtype=np.uint64)
-        self._g_tokens = np.zeros((b, max(1, cfg.max_jump_tokens)), dtype=np.int32)
-        self._g_counts = np.zeros(b, dtype=np.int32)
+        # Reused per-step buffers: the batch's bitmask rows and logits (the
+        # grammar request's own live in the phase).
         self._bitmask_np = np.full((b, w), -1, dtype=np.int32)
         self._bitmask_host = torch.from_numpy(self._bitmask_np)
         self._logits = torch.empty((b, self._vocab), dtype=torch.float32, device=self._device)
-        self._hook = (
-            GrammarLogitsProcessor(mask_provider, vocab_size=self._vocab, end_token_ids=self._eos, max_rows=b,
-                                   device=self._device)
-            if cfg.grammar_mode == "processor" else None
-        )
+        self._phase = GrammarPhase(mask_provider, max_rows=b, max_jump_tokens=cfg.max_jump_tokens,
+                                   overlap=cfg.grammar_mode == "overlap")
+        self._jumps = JumpPolicy(cfg.jump_min_fill)
 
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -553,7 +556,6 @@ class Scheduler:
         self._gauges_published: tuple[int, ...] = ()
         self._published_at = -math.inf
         self._compile_pool = ThreadPoolExecutor(cfg.start_threads, thread_name_prefix="llm-grammar-start")
-        self._step_pool = ThreadPoolExecutor(1, thread_name_prefix="llm-grammar-step")
         self._thread = threading.Thread(target=self._loop, name="llm-decode-loop", daemon=True)
         self._thread.start()
 
@@ -580,38 +582,37 @@ class Scheduler:
     def reset_stats(self) -> None:
         self._stats.reset()
 
-    def processor_stats(self) -> ProcessorStats | None:
-        """The grammar processor's counters (``None`` in overlap mode)."""
-        return None if self._hook is None else self._hook.stats()
-
     def summary(self) -> dict[str, float | int]:
         """Percentiles of the per-step counters (logged by the ``llm`` model at shutdown).
 
-        In the Triton deployment ``grammar_s`` is the BLS round trip to the
-        grammar model and ``mask_wait_s`` the part of it not hidden behind the
-        forward (all of it in processor mode, where ``grammar_requests`` counts
-        the grammar requests: one per step with a constrained row).
+        In the Triton deployment ``grammar_s`` is the round trip to the
+        grammar model (over its grammar channel), ``grammar_service_s`` the
+        grammar model's own work in it, and ``mask_wait_s`` the part of the
+        round trip not hidden behind the forward (all of it in processor
+        mode).  ``grammar_requests`` counts the grammar requests: one per
+        step with a constrained row (``steps_constrained``).
         """
         s = self.stats()
         out: dict[str, float | int] = {"steps": s.steps, "max_batch_size_seen": s.max_batch_size_seen}
-        for name, values in (("forward_s", s.forward_s), ("grammar_s", s.grammar_s), ("mask_wait_s", s.mask_wait_s)):
+        for name, values in (("step_s", s.step_s), ("forward_s", s.forward_s), ("grammar_s", s.grammar_s),
+                             ("grammar_service_s", s.grammar_service_s), ("mask_wait_s", s.mask_wait_s)):
             finite = values[np.isfinite(values)]
             for q in (50, 99):
                 out[f"{name}_p{q}"] = float(np.percentile(finite, q)) if finite.size else float("nan")
-        ps = self.processor_stats()
-        if ps is not None:
-            out["steps_constrained"] = int((s.constrained_rows > 0).sum())
-            out["grammar_requests"] = ps.grammar_requests
+        out["steps_constrained"] = int((s.constrained_rows > 0).sum())
+        out["grammar_requests"] = self._phase.requests
         # Equal work: decode steps (no prompt joining) whose rows were all free or
-        # all constrained, per batch size; step time = forward + mask wait, and
-        # the tokens each such step added (a row that ends adds its end token).
-        step = s.forward_s + np.nan_to_num(s.mask_wait_s)
+        # all constrained, per batch size; the whole step's time (the grammar
+        # wait, masking, sampling and streaming included), and the tokens each
+        # such step added (a row that ends adds its end token).
+        step = s.step_s
         pure = s.prefill_rows == 0
         for b in np.unique(s.batch_size[pure]):
             at = pure & (s.batch_size == b)
             for kind, rows in (("free", at & (s.constrained_rows == 0)), ("constrained", at & (s.constrained_rows == b))):
                 if rows.any():
                     out[f"step_s_p50_b{int(b)}_{kind}"] = float(np.median(step[rows]))
+                    out[f"forward_s_p50_b{int(b)}_{kind}"] = float(np.median(s.forward_s[rows]))
                     out[f"steps_b{int(b)}_{kind}"] = int(rows.sum())
                     # More than b with jump-forward: forced tokens ride along.
                     out[f"tokens_per_step_b{int(b)}_{kind}"] = float(s.output_tokens[rows].mean())
@@ -690,7 +691,7 @@ class Scheduler:
         self._thread.join(timeout)
         if self._thread.is_alive():
             raise TimeoutError(f"the decode loop did not stop within {timeout} s")
-        self._step_pool.shutdown(wait=True)
+        self._phase.close()
         self._compile_pool.shutdown(wait=True)
         # Compiles that finished after the loop stopped: their sequences were
         # already failed; free the grammar state they created.
@@ -710,8 +711,8 @@ class Scheduler:
     def _validate(self, req: GenerationRequest, callback: EventCallback) -> _Seq:
         checked = check_request(req, callback, self._cfg, vocab_size=self._vocab, context_len=self._engine.max_seq_len)
         constraint = checked.constraint
-        # This loop can drop tokens, so completed JSON values are checked; a logits processor cannot.
-        checks = constraint is not None and self._hook is None and constraint.kind in contract.JSON_KINDS
+        # This loop can drop tokens, so completed JSON values are checked.
+        checks = constraint is not None and constraint.kind in contract.JSON_KINDS
         return _Seq(
             rid=req.request_id or "",
             seq_id=0,
@@ -723,7 +724,6 @@ class Scheduler:
             stop=checked.stop,
             callback=callback,
             gen=self._sampler.generator(checked.params.seed),
-            history=checked.prompt.tolist() if self._hook is not None else None,
             detok=IncrementalDetokenizer(self._tokenizer, stop=checked.stop, special_ids=self._special),
         )
 
@@ -796,10 +796,7 @@ class Scheduler:
     def _run_start(self, seq: _Seq, constraint: ConstraintRequest) -> None:
         err: BaseException | None = None
         try:
-            if self._hook is not None:
-                seq.backend = self._hook.start(seq.seq_id, seq.seq_id, constraint, int(seq.prompt.shape[0]))
-            else:
-                seq.backend = self._provider.start(seq.seq_id, constraint)
+            seq.backend = self._provider.start(seq.seq_id, constraint)
         except Exception as exc:  # noqa: BLE001 -- delivered to the request as its FinishEvent
             err = exc
             if status_of(exc) == "INTERNAL":
@@ -808,13 +805,8 @@ class Scheduler:
             self._started_q.append((seq, err))
             self._cond.notify()
 
-    def _timed_step(self, count: int, width: int) -> tuple[MaskStep, float]:
-        t0 = time.perf_counter()
-        result = self._provider.step(self._g_ids[:count], self._g_tokens[:count, :width], self._g_counts[:count],
-                                     jump_forward=self._cfg.max_jump_tokens > 0)
-        return result, time.perf_counter() - t0
-
     def _step(self) -> None:
+        t_step = time.perf_counter()
         active = self._active
         dec = [s for s in active if s.in_engine]
         new = [s for s in active if not s.in_engine]
@@ -823,34 +815,20 @@ class Scheduler:
         nd = len(dec)
         constrained = [i for i, s in enumerate(order) if s.constraint is not None]
         c = len(constrained)
-        fut: Future[tuple[MaskStep, float]] | None = None
-        if c and self._hook is None:
-            width = 1
-            for j, i in enumerate(constrained):
-                s = order[i]
-                self._g_ids[j] = s.seq_id
-                if s.jump:
-                    n = len(s.jump)
-                    self._g_tokens[j, :n] = s.jump
-                    self._g_counts[j] = n
-                    width = max(width, n)
-                elif s.in_engine and not s.refeed:
-                    self._g_tokens[j, 0] = s.last_token
-                    self._g_counts[j] = 1
-                else:
-                    self._g_tokens[j, 0] = 0
-                    self._g_counts[j] = 0
-            fut = self._step_pool.submit(self._timed_step, c, width)
+        phase = self._phase
+        if c:
+            phase.launch([order[i] for i in constrained])
 
         ends: list[int] = []
         t0 = time.perf_counter()
+        width = max((len(s.jump) for s in dec), default=0) or 1
         forward_err: BaseException | None = None
         logits: torch.Tensor | None = None
         try:
             if dec:
                 ids = [s.seq_id for s in dec]
-                if any(s.jump for s in dec):
-                    out = self._engine.extend(ids, *self._jump_feed(dec))
+                if width > 1:
+                    out = self._engine.extend(ids, *self._jump_feed(dec, width))
                 else:
                     out = self._engine.decode(ids, np.fromiter((s.last_token for s in dec), np.int64, nd))
                 if new:
@@ -877,33 +855,12 @@ class Scheduler:
                     s.in_engine = True
                 logits[nd:b].copy_(rows)
         fwd_s = time.perf_counter() - t0
-
-        mstep: MaskStep | None = None
-        mask_err: BaseException | None = None
-        wait_s = gram_s = float("nan")
-        if self._hook is not None and c and forward_err is None and logits is not None:
-            # Processor mode: the grammar step runs now, serially, through the
-            # object TensorRT-LLM calls (its call order: after the forward,
-            # before sampling, token histories with the prompt first).
-            tw = time.perf_counter()
-            try:
-                self._hook([s.seq_id for s in order], logits, [[s.history or ()] for s in order])
-            except Exception as err:  # noqa: BLE001 -- fails the constrained rows with the error
-                mask_err = err
-                _log.exception("grammar processor failed; failing its %d constrained rows", c)
-            wait_s = gram_s = time.perf_counter() - tw
-        elif fut is not None:
-            tw = time.perf_counter()
-            try:
-                mstep, gram_s = fut.result()
-            except Exception as err:  # noqa: BLE001 -- fails the constrained rows with the error
-                mask_err = err
-                _log.exception("MaskProvider.step failed; failing its %d constrained rows", c)
-            wait_s = time.perf_counter() - tw
+        if c:
+            # Overlap: the answer is waited for now; processor mode: the request runs now.
+            phase.collect(self._bitmask_np.shape[1])
         self._steps_total += 1
-        self._lat_step.add(fwd_s + (0.0 if math.isnan(wait_s) else wait_s))
-        self._lat_grammar.add(gram_s)
-        self._lat_wait.add(wait_s)
+        self._lat_grammar.add(phase.call_s if c else math.nan)
+        self._lat_wait.add(phase.wait_s if c else math.nan)
 
         if forward_err is not None or logits is None:
             err_any: BaseException = forward_err if forward_err is not None else RuntimeError("no logits")
@@ -912,60 +869,14 @@ class Scheduler:
             for s in order:
                 self._finish(s, "error", ends, error=f"forward failed: {err_any}", status=status_of(err_any),
                              release=False)
-            self._stats.record(fwd_s, wait_s, gram_s, b, c, len(new), 0, 0)
+            self._record(t_step, fwd_s, phase if c else None, b, c, len(new), 0, 0)
             self._purge()
             self._end(ends)
             return
         for s, perr in prefill_failed:
             self._finish(s, "error", ends, error=f"prefill failed: {perr}", status=status_of(perr))
-
-        masked_rows: list[int] = []
-        if c and self._hook is not None:
-            self._after_processor(order, constrained, mask_err, ends)
-        elif c:
-            bad: BaseException | str | None = mask_err
-            if bad is None:
-                bad = "MaskProvider.step returned None" if mstep is None else mstep.check(c, self._bitmask_np.shape[1])
-            if bad is not None:
-                for i in constrained:
-                    self._finish(order[i], "error", ends, error=f"grammar step failed: {bad}",
-                                 status="INTERNAL" if isinstance(bad, str) else status_of(bad))
-            elif mstep is not None:
-                sel: list[int] = []
-                ft, fc = mstep.forced_tokens, mstep.forced_counts
-                dropped, hold = mstep.dropped, mstep.hold
-                for j, i in enumerate(constrained):
-                    s = order[i]
-                    s.refeed = False
-                    if s.finished:
-                        continue
-                    if mstep.closing is not None:
-                        s.close_state = int(mstep.closing[j])
-                    s.held = 0 if hold is None else int(hold[j])
-                    row_err = mstep.errors[j]
-                    if row_err is not None:
-                        # The grammar side reports row errors as text only; after
-                        # admission they are server-side failures.
-                        self._finish(s, "error", ends, error=row_err, status="INTERNAL")
-                    elif bool(mstep.terminated[j]):
-                        self._finish(s, "stop", ends)
-                    elif dropped is not None and dropped[j] > 0:
-                        self._drop(s, int(dropped[j]), ends)  # not sampled: fed again at the next step
-                    else:
-                        sel.append(j)
-                        masked_rows.append(i)
-                        if fc is not None and ft is not None and fc[j] > 1:
-                            # Room for the stop token stays: a jump never ends the output at max_tokens.
-                            n = min(int(fc[j]), self._cfg.max_jump_tokens, s.max_tokens - s.generated - 1)
-                            if n > 1:  # one forced token saves no forward: it is sampled under the mask
-                                s.jump = tuple(int(t) for t in ft[j, :n])
-                self._fit_jumps(order)
-                if masked_rows:
-                    self._bitmask_np[masked_rows] = mstep.bitmask[sel]
-                    bitmask = self._bitmask_host[:b]
-                    if bitmask.device != logits.device:
-                        bitmask = bitmask.to(logits.device)
-                    self._sampler.apply_mask(logits, bitmask, masked_rows)
+        if c:
+            self._apply_grammar(order, constrained, logits, ends)
 
         tokens, dead = self._sampler.sample(logits, [s.params for s in order], [s.gen for s in order])
         outputs = jumped = 0
@@ -984,8 +895,6 @@ class Scheduler:
             s.generated += 1
             outputs += 1
             s.last_token = tok
-            if s.history is not None:
-                s.history.append(tok)
             if tok in self._eos:
                 self._finish(s, "stop", ends)
                 continue
@@ -1001,24 +910,82 @@ class Scheduler:
                 self._finish(s, "length", ends, delta=delta, tokens=sent)
             elif sent:
                 self._deliver(s, TokenEvent(delta, sent))
-        self._stats.record(fwd_s, wait_s, gram_s, b, c, len(new), outputs, jumped)
+        step_s = self._record(t_step, fwd_s, phase if c else None, b, c, len(new), outputs, jumped)
+        if c and not new:
+            # What a step of this width costs, whole (forward, grammar, masking, streaming),
+            # for the jump decisions of the next steps.
+            self._jumps.record(nd, width, step_s)
         self._purge()
         self._end(ends)
 
+    def _record(self, t_step: float, fwd_s: float, phase: GrammarPhase | None, b: int, c: int, joined: int,
+                outputs: int, jumped: int) -> float:
+        step_s = time.perf_counter() - t_step
+        self._lat_step.add(step_s)
+        self._stats.record(step_s, fwd_s, phase, b, c, joined, outputs, jumped)
+        return step_s
+
+    def _apply_grammar(self, order: list[_Seq], constrained: list[int], logits: torch.Tensor,
+                       ends: list[int]) -> None:
+        """Read the step's grammar answer for each constrained row, and mask the rows that sample.
+
+        A row whose grammar failed, ended or dropped tokens is finished or fed
+        again here; the others keep their mask and, where the grammar forces
+        two or more tokens, a jump (cut to this step's width: :meth:`_fit_jumps`).
+        """
+        phase = self._phase
+        mstep = phase.step
+        if mstep is None:
+            bad = phase.error
+            for i in constrained:
+                self._finish(order[i], "error", ends, error=f"grammar step failed: {bad}",
+                             status="INTERNAL" if bad is None or isinstance(bad, str) else status_of(bad))
+            return
+        sel: list[int] = []
+        masked: list[int] = []
+        for j, i in enumerate(constrained):
+            s = order[i]
+            s.refeed = False
+            if s.finished:
+                continue
+            s.close_state = mstep.close_state(j)
+            s.held = mstep.held(j)
+            kind = mstep.row_kind(j)
+            if kind == ROW_ERROR:
+                # The grammar side reports row errors as text only; after
+                # admission they are server-side failures.
+                self._finish(s, "error", ends, error=mstep.errors[j], status="INTERNAL")
+            elif kind == ROW_STOP:
+                self._finish(s, "stop", ends)
+            elif kind == ROW_DROP:
+                self._drop(s, int(mstep.dropped[j]) if mstep.dropped is not None else 0, ends)
+            else:
+                sel.append(j)
+                masked.append(i)
+                # Room for the stop token stays: a jump never ends the output at max_tokens.
+                s.jump = mstep.forced(j, min(self._cfg.max_jump_tokens, s.max_tokens - s.generated - 1))
+                s.jump_safe = mstep.forced_safe_of(j)
+        self._fit_jumps(order)
+        if masked:
+            self._bitmask_np[masked] = mstep.bitmask[sel]
+            bitmask = self._bitmask_host[: len(order)]
+            if bitmask.device != logits.device:
+                bitmask = bitmask.to(logits.device)
+            self._sampler.apply_mask(logits, bitmask, masked)
+
     def _fit_jumps(self, order: list[_Seq]) -> None:
-        """Cut this step's jumps to the widest width whose forced tokens fill enough of the padding
-        (``SchedulerConfig.jump_min_fill``); drop them when none does."""
+        """Cut this step's jumps to the width the measured forward cost favours
+        (:class:`~llm_runtime.grammar_phase.JumpPolicy`); drop them when a plain step does better."""
         lengths = [len(s.jump) for s in order if s.jump]
         if not lengths:
             return
-        width = jump_width(lengths, len(order), self._cfg.jump_min_fill)
+        width = self._jumps.width(lengths, len(order))
         for s in order:
             if s.jump:
                 s.jump = s.jump[:width] if width else ()
 
-    def _jump_feed(self, dec: list[_Seq]) -> tuple[np.ndarray, np.ndarray]:
+    def _jump_feed(self, dec: list[_Seq], width: int) -> tuple[np.ndarray, np.ndarray]:
         """The decode rows' input for :meth:`Engine.extend`: each row's jump tokens, or its last token."""
-        width = max(len(s.jump) for s in dec)
         feed = np.zeros((len(dec), width), dtype=np.int64)
         counts = np.ones(len(dec), dtype=np.int64)
         for r, s in enumerate(dec):
@@ -1062,7 +1029,7 @@ class Scheduler:
         s.generated -= count
         s.retries += 1
         s.dropped += count
-        s.jump = ()
+        s.jump, s.jump_safe = (), 0
         s.refeed = True
         prompt_len = int(s.prompt.shape[0])
         s.last_token = out[-1] if out else int(s.prompt[-1])
@@ -1076,7 +1043,11 @@ class Scheduler:
             s.out.extend(toks)
             s.generated += len(toks)
             s.last_token = toks[-1]
-            delta, sent = self._commit(s, len(s.out) - len(toks) - s.held)
+            # Held until the grammar has accepted them and says what a check may still drop, but for
+            # what it said already cannot be (the output's first forced run, `{"name":`: at once).
+            before = len(s.out) - len(toks)
+            upto = before + min(len(toks), s.jump_safe) if s.jump_safe else before - s.held
+            delta, sent = self._commit(s, upto)
             if s.detok.stopped:
                 self._finish(s, "stop", ends, delta=delta, tokens=sent, stop_string=True)
             elif sent:
@@ -1093,29 +1064,6 @@ class Scheduler:
         s.last_token = toks[-1]
         self._deliver(s, TokenEvent(delta, toks))
         return len(toks)
-
-    def _after_processor(self, order: list[_Seq], constrained: list[int], err: BaseException | None,
-                         ends: list[int]) -> None:
-        """Processor mode: the mask is applied; retire the rows the grammar side ended."""
-        hook = self._hook
-        if hook is None:
-            return
-        for i in constrained:
-            s = order[i]
-            if s.finished:
-                continue
-            if err is not None:
-                self._finish(s, "error", ends, error=f"grammar step failed: {err}", status=status_of(err))
-                continue
-            out = hook.outcome(s.seq_id)
-            if out is None:
-                self._finish(s, "error", ends, error="the grammar row is missing", status="INTERNAL")
-                continue
-            s.close_state = out.close_state
-            if out.error is not None:
-                self._finish(s, "error", ends, error=out.error, status="INTERNAL")
-            elif out.terminated:
-                self._finish(s, "stop", ends)
 
     def _publish_metrics(self) -> None:
         """Hand the ``llm`` metrics to ``on_metrics`` when a gauge moved or the interval passed."""
@@ -1218,10 +1166,7 @@ class Scheduler:
         if not seq_ids:
             return
         try:
-            if self._hook is not None:
-                self._hook.remove(seq_ids)
-            else:
-                self._provider.end(seq_ids)
+            self._provider.end(seq_ids)
         except Exception:  # noqa: BLE001 -- nothing left to fail; logged and counted
             _log.exception("MaskProvider.end failed for %d sequences", len(seq_ids))
             with self._stats.lock:

@@ -21,7 +21,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-__all__ = ["DEFAULT_CORPUS", "TinyModelInfo", "build_tiny_llama"]
+__all__ = ["CHATML", "DEFAULT_CORPUS", "TinyModelInfo", "build_tiny_llama"]
 
 # The corpus mixes ASCII, punctuation used by JSON, digits and multi-byte UTF-8
 # (2-, 3- and 4-byte sequences) so that the learned vocabulary contains both
@@ -38,6 +38,12 @@ DEFAULT_CORPUS: tuple[str, ...] = (
 )
 
 SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+#: A ChatML template over :data:`SPECIAL_TOKENS` (SmolLM2's form, without its system prompt).
+CHATML: str = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,7 @@ def build_tiny_llama(
     init_std: float = 0.25,
     zero_eos_logit: bool = True,
     corpus: Sequence[str] = DEFAULT_CORPUS,
+    chat_template: str | None = None,
 ) -> TinyModelInfo:
     """Write a tiny random Llama checkpoint with a trained byte-level BPE tokenizer.
 
@@ -107,6 +114,9 @@ def build_tiny_llama(
         token is produced only where a grammar forces it.
     corpus : sequence of str
         Training text for the tokenizer.
+    chat_template : str or None
+        A Jinja chat template saved with the tokenizer (:data:`CHATML` takes
+        its special tokens); None: the checkpoint has none.
 
     Returns
     -------
@@ -145,6 +155,8 @@ def build_tiny_llama(
         unk_token="<|endoftext|>",
         pad_token="<|im_end|>",
     )
+    if chat_template is not None:
+        hf_tok.chat_template = chat_template
     hf_tok.save_pretrained(out)
 
     config = LlamaConfig(

@@ -57,11 +57,6 @@ _MASKBENCH_PROMPT: Final = "Produce one realistic JSON instance of this schema: 
 
 _REGEX: Final = (r"[A-Z][a-z]{2,9} [0-9]{1,3} (apples|pears)", "Count some fruit, like 'Anna 12 apples'.")
 _CHOICE: Final = (("positive", "negative", "neutral"), "Sentiment of 'the service was fine, nothing more'?")
-_UNCONSTRAINED_PROMPTS: Final = (
-    "Write one sentence about the sea.",
-    "Give a short tip for learning to cook.",
-    "Describe a bicycle in a few words.",
-)
 
 
 @dataclass(frozen=True)
@@ -232,8 +227,11 @@ class Workload:
                    label=name)
 
     def unconstrained(self) -> Job:
-        """The baseline: free text, same budget."""
-        return Job("unconstrained", "unconstrained", self._rng.choice(_UNCONSTRAINED_PROMPTS), None, self.max_tokens)
+        """The baseline: free text, same budget, and the prompts of the JSON jobs (a MaskBench prompt
+        holds its schema: hundreds of tokens to prefill), so the two kinds' time to first token differ
+        by what the constraint costs, not by prompt length."""
+        _, _, prompt = self._rng.choice(self.schemas)
+        return Job("unconstrained", "unconstrained", prompt, None, self.max_tokens)
 
     def regex(self) -> Job:
         pattern, prompt = _REGEX

@@ -9,7 +9,7 @@
 #   TRTLLM_BACKEND    pytorch | tensorrt
 #   GRAMMAR_MODE      processor | native
 #   MAX_BATCH         decode batch
-#   STREAM_INTERVAL   tokens per streamed response after the first (default 1: every token)
+#   STREAM_INTERVAL_MS  least milliseconds between a stream's responses after the first (default 50; 0: every token)
 #   RENDER_ONLY=1     render into $RENDER_DIR and exit (inspect the configuration)
 # Extra arguments go to tritonserver.
 set -euo pipefail
@@ -18,7 +18,7 @@ repo="${RENDER_DIR:-/tmp/model_repository}"
 python3 -m deploy.render --src model_repository --dst "$repo" --values deploy/values.json \
     --set "MODEL_DIR=${MODEL_DIR}" --set "ENGINE=${ENGINE}" --set "DEVICE=${DEVICE}" \
     --set "MAX_BATCH=${MAX_BATCH}" --set "GRAMMAR_MODE=${GRAMMAR_MODE}" \
-    --set "STREAM_INTERVAL=${STREAM_INTERVAL:-1}" \
+    --set "STREAM_INTERVAL_MS=${STREAM_INTERVAL_MS:-50}" \
     --set "TRTLLM_BACKEND=${TRTLLM_BACKEND}" --set "TRTLLM_ENGINE_DIR=${TRTLLM_ENGINE_DIR:-}" \
     --set "GRAMMAR_STORE_DIR=${GRAMMAR_STORE_DIR:-/var/lib/constrained-llm/grammar-store}"
 if [[ "${RENDER_ONLY:-0}" == 1 ]]; then

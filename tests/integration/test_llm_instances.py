@@ -1,4 +1,4 @@
-"""Deployment knobs of the ``llm`` model, served: two instances (LLM_INSTANCES=2) and STREAM_INTERVAL=4.
+"""Deployment knobs of the ``llm`` model, served: two instances (LLM_INSTANCES=2) and STREAM_INTERVAL_MS=400.
 
 Two ``llm`` instances share one ``grammar`` model: their sequence ids never clash.
 
@@ -7,14 +7,17 @@ scheduler draws random 64-bit grammar sequence ids, so both can start, step
 and end sequences in the one grammar table concurrently.  A clash would fail
 a request with ALREADY_EXISTS (``sequence N: already started``).
 
-STREAM_INTERVAL=4: a response carries the text of 4 tokens (the last one
-what is left), and the deltas still add up to the output.
+STREAM_INTERVAL_MS=400: after the first, a stream gets at most one response
+per 400 ms (the last one carries what is left), and the deltas still add up
+to the output.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +32,7 @@ from tests.integration.served import MODEL_DIR, start_ensemble, wait_active_zero
 
 pytestmark = [pytest.mark.triton, pytest.mark.e2e]
 
+INTERVAL_MS = 400
 RECORD = {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}$"},
                                            "count": {"type": "integer", "minimum": 0, "maximum": 99}},
           "required": ["code", "count"], "additionalProperties": False}
@@ -39,24 +43,29 @@ def two_instances(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Tr
     if not (MODEL_DIR / "config.json").is_file():
         pytest.skip(f"{MODEL_DIR} missing (run `make model`)")
     tmp = tmp_path_factory.mktemp("instances")
-    srv = start_ensemble(tmp, values={"LLM_INSTANCES": "2", "TORCH_THREADS": "1", "STREAM_INTERVAL": "4"})
+    srv = start_ensemble(tmp, values={"LLM_INSTANCES": "2", "TORCH_THREADS": "1",
+                                      "STREAM_INTERVAL_MS": str(INTERVAL_MS)})
     try:
         yield srv, tmp / "tritonserver.log"
     finally:
         srv.stop()
 
 
-def test_stream_interval_sends_a_response_per_four_tokens(two_instances: tuple[TritonServer, Path]) -> None:
+def test_stream_interval_coalesces_deltas_by_time(two_instances: tuple[TritonServer, Path]) -> None:
     server, _ = two_instances
     with Client(server.grpc_url) as c:
-        chunks = list(c.stream("Count from one to twenty.", max_tokens=23, temperature=0.0, require_complete=False))
+        t0 = time.monotonic()
+        chunks = list(c.stream("Count from one to twenty.", max_tokens=40, temperature=0.0, require_complete=False))
+        elapsed = time.monotonic() - t0
     result = chunks[-1].result
     assert result is not None
     tokens = result.usage.completion_tokens
     deltas = [ch.text for ch in chunks if ch.text]
     assert "".join(deltas) == result.text
-    assert tokens >= 8
-    assert len(deltas) <= tokens // 4 + 1  # a response per 4 tokens, the rest on the last one
+    assert tokens >= 12
+    # The first delta at once, then at most one per interval, and what is left on the last one.
+    assert len(deltas) <= math.floor(elapsed * 1000 / INTERVAL_MS) + 2
+    assert len(deltas) < tokens // 2  # ~70 ms per token here: far fewer responses than tokens
 
 
 def test_two_llm_instances_share_the_grammar_model(two_instances: tuple[TritonServer, Path]) -> None:

@@ -1,16 +1,17 @@
-"""The TensorRT-LLM grammar path, served: the torch engine in ``grammar_mode: processor`` over gRPC.
+"""The grammar step after the forward, served: the torch engine in ``grammar_mode: processor`` over gRPC.
 
-TensorRT-LLM cannot run here, so this runs its grammar hook -- the very
-:class:`llm_runtime.grammar_hook.GrammarLogitsProcessor` object, called after
-the forward with token histories, masks fetched from the ``grammar`` model
-over BLS -- inside the real served ensemble, driven by the real SmolLM2 model.
-The llm model's step stats (logged at shutdown) show one grammar request per
-step that had a constrained row.
+The call order of an engine's logits processor (TensorRT-LLM's): each step's
+one grammar request runs after the forward instead of beside it
+(:mod:`llm_runtime.grammar_phase`), masks fetched from the ``grammar`` model,
+inside the real served ensemble, driven by the real SmolLM2 model.  The llm
+model's step stats (logged at shutdown) show one grammar request per step
+that had a constrained row.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
 from collections.abc import Iterator
@@ -83,3 +84,5 @@ def test_processor_mode_serves_valid_outputs_with_one_grammar_request_per_step(
     (stats,) = parse_step_stats(log.read_text(encoding="utf-8", errors="replace"))
     assert stats["steps_constrained"] >= 1
     assert stats["grammar_requests"] == stats["steps_constrained"], stats
+    # The grammar model's own time per step comes back over the grammar channel only (not over BLS).
+    assert math.isfinite(stats["grammar_service_s_p50"]) and stats["grammar_service_s_p50"] > 0, stats

@@ -49,6 +49,20 @@ def tiny_encode(text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
 
+@pytest.fixture()
+def channel_service(tiny_info: xgr.TokenizerInfo) -> Iterator[Any]:
+    """A grammar service over the tiny vocabulary, listening on its grammar channel; no sequence may leak."""
+    from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
+    from grammar_backend.service import GrammarService
+
+    svc = GrammarService(GrammarEngine(tiny_info, "fp", GrammarEngineConfig(max_batch=4), encode=tiny_encode))
+    svc.open_channel()
+    yield svc
+    svc.close_channel()
+    assert svc.engine.active_count == 0, "a sequence leaked"
+    svc.engine.close()
+
+
 def qwen_dir() -> Path:
     return Path(os.environ.get("QWEN_TOKENIZER_DIR", REPO / "build" / "tokenizers" / "qwen3"))
 

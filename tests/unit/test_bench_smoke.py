@@ -301,3 +301,45 @@ def test_e2e_equal_work_ratio_reads_the_step_stats(monkeypatch: pytest.MonkeyPat
     stats[0].update({"tokens_per_step_b8_free": 8.0, "tokens_per_step_b8_constrained": 10.0})
     stats[1].update({"tokens_per_step_b8_free": 8.0, "tokens_per_step_b8_constrained": 10.0})
     assert e2e_bench.equal_work_ratios(stats, (8,)) == {8: (0.100, 0.125, 1.0)}
+
+
+def test_path_bench_reads_the_processes_it_serves(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU per process: the launcher and every process under it, labelled; a stub by its model instance."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import path_bench
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "llm_0_0"])
+    try:
+        deadline = time.monotonic() + 10
+        labels: dict[int, str] = {}
+        while time.monotonic() < deadline:  # until the child has exec'd (its cmdline is empty before)
+            labels = {p.pid: p.label for p in path_bench.server_processes(os.getpid())}
+            if not labels.get(child.pid, "?").startswith("?"):
+                break
+            time.sleep(0.05)
+        assert labels[os.getpid()] == "launcher + gateway"
+        assert labels[child.pid].startswith(Path(sys.executable).name)  # not a stub: no stub executable
+        assert path_bench.cpu_seconds(os.getpid()) > 0 and path_bench.cpu_seconds(2**22 + 7) == 0.0
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_path_bench_summary(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import path_bench
+
+    records = [path_bench.Record("unconstrained", 16, 0, 0.05, 1.0, 100, 5, [0.02, 0.04]),
+               path_bench.Record("unconstrained", 16, 0, 0.07, 1.0, 100, 5, [0.06]),
+               path_bench.Record("constrained", 16, 0, 0.09, 1.0, 50, 10, [])]
+    walls = {"unconstrained@16": 0.5, "constrained@16": 0.25}
+    cpu = {"unconstrained@16": {"stub llm_0_0": 0.4, "tritonserver": 0.1, path_bench.CLIENT_LABEL: 0.05},
+           "constrained@16": {"stub llm_0_0": 0.1}}
+    out = path_bench.summarize(records, walls, cpu, {16: 800.0}, {16: (0.002, 0.0025, 0.8)})
+    u, c = out["unconstrained@16"], out["constrained@16"]
+    assert (u["tokens_per_s"], u["served_over_in_process"], u["tokens_per_delta"]) == (400.0, 0.5, 20.0)
+    assert u["cpu_s_per_1k_tokens"] == {"stub llm_0_0": 2.0, "tritonserver": 0.5}
+    assert (u["client_cpu_s_per_1k_tokens"], c["client_cpu_s_per_1k_tokens"]) == (0.25, 0.0)
+    assert u["ttft_s_p50"] == pytest.approx(0.06) and u["inter_delta_s_p50"] == pytest.approx(0.04)
+    assert c["equal_work"] == {"free_step_s_p50": 0.002, "constrained_step_s_p50": 0.0025, "ratio": 0.8}
+    assert c["tokens_per_s"] == 200.0 and "served_over_in_process" not in c

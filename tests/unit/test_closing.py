@@ -317,3 +317,149 @@ def test_bitmask_force_and_restrict(qwen_info: xgr.TokenizerInfo) -> None:
     buffer.restrict(1, pack_tokens([5, 64, vocab - 1], vocab), 100)
     assert allowed_tokens(buffer.buffer[0], vocab).tolist() == [31]
     assert allowed_tokens(buffer.buffer[1], vocab).tolist() == [5, 64, 100, vocab - 1]
+
+
+@pytest.mark.parametrize(
+    ("earlier_at", "now_at", "tail"),
+    [
+        ('{"name":"Ann', '{"name":"Annabel', '","age":0,"tags":[]}'),  # calm text: the whole of it
+        ('{"name":"Ann', '{"name":"Ann","age":4', ',"tags":[]}'),  # the output wrote a field: its tail
+        ('{"name":"Ann","age":4', '{"name":"Ann","age":4,"tags":[', "]}"),
+    ],
+)
+def test_resume_finds_the_tail_of_an_earlier_completion(
+    compiler: xgr.GrammarCompiler, closer: Closer, qwen_tokenizer: Any, qwen_info: xgr.TokenizerInfo,
+    earlier_at: str, now_at: str, tail: str,
+) -> None:
+    earlier = closer.complete(_matcher(compiler, qwen_tokenizer, "json_schema", json.dumps(PERSON), earlier_at))
+    assert earlier is not None
+    matcher = _matcher(compiler, qwen_tokenizer, "json_schema", json.dumps(PERSON), now_at)
+    before = xgr.allocate_token_bitmask(1, qwen_info.vocab_size).numpy()
+    matcher.fill_next_token_bitmask(before)
+    resumed = closer.resume(matcher, earlier)
+    assert resumed is not None and qwen_tokenizer.decode(list(resumed)) == tail
+    after = before.copy()
+    matcher.fill_next_token_bitmask(after)
+    np.testing.assert_array_equal(before, after)  # left as it was
+    assert closer.accepts(matcher, resumed)
+
+
+def test_resume_gives_up_where_no_tail_fits(compiler: xgr.GrammarCompiler, closer: Closer, qwen_tokenizer: Any) -> None:
+    earlier = closer.complete(_matcher(compiler, qwen_tokenizer, "json_schema", json.dumps(PERSON), '{"name":"A'))
+    assert earlier is not None and qwen_tokenizer.decode(list(earlier)) == '","age":0,"tags":[]}'
+    # Inside a tag's string: every tail of the earlier completion closes the wrong value (a new search does).
+    matcher = _matcher(compiler, qwen_tokenizer, "json_schema", json.dumps(PERSON), '{"name":"A","age":4,"tags":["x')
+    assert closer.resume(matcher, earlier) is None
+    found = closer.complete(matcher)
+    assert found is not None and qwen_tokenizer.decode(list(found)) == '"]}'
+
+
+def test_the_first_completion_is_searched_once_per_constraint(
+    compiler: xgr.GrammarCompiler, qwen_info: xgr.TokenizerInfo, qwen_tokenizer: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    closer = Closer(qwen_info)
+    searches: list[int] = []
+    complete = closer.complete
+
+    def counted(matcher: Any) -> tuple[int, ...] | None:
+        searches.append(1)
+        return complete(matcher)
+
+    monkeypatch.setattr(closer, "complete", counted)
+    spec = parse_constraint("json_schema", json.dumps(PERSON))
+    first = [closer.initial(("xgrammar", spec), xgr.GrammarMatcher(compile_spec(compiler, spec))) for _ in range(3)]
+    assert first[0] == first[1] == first[2] and qwen_tokenizer.decode(list(first[0] or ())) == (
+        '{"name":"","age":0,"tags":[]}')
+    assert len(searches) == 1
+    other = parse_constraint("json_schema", json.dumps(THREE_INTS))
+    closer.initial(("xgrammar", other), xgr.GrammarMatcher(compile_spec(compiler, other)))
+    assert len(searches) == 2
+
+
+@pytest.mark.parametrize(
+    ("text", "cut", "need"),
+    [
+        ("abc", 3, 0),
+        ("é", 1, 1),  # the first of two bytes
+        ("日", 1, 2),
+        ("日", 2, 1),
+        ("🚀", 1, 3),
+        ("🚀", 4, 0),
+        ("é日", 3, 2),
+    ],
+)
+def test_utf8_need_counts_the_bytes_a_character_still_owes(closer: Closer, qwen_info: xgr.TokenizerInfo,
+                                                          text: str, cut: int, need: int) -> None:
+    data = text.encode("utf-8")[:cut]
+    tokens = [closer.spell(bytes([b])) for b in data]  # one byte-level token per byte
+    assert all(t is not None and len(t) == 1 for t in tokens)
+    assert closer.utf8_need(0, [t[0] for t in tokens if t]) == need
+
+
+def test_calm_checks_thin_out_and_stay_cheap(
+    compiler: xgr.GrammarCompiler, qwen_tokenizer: Any, qwen_info: xgr.TokenizerInfo,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A calm string writer: checks halve their distance to the budget, reuse the kept completion, and the
+    output still closes validly within the budget."""
+    closer = Closer(qwen_info)
+    calls = {"complete": 0, "resume": 0}
+    complete, resume = closer.complete, closer.resume
+
+    def counted_complete(matcher: Any) -> tuple[int, ...] | None:
+        calls["complete"] += 1
+        return complete(matcher)
+
+    def counted_resume(matcher: Any, tokens: tuple[int, ...]) -> tuple[int, ...] | None:
+        calls["resume"] += 1
+        return resume(matcher, tokens)
+
+    monkeypatch.setattr(closer, "complete", counted_complete)
+    monkeypatch.setattr(closer, "resume", counted_resume)
+    stop = int(qwen_info.stop_token_ids[0])
+    budget = 120
+    seq = _sequence(compiler, PERSON, budget, {"on_repeat": "continue"})
+    prefix = qwen_tokenizer.encode('{"name":"')
+    seq.accept(prefix)
+    taken, stopped = _run(seq, closer, stop, qwen_tokenizer.encode("bin/"), budget)
+    assert stopped and seq.close_state == CloseState.BUDGET
+    text = qwen_tokenizer.decode(prefix + taken)
+    assert validate_output(PERSON, text).valid and len(prefix) + len(taken) + 1 <= budget
+    # About 110 tokens written: one search, then resumes at spaced checks only (a search at every
+    # token of the calm zone before).
+    assert calls["complete"] == 1 and calls["resume"] <= 24, calls
+
+
+def test_a_check_inside_a_character_waits_for_its_end(
+    compiler: xgr.GrammarCompiler, qwen_tokenizer: Any, qwen_info: xgr.TokenizerInfo,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    closer = Closer(qwen_info)
+    searched_at: list[int] = []
+    complete = closer.complete
+    stop = int(qwen_info.stop_token_ids[0])
+    seq = _sequence(compiler, PERSON, 1000, {"on_repeat": "continue"})
+
+    def counted(matcher: Any) -> tuple[int, ...] | None:
+        searched_at.append(seq.tokens_accepted)
+        return complete(matcher)
+
+    monkeypatch.setattr(closer, "complete", counted)
+    seq.accept(qwen_tokenizer.encode('{"name":"'))
+    byte_tokens = [closer.spell(bytes([b])) for b in "🚀".encode()]
+    seq.accept([byte_tokens[0][0]])  # type: ignore[index]
+    seq.next_check = seq.tokens_accepted  # a check is due
+    assert seq.plan(closer, stop) == FREE
+    assert searched_at == [] and seq.utf8_need == 3  # inside the character: no search
+    seq.accept([t[0] for t in byte_tokens[1:]])  # type: ignore[index]
+    seq.plan(closer, stop)
+    assert seq.utf8_need == 0 and searched_at == [seq.tokens_accepted]
+
+
+def test_bitmask_allows(qwen_info: xgr.TokenizerInfo) -> None:
+    vocab = qwen_info.vocab_size
+    buffer = BitmaskBuffer(1, vocab)
+    buffer.fill([None])
+    buffer.restrict(0, pack_tokens([5, 64], vocab), 100)
+    assert [buffer.allows(0, t) for t in (5, 6, 64, 100, vocab - 1)] == [True, False, True, True, False]

@@ -7,7 +7,6 @@ import pytest
 from contract.errors import ConfigError, InvalidArgument, ServingError, status_of, triton_code_name
 from grammar_backend import errors as g
 from llm_runtime import errors as r
-from llm_runtime.bls import RemoteGrammarError
 from pipeline.preprocess import RejectedRequest
 
 
@@ -24,7 +23,7 @@ from pipeline.preprocess import RejectedRequest
         (g.DuplicateSequence(7, "already started"), "ALREADY_EXISTS", "ALREADY_EXISTS", g.GrammarError),
         (g.TokenRejected(7, 5, 0), "INVALID_ARGUMENT", "INVALID_ARG", g.GrammarError),
         (g.CapacityExceeded("full"), "RESOURCE_EXHAUSTED", "UNAVAILABLE", g.GrammarError),
-        (RemoteGrammarError("grammar failed", "UNAVAILABLE"), "UNAVAILABLE", "UNAVAILABLE", g.GrammarError),
+        (g.RemoteGrammarError("grammar failed", "UNAVAILABLE"), "UNAVAILABLE", "UNAVAILABLE", g.GrammarError),
         (r.RequestError("max_tokens", "too big"), "INVALID_ARGUMENT", "INVALID_ARG", r.DecodeError),
         (r.EngineError("no slot"), "INTERNAL", "INTERNAL", r.DecodeError),
         (r.Overloaded("queue full"), "RESOURCE_EXHAUSTED", "UNAVAILABLE", r.DecodeError),

@@ -26,13 +26,6 @@ from llm_runtime.errors import EngineError
 from llm_runtime.grammar_hook import GrammarLogitsProcessor, RowOutcome
 from llm_runtime.local_mask import LocalMaskProvider
 from llm_runtime.mask import ConstraintRequest, MaskStep
-from llm_runtime.scheduler import (
-    FinishEvent,
-    GenerationRequest,
-    Scheduler,
-    SchedulerConfig,
-    TokenEvent,
-)
 from llm_runtime.tiny_model import TinyModelInfo, build_tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -162,45 +155,6 @@ def test_one_batched_grammar_request_per_step(engine: TorchEngine, provider: Cou
         text = tok.decode(toks[:-1])
         assert re.fullmatch(CONSTRAINTS[kind][1], text), (kind, text)
     assert processor.row_count == 0
-
-
-def test_processor_matches_the_overlapped_scheduler(engine: TorchEngine, grammar: GrammarEngine) -> None:
-    """The same requests give the same tokens through the processor and through the overlap path."""
-    def run(mode: str) -> list[tuple[str, str, tuple[int, ...]]]:
-        provider = CountingProvider(grammar)
-        with Scheduler(engine, provider, SchedulerConfig(max_batch_size=8, grammar_mode=mode)) as s:
-            results = []
-            for i, (p, kind) in enumerate(zip(PROMPTS, ["regex", "choice", "json", "json"], strict=True)):
-                events: list[TokenEvent | FinishEvent] = []
-                req = GenerationRequest(engine.tokenizer.encode(p).ids, constraint=CONSTRAINTS[kind][0],
-                                        max_tokens=30, temperature=0.7, seed=i)
-                s.submit(req, events.append)
-                results.append(events)
-            deadline = 60.0
-            import time
-            t0 = time.monotonic()
-            while not all(ev and isinstance(ev[-1], FinishEvent) for ev in results):
-                assert time.monotonic() - t0 < deadline, "requests did not finish"
-                time.sleep(0.01)
-            stats = s.stats()
-            ps = s.processor_stats()
-            if mode == "processor":
-                assert ps is not None
-                constrained_steps = int((stats.constrained_rows > 0).sum())
-                assert ps.grammar_requests == constrained_steps == len(provider.step_rows)
-            else:
-                assert ps is None
-        out: list[tuple[str, str, tuple[int, ...]]] = []
-        for ev in results:
-            fin = ev[-1]
-            assert isinstance(fin, FinishEvent)
-            toks = tuple(t for e in ev if isinstance(e, TokenEvent) for t in e.token_ids)
-            out.append((fin.finish_reason, fin.text, toks))
-        return out
-
-    overlap = run("overlap")
-    assert run("processor") == overlap
-    assert all(reason in ("stop", "length") for reason, _, _ in overlap)
 
 
 def test_row_error_and_termination_leave_only_end_tokens(engine: TorchEngine, provider: CountingProvider,

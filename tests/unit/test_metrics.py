@@ -15,6 +15,7 @@ from grammar_backend.metrics import (
     LatencyWindow,
     Publisher,
     Snapshot,
+    TritonMetrics,
     Update,
     metric_names,
 )
@@ -81,6 +82,64 @@ def test_a_counter_never_goes_down() -> None:
     pub.updates(Snapshot({("llm_steps_total", ()): 5.0}))
     with pytest.raises(ValueError, match=r"counter 'llm_steps_total' went down \(5.0 -> 4.0\)"):
         pub.updates(Snapshot({("llm_steps_total", ()): 4.0}))
+
+
+class _Family:
+    """``pb_utils.MetricFamily`` as TritonMetrics uses it: series that record what was set or added."""
+
+    COUNTER, GAUGE = "counter", "gauge"
+
+    def __init__(self, name: str, description: str, kind: str) -> None:
+        self.name = name
+
+    def Metric(self, labels: dict[str, str]) -> _Series:
+        return _Series()
+
+
+class _Series:
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def set(self, value: float) -> None:
+        self.value = value
+
+    def increment(self, value: float) -> None:
+        self.value += value
+
+
+class _Pb:
+    MetricFamily = _Family
+
+
+def test_snapshots_taken_on_several_threads_reach_the_endpoint_in_order() -> None:
+    """The grammar model publishes from its start threads and its channel: the snapshot is taken under
+    the publisher's lock, so a later count is never published before an earlier one (which raised)."""
+    metrics = TritonMetrics(_Pb, "grammar")  # type: ignore[arg-type]
+    count = [0]
+    lock = threading.Lock()
+
+    def snapshot() -> Snapshot:
+        with lock:
+            count[0] += 1
+            return Snapshot({("grammar_compiles_total", ()): float(count[0])})
+
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            for _ in range(300):
+                metrics.publish(snapshot, force=True)
+        except BaseException as err:  # noqa: BLE001 -- re-raised below
+            errors.append(err)
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors[0]
+    assert metrics._series[("grammar_compiles_total", ())].value == 1200.0
+    metrics.close()
 
 
 def test_snapshot_add_accumulates_per_label_set() -> None:

@@ -112,3 +112,29 @@ def test_a_refusal_travels_as_data_with_its_status(err: Exception, status: str) 
     with pytest.raises(RejectedRequest) as info:
         GenerationParams.from_json(rejection_json(err))
     assert (info.value.status, str(info.value)) == (status, str(err))
+
+
+def test_a_refused_constraint_is_refused_again_without_a_parse(pre: Preprocessor,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import pipeline.preprocess as pp
+    from grammar_backend.spec import parse_constraint as real
+
+    parses: list[str] = []
+
+    def counted(kind: str, payload: Any, options: Any = None, limits: Any = None) -> Any:
+        parses.append(kind)
+        return real(kind, payload, options, limits)
+
+    monkeypatch.setattr(pp, "parse_constraint", counted)
+    bad = json.dumps({"type": "object", "properties": {f"p{i}": {"type": "wat"} for i in range(3000)}}).encode()
+    raw = RawRequest(prompt=b"hi", grammar_type=b"json_schema", grammar=bad)
+    messages = []
+    for _ in range(3):
+        with pytest.raises(InvalidArgument) as info:
+            pre(raw)
+        messages.append((info.value.status, str(info.value)))
+    assert parses == ["json_schema"] and len(set(messages)) == 1  # the same answer, one parse
+    assert messages[0][0] == "INVALID_ARGUMENT" and messages[0][1].startswith("grammar")
+    pre(RawRequest(prompt=b"hi", grammar_type=b"regex", grammar=b"[ab]+"))  # a good one still parses
+    pre(RawRequest(prompt=b"hi", grammar_type=b"regex", grammar=b"[ab]+"))  # and is never cached as refused
+    assert parses == ["json_schema", "regex", "regex"]

@@ -31,6 +31,7 @@ from grammar_backend.errors import (
 )
 from llm_runtime.engine import TorchEngine, TorchEngineConfig
 from llm_runtime.errors import Overloaded, RequestError, SchedulerClosed
+from llm_runtime.grammar_phase import JumpPolicy
 from llm_runtime.local_mask import LocalMaskProvider
 from llm_runtime.mask import ConstraintRequest, MaskStep
 from llm_runtime.scheduler import (
@@ -39,7 +40,6 @@ from llm_runtime.scheduler import (
     Scheduler,
     SchedulerConfig,
     TokenEvent,
-    jump_width,
 )
 from llm_runtime.tiny_model import TinyModelInfo, build_tiny_llama
 
@@ -370,14 +370,24 @@ def test_cancel_frees_the_grammar_sequence(
     engine: TorchEngine, compiler: xgr.GrammarCompiler, tiny: TinyModelInfo, stage: str
 ) -> None:
     provider = XGrammarMaskProvider(compiler, tiny.vocab_size)
-    c = ConstraintRequest("regex", "[a-z]{250}", "")
+    # Waiting: a quick compile (the victim never decodes); else long enough not to finish before the cancel.
+    c = ConstraintRequest("regex", "[a-z]+" if stage == "waiting" else "[a-z]{250}", "")
     with Scheduler(engine, provider, SchedulerConfig(max_batch_size=1)) as s:
+        # Once the victim is compiled, the blocker's next event holds the loop
+        # until the victim is cancelled: it really waits outside the busy batch.
+        gate = threading.Event()
         blocker = Result()
+
+        def held(event: TokenEvent | FinishEvent) -> None:
+            blocker(event)
+            if provider.started and not gate.is_set():
+                assert gate.wait(TIMEOUT)
+
         blocker_rid = ""
         if stage == "compiling":
             provider.start_gate = threading.Event()
         elif stage == "waiting":  # the batch (size 1) is busy: the compiled request waits outside it
-            blocker_rid = s.submit(GenerationRequest(prompt(engine, "b"), max_tokens=250), blocker)
+            blocker_rid = s.submit(GenerationRequest(prompt(engine, "b"), max_tokens=250), held)
             assert blocker.first_token.wait(TIMEOUT)
         victim = Result()
         rid = s.submit(GenerationRequest(prompt(engine, "a"), constraint=c, max_tokens=250), victim)
@@ -389,6 +399,7 @@ def test_cancel_frees_the_grammar_sequence(
                 time.sleep(0.005)
             assert provider.started and s.active_count == 1
         assert s.cancel(rid)
+        gate.set()
         fin = victim.wait()
         assert (fin.finish_reason, fin.error_status, fin.error) == ("error", "CANCELLED", "request cancelled")
         assert fin.completion_tokens < 250
@@ -702,6 +713,32 @@ def test_jump_forward_appends_forced_text_in_fewer_forwards(
         grammar.close()
 
 
+def test_the_first_forced_run_streams_in_its_own_step(engine: TorchEngine, tiny: TinyModelInfo) -> None:
+    """Value checks hold what they may drop, but not the output's opening `{"identification_number":`:
+    the grammar says it is safe, so it streams in the step that forced it (time to first token)."""
+    grammar = tiny_grammar(tiny)
+    try:
+        with Scheduler(engine, LocalMaskProvider(grammar), SchedulerConfig(max_batch_size=8)) as s:
+            seen: list[tuple[int, tuple[int, ...], str]] = []
+            r = Result()
+
+            def on_event(event: TokenEvent | FinishEvent) -> None:
+                if isinstance(event, TokenEvent) and not seen:
+                    seen.append((s.stats().steps, event.token_ids, event.text_delta))
+                r(event)
+
+            s.submit(GenerationRequest(prompt(engine, "x"), max_tokens=60, temperature=0.0,
+                                       constraint=ConstraintRequest("json_schema", JUMP_SCHEMA, "")), on_event)
+            fin = r.wait()
+        assert fin.finish_reason in ("stop", "length") and re.fullmatch(JUMP_PATTERN, fin.text)
+        (steps_before, tokens, text), = seen
+        # At most max_jump_tokens (16) of the 20 forced tokens are taken in a step.
+        assert steps_before == 0 and len(tokens) == 16 and '{"identification_number":'.startswith(text)
+        assert text.startswith('{"identif')
+    finally:
+        grammar.close()
+
+
 def test_a_stop_string_inside_a_jump_cuts_it(engine: TorchEngine, tiny: TinyModelInfo) -> None:
     grammar = tiny_grammar(tiny)
     try:
@@ -717,17 +754,85 @@ def test_a_stop_string_inside_a_jump_cuts_it(engine: TorchEngine, tiny: TinyMode
 
 
 @pytest.mark.parametrize(
-    ("lengths", "rows", "fill", "width"),
+    ("lengths", "rows", "fill", "measured", "width"),
     [
-        ([8], 1, 0.25, 8),  # alone: any jump pays
-        ([8], 4, 0.25, 8),  # 7 forced of 28 padded positions: exactly the share
-        ([8], 8, 0.25, 0),  # 7 of 56: dropped
-        ([8, 8], 8, 0.25, 8),  # two rows: 14 of 56
-        ([8, 3], 6, 0.25, 5),  # width 8: 9 forced for 10.5 needed; width 5: 6 for 6
-        ([2, 2, 2], 16, 0.25, 0),
-        ([5], 16, 0.0, 5),  # 0: never cut
-        ([4, 16], 2, 1.0, 4),  # only the width both rows fill entirely
+        ([8], 1, 0.25, {}, 8),  # alone: any jump pays
+        ([8], 4, 0.25, {}, 8),  # 7 forced of 28 padded positions: exactly break-even (the wider on a tie)
+        ([8], 8, 0.25, {}, 0),  # 7 of 56: dropped
+        ([8, 8], 8, 0.25, {}, 8),  # two rows: 14 of 56
+        ([8, 3], 6, 0.25, {}, 3),  # width 3: 10 tokens for 1.5 (6.7 a unit); 5: 12 for 2 (6.0); 8: 15 for 2.75
+        ([2, 2, 2], 16, 0.25, {}, 0),
+        ([5], 16, 0.0, {}, 5),  # 0: free until measured
+        ([4] * 8, 16, 0.25, {}, 4),  # the prior: 40 tokens for 1.75
+        ([4] * 8, 16, 0.25, {4: 3.0}, 3),  # measured at width 4: 40 for 3.0; width 3 keeps the prior: 32 for 1.5
+        ([8], 8, 0.25, {8: 1.05}, 8),  # a GPU-like engine: a wide forward costs about one narrow one
+        ([2] * 4, 16, 0.25, {}, 2),  # the prior: 20 tokens for 1.25, break-even
+        ([2] * 4, 16, 0.25, {2: 1.42}, 0),  # the tiny stand-in on the CPU: 20 tokens for 1.42 < 16 for 1
     ],
 )
-def test_jump_width(lengths: list[int], rows: int, fill: float, width: int) -> None:
-    assert jump_width(lengths, rows, fill) == width
+def test_jump_policy(lengths: list[int], rows: int, fill: float, measured: dict[int, float], width: int) -> None:
+    policy = JumpPolicy(fill)
+    policy.record(rows, 2, 0.005)  # no one-token base yet: nothing to compare with, ignored
+    assert policy.cost(rows, 2) == 1 + fill
+    if measured:
+        policy.record(rows, 1, 0.002)
+    for k, ratio in measured.items():
+        policy.record(rows, k, 0.002 * ratio)
+        assert policy.cost(rows, k) == pytest.approx(ratio)
+    assert policy.width(lengths, rows) == width
+
+
+def test_jump_policy_averages_what_it_measures() -> None:
+    policy = JumpPolicy(0.25)
+    policy.record(4, 1, 0.010)
+    policy.record(4, 1, 0.020)  # moving average: 0.010 + 0.1 * 0.010
+    policy.record(4, 3, 0.022)
+    assert policy.cost(4, 3) == pytest.approx(2.0)
+    policy.record(4, 3, 0.033)  # ratio 3.0 -> 2.0 + 0.1 * 1.0
+    assert policy.cost(4, 3) == pytest.approx(2.1)
+    assert (policy.cost(4, 1), policy.cost(8, 3)) == (1.0, 1.5)  # other batch sizes keep the prior
+
+
+class CountingProvider(LocalMaskProvider):
+    """The in-process provider over the real grammar engine, counting its step calls."""
+
+    def __init__(self, engine: GrammarEngine) -> None:
+        super().__init__(engine)
+        self.step_calls = 0
+
+    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray,
+             jump_forward: bool = False) -> MaskStep:
+        self.step_calls += 1
+        return super().step(seq_ids, tokens, counts, jump_forward)
+
+
+def test_processor_mode_gives_what_overlap_gives(engine: TorchEngine, tiny: TinyModelInfo) -> None:
+    """The grammar step after the forward (processor) or beside it (overlap): the same request and the same
+    reading of its answer, so the same tokens -- jumps, value checks and closing included -- and one grammar
+    request per step with a constrained row."""
+    kinds = [("regex", "[a-z]{2,6}"), ("choice", '["north", "south"]'), ("json_schema", JUMP_SCHEMA),
+             ("json_schema", PERMUTATION)]
+
+    def run(mode: str) -> tuple[list[tuple[str, str, tuple[int, ...], int]], int]:
+        grammar = tiny_grammar(tiny)
+        provider = CountingProvider(grammar)
+        try:
+            with Scheduler(engine, provider, SchedulerConfig(max_batch_size=8, grammar_mode=mode)) as s:
+                results = [submit(s, GenerationRequest(prompt(engine, p), max_tokens=30, temperature=0.7, seed=i,
+                                                       constraint=ConstraintRequest(kind, payload, "")))
+                           for i, (p, (kind, payload)) in enumerate(zip(PROMPTS, kinds, strict=False))]
+                finals = [r.wait() for r in results]
+                summary = s.summary()
+            assert summary["grammar_requests"] == summary["steps_constrained"] == provider.step_calls
+            assert grammar.active_count == 0
+            # The steps may differ: jump widths follow the measured forward cost.
+            return ([(f.finish_reason, f.text, tuple(r.token_ids), f.value_retries)
+                     for f, r in zip(finals, results, strict=True)], int(summary["jump_tokens"]))
+        finally:
+            grammar.close()
+
+    overlap, jumped = run("overlap")
+    processor, jumped_after = run("processor")
+    assert processor == overlap
+    assert all(reason in ("stop", "length") for reason, _, _, _ in overlap)
+    assert jumped > 0 and jumped_after > 0  # the long keys were jumped over

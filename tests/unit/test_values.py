@@ -127,13 +127,37 @@ def test_violations(schema: dict[str, Any], unenforced: list[str], text: str,
         ('{"a":[1,2],', 0),  # it completed and passed
         ('{"a":[1,2],"b":"x', 0),  # b is not checked
         ('{"a":', 0),
-        ('{"a":[1,2],"bc', 3),  # a key being read: it may repeat one
+        ('{"a":[1,2],"bc', 0),  # a key that no earlier key begins with cannot repeat one: it streams
+        ('{"bc', 0),  # the first key of an object never repeats
+        ('{"a":[1,2],"b":"x","b', 2),  # it begins "b": it may repeat it, held until it closes or differs
+        ('{"b":"x","a":[1,2],"b', 2),
+        ('{"bcd":1,"bc', 3),  # a prefix of an earlier key
+        ('{"bcd":1,"bx', 0),
+        ('{"b":1,"\\u00', 5),  # an escape: its spelling may still repeat "b"
     ],
 )
 def test_hold_counts_what_a_check_may_still_drop(text: str, hold: int) -> None:
     schema = {"properties": {"a": {"type": "array", "uniqueItems": True}, "b": {"type": "string"}}}
     scanner, violation = _scan(schema, ["/properties/a/uniqueItems"], text)
     assert (violation, scanner.hold()) == (None, hold)
+
+
+@pytest.mark.parametrize(
+    ("schema", "unenforced", "forced", "safe"),
+    [
+        ({"properties": {"b": {"type": "string"}}}, [], '{"b":', 5),  # a first key cannot repeat: all of it
+        ({"properties": {"b": {"type": "string"}}}, [], '{"b', 3),  # even open: no earlier key to repeat
+        ({"type": "object", "minProperties": 2}, ["/minProperties"], '{"b":', 0),  # an anchored root: none
+        ({"type": "array", "uniqueItems": True}, ["/uniqueItems"], "[1,1,", 0),
+        ({"properties": {"a": {"type": "array", "uniqueItems": True}}}, ["/properties/a/uniqueItems"],
+         '{"a":[1,', 5),  # up to where the checked array opens
+    ],
+)
+def test_the_first_forced_run_says_what_of_it_streams_at_once(schema: dict[str, Any], unenforced: list[str],
+                                                             forced: str, safe: int) -> None:
+    scanner, _ = _scan(schema, unenforced, "")
+    assert scanner.safe_prefix(list(forced.encode())) == safe
+    assert scanner.tokens == []  # left as it was
 
 
 def test_rollback_rescans_and_drops_later_bans() -> None:

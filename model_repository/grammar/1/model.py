@@ -3,7 +3,7 @@
 Tensor contract (``max_batch_size: 0``; B = rows of the request):
 
 Inputs
-    OP               BYTES [1]      start | step | rollback | end | stats
+    OP               BYTES [1]      start | step | rollback | end | stats | channel
     SEQUENCE_ID      UINT64 [B]     sequence ids (exactly one for start)
     TOKENS           INT32 [B, K]   step: tokens generated since the row's last step
     TOKEN_COUNT      INT32 [B]      step: valid entries of each TOKENS row; rollback: tokens to undo
@@ -30,6 +30,8 @@ Outputs (exactly one response per request, sent with the FINAL flag)
                                             only when a row failed)
     FORCED_TOKENS    INT32 [B, F]           step with JUMP_FORWARD
     FORCED_COUNT     INT32 [B]              step with JUMP_FORWARD
+    FORCED_SAFE      INT32 [B]              step with JUMP_FORWARD: of forced tokens that start an
+                                            output, how many of the first no value check can drop
     CLOSING          INT8 [B]               step: 0, or the row's mask forces a completion
                                             (1: budget, 2: repetition; grammar_backend.closing)
     DROPPED          INT32 [B]              step: tokens the row's value check dropped (sent only
@@ -40,6 +42,8 @@ Outputs (exactly one response per request, sent with the FINAL flag)
     STATS            BYTES [1]              stats: JSON of cache and table counters
     BACKEND          BYTES [1]              start: the grammar backend serving the sequence
                                             (xgrammar or llguidance; grammar option backend)
+    CHANNEL          BYTES [1]              channel: the grammar channel's socket path
+                                            (grammar_backend.channel: start, step and end without BLS)
     ERROR            BYTES [1]              only when requested: a request-level error as data,
                                             JSON {"status": gRPC status name, "message": ...}
 
@@ -50,6 +54,11 @@ the ERROR output: Triton 2.51's BLS resets every error code to INTERNAL
 (triton-inference-server/server#7804), so the ``llm`` model asks for ERROR to
 keep INVALID_ARGUMENT distinct from a server fault. One bad row of a step is
 only reported in ROW_ERROR.
+
+Starts, steps and ends also come over the grammar channel
+(:mod:`grammar_backend.channel`), a Unix socket this model listens on from
+``initialize``: the same ``GrammarService`` ops, without Triton's request
+path; ``channel`` answers its path.
 """
 
 from __future__ import annotations
@@ -126,10 +135,14 @@ def _to_response(reply: GrammarReply, wanted: frozenset[str]) -> Any:
     if reply.forced_tokens is not None and reply.forced_counts is not None:
         candidates.append(("FORCED_TOKENS", reply.forced_tokens))
         candidates.append(("FORCED_COUNT", reply.forced_counts))
+        if reply.forced_safe is not None:
+            candidates.append(("FORCED_SAFE", reply.forced_safe))
     if reply.stats is not None:
         candidates.append(("STATS", np.array([reply.stats.encode()], np.object_)))
     if reply.backend is not None:
         candidates.append(("BACKEND", np.array([reply.backend.encode()], np.object_)))
+    if reply.channel is not None:
+        candidates.append(("CHANNEL", np.array([reply.channel.encode()], np.object_)))
     return pb_utils.InferenceResponse(
         output_tensors=[pb_utils.Tensor(name, value) for name, value in candidates if not wanted or name in wanted])
 
@@ -159,6 +172,12 @@ class TritonPythonModel:
         # The grammar metrics of grammar_backend.metrics on Triton's endpoint:
         # after every start and end (gauges that move), at most once a second after steps.
         self.metrics = TritonMetrics(pb_utils, "grammar")
+        self.service.open_channel(on_served=self._after_channel_op)
+
+    def _after_channel_op(self, op: str) -> None:
+        # As over BLS (_send): gauges move on start and end; steps publish at most once a second.
+        if op != "step" or self.metrics.due():
+            self.metrics.publish(self.service.metrics_snapshot, force=True)
 
     def _serve(self, request: Any, req: GrammarRequest, errors_as_data: bool) -> None:
         try:
@@ -185,7 +204,7 @@ class TritonPythonModel:
             )
         request.get_response_sender().send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         if op != "step" or self.metrics.due():
-            self.metrics.publish(self.service.metrics_snapshot(), force=True)
+            self.metrics.publish(self.service.metrics_snapshot, force=True)
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
@@ -197,6 +216,7 @@ class TritonPythonModel:
                 self._serve(request, req, errors_as_data)
 
     def finalize(self) -> None:
+        self.service.close_channel()
         self.starts.shutdown(wait=False, cancel_futures=True)
         self.service.engine.close()
         # pb_utils objects are freed while the stub is still up (see the llm model).

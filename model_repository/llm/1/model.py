@@ -14,9 +14,9 @@ Inputs
                             client's stream cancellation into ensemble steps (server#6739), so
                             the client SDK sends this when a stream is closed early.
 Outputs (streamed; the last response carries the FINAL flag)
-    TEXT_DELTA  BYTES [1]   UTF-8 text of the tokens since the previous response (one response
-                            per stream_interval tokens after the first, which goes out at
-                            once; the last one carries what is left)
+    TEXT_DELTA  BYTES [1]   UTF-8 text of the tokens since the previous response (the first
+                            goes out at once, then one at most every stream_interval_ms:
+                            llm_runtime.streaming; the last one carries what is left)
     FINISH      BYTES [1]   "" until the last response; then a JSON object {finish_reason, text,
                             prompt_tokens, completion_tokens, error, status, close_reason,
                             stop_string, constraint} (the
@@ -33,6 +33,7 @@ never sends an error response (see pipeline.postprocess and deploy/gateway.py).
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -47,6 +48,7 @@ from llm_runtime.errors import CANCELLED
 from llm_runtime.mask import ConstraintRequest
 from llm_runtime.model_config import LlmModelConfig, bls_generator
 from llm_runtime.scheduler import FinishEvent, GenerationRequest, TokenEvent
+from llm_runtime.streaming import DeltaCoalescer, Outbox
 from pipeline.postprocess import FinalState, finish_json
 from pipeline.preprocess import GenerationParams
 
@@ -79,65 +81,81 @@ def _to_request(request: Any) -> tuple[dict[str, str] | None, GenerationRequest]
 
 
 class _Stream:
-    """Sends one request's scheduler events as Triton responses."""
+    """Turns one request's scheduler events into Triton responses, sent by the model's outbox.
 
-    __slots__ = ("constraint", "events", "interval", "pending", "pending_tokens", "rid", "scheduler", "sender",
-                 "sent")
+    Called on the decode loop's thread: it only coalesces text and queues
+    jobs; every ``pb_utils`` call runs on the outbox's thread, in order.
+    """
 
-    def __init__(self, sender: Any, scheduler: Any, interval: int) -> None:
+    __slots__ = ("coalescer", "constraint", "events", "outbox", "rid", "scheduler", "sender")
+
+    def __init__(self, sender: Any, scheduler: Any, outbox: Outbox, interval_s: float) -> None:
         self.sender = sender
         self.scheduler = scheduler
-        self.interval = interval
+        self.outbox = outbox
+        self.coalescer = DeltaCoalescer(interval_s)
         self.rid = ""
         self.constraint: dict[str, str] | None = None
         self.events = 0
-        self.pending: list[str] = []  # deltas not sent yet (stream_interval)
-        self.pending_tokens = 0
-        self.sent = False  # the first delta goes out at once: time to first token does not wait
 
     def __call__(self, event: TokenEvent | FinishEvent) -> None:
         if isinstance(event, TokenEvent):
-            # The client closed its stream: free the sequence at the next step.
-            # is_cancelled() is a blocking round trip through the stub's one IPC
-            # thread (the one that also runs BLS cleanups), so it is asked every
-            # CANCEL_POLL_EVERY tokens, not per token; inside the ensemble Triton
-            # 2.51 never sets it anyway (server#6739: the gateway sends CANCEL).
             self.events += 1
-            if self.events % CANCEL_POLL_EVERY == 0 and self.sender.is_cancelled():
-                self.scheduler.cancel(self.rid)
-                return
-            if event.text_delta:
-                self.pending.append(event.text_delta)
-            self.pending_tokens += len(event.token_ids)
-            if self.pending and (self.pending_tokens >= self.interval or not self.sent):
-                self.sent = True
-                self.sender.send(pb_utils.InferenceResponse(output_tensors=[
-                    pb_utils.Tensor("TEXT_DELTA", np.array([self._take().encode("utf-8")], np.object_)),
-                    pb_utils.Tensor("FINISH", _EMPTY)]))
+            if self.events % CANCEL_POLL_EVERY == 0:
+                self.outbox.put(self._poll_cancel)
+            text = self.coalescer.push(event.text_delta)
+            if text is not None:
+                self.outbox.put(functools.partial(self._send_delta, text))
             return
         if event.error_status == CANCELLED:
             # Cancelled through CANCEL: the client has left, an empty final response ends the request.
-            self.sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            self.outbox.put(self._send_cancelled)
             return
         final = FinalState(event.finish_reason, event.text, event.prompt_tokens, event.completion_tokens,
                            event.error, event.error_status, event.close_reason, event.stop_string, event.backend,
                            event.value_retries, event.value_dropped_tokens)
         self.finish(final)
 
-    def _take(self) -> str:
-        text = "".join(self.pending)
-        self.pending.clear()
-        self.pending_tokens = 0
-        return text
-
     def finish(self, final: FinalState) -> None:
-        """The last response (with any delta not sent yet): errors are data in FINISH
-        (pipeline.postprocess), never an error response."""
+        """Queue the last response (with any text not sent yet)."""
+        self.outbox.put(functools.partial(self._send_final, final, self.coalescer.take()))
+
+    # -- on the outbox's thread -------------------------------------------------------
+    def _poll_cancel(self) -> None:
+        # The client closed its stream: free the sequence at the next step.
+        # is_cancelled() is a blocking round trip through the stub's one IPC
+        # thread (the one that also runs BLS cleanups), so it is asked every
+        # CANCEL_POLL_EVERY tokens, not per token; inside the ensemble Triton
+        # 2.51 never sets it anyway (server#6739: the gateway sends CANCEL).
+        if self.sender.is_cancelled():
+            self.scheduler.cancel(self.rid)
+
+    def _send_delta(self, text: str) -> None:
+        self._send(pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("TEXT_DELTA", np.array([text.encode("utf-8")], np.object_)),
+            pb_utils.Tensor("FINISH", _EMPTY)]), 0)
+
+    def _send_cancelled(self) -> None:
+        self._send(None, pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def _send_final(self, final: FinalState, text: str) -> None:
+        # Errors are data in FINISH (pipeline.postprocess), never an error response.
         finish = finish_json(final, self.constraint)
-        self.sender.send(pb_utils.InferenceResponse(output_tensors=[
-            pb_utils.Tensor("TEXT_DELTA", np.array([self._take().encode("utf-8")], np.object_)),
+        self._send(pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("TEXT_DELTA", np.array([text.encode("utf-8")], np.object_)),
             pb_utils.Tensor("FINISH", np.array([finish.encode("utf-8")], np.object_))]),
-            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def _send(self, response: Any, flags: int) -> None:
+        try:
+            if response is None:
+                self.sender.send(flags=flags)
+            else:
+                self.sender.send(response, flags=flags)
+        except Exception as err:  # noqa: BLE001 -- the stream is gone: its request stops at the next step
+            pb_utils.Logger.log_error(f"llm: a response of request {self.rid} could not be sent: {err!r}")
+            if self.rid:
+                self.scheduler.cancel(self.rid)
 
 
 class TritonPythonModel:
@@ -145,12 +163,16 @@ class TritonPythonModel:
 
     def initialize(self, args: dict[str, str]) -> None:
         config = from_parameters(LlmModelConfig, parameter_values(json.loads(args["model_config"])), "llm")
-        self.stream_interval = config.stream_interval
+        self.stream_interval_s = config.stream_interval_ms / 1000.0
         # The llm metrics of grammar_backend.metrics on Triton's endpoint; the
         # generator hands snapshots over when a gauge moves (or each second).
         self.metrics = TritonMetrics(pb_utils, "llm")
-        self.scheduler, self.provider = bls_generator(config, pb_utils,
-                                                      lambda snap: self.metrics.publish(snap, force=True))
+        # Every response is sent from this one thread, never from the decode loop (llm_runtime.streaming).
+        self.outbox = Outbox()
+        # Metric snapshots are published from the outbox too: a publication is
+        # IPC with tritonserver, which the decode loop must not wait for.
+        self.scheduler, self.provider = bls_generator(
+            config, pb_utils, lambda snap: self.outbox.put(functools.partial(self.metrics.publish, snap, force=True)))
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
@@ -159,7 +181,7 @@ class TritonPythonModel:
                 self.scheduler.cancel(bytes(cancel.as_numpy().reshape(-1)[0]).decode("utf-8", "replace"))
                 request.get_response_sender().send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
-            stream = _Stream(request.get_response_sender(), self.scheduler, self.stream_interval)
+            stream = _Stream(request.get_response_sender(), self.scheduler, self.outbox, self.stream_interval_s)
             try:
                 stream.constraint, gen_request = _to_request(request)
                 stream.rid = self.scheduler.submit(gen_request, stream)
@@ -173,12 +195,13 @@ class TritonPythonModel:
         # One line per process lifetime: the per-step figures the benchmarks read.
         pb_utils.Logger.log_info(f"llm step stats: {json.dumps(self.scheduler.summary())}")
         self.scheduler.close()
+        self.outbox.close()  # the final responses of the requests the close failed
         self.provider.close()
         # Every pb_utils object (metrics before their families, the BLS responses
         # the provider retains or exception tracebacks hold) is freed
         # here, while the stub's shared memory still exists: left to interpreter
         # teardown their destructors segfaulted the stub on SIGTERM shutdowns
         # (MetricFamily 2 of 2; PbTensor and InferResponse once each).
-        del self.scheduler, self.provider
+        del self.scheduler, self.provider, self.outbox
         self.metrics.close()
         quiesce_for_exit()

@@ -1,0 +1,509 @@
+"""The serving path at GPU token rates: what does serving cost around a fast forward?
+
+Usage (from the repository root, after ``make venv``)::
+
+    make bench-path                      # ~6 min on 2 shared cores (BENCH_QUICK=1: ~2 min)
+    .venv/bin/python bench/path_bench.py --quick --json /tmp/path.json --plot /tmp/path.png
+    .venv/bin/python bench/path_bench.py --model-dir build/models/smollm2-135m-instruct --quick
+
+The default model is a tiny random Llama (``llm_runtime.tiny_model``: hidden
+64, 2 layers, a ChatML template; built once under ``build/models/tiny-llama``)
+whose forward takes a few milliseconds on this CPU: a stand-in for a GPU
+step, behind which no serving cost hides.  It runs on one torch thread
+(``TORCH_THREADS=1``, as a GPU engine keeps one host thread busy; a second
+thread only spins on the cores the serving path needs: served 2,550 against
+4,330 tokens/s at 16 streams).  ``--model-dir`` measures any other
+checkpoint with ``deploy/values.json``'s threads (the embedded default,
+SmolLM2-135M, takes 40-80 ms a step).
+
+What it does, in one run:
+
+1. Renders ``model_repository/`` (``deploy/values.json``, the model folder,
+   ``--set KEY=VALUE`` overrides) and starts ``python -m deploy.server`` as a
+   child process on free loopback ports, as ``make serve`` does: the gateway
+   runs in that launcher process, apart from this client.
+2. At each concurrency (1, 8, 16, and 32 when ``MAX_BATCH`` allows), sends
+   the same prompts constrained (``e2e_bench.PERSON_SCHEMA``) and
+   unconstrained, greedy, ``--max-tokens``; the two modes alternate per
+   round.  Concurrency N is N threads, one stream each, released together.
+   Per request: time to first token (first non-empty text delta), the gaps
+   between text deltas (what a reader sees as inter-token latency; with
+   coalescing one delta carries several tokens) and the tokens.
+3. Around every batch, reads ``/proc/<pid>/stat`` of every server process
+   (the launcher with the gateway, tritonserver, each Python-backend stub
+   and the grammar model's compile workers): CPU seconds per 1,000 streamed
+   tokens, per process, mode and concurrency; and this process's own (the
+   client's streams), apart: on this machine it shares the server's cores.
+4. Stops the server and reads the ``llm`` model's step stats from its log:
+   the decode-step time at each full batch for steps whose rows were all
+   free or all constrained (equal work; see ``e2e_bench.equal_work_ratios``).
+5. With the server gone, runs the same engine in this process
+   (``e2e_bench.in_process``: same prompts, threads and batch limit, no
+   Triton): served / in-process tokens/s, unconstrained.
+
+Prints a table, writes ``--json`` and ``--plot``; the last line reads
+``path at concurrency 16: served/in-process S, constrained/unconstrained R``.
+Nothing here asserts a time: read ratios from one run on this noisy host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import numpy as np
+
+REPO: Final = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+# Imported after the sys.path entry above.
+from e2e_bench import (
+    ENSEMBLE,
+    MODES,
+    PERSON_SCHEMA,
+    PROMPTS,
+    equal_work_ratios,
+    in_process,
+    parse_step_stats,
+    pct,
+)
+
+from client import Client, Constraint
+from deploy.render import load_values, render_repository
+from deploy.server import find_free_port
+
+TINY_DIR: Final = REPO / "build" / "models" / "tiny-llama"
+#: Written last by :func:`tiny_checkpoint`: the folder is complete.
+TINY_MARKER: Final = "tiny_model.json"
+CONCURRENCIES: Final = (1, 8, 16, 32)
+READY_TIMEOUT_S: Final = 300.0
+_CLK_TCK: Final = os.sysconf("SC_CLK_TCK")
+#: This benchmark's own CPU (the client's streams) in the CPU table: not the server's, but on this
+#: machine it takes the same cores.
+CLIENT_LABEL: Final = "(client: this benchmark)"
+#: A Python-backend stub's argv names its model instance, e.g. ``llm_0_0``.
+_INSTANCE_RE: Final = re.compile(r"^([A-Za-z0-9_.-]+?)_\d+_\d+$")
+
+
+def tiny_checkpoint(path: Path = TINY_DIR) -> Path:
+    """The tiny stand-in checkpoint, built once (``build_tiny_llama`` with a ChatML template)."""
+    if (path / TINY_MARKER).is_file():
+        return path
+    from llm_runtime.tiny_model import CHATML, build_tiny_llama
+
+    # The llm model's context is 2,048 tokens (llm_runtime.model_config): the
+    # checkpoint must take as many positions.
+    build_tiny_llama(path, chat_template=CHATML, max_position_embeddings=2048)
+    return path
+
+
+# --------------------------------------------------------------------------- processes
+@dataclass(frozen=True)
+class Proc:
+    """One server process: a stable label and its pid."""
+
+    label: str
+    pid: int
+
+
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            kids.extend(int(k) for k in Path(f"/proc/{pid}/task/{task}/children").read_text().split())
+    except OSError:
+        pass
+    return kids
+
+
+def _label(pid: int, parent: str) -> str:
+    argv = [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
+    exe = Path(argv[0]).name if argv else "?"
+    if "triton_python_backend_stub" in exe:
+        for arg in argv:
+            m = _INSTANCE_RE.match(arg)
+            if m:
+                return f"stub {arg}"
+        return "stub ?"
+    if exe == "tritonserver":
+        return "tritonserver"
+    if parent.startswith("stub grammar"):
+        return "grammar compile worker"
+    return f"{exe} (child of {parent})"
+
+
+def server_processes(launcher: int) -> list[Proc]:
+    """The launcher (gateway, supervisor) and every process below it, labelled."""
+    out = [Proc("launcher + gateway", launcher)]
+    todo = [(k, out[0].label) for k in _children(launcher)]
+    while todo:
+        pid, parent = todo.pop()
+        try:
+            label = _label(pid, parent)
+        except OSError:
+            continue  # exited meanwhile
+        out.append(Proc(label, pid))
+        todo.extend((k, label) for k in _children(pid))
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` (its threads included); 0 once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+
+
+class CpuMeter:
+    """CPU seconds per process label, accumulated over measured intervals."""
+
+    def __init__(self, launcher: int) -> None:
+        self.launcher = launcher
+        self.spent: dict[str, float] = {}
+
+    def snapshot(self) -> dict[int, tuple[str, float]]:
+        """CPU seconds per server process now, and this process's own (the client) under pid 0."""
+        snap = {p.pid: (p.label, cpu_seconds(p.pid)) for p in server_processes(self.launcher)}
+        times = os.times()
+        snap[0] = (CLIENT_LABEL, times.user + times.system)
+        return snap
+
+    def add(self, before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]],
+            into: dict[str, float]) -> None:
+        """Add each process's CPU between two snapshots to ``into`` (by label; new processes from 0)."""
+        for pid, (label, cpu) in after.items():
+            into[label] = into.get(label, 0.0) + cpu - before.get(pid, (label, 0.0))[1]
+
+
+# --------------------------------------------------------------------------- server
+@dataclass
+class Served:
+    """The launched server: its gRPC URL, launcher pid and log file."""
+
+    url: str
+    launcher: int
+    log: Path
+
+
+@contextlib.contextmanager
+def launched(repo: Path, log: Path) -> Iterator[Served]:
+    """``python -m deploy.server`` on free loopback ports for the block; stopped (SIGTERM) after.
+
+    Raises
+    ------
+    RuntimeError
+        The launcher exited, or was not ready within :data:`READY_TIMEOUT_S`.
+    """
+    grpc, http, metrics = (find_free_port() for _ in range(3))
+    cmd = [sys.executable, "-m", "deploy.server", "--model-repository", str(repo), "--grpc-port", str(grpc),
+           "--http-port", str(http), "--metrics-port", str(metrics), "--model", ENSEMBLE, "--log-file", str(log)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip())
+            if "server: ready:" in line:
+                ready.set()
+
+    reader = threading.Thread(target=read, name="launcher-output", daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not ready.wait(0.2):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                tail = "\n".join(lines[-20:])
+                raise RuntimeError(f"the launcher was not ready (exit status {proc.poll()}):\n{tail}")
+        yield Served(f"127.0.0.1:{grpc}", proc.pid, log)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        reader.join(5)
+
+
+# --------------------------------------------------------------------------- requests
+@dataclass
+class Record:
+    """One measured request."""
+
+    mode: str
+    concurrency: int
+    round: int
+    ttft_s: float
+    latency_s: float
+    completion_tokens: int
+    deltas: int
+    gaps_s: list[float] = field(default_factory=list)
+
+
+def one_request(client: Client, mode: str, concurrency: int, round_no: int, prompt: int, max_tokens: int,
+                gate: threading.Barrier | None = None) -> tuple[Record, float, float]:
+    """Stream one request; returns its record and its start and end times.
+
+    Raises
+    ------
+    client.errors.ClientError
+        Any failure, an error result included: a failed request fails the run.
+    """
+    constraint = Constraint.json_schema(PERSON_SCHEMA) if mode == "constrained" else None
+    if gate is not None:
+        gate.wait()
+    t0 = time.perf_counter()
+    last = math.nan
+    ttft = math.nan
+    gaps: list[float] = []
+    tokens = deltas = 0
+    for chunk in client.stream(PROMPTS[prompt % len(PROMPTS)], constraint=constraint, max_tokens=max_tokens,
+                               temperature=0.0, require_complete=False):
+        now = time.perf_counter()
+        if chunk.text:
+            deltas += 1
+            if math.isnan(ttft):
+                ttft = now - t0
+            else:
+                gaps.append(now - last)
+            last = now
+        if chunk.result is not None:
+            tokens = chunk.result.usage.completion_tokens
+    end = time.perf_counter()
+    return Record(mode, concurrency, round_no, ttft, end - t0, tokens, deltas, gaps), t0, end
+
+
+def run_load(served: Served, concurrencies: Sequence[int], rounds: int, max_tokens: int
+             ) -> tuple[list[Record], dict[str, float], dict[str, dict[str, float]]]:
+    """Warm up, then the measured batches; returns records, walls and CPU seconds per (mode@conc, process)."""
+    meter = CpuMeter(served.launcher)
+    records: list[Record] = []
+    walls: dict[str, float] = {}
+    cpu: dict[str, dict[str, float]] = {}
+    with Client(served.url, timeout_s=600.0) as client:
+        for mode in MODES:  # the constrained warm-up pays the one compile
+            one_request(client, mode, 1, -1, 0, max_tokens)
+        for r in range(rounds):
+            for conc in concurrencies:
+                for mode in MODES if r % 2 == 0 else MODES[::-1]:
+                    key = f"{mode}@{conc}"
+                    batches = len(PROMPTS) if conc == 1 else 1
+                    for b in range(batches):
+                        before = meter.snapshot()
+                        if conc == 1:
+                            rec, t0, t1 = one_request(client, mode, 1, r, b, max_tokens)
+                            done, wall = [rec], t1 - t0
+                        else:
+                            gate = threading.Barrier(conc, timeout=120.0)
+                            with ThreadPoolExecutor(conc, thread_name_prefix=f"path-{mode}") as pool:
+                                futs = [pool.submit(one_request, client, mode, conc, r, i, max_tokens, gate)
+                                        for i in range(conc)]
+                                out = [f.result() for f in futs]
+                            done = [o[0] for o in out]
+                            wall = max(o[2] for o in out) - min(o[1] for o in out)
+                        meter.add(before, meter.snapshot(), cpu.setdefault(key, {}))
+                        records.extend(done)
+                        walls[key] = walls.get(key, 0.0) + wall
+            print(f"  round {r + 1}/{rounds} done", flush=True)
+    return records, walls, cpu
+
+
+# --------------------------------------------------------------------------- report
+def summarize(records: list[Record], walls: Mapping[str, float], cpu: Mapping[str, Mapping[str, float]],
+              in_proc: Mapping[int, float], ratios: Mapping[int, tuple[float, float, float]]) -> dict[str, Any]:
+    """Per (mode, concurrency): tokens/s, TTFT and inter-delta percentiles, CPU per 1,000 tokens per process."""
+    out: dict[str, Any] = {}
+    for key, wall in walls.items():
+        mode, conc_s = key.split("@")
+        conc = int(conc_s)
+        rs = [r for r in records if r.mode == mode and r.concurrency == conc]
+        tokens = sum(r.completion_tokens for r in rs)
+        gaps = [g for r in rs for g in r.gaps_s]
+        ttfts = [r.ttft_s for r in rs if not math.isnan(r.ttft_s)]
+        out[key] = {
+            "requests": len(rs),
+            "completion_tokens": tokens,
+            "wall_s": wall,
+            "tokens_per_s": tokens / wall if wall > 0 else math.nan,
+            "ttft_s_p50": pct(ttfts, 50),
+            "ttft_s_p99": pct(ttfts, 99),
+            "inter_delta_s_p50": pct(gaps, 50),
+            "inter_delta_s_p99": pct(gaps, 99),
+            "tokens_per_delta": tokens / max(1, sum(r.deltas for r in rs)),
+            "cpu_s_per_1k_tokens": {k: 1000.0 * v / tokens for k, v in sorted(cpu.get(key, {}).items())
+                                    if tokens and k != CLIENT_LABEL},
+            "client_cpu_s_per_1k_tokens": 1000.0 * cpu.get(key, {}).get(CLIENT_LABEL, 0.0) / tokens if tokens else 0.0,
+        }
+        if mode == "unconstrained" and conc in in_proc:
+            out[key]["in_process_tokens_per_s"] = in_proc[conc]
+            out[key]["served_over_in_process"] = out[key]["tokens_per_s"] / in_proc[conc]
+        if mode == "constrained" and conc in ratios:
+            free, cons, r = ratios[conc]
+            out[key]["equal_work"] = {"free_step_s_p50": free, "constrained_step_s_p50": cons, "ratio": r}
+    return out
+
+
+def print_report(summary: Mapping[str, Any], concurrencies: Sequence[int], model: Path, max_tokens: int) -> None:
+    """The tables."""
+    print(f"\n== serving path, {model.name}, greedy, max_tokens={max_tokens} ==")
+    head = (f"{'mode':14s} {'conc':>4s} {'tok/s':>8s} {'in-proc':>8s} {'srv/in':>6s} {'ttft p50':>9s} "
+            f"{'ttft p99':>9s} {'gap p50':>8s} {'gap p99':>8s} {'tok/delta':>9s} {'cpu ms/tok':>10s}")
+    print(head)
+    print("-" * len(head))
+    for conc in concurrencies:
+        for mode in MODES:
+            s = summary[f"{mode}@{conc}"]
+            inp = s.get("in_process_tokens_per_s", math.nan)
+            sio = s.get("served_over_in_process", math.nan)
+            cpu = sum(s["cpu_s_per_1k_tokens"].values())
+            print(f"{mode:14s} {conc:4d} {s['tokens_per_s']:8.1f} {inp:8.1f} {sio:6.3f} "
+                  f"{s['ttft_s_p50'] * 1e3:7.1f}ms {s['ttft_s_p99'] * 1e3:7.1f}ms {s['inter_delta_s_p50'] * 1e3:6.1f}ms "
+                  f"{s['inter_delta_s_p99'] * 1e3:6.1f}ms {s['tokens_per_delta']:9.2f} {cpu:10.3f}")
+    print("\n== CPU seconds per 1,000 streamed tokens, per server process ==")
+    labels = sorted({k for s in summary.values() for k in s["cpu_s_per_1k_tokens"]})
+    print(f"{'process':28s} " + " ".join(f"{m[0]}@{c:<5d}" for c in concurrencies for m in MODES))
+    for label in labels:
+        row = [summary[f"{m}@{c}"]["cpu_s_per_1k_tokens"].get(label, 0.0) for c in concurrencies for m in MODES]
+        print(f"{label:28s} " + " ".join(f"{v:7.3f}" for v in row))
+    row = [summary[f"{m}@{c}"]["client_cpu_s_per_1k_tokens"] for c in concurrencies for m in MODES]
+    print(f"{CLIENT_LABEL:28s} " + " ".join(f"{v:7.3f}" for v in row))
+    print("\n== equal work: decode step at a full batch (steps where no prompt joined) ==")
+    for conc in concurrencies:
+        ew = summary[f"constrained@{conc}"].get("equal_work")
+        if ew is not None:
+            print(f"  batch {conc:2d}: free p50 {ew['free_step_s_p50'] * 1e3:.3f} ms, constrained p50 "
+                  f"{ew['constrained_step_s_p50'] * 1e3:.3f} ms, constrained/unconstrained {ew['ratio']:.3f}")
+
+
+def plot(summary: Mapping[str, Any], concurrencies: Sequence[int], path: Path) -> None:
+    """Tokens/s (served, in-process) and CPU per token by process, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    x = np.arange(len(concurrencies))
+    for i, mode in enumerate(MODES):
+        a.bar(x + 0.27 * i, [summary[f"{mode}@{c}"]["tokens_per_s"] for c in concurrencies], 0.27, label=f"served {mode}")
+    a.bar(x + 0.54, [summary[f"unconstrained@{c}"].get("in_process_tokens_per_s", 0.0) for c in concurrencies], 0.27,
+          label="in-process unconstrained")
+    a.set_xticks(x + 0.27, [str(c) for c in concurrencies])
+    a.set_xlabel("concurrency")
+    a.set_ylabel("output tokens/s")
+    a.legend(fontsize=8)
+    keys = [f"{m}@{c}" for c in concurrencies for m in MODES]
+    labels = sorted({k for s in summary.values() for k in s["cpu_s_per_1k_tokens"]})
+    bottom = np.zeros(len(keys))
+    for label in labels:
+        vals = np.array([summary[k]["cpu_s_per_1k_tokens"].get(label, 0.0) for k in keys])
+        b.bar(range(len(keys)), vals, bottom=bottom, label=label)
+        bottom += vals
+    b.set_xticks(range(len(keys)), [f"{k.split('@')[0][:5]}@{k.split('@')[1]}" for k in keys], rotation=45, fontsize=7)
+    b.set_ylabel("CPU s per 1,000 streamed tokens")
+    b.legend(fontsize=7)
+    fig.suptitle(f"{ENSEMBLE}: the serving path")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- main
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Command-line arguments."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--model-dir", type=Path, default=None,
+                        help=f"checkpoint to serve (default: the tiny stand-in, built at {TINY_DIR})")
+    parser.add_argument("--max-tokens", type=int, default=128, help="per request (default %(default)s)")
+    parser.add_argument("--rounds", type=int, default=2, help="measured rounds (default %(default)s)")
+    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="render value over deploy/values.json (repeat), e.g. MAX_BATCH=32")
+    parser.add_argument("--json", type=Path, default=None, help="write every figure here")
+    parser.add_argument("--plot", type=Path, default=None, help="write a PNG here")
+    parser.add_argument("--quick", action="store_true", help="1 round, 64 max tokens (also BENCH_QUICK=1)")
+    args = parser.parse_args(argv)
+    if args.quick or os.environ.get("BENCH_QUICK") == "1":
+        args.rounds, args.max_tokens = 1, 64
+    if args.max_tokens < 1 or args.rounds < 1:
+        parser.error("--max-tokens and --rounds must be >= 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark; returns the exit status."""
+    args = parse_args(argv)
+    t_all = time.perf_counter()
+    model = args.model_dir.resolve() if args.model_dir is not None else tiny_checkpoint()
+    if not (model / "config.json").is_file():
+        print(f"error: --model-dir {model}: no config.json", file=sys.stderr)
+        return 2
+    values = load_values(REPO / "deploy" / "values.json")
+    values["MODEL_DIR"] = str(model)
+    if args.model_dir is None:
+        # The stand-in plays a GPU step, which keeps one host thread busy: a
+        # second torch thread would only spin on the cores the serving path needs.
+        values["TORCH_THREADS"] = "1"
+    for item in args.sets:
+        key, sep, value = item.partition("=")
+        if not sep or key not in values:
+            print(f"error: --set {item!r}: expected KEY=VALUE with a key of deploy/values.json", file=sys.stderr)
+            return 2
+        values[key] = value
+    max_batch = int(values["MAX_BATCH"])
+    concurrencies = [c for c in CONCURRENCIES if c <= max_batch]
+    threads = int(values["TORCH_THREADS"]) or None
+    with tempfile.TemporaryDirectory(prefix="path-bench-") as tmp:
+        repo = Path(tmp) / "model_repository"
+        render_repository(REPO / "model_repository", repo, values)
+        log = Path(tmp) / "tritonserver.log"
+        t0 = time.perf_counter()
+        with launched(repo, log) as served:
+            print(f"server ready at {served.url} in {time.perf_counter() - t0:.1f} s", flush=True)
+            records, walls, cpu = run_load(served, concurrencies, args.rounds, args.max_tokens)
+        stats = parse_step_stats(log.read_text(encoding="utf-8", errors="replace"))
+    ratios = equal_work_ratios(stats, concurrencies)
+    in_proc = in_process(model, args.max_tokens, concurrencies, args.rounds, max_batch=max_batch,
+                         torch_threads=threads)
+    summary = summarize(records, walls, cpu, in_proc, ratios)
+    print_report(summary, concurrencies, model, args.max_tokens)
+    if args.plot is not None:
+        plot(summary, concurrencies, args.plot)
+    if args.json is not None:
+        payload = {"model_dir": str(model), "max_tokens": args.max_tokens, "rounds": args.rounds,
+                   "values": values, "summary": summary, "llm_step_stats": stats,
+                   "records": [asdict(r) for r in records]}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(payload, indent=2), encoding="utf-8")
+    print(f"total {time.perf_counter() - t_all:.1f} s", file=sys.stderr)
+    top = 16 if 16 in concurrencies else concurrencies[-1]
+    sio = summary[f"unconstrained@{top}"].get("served_over_in_process", math.nan)
+    ew = summary[f"constrained@{top}"].get("equal_work", {}).get("ratio", math.nan)
+    print(f"path at concurrency {top}: served/in-process {sio:.3f}, constrained/unconstrained {ew:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

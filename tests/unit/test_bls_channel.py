@@ -1,0 +1,150 @@
+"""BlsMaskProvider: starts, steps and ends over the grammar channel, BLS where the channel is not there.
+
+Triton's BLS runs only inside a Python-backend stub (the served tests cover it:
+tests/integration); here a small stand-in of ``pb_utils`` hands each BLS
+request to a real :class:`GrammarService` the way the ``grammar`` model does,
+so the provider's choice between BLS and the channel, its fallback when the
+channel goes away and its return to it are checked step by step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from grammar_backend.errors import RemoteGrammarError
+from grammar_backend.maskbuf import SHM_DIR
+from grammar_backend.service import GrammarRequest, GrammarService
+from llm_runtime import bls
+from llm_runtime.bls import BlsMaskProvider
+from llm_runtime.mask import ConstraintRequest
+from tests.unit.conftest import TINY_VOCAB_SIZE
+
+pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm on this machine")
+
+
+class _Tensor:
+    def __init__(self, name: str, value: np.ndarray) -> None:
+        self.name, self.value = name, value
+
+    def as_numpy(self) -> np.ndarray:
+        return self.value
+
+
+class _Response:
+    def __init__(self, tensors: list[_Tensor]) -> None:
+        self.tensors = tensors
+
+    def has_error(self) -> bool:
+        return False
+
+    def output_tensors(self) -> list[_Tensor]:
+        return self.tensors
+
+
+class FakePb:
+    """What BlsMaskProvider calls of ``pb_utils``, answered by a real grammar channel_service; counts the BLS ops."""
+
+    def __init__(self, channel_service: GrammarService) -> None:
+        self.service = channel_service
+        self.ops: list[str] = []
+        provider = self
+
+        class InferenceRequest:
+            def __init__(self, model_name: str, inputs: list[_Tensor], requested_output_names: list[str]) -> None:
+                self.inputs = {t.name: t.value for t in inputs}
+                self.wanted = requested_output_names
+
+            def exec(self, decoupled: bool) -> Iterator[_Response]:
+                return iter([provider.serve(self.inputs, self.wanted)])
+
+        self.InferenceRequest = InferenceRequest
+        self.Tensor = _Tensor
+
+    def serve(self, inputs: dict[str, np.ndarray], wanted: list[str]) -> _Response:
+        def text(name: str) -> bytes:
+            return bytes(inputs[name].reshape(-1)[0]) if name in inputs else b""
+
+        op = text("OP").decode()
+        self.ops.append(op)
+        req = GrammarRequest(
+            op=op, seq_ids=inputs["SEQUENCE_ID"], tokens=inputs.get("TOKENS"), counts=inputs.get("TOKEN_COUNT"),
+            grammar_type=text("GRAMMAR_TYPE").decode(), grammar=text("GRAMMAR"), grammar_options=text("GRAMMAR_OPTIONS"),
+            validated="VALIDATED" in inputs, jump_forward="JUMP_FORWARD" in inputs,
+            mask_buffer=text("BITMASK_BUFFER").decode(), budget=int(inputs["MAX_TOKENS"][0]) if "MAX_TOKENS" in inputs
+            else 0, value_checks="VALUE_CHECKS" in inputs)
+        reply = self.service.handle(req)
+        outs = {"ACTIVE_SEQUENCES": np.array([reply.active], np.int32), "BITMASK": reply.bitmask,
+                "TERMINATED": reply.terminated, "CLOSING": reply.closing, "DROPPED": reply.dropped, "HOLD": reply.hold,
+                "FORCED_TOKENS": reply.forced_tokens, "FORCED_COUNT": reply.forced_counts,
+                "BACKEND": None if reply.backend is None else np.array([reply.backend.encode()], np.object_),
+                "CHANNEL": None if reply.channel is None else np.array([reply.channel.encode()], np.object_)}
+        return _Response([_Tensor(k, v) for k, v in outs.items() if v is not None and k in wanted])
+
+    @staticmethod
+    def get_output_tensor_by_name(response: _Response, name: str) -> _Tensor | None:
+        return next((t for t in response.tensors if t.name == name), None)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+REGEX = ConstraintRequest("regex", "[ab]+c", '{"on_repeat": "continue"}')
+
+
+def _step(provider: BlsMaskProvider, ids: list[int], token: int | None) -> Any:
+    rows = len(ids)
+    tokens = np.full((rows, 1), token or 0, np.int32)
+    counts = np.full(rows, 0 if token is None else 1, np.int32)
+    return provider.step(np.array(ids, np.uint64), tokens, counts)
+
+
+def test_the_channel_carries_starts_steps_and_ends(channel_service: GrammarService) -> None:
+    pb = FakePb(channel_service)
+    provider = BlsMaskProvider(pb, max_rows=4)  # type: ignore[arg-type]
+    try:
+        assert provider.start(1, REGEX) == "xgrammar"
+        first = _step(provider, [1], None)  # over BLS: its BITMASK gives the mask buffer's width
+        second = _step(provider, [1], ord("a"))
+        assert provider.channel_open and second.grammar_s > 0 and np.isnan(first.grammar_s)
+        assert first.bitmask.shape == second.bitmask.shape == (1, (TINY_VOCAB_SIZE + 31) // 32)
+        provider.end([1])
+        assert pb.ops == ["channel", "step"]  # the start, the second step and the end took the channel
+    finally:
+        provider.close()
+
+
+def test_calls_go_over_bls_while_the_channel_is_gone_and_come_back(channel_service: GrammarService,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    pb = FakePb(channel_service)
+    clock = Clock()
+    provider = BlsMaskProvider(pb, max_rows=4, clock=clock)  # type: ignore[arg-type]
+    try:
+        provider.start(1, REGEX)
+        _step(provider, [1], None)
+        _step(provider, [1], ord("a"))
+        assert provider.channel_open
+        path = channel_service.handle(GrammarRequest("channel", np.zeros(0, np.uint64))).channel
+        channel_service.close_channel()  # the grammar side's channel goes away (a restarted stub has a new one)
+        with pytest.raises(RemoteGrammarError, match=r"grammar channel") as err:
+            _step(provider, [1], ord("b"))
+        assert err.value.status == "UNAVAILABLE" and "the next calls ask for the channel again" in caplog.text
+        pb.ops.clear()
+        channel_service.open_channel()  # a new socket
+        assert channel_service.handle(GrammarRequest("channel", np.zeros(0, np.uint64))).channel != path
+        _step(provider, [1], ord("b"))  # the failed step never reached the grammar side: fed again, over BLS
+        assert pb.ops == ["step"] and not provider.channel_open  # within the retry interval: BLS
+        clock.now += bls.CHANNEL_RETRY_S
+        _step(provider, [1], ord("b"))
+        assert pb.ops == ["step", "channel"] and provider.channel_open  # asked again, and back on the channel
+        provider.end([1])
+    finally:
+        provider.close()

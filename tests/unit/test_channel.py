@@ -1,0 +1,235 @@
+"""The grammar channel: starts, steps and ends between processes, the same answers as over BLS.
+
+A real :class:`~grammar_backend.service.GrammarService` (xgrammar over the tiny
+byte vocabulary) serves a real socket; the clients are the ones the ``llm``
+model uses.  Steps over the channel must equal steps through
+:meth:`GrammarService.handle` (what BLS carries) row for row and bit for bit;
+a request-level error keeps its status; a bad message fails that request
+only, and the connection stays; a peer that goes away is UNAVAILABLE at once.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from grammar_backend.channel import _PREFIX, HELLO_MAGIC, ChannelClient
+from grammar_backend.errors import RemoteGrammarError
+from grammar_backend.maskbuf import SHM_DIR, MaskBuffer
+from grammar_backend.service import GrammarRequest, GrammarService
+from tests.unit.conftest import TINY_VOCAB_SIZE
+
+pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm on this machine")
+
+REGEX = ("regex", "[ab]+c", "{}")
+NUMBER = ("json_schema", ('{"type":"object","properties":{"n":{"type":"integer"}},"required":["n"],'
+                          '"additionalProperties":false}'), "{}")
+
+
+@pytest.fixture()
+def buffer() -> Iterator[MaskBuffer]:
+    buf = MaskBuffer.create(4, TINY_VOCAB_SIZE)
+    yield buf
+    buf.close()
+
+
+def _path(channel_service: GrammarService) -> str:
+    return channel_service.handle(GrammarRequest("channel", np.zeros(0, np.uint64))).channel or ""
+
+
+def _start(client: ChannelClient, seq_id: int, constraint: tuple[str, str, str] = REGEX) -> str:
+    kind, payload, options = constraint
+    return client.start(seq_id, kind, payload, options, budget=0, validated=False, value_checks=False)
+
+
+def test_steps_over_the_channel_equal_steps_over_bls(channel_service: GrammarService, buffer: MaskBuffer) -> None:
+    client = ChannelClient(_path(channel_service), buffer.name)
+    assert [_start(client, s) for s in (1, 2)] == ["xgrammar", "xgrammar"]
+    channel_service.handle(GrammarRequest("start", np.array([3], np.uint64), grammar_type="regex", grammar=b"[ab]+c"))
+    for token in (None, ord("a"), ord("b"), ord("c")):
+        counts = np.full(2, 0 if token is None else 1, np.int32)
+        tokens = np.full((2, 1), token or 0, np.int32)
+        reply = client.step(np.array([1, 2], np.uint64), tokens, counts, jump_forward=True)
+        bls = channel_service.handle(GrammarRequest("step", np.array([3], np.uint64), tokens[:1], counts[:1],
+                                            jump_forward=True))
+        assert bls.bitmask is not None
+        assert np.array_equal(buffer.array[0], bls.bitmask[0]) and np.array_equal(buffer.array[1], bls.bitmask[0])
+        assert reply.terminated.tolist() == [bool(bls.terminated[0])] * 2  # type: ignore[index]
+        assert reply.closing.tolist() == [int(bls.closing[0])] * 2  # type: ignore[index]
+        assert reply.active == 3 and reply.row_errors == () and reply.seconds > 0
+        assert (reply.dropped, reply.hold) == (None, None)
+    assert reply.forced_counts is not None and reply.forced_counts.tolist() == [0, 0]  # nothing forced after "abc"
+    assert client.end([1, 2, 99]) == 1  # an unknown id is ignored, as over BLS
+    channel_service.handle(GrammarRequest("end", np.array([3], np.uint64)))
+    client.close()
+
+
+def test_a_row_error_is_that_rows_only(channel_service: GrammarService, buffer: MaskBuffer) -> None:
+    client = ChannelClient(_path(channel_service), buffer.name)
+    _start(client, 1)
+    _start(client, 2)
+    client.step(np.array([1, 2], np.uint64), np.zeros((2, 1), np.int32), np.zeros(2, np.int32), False)
+    reply = client.step(np.array([1, 2], np.uint64), np.array([[ord("a")], [ord("z")]], np.int32),
+                        np.ones(2, np.int32), False)
+    assert reply.row_errors[0] == ""
+    assert reply.row_errors[1] == f"sequence 2: token {ord('z')} at position 0 is rejected by the grammar"
+    client.end([1, 2])
+
+
+@pytest.mark.parametrize(
+    ("constraint", "status", "match"),
+    [
+        (("regex", "[a-", "{}"), "INVALID_ARGUMENT", r"^grammar: xgrammar cannot compile this regex: .*Unclosed"),
+        (("sql", "x", "{}"), "INVALID_ARGUMENT", r"^grammar_type: unknown kind 'sql'"),
+        (("regex", "a", '{"nope": 1}'), "INVALID_ARGUMENT", r"^grammar_options\.nope: unknown option; expected"),
+    ],
+)
+def test_a_start_error_keeps_its_status(channel_service: GrammarService, constraint: tuple[str, str, str], status: str,
+                                        match: str) -> None:
+    client = ChannelClient(_path(channel_service))
+    with pytest.raises(RemoteGrammarError, match=match) as info:
+        _start(client, 7, constraint)
+    assert info.value.status == status
+    assert _start(client, 8) == "xgrammar"  # the connection stays
+    with pytest.raises(RemoteGrammarError, match=r"^sequence 8: already started") as dup:
+        _start(client, 8)
+    assert dup.value.status == "ALREADY_EXISTS"
+    client.end([8])
+
+
+def test_a_connection_without_a_mask_buffer_takes_no_steps(channel_service: GrammarService) -> None:
+    client = ChannelClient(_path(channel_service))
+    _start(client, 1)
+    with pytest.raises(RemoteGrammarError, match=r"named no mask buffer") as info:
+        client.step(np.array([1], np.uint64), np.zeros((1, 1), np.int32), np.zeros(1, np.int32), False)
+    assert info.value.status == "INTERNAL" and not client.closed
+    client.end([1])
+
+
+def test_a_slow_start_holds_only_its_connection(channel_service: GrammarService, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A start waits for its compile on its own connection; a cached start on another one goes through."""
+    path = _path(channel_service)
+    fast, slow = ChannelClient(path), ChannelClient(path)
+    _start(fast, 1)  # compiled and cached
+    gate = threading.Event()
+    original = channel_service.start_async
+
+    def held(req: GrammarRequest, done: object) -> None:
+        if int(req.seq_ids[0]) == 2:
+            assert gate.wait(30)
+        original(req, done)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(channel_service, "start_async", held)
+    out: list[str] = []
+    waiter = threading.Thread(target=lambda: out.append(_start(slow, 2, NUMBER)))
+    waiter.start()
+    t0 = time.monotonic()
+    assert _start(fast, 3) == "xgrammar"
+    assert time.monotonic() - t0 < 5 and waiter.is_alive()
+    gate.set()
+    waiter.join(30)
+    assert out == ["xgrammar"]
+    fast.end([1, 2, 3])
+
+
+def test_malformed_requests_fail_alone(channel_service: GrammarService, buffer: MaskBuffer) -> None:
+    path = _path(channel_service)
+    raw = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    raw.connect(path)
+    name = buffer.name.encode()
+    raw.send(HELLO_MAGIC + struct.pack("<I", len(name)) + name)
+    assert raw.recv(2) == b"OK"
+    for message, reason in [
+        (b"\x01", b"a request of 1 bytes"),
+        (struct.pack("<BBHIII", 9, 0, 0, 5, 0, 0), b"unknown op 9"),
+        (struct.pack("<BBHIII", 1, 0, 0, 6, 2, 1), b"2 rows of 1 tokens need 48 bytes, got 16"),
+        (struct.pack("<BBHIII", 3, 0, 0, 7, 1, 0), b"an end of 1 rows needs 24 bytes, got 16"),
+    ]:
+        raw.send(message)
+        reply = raw.recv(4096)
+        assert reply[0] == 1 and reason in reply, reply
+    raw.close()
+    client = ChannelClient(path, buffer.name)  # the server still serves
+    _start(client, 1)
+    client.end([1])
+
+
+def test_a_peer_of_another_kind_is_refused(channel_service: GrammarService, tmp_path: Path) -> None:
+    with pytest.raises(RemoteGrammarError, match=r"is not a grammar channel") as bad:
+        ChannelClient(str(tmp_path / "elsewhere"))
+    assert bad.value.status == "INVALID_ARGUMENT"
+    raw = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    raw.connect(_path(channel_service))
+    raw.send(b"hello?")  # no hello: closed without an answer
+    assert raw.recv(2) == b"NO"
+    raw.close()
+    missing = str(SHM_DIR / f"{_PREFIX}-0-0000000000000000")
+    with pytest.raises(RemoteGrammarError, match=r"No such file") as gone:
+        ChannelClient(missing)
+    assert gone.value.status == "UNAVAILABLE"
+
+
+def test_the_socket_is_private(channel_service: GrammarService) -> None:
+    assert Path(_path(channel_service)).stat().st_mode & 0o777 == 0o600
+
+
+def test_a_closed_server_is_unavailable_at_once(channel_service: GrammarService, buffer: MaskBuffer) -> None:
+    client = ChannelClient(_path(channel_service), buffer.name)
+    _start(client, 1)
+    channel_service.close_channel()
+    with pytest.raises(RemoteGrammarError, match=r"grammar channel .*") as info:
+        client.step(np.array([1], np.uint64), np.zeros((1, 1), np.int32), np.zeros(1, np.int32), False)
+    assert info.value.status == "UNAVAILABLE" and client.closed
+    assert not Path(client.path).exists()
+    channel_service.handle(GrammarRequest("end", np.array([1], np.uint64)))
+
+
+def test_steps_and_ends_of_two_callers_never_overlap(channel_service: GrammarService) -> None:
+    """Two llm instances step at once over their own connections: the engine's buffers stay whole
+    (the channel_service's op lock), and each caller reads its own rows."""
+    bufs = [MaskBuffer.create(4, TINY_VOCAB_SIZE) for _ in range(2)]
+    try:
+        path = _path(channel_service)
+        clients = [ChannelClient(path, b.name) for b in bufs]
+        seqs = [[1, 2], [3, 4]]
+        endless = ("regex", "[ab]+c", '{"on_repeat": "continue"}')  # "aaaa..." is not closed as a runaway
+        for c, ids in zip(clients, seqs, strict=True):
+            for s in ids:
+                _start(c, s, endless)
+        expected = channel_service.handle(GrammarRequest("stats", np.zeros(0, np.uint64))).active
+        assert expected == 4
+        errors: list[BaseException] = []
+
+        def run(c: ChannelClient, ids: list[int], buf: MaskBuffer) -> None:
+            try:
+                arr = np.array(ids, np.uint64)
+                c.step(arr, np.zeros((2, 1), np.int32), np.zeros(2, np.int32), False)
+                for _ in range(200):
+                    c.step(arr, np.full((2, 1), ord("a"), np.int32), np.ones(2, np.int32), False)
+                    words = buf.array[:2]
+                    allowed = {t for t in range(TINY_VOCAB_SIZE) if words[0, t // 32] & np.int32(
+                        np.uint32(1 << (t % 32)).view(np.int32))}
+                    # After "a" of "[ab]+c": a, b, c, and the vocabulary's "ab" and "abc".
+                    assert allowed == {ord("a"), ord("b"), ord("c"), 262, 263}, allowed
+            except BaseException as err:  # noqa: BLE001 -- re-raised below
+                errors.append(err)
+
+        threads = [threading.Thread(target=run, args=(c, ids, b)) for c, ids, b in zip(clients, seqs, bufs,
+                                                                                           strict=True)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors[0]
+        for c, ids in zip(clients, seqs, strict=True):
+            c.end(ids)
+    finally:
+        for b in bufs:
+            b.close()
