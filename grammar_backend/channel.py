@@ -316,13 +316,18 @@ class ChannelServer:
                 conn, _ = self._sock.accept()
             except OSError:
                 return  # closed
-            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-            _, uid, _ = struct.unpack("3i", creds)
-            if uid != os.getuid():
-                _log.error("grammar channel: refused a peer of uid %d", uid)
+            try:
+                creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+                _, uid, _ = struct.unpack("3i", creds)
+                if uid != os.getuid():
+                    _log.error("grammar channel: refused a peer of uid %d", uid)
+                    conn.close()
+                    continue
+                _socket_options(conn)
+            except OSError as err:  # that peer is gone already; the next ones are still accepted
+                _log.error("grammar channel: a connection failed as it opened: %s", err)
                 conn.close()
                 continue
-            _socket_options(conn)
             with self._lock:
                 self._conns.append(conn)
             threading.Thread(target=self._serve_connection, args=(conn,), name="grammar-channel",

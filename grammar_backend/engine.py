@@ -444,7 +444,7 @@ class GrammarEngine:
         forced_rows.clear()
         calm_rows.clear()
         matchers: list[Matcher | None] = [None] * rows
-        jump_rows: list[tuple[int, Matcher]] | None = [] if jump_forward else None
+        jump_rows: list[tuple[int, GrammarSequence]] | None = [] if jump_forward else None
         errors: list[SequenceError | None] | None = None
         for i in range(rows):
             count = int(counts[i])
@@ -485,7 +485,7 @@ class GrammarEngine:
                 # A calm row (near its budget) jumps too: forced text is part of
                 # every completion, so appending it cannot grow what is still
                 # open; a forcing row (above) follows its plan token by token.
-                jump_rows.append((i, seq.matcher))
+                jump_rows.append((i, seq))
             matchers[i] = seq.matcher
         bitmask = self.bitmask.fill(matchers)
         for i, token in forced_rows:
@@ -508,15 +508,15 @@ class GrammarEngine:
         forced = self._no_forced[:rows]
         if jump_rows and jump is not None:
             found = list(forced)
-            for i, matcher in jump_rows:
+            for i, seq in jump_rows:
                 try:
-                    found[i] = jump.tokens(matcher)
+                    found[i] = jump.tokens(seq.matcher)
                 except MatcherFailed as err:
                     if errors is None:
                         errors = [None] * rows
                     errors[i] = _row_error(int(seq_ids[i]), err)
                     continue
-                scanner = self.table.get(int(seq_ids[i])).values
+                scanner = seq.values
                 if found[i] and scanner is not None and not scanner.tokens:
                     # The output's first forced run (`{"name":`): how much of it streams at once?
                     forced_safe[i] = scanner.safe_prefix(found[i])

@@ -334,11 +334,8 @@ class GrammarSequence:
         """
         if self.utf8_need:
             return FREE  # inside a character: unrestricted for this token, still calm
-        last = self.completion
-        found = closer.resume(self.matcher, last) if last is not None else None
-        if found is None:
-            found = closer.complete(self.matcher)
-        self.completion, self.completion_at, self.completion_kept = found, 0, True
+        self.completion_kept = False  # its next token is not allowed: a tail of it, or a new search
+        found = self._completion(closer)
         if found is None:
             self.close_state = CloseState.OPEN
             self.next_check = self.tokens_accepted + 1

@@ -169,11 +169,6 @@ class GrammarPhase:
         self.wait_s = self.call_s = self.grammar_s = math.nan
         self.requests = 0
 
-    @property
-    def overlap(self) -> bool:
-        """Whether the request runs beside the forward."""
-        return self._pool is not None
-
     def launch(self, rows: Sequence[PhaseRow]) -> None:
         """Build the request for ``rows`` (each constrained row, in the step's order); overlap mode starts it."""
         width = 1

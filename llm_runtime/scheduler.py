@@ -878,7 +878,8 @@ class Scheduler:
         if c:
             self._apply_grammar(order, constrained, logits, ends)
 
-        tokens, dead = self._sampler.sample(logits, [s.params for s in order], [s.gen for s in order])
+        tokens, dead = self._sampler.sample(logits, [s.params for s in order], [s.gen for s in order],
+                                            [len(s.jump) for s in order])
         outputs = jumped = 0
         for i, s in enumerate(order):
             if s.finished or s.refeed:

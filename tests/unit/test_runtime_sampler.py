@@ -112,6 +112,38 @@ def test_seeded_row_independent_of_batch() -> None:
     assert batched == alone
 
 
+@pytest.mark.parametrize("jump", [1, 2, 5, 16])
+def test_jumped_tokens_use_their_draws(jump: int) -> None:
+    """Forced tokens appended by one jump skip the uniforms they would have drawn one step each (the mask
+    allowing that token only), so the draws after them are the same whatever the jump width."""
+    sampler = Sampler(V)
+    logits, _ = random_case(7, b=1)
+    p = SamplingParams(temperature=2.0, seed=5)
+    one = np.zeros((1, V), dtype=bool)
+    one[0, 3] = True
+    stepwise = sampler.generator(5)
+    for _ in range(jump):
+        forced = logits.clone()
+        sampler.apply_mask(forced, torch.from_numpy(pack(one)), [0])
+        assert int(sampler.sample(forced, [p], [stepwise])[0][0]) == 3
+    after_steps = [int(sampler.sample(logits.clone(), [p], [stepwise])[0][0]) for _ in range(20)]
+    jumped = sampler.generator(5)
+    sampler.sample(logits.clone(), [p], [jumped], [jump])
+    after_jump = [int(sampler.sample(logits.clone(), [p], [jumped])[0][0]) for _ in range(20)]
+    assert after_jump == after_steps
+    if jump > 1:  # one draw for the whole jump (the old way) shifts every later token
+        unskipped = sampler.generator(5)
+        sampler.sample(logits.clone(), [p], [unskipped])
+        assert [int(sampler.sample(logits.clone(), [p], [unskipped])[0][0]) for _ in range(20)] != after_steps
+
+
+def test_taken_length_checked() -> None:
+    sampler = Sampler(V)
+    logits, _ = random_case(1, b=2)
+    with pytest.raises(ValueError, match="sample: 2 logits rows, 2 params, 2 generators, 1 taken"):
+        sampler.sample(logits, [SamplingParams()] * 2, [sampler.generator(0)] * 2, [0])
+
+
 @pytest.mark.parametrize("k", [1, 3, 10])
 def test_top_k_support(k: int) -> None:
     sampler = Sampler(V)

@@ -806,10 +806,20 @@ class CountingProvider(LocalMaskProvider):
         return super().step(seq_ids, tokens, counts, jump_forward)
 
 
-def test_processor_mode_gives_what_overlap_gives(engine: TorchEngine, tiny: TinyModelInfo) -> None:
+class PriorJumps(JumpPolicy):
+    """Jump widths from the prior only: measured step costs (timing) would make two runs' widths differ, and
+    with them the tokens (a row cut short samples the rest of its forced text under the mask)."""
+
+    def record(self, rows: int, width: int, seconds: float) -> None:
+        pass
+
+
+def test_processor_mode_gives_what_overlap_gives(engine: TorchEngine, tiny: TinyModelInfo,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """The grammar step after the forward (processor) or beside it (overlap): the same request and the same
     reading of its answer, so the same tokens -- jumps, value checks and closing included -- and one grammar
     request per step with a constrained row."""
+    monkeypatch.setattr("llm_runtime.scheduler.JumpPolicy", PriorJumps)
     kinds = [("regex", "[a-z]{2,6}"), ("choice", '["north", "south"]'), ("json_schema", JUMP_SCHEMA),
              ("json_schema", PERMUTATION)]
 
@@ -825,7 +835,6 @@ def test_processor_mode_gives_what_overlap_gives(engine: TorchEngine, tiny: Tiny
                 summary = s.summary()
             assert summary["grammar_requests"] == summary["steps_constrained"] == provider.step_calls
             assert grammar.active_count == 0
-            # The steps may differ: jump widths follow the measured forward cost.
             return ([(f.finish_reason, f.text, tuple(r.token_ids), f.value_retries)
                      for f, r in zip(finals, results, strict=True)], int(summary["jump_tokens"]))
         finally:
