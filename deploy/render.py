@@ -252,7 +252,19 @@ def _render_into(src: Path, out: Path, values: Mapping[str, str]) -> tuple[list[
     return configs, copied, used
 
 
-def render_repository(src: Path, dst: Path, values: Mapping[str, str]) -> RenderResult:
+#: Triton's Python-backend parameter naming a model's own Python environment.
+EXECUTION_ENV_PARAMETER: Final = "EXECUTION_ENV_PATH"
+
+
+def _execution_env_line(model: str, path: str) -> str:
+    if not path.startswith("/") or any(c in path for c in '"\\\n$'):
+        raise RenderError(f"--execution-env {model}={path}: the path must be absolute, without quotes, "
+                          "backslashes, newlines or '$'")
+    return f'parameters {{ key: "{EXECUTION_ENV_PARAMETER}" value: {{ string_value: "{path}" }} }}\n'
+
+
+def render_repository(src: Path, dst: Path, values: Mapping[str, str],
+                      execution_env: Mapping[str, str] | None = None) -> RenderResult:
     """Render the model repository ``src`` into ``dst``, replacing ``dst``.
 
     Parameters
@@ -263,6 +275,11 @@ def render_repository(src: Path, dst: Path, values: Mapping[str, str]) -> Render
         Where the rendered repository goes; any previous content is replaced.
     values : Mapping[str, str]
         Placeholder values; every key must be used by some template.
+    execution_env : Mapping[str, str], optional
+        Model name -> the Python environment (a directory with ``bin/activate``)
+        its stub runs in: Triton's ``EXECUTION_ENV_PATH``.  The GPU image gives
+        the grammar-side models the project's xgrammar and llguidance there,
+        apart from TensorRT-LLM's own pins (deploy/docker/Dockerfile).
 
     Returns
     -------
@@ -293,6 +310,14 @@ def render_repository(src: Path, dst: Path, values: Mapping[str, str]) -> Render
         unused = sorted(set(values) - used)
         if unused:
             raise RenderError(f"value(s) {', '.join(unused)} not used by any template under {src}")
+        for model, path in sorted((execution_env or {}).items()):
+            config = out / model / CONFIG_NAME
+            if not config.is_file():
+                raise RenderError(f"--execution-env {model}: no such model under {src}")
+            text = config.read_text(encoding="utf-8")
+            if EXECUTION_ENV_PARAMETER in text:
+                raise RenderError(f"--execution-env {model}: its config already names {EXECUTION_ENV_PARAMETER}")
+            config.write_text(text + _execution_env_line(model, path), encoding="utf-8")
         old = staging / "old"
         # rename(2) of a directory onto an existing non-empty directory fails, so
         # move the old tree aside first; the gap between the two renames is the
@@ -317,11 +342,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dst", type=Path, required=True, help="rendered model repository (replaced)")
     parser.add_argument("--set", dest="assignments", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--values", type=Path, help="JSON object of KEY: value (--set wins on conflict)")
+    parser.add_argument("--execution-env", dest="envs", action="append", default=[], metavar="MODEL=PATH",
+                        help=f"run MODEL's Python stub in the environment at PATH ({EXECUTION_ENV_PARAMETER})")
     args = parser.parse_args(argv)
     try:
         values = load_values(args.values) if args.values is not None else {}
         values.update(parse_assignments(args.assignments))
-        result = render_repository(args.src, args.dst, values)
+        envs: dict[str, str] = {}
+        for item in args.envs:
+            model, sep, path = item.partition("=")
+            if not sep or not model or model in envs:
+                raise RenderError(f"--execution-env {item!r}: expected MODEL=PATH, each model once")
+            envs[model] = path
+        result = render_repository(args.src, args.dst, values, envs)
     except RenderError as err:
         print(f"render: error: {err}", file=sys.stderr)
         return 2

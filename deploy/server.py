@@ -843,6 +843,9 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--http-port", type=int, default=0, help="0 = a free port")
     parser.add_argument("--metrics-port", type=int, default=0, help="0 = a free port")
     parser.add_argument("--model", dest="models", action="append", default=[], help="wait for this model (repeat)")
+    parser.add_argument("--python-env", type=Path, default=Path(sys.prefix),
+                        help="the environment whose packages stubs without an EXECUTION_ENV_PATH see "
+                             "(default: this interpreter's, %(default)s)")
     parser.add_argument("--log-file", type=Path, default=None)
     parser.add_argument("--log-verbose", type=int, default=0)
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds (default %(default)s)")
@@ -872,6 +875,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             stop_grace_s=args.stop_grace,
             exit_timeout_s=max(0, min(20, int(args.stop_grace) - 1)),
             extra_args=tuple(args.extra),
+            python_env=args.python_env,
         )
     except ValueError as err:
         print(f"server: error: {err}", file=sys.stderr)

@@ -10,6 +10,7 @@ import llguidance.numpy
 import numpy as np
 import xgrammar as xgr
 
+import contract
 from grammar_backend.errors import ConfigError, GrammarError
 from grammar_backend.llg import LlgMatcher
 
@@ -33,9 +34,7 @@ class Matcher(Protocol):
 ALL_ALLOWED = np.int32(-1)
 
 
-def bitmask_width(vocab_size: int) -> int:
-    """Number of int32 words per row: ``ceil(vocab_size / 32)``."""
-    return (vocab_size + 31) // 32
+bitmask_width = contract.bitmask_width
 
 
 class BitmaskBuffer:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import string
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from enum import IntEnum
 
 import numpy as np
 import xgrammar as xgr
@@ -44,18 +43,10 @@ __all__ = [
 ]
 
 
-class CloseState(IntEnum):
-    """Where a sequence stands with respect to closing (the ``CLOSING`` output of a step)."""
-
-    OPEN = 0
-    BUDGET = 1  # forcing a completion because the budget runs out
-    REPETITION = 2  # forcing a completion because the output repeats itself
-    CALM = 3  # near the budget: no token that opens structure (the model may still finish on its own)
-
-
-#: RESULT's ``close_reason`` for each forcing state (one home; the client imports it).
-#: RESULT ``close_reason`` of each closing state (the names are the request contract's).
-CLOSE_REASONS: dict[int, str] = dict(zip((CloseState.BUDGET, CloseState.REPETITION), contract.CLOSE_REASONS, strict=True))
+# The states and their RESULT names are wire values: their home is the contract
+# (the llm model reads them without importing the grammar engines).
+CloseState = contract.CloseState
+CLOSE_REASONS = contract.CLOSE_STATE_REASONS
 
 #: Characters tried first outside strings, in order: they close containers
 #: and strings, or start the cheapest JSON values (``0``, ``""``, ``[]``,

@@ -32,7 +32,7 @@ from typing import Final
 
 import numpy as np
 
-from grammar_backend.bitmask import bitmask_width
+from contract import bitmask_width
 from grammar_backend.errors import ConstraintError, GrammarError
 from grammar_backend.lru import Lru
 

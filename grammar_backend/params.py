@@ -14,7 +14,7 @@ import re
 import types
 import typing
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 from grammar_backend.errors import ConfigError
 
@@ -23,10 +23,14 @@ T = TypeVar("T")
 _PLACEHOLDER = re.compile(r"\$\{[A-Za-z0-9_]+\}")
 
 
+#: Parameters Triton itself reads (the Python backend's own environment), not the model.
+TRITON_PARAMETERS: Final = frozenset({"EXECUTION_ENV_PATH"})
+
+
 def parameter_values(model_config: Mapping[str, Any]) -> dict[str, str]:
-    """The ``parameters`` of a parsed Triton model config as plain strings."""
+    """The ``parameters`` of a parsed Triton model config as plain strings (less :data:`TRITON_PARAMETERS`)."""
     raw = model_config.get("parameters", {}) or {}
-    return {name: str(value.get("string_value", "")) for name, value in raw.items()}
+    return {name: str(value.get("string_value", "")) for name, value in raw.items() if name not in TRITON_PARAMETERS}
 
 
 def from_parameters(cls: type[T], params: Mapping[str, str], model: str) -> T:

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 import contract
-from grammar_backend.bitmask import bitmask_width
+from contract import bitmask_width
 from grammar_backend.cache import CacheConfig
 from grammar_backend.channel import ChannelReply, ChannelServer, ChannelStart, ChannelStep
 from grammar_backend.engine import GrammarEngine, GrammarEngineConfig

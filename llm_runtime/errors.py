@@ -19,6 +19,7 @@ __all__ = [
     "CANCELLED",
     "DecodeError",
     "EngineError",
+    "EngineStalled",
     "Overloaded",
     "RequestError",
     "SchedulerClosed",
@@ -51,6 +52,12 @@ class EngineError(DecodeError):
     """The engine was used against its contract (unknown sequence, no free slot, ...)."""
 
     status = cerrors.INTERNAL
+
+
+class EngineStalled(DecodeError):
+    """The engine gave a request no output within its bound (an executor that stopped answering)."""
+
+    status = cerrors.UNAVAILABLE
 
 
 class Overloaded(DecodeError):

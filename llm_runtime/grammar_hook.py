@@ -1,63 +1,110 @@
-"""The grammar hook an engine calls after its forward and before it samples.
+"""The grammar side of TensorRT-LLM's guided decoder: one grammar call per step for every constrained row.
 
-:class:`GrammarLogitsProcessor` is the one object through which an engine that
-owns its own decode loop (TensorRT-LLM) consumes the ``grammar`` model's
-bitmask.  TensorRT-LLM cannot be installed here: ``tests/unit/test_grammar_hook.py``
-drives it in TensorRT-LLM's call order with the real tiny torch model.  It
-reads a step's answer as the torch scheduler does
-(:meth:`llm_runtime.mask.MaskStep.row_kind`); unlike the scheduler it cannot
-append forced tokens or drop tokens, so it never jumps forward and its
-sequences run without value checks.
+TensorRT-LLM's PyTorch backend builds one token bitmask per step for all
+guided rows in ``GuidedDecoder`` (``tensorrt_llm/_torch/pyexecutor/guided_decoder.py``):
+``add_batch`` wraps the scheduled requests, ``execute(logits)`` calls
+``build()`` -> ``_build(requests)`` on the host, copies ``bitmask_host`` and
+``token_mask_host`` to the device on its own stream and masks the logits
+there.  Its ``_build`` runs one xgrammar matcher per row, in a Python loop.
+:class:`GrammarRows` is what :mod:`llm_runtime.trtllm_decoder` runs in its
+place: it reads the same ``GuidedRequests`` and makes ONE
+``MaskProvider.step`` for all constrained rows (the grammar channel to the
+``grammar`` model), then writes the rows at TensorRT-LLM's offsets.  The
+copy and the masking stay TensorRT-LLM's.
 
-Call contract (TensorRT-LLM's batched logits processor,
-``tensorrt_llm.sampling_params.BatchedLogitsProcessor.__call__(req_ids,
-logits, token_ids, stream_ptr, client_ids)``): once per decode step, after the
-forward, with every request of the step that asked for it; ``logits[i]``
-belongs to ``req_ids[i]`` and is modified in place; ``token_ids[i][beam]`` is
-the request's whole token history (prompt first); the work is queued on the
-CUDA stream ``stream_ptr``.  The processor
+No ``tensorrt_llm`` import here: ``tests/unit/test_grammar_hook.py`` drives
+this class in TensorRT-LLM's exact per-step order (overlap scheduler,
+context chunks, pause and resume) with the real tiny torch model and the
+real grammar engine.
 
-1. finds, for each row it knows, the tokens sampled since its previous call
-   (the history past the prompt and the tokens already fed),
-2. sends ONE batched ``MaskProvider.step`` for all constrained rows (over BLS:
-   one request to the ``grammar`` model per step, whatever the batch),
-3. copies the rows into one preallocated (pinned, on CUDA) host bitmask, moves
-   it to the device on the engine's stream and applies it in place with
-   ``xgrammar.apply_token_bitmask_inplace`` -- the logits never leave the device.
+What a ``GuidedRequests`` gives (TensorRT-LLM 1.2.x, read in
+``guided_decoder.py``: ``GuidedRequest.from_llm_request``,
+``require_matcher_init``, ``require_matcher_advance``,
+``GuidedRequests.valid_requests_with_offsets``, ``num_bitmask_tokens``):
 
-A row the grammar side ends (terminated, or a row error) gets a mask that
-allows only the end tokens, so an engine that cannot be told to stop a
-request from here (TensorRT-LLM) ends it at this step; the row's error and
-close state are kept for :meth:`GrammarLogitsProcessor.remove`, which the
-engine adapter calls when the request finishes (it ends the grammar sequence).
+* ``valid_requests_with_offsets()`` yields each request that has guided
+  params and a slot, with its bitmask row (its position in the scheduled
+  batch, contexts first; a generation row is followed by its draft rows);
+* ``require_matcher_init()``: the last context chunk (also when a paused
+  request is scheduled again: its context is rebuilt from all its tokens);
+* ``require_matcher_advance()``: a generation step; ``new_token`` is the
+  token sampled at the previous step (with the overlap scheduler too:
+  ``_executor_loop_overlap`` calls ``add_batch`` again after
+  ``_update_requests`` of the previous batch);
+* ``seq_slot`` is reused by later requests; a finished request is not
+  scheduled again.
 
-The processor runs serially with the forward: its cost is added to the step,
-unlike the torch scheduler's default overlap mode.  See
-:class:`ProcessorStats` for the counters that measure it.
+Which grammar sequence a row belongs to travels in the request itself: the
+guide string of its ``GuidedDecodingParams`` (:meth:`GrammarRows.guide`), so no
+TensorRT-LLM request id has to be bound to it, and TensorRT-LLM's pickling of
+requests carries plain strings only.
+
+A row the grammar side ended (stop accepted, or a row error) gets a mask that
+allows only the end tokens, so TensorRT-LLM ends the request at this step; a
+row error is also returned in ``_build``'s failure list (TensorRT-LLM 1.2
+ends those requests with the error).  :meth:`GrammarRows.remove` returns the
+row's outcome when the request finishes and ends its grammar sequence.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
+import re
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Final, Protocol
 
 import numpy as np
-import torch
-import xgrammar
 
-from grammar_backend.closing import CloseState
+from contract import CloseState, bitmask_width
 
 from .errors import EngineError
-from .mask import ROW_ERROR, ROW_MASK, ROW_STOP, ConstraintRequest, MaskProvider, MaskStep, bitmask_width
+from .mask import ROW_ERROR, ROW_MASK, ROW_STOP, ConstraintRequest, MaskProvider, MaskStep
 
-__all__ = ["GrammarLogitsProcessor", "ProcessorStats", "RowOutcome"]
+__all__ = ["GUIDE_PREFIX", "GrammarRows", "GuidedRequestView", "GuidedRequestsView", "RowOutcome", "RowsStats"]
 
 _log = logging.getLogger(__name__)
+
+#: The guide (a regex) a constrained request carries: the prefix, then the grammar sequence id.
+#: A literal regex on purpose: were TensorRT-LLM's own matcher ever to run on it
+#: (the decoder not installed), the output would be this literal, never an
+#: unconstrained text that looks right.
+GUIDE_PREFIX: Final = "constrained-llm-sequence-"
+_GUIDE_RE: Final = re.compile(re.escape(GUIDE_PREFIX) + r"([1-9][0-9]{0,19})")
+
+
+class _Guide(Protocol):
+    @property
+    def guide(self) -> str | None: ...
+
+
+class GuidedRequestView(Protocol):
+    """The fields of TensorRT-LLM's ``GuidedRequest`` that :meth:`GrammarRows.build` reads."""
+
+    @property
+    def guided_decoding_params(self) -> _Guide | None: ...
+    @property
+    def request_id(self) -> int | None: ...
+    @property
+    def seq_slot(self) -> int | None: ...
+    @property
+    def new_token(self) -> int | None: ...
+    @property
+    def is_draft(self) -> bool: ...
+    @property
+    def draft_tokens(self) -> Sequence[int] | None: ...
+    def require_matcher_init(self) -> bool: ...
+    def require_matcher_advance(self) -> bool: ...
+
+
+class GuidedRequestsView(Protocol):
+    """The part of TensorRT-LLM's ``GuidedRequests`` that :meth:`GrammarRows.build` reads."""
+
+    @property
+    def num_bitmask_tokens(self) -> int: ...
+    def valid_requests_with_offsets(self) -> Iterator[tuple[GuidedRequestView, int]]: ...
 
 
 @dataclass(frozen=True)
@@ -67,11 +114,11 @@ class RowOutcome:
     Attributes
     ----------
     error : str or None
-        The grammar side's row error (the request must end with ``"error"``).
+        The row's error (the request must end with ``"error"``).
     close_state : int
-        The last :class:`grammar_backend.closing.CloseState` of the row.
+        The last :class:`contract.CloseState` of the row.
     terminated : bool
-        The grammar accepted its stop token (the end-token mask was applied).
+        The grammar accepted its stop token (only end tokens were left).
     """
 
     error: str | None
@@ -80,339 +127,298 @@ class RowOutcome:
 
 
 @dataclass(frozen=True)
-class ProcessorStats:
-    """Counters of :class:`GrammarLogitsProcessor` since its creation.
+class RowsStats:
+    """Counters of :class:`GrammarRows` since its creation.
 
     Attributes
     ----------
-    calls : int
-        Processor calls that had at least one constrained row.
+    builds : int
+        ``build`` calls that had at least one constrained row.
     grammar_requests : int
-        ``MaskProvider.step`` calls (one per such call: the batching contract).
+        ``MaskProvider.step`` calls (one per such build: the batching contract).
     rows : int
-        Constrained rows masked, summed over calls.
-    grammar_s : float
-        Seconds spent in ``MaskProvider.step``.
-    apply_s : float
-        Seconds spent copying and applying the bitmask (host-side time; on
-        CUDA the kernels are queued on the engine's stream).
+        Rows written, summed over builds.
+    grammar_s, build_s : float
+        Seconds in ``MaskProvider.step``, and in the whole of ``build``.
     """
 
-    calls: int
+    builds: int
     grammar_requests: int
     rows: int
     grammar_s: float
-    apply_s: float
+    build_s: float
 
 
 @dataclass(eq=False)
 class _Row:
     seq_id: int
-    prompt_len: int
-    fed: int = 0  # generated tokens already accepted by the grammar side
+    stepped: bool = False  # a mask was computed: a sampled token is due at the next step
     error: str | None = None
     close_state: int = CloseState.OPEN
     terminated: bool = False
 
 
-class GrammarLogitsProcessor:
-    """Masks the constrained rows of a decode step with ONE grammar request.
+#: Fills the unused entries of the per-step row list (no allocation per step).
+_NO_ROW: Final = _Row(0)
+
+
+class GrammarRows:
+    """Writes the bitmask rows of TensorRT-LLM's guided decoder with ONE grammar request per step.
 
     Parameters
     ----------
     provider : MaskProvider
-        The grammar side (BLS to the ``grammar`` model in Triton).
+        The grammar side (the grammar channel to the ``grammar`` model).
     vocab_size : int
-        Width of the logits rows.
+        The tokenizer's vocabulary: the grammar side's rows are
+        ``bitmask_width(vocab_size)`` words wide.
     end_token_ids : iterable of int
-        The engine's end tokens: the only tokens left to a row the grammar side ended.
+        The only tokens left to a row the grammar side ended.
     max_rows : int
-        Most rows of one call (the engine's batch size); the buffers are
-        preallocated for it.
-    device : torch.device or str
-        Where the logits live.
+        Most constrained rows of one step (the engine's batch size); the
+        step buffers are preallocated for it.
 
     Notes
     -----
-    Thread safety: :meth:`start`, :meth:`remove` and :meth:`__call__` may be
-    called from different threads (TensorRT-LLM calls the processor on its
-    executor thread while requests join and leave from others).  ``__call__``
-    and the grammar ``end`` of :meth:`remove` never overlap, so the provider
-    never sees a sequence ended during its step.
+    Thread safety: :meth:`start` and :meth:`remove` run on the engine
+    adapter's threads while :meth:`build` runs on TensorRT-LLM's executor
+    thread.  A grammar ``end`` never overlaps a ``step``.
     """
 
-    def __init__(
-        self,
-        provider: MaskProvider,
-        *,
-        vocab_size: int,
-        end_token_ids: Iterable[int],
-        max_rows: int,
-        device: torch.device | str = "cpu",
-    ) -> None:
+    def __init__(self, provider: MaskProvider, *, vocab_size: int, end_token_ids: Iterable[int],
+                 max_rows: int) -> None:
         ends = sorted({int(t) for t in end_token_ids})
         if not ends or ends[0] < 0 or ends[-1] >= vocab_size:
             raise EngineError(f"end_token_ids must be non-empty ids in [0, {vocab_size}), got {ends}")
         if max_rows < 1:
             raise EngineError(f"max_rows must be positive, got {max_rows}")
         self._provider = provider
-        self._vocab = vocab_size
+        self._ends = ends
+        self.width = bitmask_width(vocab_size)
         self._max_rows = max_rows
-        self._device = torch.device(device)
-        w = bitmask_width(vocab_size)
-        pin = self._device.type == "cuda"
-        # Reused every call: grammar-step inputs, the host bitmask aligned with the
-        # logits rows, its device copy, and the end-tokens-only row.
+        # Reused every step: the grammar-step inputs and where each answer goes.
         self._ids = np.zeros(max_rows, dtype=np.uint64)
         self._tokens = np.zeros((max_rows, 1), dtype=np.int32)
         self._counts = np.zeros(max_rows, dtype=np.int32)
-        self._host = torch.full((max_rows, w), -1, dtype=torch.int32, pin_memory=pin)
-        self._host_np = self._host.numpy()
-        self._dev = self._host if not pin else torch.empty((max_rows, w), dtype=torch.int32, device=self._device)
-        # On CUDA the host rows are copied asynchronously: the next call waits for
-        # the previous copy before it rewrites them.
-        self._copied = torch.cuda.Event() if pin else None
-        self._end_row = np.zeros(w, dtype=np.int32)
-        for t in ends:
-            self._end_row[t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
-        self._rows: dict[int, _Row] = {}
-        self._lock = threading.Lock()  # guards _rows
-        self._step_lock = threading.Lock()  # __call__ vs. the grammar end of remove()
-        self._calls = 0
+        self._offsets = np.zeros(max_rows, dtype=np.int64)
+        self._request_ids = np.zeros(max_rows, dtype=np.int64)
+        self._stepped: list[_Row] = [_NO_ROW] * max_rows
+        self._end_row = np.zeros(0, dtype=np.int32)  # sized to the decoder's rows at the first build
+        self._by_seq: dict[int, _Row] = {}
+        self._by_slot: dict[int, _Row] = {}
+        self._lock = threading.Lock()  # guards _by_seq
+        self._step_lock = threading.Lock()  # build vs. the grammar end of remove()
+        self._builds = 0
         self._requests = 0
-        self._masked = 0
+        self._rows = 0
         self._grammar_s = 0.0
-        self._apply_s = 0.0
+        self._build_s = 0.0
 
-    # -- membership -----------------------------------------------------------
-    def start(self, key: int, seq_id: int, constraint: ConstraintRequest, prompt_len: int) -> str:
-        """Create the grammar sequence (blocking: may compile) and register its row; returns its backend.
+    def __reduce__(self) -> tuple[object, ...]:
+        # It holds the grammar channel and lives in the executor's process; were
+        # TensorRT-LLM ever to carry it to another process, fail with the reason.
+        raise TypeError("GrammarRows lives in the llm model's process with the executor and cannot be pickled "
+                        "(TLLM_WORKER_USE_SINGLE_PROCESS=1, tensor_parallel_size 1)")
 
-        Parameters
-        ----------
-        key : int
-            The engine's id of the request (``req_ids`` entries of the calls).
-        seq_id : int
-            The grammar sequence id.
-        constraint : ConstraintRequest
-            Forwarded to ``MaskProvider.start``.
-        prompt_len : int
-            Prompt tokens at the head of the request's token history.
+    # -- membership -------------------------------------------------------------
+    @staticmethod
+    def guide(seq_id: int) -> str:
+        """The ``GuidedDecodingParams(regex=...)`` guide that names grammar sequence ``seq_id``."""
+        return f"{GUIDE_PREFIX}{seq_id}"
+
+    def start(self, seq_id: int, constraint: ConstraintRequest) -> str:
+        """Create the grammar sequence (blocking: may compile) and register it; returns its backend.
 
         Raises
         ------
         grammar_backend.errors.GrammarError
             From ``MaskProvider.start`` (bad constraint, compile failure, ...).
         EngineError
-            If ``key`` is already registered (the grammar sequence is ended again).
+            If ``seq_id`` is not positive (a guide could not name it).
+
+        A sequence id started twice is refused by the provider (the grammar side
+        owns its sequences); nothing is registered then.
         """
+        if seq_id < 1:
+            raise EngineError(f"seq_id must be positive, got {seq_id}")
         backend = self._provider.start(seq_id, constraint)
         with self._lock:
-            clash = key in self._rows
-            if not clash:
-                self._rows[key] = _Row(seq_id, prompt_len)
-        if clash:
-            with self._step_lock:
-                self._provider.end([seq_id])
-            raise EngineError(f"request {key} already has a grammar row")
+            self._by_seq[seq_id] = _Row(seq_id)
         return backend
 
-    def remove(self, keys: Sequence[int]) -> list[RowOutcome | None]:
-        """Forget the rows of finished requests and end their grammar sequences (one call).
-
-        Returns
-        -------
-        list of (RowOutcome or None)
-            One per key; ``None`` for a key without a row (an unconstrained request).
-        """
+    def remove(self, seq_ids: Sequence[int]) -> list[RowOutcome | None]:
+        """Forget finished requests and end their grammar sequences (one call); ``None`` for an unknown id."""
         with self._lock:
-            rows = [self._rows.pop(k, None) for k in keys]
+            rows = [self._by_seq.pop(s, None) for s in seq_ids]
         ended = [r.seq_id for r in rows if r is not None]
         if ended:
             with self._step_lock:
+                for slot in [k for k, r in self._by_slot.items() if r.seq_id in ended]:
+                    del self._by_slot[slot]
                 self._provider.end(ended)
         return [None if r is None else RowOutcome(r.error, r.close_state, r.terminated) for r in rows]
 
-    def __contains__(self, key: object) -> bool:
-        with self._lock:
-            return key in self._rows
-
     @property
     def row_count(self) -> int:
-        """Registered rows (constrained requests in flight)."""
+        """Registered grammar sequences (constrained requests in flight)."""
         with self._lock:
-            return len(self._rows)
+            return len(self._by_seq)
 
-    def outcome(self, key: int) -> RowOutcome | None:
+    def outcome(self, seq_id: int) -> RowOutcome | None:
         """The row's state now (``None``: no such row)."""
         with self._lock:
-            r = self._rows.get(key)
+            r = self._by_seq.get(seq_id)
         return None if r is None else RowOutcome(r.error, r.close_state, r.terminated)
 
-    def stats(self) -> ProcessorStats:
-        """The counters (see :class:`ProcessorStats`)."""
-        return ProcessorStats(self._calls, self._requests, self._masked, self._grammar_s, self._apply_s)
+    def stats(self) -> RowsStats:
+        """The counters (see :class:`RowsStats`)."""
+        return RowsStats(self._builds, self._requests, self._rows, self._grammar_s, self._build_s)
 
-    # -- the per-step call ----------------------------------------------------
-    def __call__(
-        self,
-        req_ids: Sequence[int],
-        logits: torch.Tensor | Sequence[torch.Tensor],
-        token_ids: Sequence[Sequence[Sequence[int]]],
-        stream_ptr: int | None = None,
-        client_ids: Sequence[int | None] | None = None,
-    ) -> None:
-        """Mask, in place, the logits of every registered row of this step.
+    # -- the per-step call --------------------------------------------------------
+    def build(self, requests: GuidedRequestsView, bitmask: np.ndarray, token_mask: np.ndarray) -> list[tuple[int, str]]:
+        """Write the bitmask rows of one step, in place, with one grammar request.
 
         Parameters
         ----------
-        req_ids : sequence of int
-            The engine's request ids of the rows.
-        logits : torch.Tensor or sequence of torch.Tensor
-            ``[B, vocab]`` (row ``i`` for ``req_ids[i]``) or one tensor per row
-            whose last dimension is the vocabulary (TensorRT-LLM's batched form).
-        token_ids : sequence
-            ``token_ids[i][beam]``: the request's token history, prompt first;
-            one beam only.
-        stream_ptr : int or None
-            The CUDA stream the engine queued the logits on (``None`` on CPU).
-        client_ids : sequence or None
-            Unused (part of TensorRT-LLM's signature).
+        requests : GuidedRequestsView
+            TensorRT-LLM's ``GuidedRequests`` of this step.
+        bitmask : numpy.ndarray
+            int32 ``[rows, words]``: the decoder's ``bitmask_host`` (at least
+            :attr:`width` words; the words past it are left 0, so ids past the
+            tokenizer's vocabulary stay masked).
+        token_mask : numpy.ndarray
+            int32 ``[rows]``: the decoder's ``token_mask_host``; 1 where a row was written.
+
+        Returns
+        -------
+        list of (int, str)
+            ``(request_id, error)`` of every row that failed at this step.
+            Never raises: an exception inside TensorRT-LLM's executor loop
+            would fail the whole batch.
         """
-        del client_ids
+        t0 = time.perf_counter()
+        failed: list[tuple[int, str]] = []
         with self._step_lock:
             try:
-                self._masked_step(req_ids, logits, token_ids, stream_ptr)
-            except Exception as err:  # noqa: BLE001 -- never into the engine's loop: the rows fail instead
-                # Raised inside TensorRT-LLM's forward (PyTorch backend) it would fail
-                # the whole batch, across its C++ callback it could stop the executor.
-                _log.exception("grammar processor failed; failing its rows")
-                self._fail_rows(req_ids, logits, f"grammar processor failed: {err}")
+                self._build(requests, bitmask, token_mask, failed)
+            except Exception as err:  # noqa: BLE001 -- never into the executor loop: the rows fail instead
+                _log.exception("grammar rows: the step failed; failing its rows")
+                self._fail_all(requests, bitmask, token_mask, f"grammar step failed: {err}", failed)
+        self._build_s += time.perf_counter() - t0
+        return failed
 
-    def _masked_step(
-        self,
-        req_ids: Sequence[int],
-        logits: torch.Tensor | Sequence[torch.Tensor],
-        token_ids: Sequence[Sequence[Sequence[int]]],
-        stream_ptr: int | None,
-    ) -> None:
-        with self._lock:
-            rows = [(i, self._rows.get(int(k))) for i, k in enumerate(req_ids)]
-        live = [(i, r) for i, r in rows if r is not None]
-        if not live:
-            return
-        if len(live) > self._max_rows or len(req_ids) > self._max_rows:
-            raise EngineError(f"{len(req_ids)} rows exceed the processor's {self._max_rows}")
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous call's copy has left the host buffer
+    def _build(self, requests: GuidedRequestsView, bitmask: np.ndarray, token_mask: np.ndarray,
+               failed: list[tuple[int, str]]) -> None:
+        if bitmask.shape[1] < self.width:
+            raise EngineError(f"bitmask_host has {bitmask.shape[1]} words per row, the vocabulary needs {self.width}")
+        if self._end_row.shape[0] != bitmask.shape[1]:
+            self._end_row = np.zeros(bitmask.shape[1], dtype=np.int32)
+            for t in self._ends:
+                self._end_row[t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+        token_mask[: requests.num_bitmask_tokens] = 0
         c = 0
-        widest = 1
-        stepped: list[tuple[int, _Row]] = []
-        for i, r in live:
-            beams = token_ids[i]
-            history = beams[0] if len(beams) == 1 else ()
-            n = len(history) - r.prompt_len - r.fed
-            if r.error is None and len(beams) != 1:
-                r.error = f"beam width {len(beams)} is not supported with a grammar (1 only)"
-            elif r.error is None and n < 0:
-                r.error = f"token history shrank ({len(history)} < {r.prompt_len + r.fed})"
-            if r.error is not None or r.terminated:
-                # The row has ended on the grammar side: only an end token is left.
-                self._host_np[i] = self._end_row
+        for req, offset in requests.valid_requests_with_offsets():
+            init = req.require_matcher_init()
+            if not (init or req.require_matcher_advance()):
+                continue  # an earlier context chunk: no mask yet
+            slot = req.seq_slot
+            if init:
+                row = self._row_of_guide(req)
+                if slot is not None and row is not None:
+                    self._by_slot[slot] = row
+                # A paused request scheduled again: the token sampled before it was paused is still due.
+                feed = row is not None and row.stepped
+            else:
+                row = self._by_slot.get(slot) if slot is not None else None
+                feed = True
+            rid = -1 if req.request_id is None else int(req.request_id)
+            if row is None:
+                failed.append((rid, "no grammar sequence for this request"))
+                self._write_end(bitmask, token_mask, offset)
                 continue
-            if n > self._tokens.shape[1]:
-                # More than one new token (speculative or multi-token steps): grow once.
-                grown = np.zeros((self._max_rows, max(n, 2 * self._tokens.shape[1])), dtype=np.int32)
-                grown[:, : self._tokens.shape[1]] = self._tokens
-                self._tokens = grown
-            start = r.prompt_len + r.fed
-            for k in range(n):
-                self._tokens[c, k] = history[start + k]
-            widest = max(widest, n)
-            self._ids[c] = r.seq_id
-            self._counts[c] = n
-            r.fed += n
-            stepped.append((i, r))
+            if row.error is None and (req.is_draft or req.draft_tokens):
+                row.error = "speculative decoding is not supported with the grammar model's constraints"
+                failed.append((rid, row.error))
+            if row.error is not None or row.terminated:
+                self._write_end(bitmask, token_mask, offset)
+                continue
+            if c == self._max_rows:
+                raise EngineError(f"more than {self._max_rows} constrained rows in one step")
+            token = req.new_token
+            if feed and token is None:
+                row.error = "the request has no sampled token to feed"
+                failed.append((rid, row.error))
+                self._write_end(bitmask, token_mask, offset)
+                continue
+            self._ids[c] = row.seq_id
+            self._tokens[c, 0] = token if feed else 0
+            self._counts[c] = 1 if feed else 0
+            self._offsets[c] = offset
+            self._stepped[c] = row
+            self._request_ids[c] = rid
             c += 1
+        if not c:
+            return
         t0 = time.perf_counter()
         out: MaskStep | None = None
         fault: str | None = None
-        if c:
-            try:
-                out = self._provider.step(self._ids[:c], self._tokens[:c, :widest], self._counts[:c])
-            except Exception as err:  # noqa: BLE001 -- every row of this call fails with it; the engine goes on
-                _log.exception("MaskProvider.step failed; failing its %d constrained rows", c)
-                fault = f"grammar step failed: {err}"
-            else:
-                fault = "MaskProvider.step returned None" if out is None else out.check(c, self._host_np.shape[1])
-        t1 = time.perf_counter()
-        for j, (i, r) in enumerate(stepped):
-            dst = self._host_np[i]
-            if fault is not None:
-                r.error = fault
-            elif out is not None:
-                r.close_state = out.close_state(j)
+        try:
+            out = self._provider.step(self._ids[:c], self._tokens[:c], self._counts[:c])
+        except Exception as err:  # noqa: BLE001 -- every row of this step fails with it; the engine goes on
+            _log.exception("MaskProvider.step failed; failing its %d constrained rows", c)
+            fault = f"grammar step failed: {err}"
+        else:
+            fault = "MaskProvider.step returned None" if out is None else out.check(c, self.width)
+        self._grammar_s += time.perf_counter() - t0
+        for j in range(c):
+            row, offset, rid = self._stepped[j], int(self._offsets[j]), int(self._request_ids[j])
+            self._stepped[j] = _NO_ROW
+            row.stepped = True
+            if fault is None and out is not None:
+                row.close_state = out.close_state(j)
                 kind = out.row_kind(j)
                 if kind == ROW_MASK:
-                    dst[:] = out.bitmask[j]
+                    bitmask[offset, : self.width] = out.bitmask[j]
+                    token_mask[offset] = 1
                     continue
                 if kind == ROW_STOP:
-                    r.terminated = True
+                    row.terminated = True
                 elif kind == ROW_ERROR:
-                    r.error = out.errors[j]
-                else:  # never asked for: its sequences are started without value checks
-                    r.error = "the grammar side dropped tokens, which a logits processor cannot take back"
-            dst[:] = self._end_row
-        masked = [i for i, _ in live]
-        self._apply(logits, masked, len(req_ids), stream_ptr)
-        self._calls += 1
-        self._requests += 1 if c else 0
-        self._masked += len(masked)
-        self._grammar_s += t1 - t0
-        self._apply_s += time.perf_counter() - t1
+                    row.error = out.errors[j]
+                else:  # never asked for: these sequences run without value checks
+                    row.error = "the grammar side dropped tokens, which TensorRT-LLM's decoder cannot take back"
+            else:
+                row.error = fault
+            if row.error is not None:
+                failed.append((rid, row.error))
+            self._write_end(bitmask, token_mask, offset)
+        self._builds += 1
+        self._requests += 1
+        self._rows += c
 
-    def _fail_rows(self, req_ids: Sequence[int], logits: torch.Tensor | Sequence[torch.Tensor], error: str) -> None:
-        """Mark every registered row of the call as failed and try to leave it only the end tokens."""
-        rows = []
+    def _row_of_guide(self, req: GuidedRequestView) -> _Row | None:
+        params = req.guided_decoding_params
+        m = _GUIDE_RE.fullmatch((params.guide if params is not None else None) or "")
+        if m is None:
+            return None
         with self._lock:
-            for i, k in enumerate(req_ids):
-                r = self._rows.get(int(k))
-                if r is not None:
-                    r.error = r.error or error
-                    rows.append(i)
-        if not rows or len(req_ids) > self._max_rows:
-            return
-        try:
-            for i in rows:
-                self._host_np[i] = self._end_row
-            self._apply(logits, rows, len(req_ids), None)
-        except Exception:  # noqa: BLE001 -- the rows are failed already; their requests end with the error
-            _log.exception("grammar processor: the end-token mask could not be applied either")
+            return self._by_seq.get(int(m.group(1)))
 
-    def _apply(
-        self, logits: torch.Tensor | Sequence[torch.Tensor], rows: list[int], b: int, stream_ptr: int | None
-    ) -> None:
-        stream = None
-        if self._copied is not None:
-            # TensorRT-LLM queued the logits on its own stream: the copy and the
-            # kernel go on that stream, so no host synchronisation is needed.
-            stream = torch.cuda.ExternalStream(stream_ptr) if stream_ptr is not None else torch.cuda.current_stream()
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            dev = self._dev[:b]
-            if self._copied is not None:
-                dev.copy_(self._host[:b], non_blocking=True)
-                self._copied.record()
-            if isinstance(logits, torch.Tensor):
-                xgrammar.apply_token_bitmask_inplace(logits, dev, vocab_size=self._vocab, indices=rows)
-                if logits.shape[-1] > self._vocab:
-                    for i in rows:
-                        logits[i, self._vocab :] = -math.inf
-                return
-            for i in rows:
-                row = logits[i]
-                flat = row.view(-1, row.shape[-1])  # [beams (1), vocab]
-                xgrammar.apply_token_bitmask_inplace(flat, dev[i : i + 1], vocab_size=self._vocab)
-                if flat.shape[-1] > self._vocab:
-                    # An engine may pad its logits past the vocabulary (TensorRT-LLM pads the
-                    # LM head for tensor parallelism); the bitmask leaves those ids alone.
-                    flat[:, self._vocab :] = -math.inf
+    def _write_end(self, bitmask: np.ndarray, token_mask: np.ndarray, offset: int) -> None:
+        bitmask[offset] = self._end_row
+        token_mask[offset] = 1
+
+    def _fail_all(self, requests: GuidedRequestsView, bitmask: np.ndarray, token_mask: np.ndarray, error: str,
+                  failed: list[tuple[int, str]]) -> None:
+        """Fail every constrained row of the step and try to leave it only the end tokens."""
+        failed.clear()
+        try:
+            for req, offset in requests.valid_requests_with_offsets():
+                row = self._by_slot.get(req.seq_slot) if req.seq_slot is not None else None
+                if row is not None:
+                    row.error = row.error or error
+                failed.append((-1 if req.request_id is None else int(req.request_id), error))
+                if self._end_row.shape[0] == bitmask.shape[1]:
+                    self._write_end(bitmask, token_mask, offset)
+        except Exception:  # noqa: BLE001 -- the rows are failed already; their requests end with the error
+            _log.exception("grammar rows: the end-token rows could not be written either")

@@ -15,7 +15,7 @@ from typing import Protocol
 import numpy as np
 
 # One definition of the packed-mask width, shared with the grammar side.
-from grammar_backend.bitmask import bitmask_width
+from contract import bitmask_width
 
 __all__ = ["ROW_DROP", "ROW_ERROR", "ROW_MASK", "ROW_STOP", "ConstraintRequest", "MaskProvider", "MaskStep",
            "bitmask_width"]

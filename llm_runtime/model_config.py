@@ -20,7 +20,7 @@ from .scheduler import (
     SchedulerConfig,
 )
 from .streaming import MAX_STREAM_INTERVAL_MS
-from .trtllm_engine import TRTLLM_BACKENDS, TRTLLM_GRAMMAR_MODES, TrtllmConfig
+from .trtllm_engine import TRTLLM_GRAMMAR_MODES, TrtllmConfig
 
 ENGINES: Final = ("torch", "tensorrt_llm")
 #: The grammar modes each engine takes; the first is its default.
@@ -45,10 +45,8 @@ class LlmModelConfig:
     the reason where the package or a GPU is missing).  ``grammar_mode``:
     ``""`` = the engine's default; torch takes ``overlap`` (default) or
     ``processor``; tensorrt_llm takes ``processor`` (default) or ``native``
-    (see :mod:`llm_runtime.trtllm_engine`).  ``trtllm_backend``,
-    ``engine_dir`` (the built engine of ``trtllm_backend: tensorrt``; ``model_dir``
-    stays the Hugging Face folder: tokenizer, end tokens) and
-    ``kv_cache_free_fraction`` apply to tensorrt_llm only.
+    (see :mod:`llm_runtime.trtllm_engine`; TensorRT-LLM's PyTorch backend, which
+    loads ``model_dir``).  ``kv_cache_free_fraction`` applies to tensorrt_llm only.
     ``stream_interval_ms``: after the first text delta (sent at once), a
     request's text is sent once this many milliseconds have passed since its
     last response, and at the end (:class:`llm_runtime.streaming.DeltaCoalescer`;
@@ -66,8 +64,6 @@ class LlmModelConfig:
     torch_threads: int = 0
     grammar_model: str = "grammar"
     grammar_mode: str = ""
-    trtllm_backend: str = "pytorch"
-    engine_dir: str = ""
     kv_cache_free_fraction: float = 0.85
     stream_interval_ms: float = 0.0
 
@@ -81,8 +77,8 @@ class LlmModelConfig:
         if not 0 <= self.stream_interval_ms <= MAX_STREAM_INTERVAL_MS:
             raise ConfigError(f"llm: stream_interval_ms must be in 0..{MAX_STREAM_INTERVAL_MS}, "
                               f"got {self.stream_interval_ms}")
-        if self.engine == "torch" and (self.trtllm_backend != TRTLLM_BACKENDS[0] or self.engine_dir):
-            raise ConfigError("llm: trtllm_backend and engine_dir apply to engine 'tensorrt_llm' only")
+        if self.engine == "torch" and self.kv_cache_free_fraction != LlmModelConfig.kv_cache_free_fraction:
+            raise ConfigError("llm: kv_cache_free_fraction applies to engine 'tensorrt_llm' only")
 
     @property
     def mode(self) -> str:
@@ -95,9 +91,8 @@ class LlmModelConfig:
             from .trtllm_engine import TrtllmGenerator
 
             return TrtllmGenerator(
-                TrtllmConfig(model_dir=self.model_dir, engine_dir=self.engine_dir, backend=self.trtllm_backend,
-                             grammar_mode=self.mode, max_batch=self.max_batch, max_seq_len=self.max_seq_len,
-                             kv_cache_free_fraction=self.kv_cache_free_fraction),
+                TrtllmConfig(model_dir=self.model_dir, grammar_mode=self.mode, max_batch=self.max_batch,
+                             max_seq_len=self.max_seq_len, kv_cache_free_fraction=self.kv_cache_free_fraction),
                 mask_provider,
                 on_metrics=on_metrics,
             )

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import xgrammar
 
 from .mask import bitmask_width
 
@@ -86,6 +85,12 @@ class Sampler:
         self.token_limit = limit
         self.width = bitmask_width(vocab_size)
         self.device = torch.device(device)
+        # Imported here, not at module level: the llm model's TensorRT-LLM path
+        # imports this module (through the scheduler's request checks) inside
+        # TensorRT-LLM's environment, which keeps its own xgrammar pin and never masks here.
+        import xgrammar
+
+        self._apply_bitmask = xgrammar.apply_token_bitmask_inplace
 
     def generator(self, seed: int | None) -> torch.Generator:
         """A generator on :attr:`device`, seeded with ``seed`` (random when ``None``)."""
@@ -112,7 +117,7 @@ class Sampler:
             raise ValueError(
                 f"bitmask: expected int32 [B, {self.width}], got {bitmask.dtype} {tuple(bitmask.shape)}"
             )
-        xgrammar.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=list(rows))
+        self._apply_bitmask(logits, bitmask, vocab_size=self.vocab_size, indices=list(rows))
 
     def sample(
         self,

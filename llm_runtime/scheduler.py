@@ -58,17 +58,16 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Final, Literal, Self
+from typing import TYPE_CHECKING, Final, Literal, Self
 
 import numpy as np
 import torch
 
 import contract
-from grammar_backend.closing import CLOSE_REASONS, CloseState
+from contract import CLOSE_STATE_REASONS, CloseState
 from grammar_backend.metrics import LatencyWindow, Snapshot
 
 from .detok import IncrementalDetokenizer, special_token_ids
-from .engine import Engine
 from .errors import (
     CANCELLED,
     Overloaded,
@@ -80,6 +79,11 @@ from .errors import (
 from .grammar_phase import GrammarPhase, JumpPolicy
 from .mask import ROW_DROP, ROW_ERROR, ROW_STOP, ConstraintRequest, MaskProvider, bitmask_width
 from .sampler import Sampler, SamplingParams
+
+if TYPE_CHECKING:
+    # The torch engine (transformers) is not imported at run time: the TensorRT-LLM
+    # engine uses this module's request checks inside TensorRT-LLM's environment.
+    from .engine import Engine
 
 __all__ = [
     "SCHEDULER_GRAMMAR_MODES",
@@ -112,8 +116,8 @@ def closed_finish(reason: FinishReason, close_state: int, stop_string: bool) -> 
     sampled) is a successful close; a budget close reports ``"length"``.
     Shared by every engine.
     """
-    close_reason = CLOSE_REASONS.get(close_state) if reason == "stop" and not stop_string else None
-    if close_reason == CLOSE_REASONS[CloseState.BUDGET]:
+    close_reason = CLOSE_STATE_REASONS.get(close_state) if reason == "stop" and not stop_string else None
+    if close_reason == CLOSE_STATE_REASONS[CloseState.BUDGET]:
         return "length", close_reason
     return reason, close_reason
 

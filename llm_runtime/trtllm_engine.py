@@ -1,50 +1,55 @@
 """The TensorRT-LLM engine of the ``llm`` model (GPU, NGC ``trtllm-python-py3`` image).
 
 NOT RUN where this project is built and tested: ``tensorrt_llm`` has no
-wheel these machines can install and CI has no GPU.  It is written against
-the documented LLM API of TensorRT-LLM 1.x (the references below, read with
-the project's search tool in ``NVIDIA/TensorRT-LLM``), and every piece of its
-grammar logic is the shared :class:`llm_runtime.grammar_hook.GrammarLogitsProcessor`,
-which the torch scheduler runs in every test (``grammar_mode="processor"``).
-What runs here: :func:`native_guided_kwargs`, the sampling mapping
-(:func:`trtllm_sampling_kwargs`) and the refusal when the package is missing.
+wheel these machines can install and CI has no GPU.  Pinned to TensorRT-LLM
+:data:`TRTLLM_VERSION` (the NGC ``26.07-trtllm-python-py3`` image) and its
+PyTorch backend, the one backend TensorRT-LLM keeps (the TensorRT engine
+backend and its ``batched_logits_processor`` were removed after
+v1.3.0rc20).  What runs here: the grammar rows (:mod:`llm_runtime.grammar_hook`,
+driven in TensorRT-LLM's per-step order by ``tests/unit/test_grammar_hook.py``),
+the API check (:func:`check_trtllm_api`), :func:`native_guided_kwargs`, the
+sampling mapping, the bounded wait (:func:`next_output`) and the refusal when
+the package is missing.
 
-Why not the stock C++ ``tensorrtllm`` Triton backend: it wires no logits
-post-processor (TensorRT-LLM issue 6202: ``LogitsPostProcessorConfig`` "is
-currently hardcoded to null" in ``model_instance_state.cc``), and an ensemble
-runs each step once per request, not per decode step.  So the ``llm`` model
-runs the LLM API inside the Python backend.
+How the bitmask reaches TensorRT-LLM (``grammar_mode: processor``)
+-----------------------------------------------------------------
+TensorRT-LLM's PyTorch executor builds one token bitmask per step for all
+guided rows in ``GuidedDecoder`` (``_torch/pyexecutor/guided_decoder.py``)
+and applies it on the GPU with one kernel; with the overlap scheduler the
+host-side build runs while the next forward is queued.  The engine replaces
+only the host-side build: :class:`llm_runtime.trtllm_decoder.GrammarModelDecoder`
+(a subclass installed in place of ``GuidedDecoder`` while ``LLM(...)`` builds its
+executor) answers ``_build`` with ONE grammar-channel request for every
+constrained row (:class:`llm_runtime.grammar_hook.GrammarRows`).  Each
+constrained request carries ``GuidedDecodingParams(regex=GrammarRows.guide(seq_id))``:
+TensorRT-LLM then treats it as guided, and the row names its grammar
+sequence.  The executor must run in this process (the grammar channel is
+found over BLS, which works only in the Python-backend stub):
+``TLLM_WORKER_USE_SINGLE_PROCESS=1``, one GPU per replica.
 
-How the bitmask reaches TensorRT-LLM (``trtllm_backend``)
---------------------------------------------------------
-``tensorrt`` (``from tensorrt_llm._tensorrt_engine import LLM``, a built engine)
-    ``LLM(batched_logits_processor=...)`` + ``SamplingParams(apply_batched_logits_processor=True)``:
-    the executor calls ``BatchedLogitsProcessor.__call__(req_ids, logits,
-    token_ids, stream_ptr, client_ids)`` ONCE per step for every request that
-    set the flag (``tensorrt_llm/sampling_params.py``), so a step costs ONE
-    grammar request.  ``client_ids`` are the LLM API's request ids (the worker
-    builds ``tllm.Request(client_id=request.id, ...)``), which
-    :class:`_BatchedHook` maps to grammar rows.
-``pytorch`` (``from tensorrt_llm import LLM``, a Hugging Face checkpoint)
-    The PyTorch backend of 1.0-1.2 ignores ``batched_logits_processor``; it
-    calls each request's ``SamplingParams.logits_processor`` in
-    ``PyTorchModelEngine._execute_logit_post_processors``
-    (``_torch/pyexecutor/model_engine.py``) with ``(req_id, logits [1, 1, V],
-    [prompt + generated], None, None)``, once per request per step.  A step
-    then costs one grammar request PER CONSTRAINED REQUEST (a BLS round trip
-    each): use ``grammar_mode: native`` there when latency matters.  With the
-    overlap scheduler the token histories lag one step (TensorRT-LLM PR
-    16785), so the engine runs with ``disable_overlap_scheduler=True``.
+Why not per-request ``SamplingParams.logits_processor``: the PyTorch
+backend calls them one request at a time (``PyTorchModelEngine._execute_logit_post_processors``),
+so a step would cost one grammar round trip per constrained request, and
+TensorRT-LLM 1.1-1.2 pickles them with every new request, even at world size 1
+(``executor_request_queue._broadcast_new_requests`` -> ``MPIDist.broadcast``).
+Nothing this engine hands TensorRT-LLM holds more than strings and numbers
+(``tests/unit/test_trtllm_engine.py -k pickle``).
 
-Both wirings need the executor in this process: the processor calls the
-``grammar`` model over BLS, which only works inside the Python-backend stub,
-and the LLM API otherwise runs a single-GPU executor in an MPI worker process
-(``TLLM_WORKER_USE_SINGLE_PROCESS=1`` keeps it here).  Tensor parallelism is
-therefore refused in ``processor`` mode (rank 0 pickles processors to the
-other ranks).
+Sources read (the project's search tool; the TensorRT-LLM repository itself
+is too large to mirror here, so these are the stored versions of each file,
+checked at load by :func:`check_trtllm_api` against the installed package):
+``tensorrt_llm/_torch/pyexecutor/guided_decoder.py`` (commits 07dacbbc, 40bb912b,
+and the later version whose ``_build``/``execute`` return failed requests),
+``py_executor.py`` (``_executor_loop``, ``_executor_loop_overlap``: ``add_batch``
+again after ``_update_requests``, then ``execute(logits)``), ``py_executor_creator.py``
+(``create_py_executor``: ``GuidedDecoder(**kwargs)`` by name), ``grammar_matcher.py``
+(0fccc5b9), ``executor/executor.py`` (``TLLM_WORKER_USE_SINGLE_PROCESS``),
+``executor/base_worker.py`` (``setup_engine``), ``_torch/distributed/communicator.py``
+(01002888) and ``executor_request_queue.py`` (007a7508); PyPI metadata of
+tensorrt_llm 1.2.1 for its pins.
 
 ``grammar_mode: native`` forwards the validated constraint as
-``GuidedDecodingParams`` to TensorRT-LLM's own xgrammar decoder; the
+``GuidedDecodingParams`` to TensorRT-LLM's own xgrammar matchers; the
 ``grammar`` model still validates and compiles it once (errors, fidelity
 report) and postprocessing still validates the output, but budget closing,
 runaway closing and the shared compile cache do not apply.
@@ -55,17 +60,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import inspect
 import json
 import logging
 import os
 import secrets
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -75,17 +81,18 @@ from grammar_backend.errors import ConfigError, InvalidArgument
 from grammar_backend.metrics import Snapshot
 from grammar_backend.spec import ConstraintKind, ConstraintOptions, SpecLimits, constraint_spec
 
+from .checkpoint import checkpoint_end_tokens
 from .detok import IncrementalDetokenizer, special_token_ids
-from .engine import checkpoint_end_tokens
 from .errors import (
     CANCELLED,
+    EngineStalled,
     Overloaded,
     RequestError,
     SchedulerClosed,
     config_error,
     status_of,
 )
-from .grammar_hook import GrammarLogitsProcessor, ProcessorStats
+from .grammar_hook import GrammarRows
 from .mask import ConstraintRequest, MaskProvider
 from .scheduler import (
     EventCallback,
@@ -99,22 +106,33 @@ from .scheduler import (
 )
 
 __all__ = [
-    "TRTLLM_BACKENDS",
     "TRTLLM_GRAMMAR_MODES",
+    "TRTLLM_VERSION",
     "TrtllmConfig",
     "TrtllmGenerator",
+    "check_trtllm_api",
     "import_tensorrt_llm",
     "native_guided_kwargs",
+    "next_output",
     "trtllm_sampling_kwargs",
 ]
 
 _log = logging.getLogger(__name__)
 
-TRTLLM_BACKENDS: Final = ("pytorch", "tensorrt")
+#: The TensorRT-LLM release this engine is written against (NGC tritonserver
+#: 26.04-26.07 trtllm-python-py3).  The grammar decoder subclasses private API,
+#: so another version is refused at load (:func:`check_trtllm_api`).
+TRTLLM_VERSION: Final = "1.2.1"
 TRTLLM_GRAMMAR_MODES: Final = ("processor", "native")
-#: How long a batched call waits for generate_async to return the id of a
-#: request it already sees (the executor can run a step before the caller binds it).
-_BIND_WAIT_S: Final = 5.0
+#: What :func:`check_trtllm_api` requires of ``tensorrt_llm._torch.pyexecutor.guided_decoder``:
+#: each class, and the methods (with their parameters) or attributes the grammar decoder uses.
+TRTLLM_GUIDED_API: Final[dict[str, dict[str, tuple[str, ...] | None]]] = {
+    "GuidedDecoder": {"add_batch": None, "build": ("self",), "_build": ("self", "requests"), "execute": None},
+    "GuidedRequests": {"valid_requests_with_offsets": ("self",), "num_bitmask_tokens": None},
+    "GuidedRequest": {"require_matcher_init": ("self",), "require_matcher_advance": ("self",),
+                      "from_llm_request": None, "guided_decoding_params": None, "request_id": None,
+                      "seq_slot": None, "new_token": None, "is_draft": None, "draft_tokens": None},
+}
 
 
 def import_tensorrt_llm() -> ModuleType:
@@ -124,7 +142,7 @@ def import_tensorrt_llm() -> ModuleType:
     ------
     grammar_backend.errors.ConfigError
         When the package is missing (anywhere but the NGC ``trtllm-python-py3``
-        image) or no CUDA device is visible.
+        image), is not :data:`TRTLLM_VERSION`, or no CUDA device is visible.
     """
     try:
         import tensorrt_llm  # type: ignore[import-not-found,unused-ignore]
@@ -134,11 +152,57 @@ def import_tensorrt_llm() -> ModuleType:
             f"(the NGC tritonserver trtllm-python-py3 image, see deploy/gpu/README.md): {err}; "
             "use engine 'torch' elsewhere"
         ) from err
+    version = getattr(tensorrt_llm, "__version__", None)
+    if version != TRTLLM_VERSION:
+        raise ConfigError(f"llm: engine 'tensorrt_llm' is written against TensorRT-LLM {TRTLLM_VERSION} "
+                          f"(private guided-decoder API), found {version!r}; use the image of deploy/docker/Dockerfile")
     import torch
 
     if not torch.cuda.is_available():
         raise ConfigError("llm: engine 'tensorrt_llm' needs a CUDA GPU (torch.cuda.is_available() is False)")
     return tensorrt_llm  # type: ignore[no-any-return]
+
+
+def check_trtllm_api(guided_decoder: ModuleType, creator: ModuleType) -> None:
+    """Refuse, naming what differs, a TensorRT-LLM whose guided-decoder API is not the one read.
+
+    Parameters
+    ----------
+    guided_decoder : module
+        ``tensorrt_llm._torch.pyexecutor.guided_decoder``.
+    creator : module
+        ``tensorrt_llm._torch.pyexecutor.py_executor_creator``, which must
+        build the decoder by the global name ``GuidedDecoder`` (replaced while
+        ``LLM(...)`` runs, :func:`llm_runtime.trtllm_decoder.installed`).
+
+    Raises
+    ------
+    grammar_backend.errors.ConfigError
+        Every difference at once, with the version the engine expects.
+    """
+    problems: list[str] = []
+    for cls_name, members in TRTLLM_GUIDED_API.items():
+        cls = getattr(guided_decoder, cls_name, None)
+        if not isinstance(cls, type):
+            problems.append(f"{cls_name} is missing")
+            continue
+        fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+        for name, params in members.items():
+            member = getattr(cls, name, None)
+            if member is None and name not in fields:
+                problems.append(f"{cls_name}.{name} is missing")
+            elif params is not None:
+                if not callable(member):
+                    problems.append(f"{cls_name}.{name} is not a method")
+                    continue
+                found = tuple(inspect.signature(member).parameters)
+                if found != params:
+                    problems.append(f"{cls_name}.{name} takes ({', '.join(found)}), expected ({', '.join(params)})")
+    if getattr(creator, "GuidedDecoder", None) is not getattr(guided_decoder, "GuidedDecoder", None):
+        problems.append("py_executor_creator does not build GuidedDecoder by that name")
+    if problems:
+        raise ConfigError(f"llm: TensorRT-LLM's guided decoder is not the {TRTLLM_VERSION} API this engine hooks: "
+                          + "; ".join(problems))
 
 
 @dataclass(frozen=True)
@@ -148,13 +212,9 @@ class TrtllmConfig:
     Attributes
     ----------
     model_dir : str
-        The Hugging Face checkpoint folder: ``tokenizer.json`` (the output is
-        detokenized here, not by TensorRT-LLM), the end tokens, ``vocab_size``,
-        and the model itself for the ``pytorch`` backend.
-    engine_dir : str
-        The built TensorRT engine folder (``tensorrt`` backend only, required there).
-    backend : str
-        One of :data:`TRTLLM_BACKENDS` (see the module docstring).
+        The Hugging Face checkpoint folder: the model, ``tokenizer.json``
+        (the output is detokenized here, not by TensorRT-LLM), the end tokens
+        and ``vocab_size``.
     grammar_mode : str
         One of :data:`TRTLLM_GRAMMAR_MODES`.
     max_batch, max_seq_len : int
@@ -163,20 +223,21 @@ class TrtllmConfig:
         ``KvCacheConfig.free_gpu_memory_fraction``.
     tensor_parallel_size : int
         GPUs per replica (``native`` mode only above 1).
+    stall_timeout_s : float
+        Longest wait for TensorRT-LLM's next output of a request; a request
+        that gets none for this long is aborted and ends with an error (an
+        executor that stopped answering never holds a stream forever).
     """
 
     model_dir: str
-    engine_dir: str = ""
-    backend: str = "pytorch"
     grammar_mode: str = "processor"
     max_batch: int = 64
     max_seq_len: int = 4096
     kv_cache_free_fraction: float = 0.85
     tensor_parallel_size: int = 1
+    stall_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
-        if self.backend not in TRTLLM_BACKENDS:
-            raise config_error("trtllm_backend", f"must be one of {', '.join(TRTLLM_BACKENDS)}, got {self.backend!r}")
         if self.grammar_mode not in TRTLLM_GRAMMAR_MODES:
             raise config_error("grammar_mode", f"engine tensorrt_llm takes {', '.join(TRTLLM_GRAMMAR_MODES)}, "
                                                f"got {self.grammar_mode!r}")
@@ -187,11 +248,12 @@ class TrtllmConfig:
         if self.grammar_mode == "processor" and self.tensor_parallel_size != 1:
             raise config_error("tensor_parallel_size", "grammar_mode 'processor' runs the executor in this process "
                                                        "(BLS works only here): 1 GPU per replica, or use 'native'")
-        if (self.backend == "tensorrt") != bool(self.engine_dir):
-            raise config_error("engine_dir", "is required with trtllm_backend 'tensorrt' and only there")
         f = self.kv_cache_free_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f < 1:
             raise config_error("kv_cache_free_fraction", f"must be in (0, 1), got {f!r}")
+        t = self.stall_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 3600:
+            raise config_error("stall_timeout_s", f"must be in (0, 3600], got {t!r}")
 
 
 def native_guided_kwargs(constraint: ConstraintRequest) -> dict[str, Any]:
@@ -264,48 +326,23 @@ def trtllm_sampling_kwargs(
     return kwargs
 
 
-class _BatchedHook:
-    """The ``tensorrt`` backend's batched processor: maps client ids to grammar rows, then one call.
+_T = TypeVar("_T")
 
-    A request's id is known only when ``generate_async`` returns, and the
-    executor may run its first step before that: an unknown id is waited for
-    (at most ``_BIND_WAIT_S``) only while some ``generate_async`` call is in
-    flight (:meth:`submitting`); an aborted request keeps coming for a step or
-    two after :meth:`unbind`, and gets no row (-1) without any wait.
+
+async def next_output(outputs: AsyncIterator[_T], timeout_s: float) -> _T:
+    """The next item of ``outputs``, waiting at most ``timeout_s``.
+
+    Raises
+    ------
+    StopAsyncIteration
+        ``outputs`` is exhausted.
+    EngineStalled
+        Nothing came within ``timeout_s`` (the pending read is cancelled).
     """
-
-    def __init__(self, processor: GrammarLogitsProcessor) -> None:
-        self._processor = processor
-        self._keys: dict[int, int] = {}
-        self._pending = 0
-        self._cond = threading.Condition()
-
-    def submitting(self) -> None:
-        with self._cond:
-            self._pending += 1
-
-    def bind(self, client_id: int | None, key: int) -> None:
-        """``generate_async`` returned (``client_id`` None: it raised)."""
-        with self._cond:
-            self._pending -= 1
-            if client_id is not None:
-                self._keys[client_id] = key
-            self._cond.notify_all()
-
-    def unbind(self, client_id: int) -> None:
-        with self._cond:
-            self._keys.pop(client_id, None)
-
-    def __call__(self, req_ids: Sequence[int], logits: Sequence[Any], token_ids: Sequence[Sequence[Sequence[int]]],
-                 stream_ptr: int, client_ids: Sequence[int | None]) -> None:
-        with self._cond:
-            self._cond.wait_for(
-                lambda: self._pending == 0 or all(c in self._keys for c in client_ids if c is not None),
-                _BIND_WAIT_S)
-            # An unbound row (key -1) stays unmasked for this call only; its tokens are
-            # fed to the grammar at the next call, which fails the request if it refuses them.
-            keys = [self._keys.get(c, -1) if c is not None else -1 for c in client_ids]
-        self._processor(keys, logits, token_ids, stream_ptr)
+    try:
+        return await asyncio.wait_for(anext(outputs), timeout_s)
+    except TimeoutError as err:
+        raise EngineStalled(f"TensorRT-LLM sent no output for {timeout_s:g} s") from err
 
 
 @dataclass(eq=False)
@@ -328,7 +365,7 @@ class _Request:
 
 
 class TrtllmGenerator:
-    """In-flight batched generation by TensorRT-LLM, masked by the ``grammar`` model.
+    """In-flight batched generation by TensorRT-LLM's PyTorch backend, masked by the ``grammar`` model.
 
     The same surface as :class:`llm_runtime.scheduler.Scheduler` for the
     ``llm`` model: :meth:`submit`, :meth:`cancel`, :meth:`close`,
@@ -339,7 +376,7 @@ class TrtllmGenerator:
     config : TrtllmConfig
         Engine settings.
     provider : MaskProvider
-        The grammar side (BLS to the ``grammar`` model).
+        The grammar side (the grammar channel to the ``grammar`` model).
     limits : SchedulerConfig
         Request limits shared with the torch scheduler (``max_tokens_cap``,
         ``max_queued``, stop strings, start threads).
@@ -355,7 +392,6 @@ class TrtllmGenerator:
         from tensorrt_llm.llmapi import KvCacheConfig  # type: ignore[import-not-found,unused-ignore]
         from tensorrt_llm.sampling_params import (  # type: ignore[import-not-found,unused-ignore]
             GuidedDecodingParams,
-            LogitsProcessor,
             SamplingParams,
         )
 
@@ -375,41 +411,33 @@ class TrtllmGenerator:
             self._vocab = int(json.loads((hf / "config.json").read_text(encoding="utf-8"))["vocab_size"])
         except (OSError, ValueError, KeyError, TypeError) as err:
             raise config_error("model_dir", f"{str(hf)!r}/config.json names no vocab_size: {err}") from err
-        self._processor: GrammarLogitsProcessor | None = None
-        self._batched: _BatchedHook | None = None
+        # TensorRT-LLM builds its guided decoder only with a backend and a tokenizer
+        # (create_py_executor -> get_guided_decoding_config); the output is still
+        # detokenized here (SamplingParams.detokenize=False).
         kwargs: dict[str, Any] = {
-            "model": config.engine_dir or config.model_dir,
-            "skip_tokenizer_init": True,
+            "model": config.model_dir,
+            "tokenizer": config.model_dir,
+            "skip_tokenizer_init": False,
             "max_batch_size": config.max_batch,
             "max_seq_len": config.max_seq_len,
             "tensor_parallel_size": config.tensor_parallel_size,
             "kv_cache_config": KvCacheConfig(free_gpu_memory_fraction=config.kv_cache_free_fraction),
+            "guided_decoding_backend": "xgrammar",
         }
+        self._rows: GrammarRows | None = None
         if config.grammar_mode == "processor":
             if os.environ.setdefault("TLLM_WORKER_USE_SINGLE_PROCESS", "1") != "1":
                 raise config_error("TLLM_WORKER_USE_SINGLE_PROCESS", "must be 1 in grammar_mode 'processor' "
-                                                                     "(the processor calls BLS from this process)")
-            self._processor = GrammarLogitsProcessor(provider, vocab_size=self._vocab, end_token_ids=self._eos,
-                                                     max_rows=config.max_batch, device="cuda")
-            if config.backend == "tensorrt":
-                self._batched = _BatchedHook(self._processor)
-                kwargs["batched_logits_processor"] = self._batched
-            else:
-                kwargs["disable_overlap_scheduler"] = True
+                                                                     "(the grammar channel is reached from this process)")
+            from . import trtllm_decoder
+
+            self._rows = GrammarRows(provider, vocab_size=self._vocab, end_token_ids=self._eos,
+                                     max_rows=config.max_batch)
+            with trtllm_decoder.installed(self._rows):
+                self._llm = trt.LLM(**kwargs)
+            trtllm_decoder.check_installed(self._llm)
         else:
-            kwargs["guided_decoding_backend"] = "xgrammar"
-            # TensorRT-LLM's guided decoder builds its xgrammar tokenizer info from
-            # its own tokenizer (create_py_executor asserts one; the TensorRT path
-            # calls _xgrammar_tokenizer_info on it): load it here. Output is still
-            # detokenized by us (SamplingParams.detokenize=False).
-            kwargs["skip_tokenizer_init"] = False
-            kwargs["tokenizer"] = config.model_dir
-        if config.backend == "tensorrt":
-            from tensorrt_llm._tensorrt_engine import LLM  # type: ignore[import-not-found,unused-ignore]
-        else:
-            LLM = trt.LLM
-        self._row_processor = _row_processor_class(LogitsProcessor) if self._processor is not None else None
-        self._llm = LLM(**kwargs)
+            self._llm = trt.LLM(**kwargs)
         self._lock = threading.Lock()
         self._live: dict[str, _Request] = {}
         self._closing = False
@@ -422,15 +450,11 @@ class TrtllmGenerator:
         self._thread.start()
 
     # -- the Scheduler surface ------------------------------------------------
-    def processor_stats(self) -> ProcessorStats | None:
-        return None if self._processor is None else self._processor.stats()
-
     def summary(self) -> dict[str, float | int]:
         """Figures logged by the ``llm`` model at shutdown."""
         out: dict[str, float | int] = {"max_live": self._max_live}
-        ps = self.processor_stats()
-        if ps is not None:
-            out.update(dataclasses.asdict(ps))
+        if self._rows is not None:
+            out.update(dataclasses.asdict(self._rows.stats()))
         return out
 
     def submit(self, request: GenerationRequest, callback: EventCallback) -> str:
@@ -518,9 +542,10 @@ class TrtllmGenerator:
         if c is None:
             return
         try:
-            if self._processor is not None:
-                req.backend = self._processor.start(req.seq_id, req.seq_id, c, int(req.prompt.shape[0]))
+            if self._rows is not None:
+                req.backend = self._rows.start(req.seq_id, c)
                 req.has_row = True
+                req.guided = {"regex": GrammarRows.guide(req.seq_id)}
             else:
                 # Native: the grammar model validates and compiles once (errors,
                 # fidelity report); TensorRT-LLM's own decoder masks.
@@ -542,28 +567,19 @@ class TrtllmGenerator:
             if req.cancelled:
                 raise _Cancelled
             sampling = dict(req.sampling)
-            if self._row_processor is not None and req.has_row and self._batched is None:
-                sampling["logits_processor"] = self._row_processor(self._processor, req.seq_id)
-            if self._batched is not None and req.has_row:
-                sampling["apply_batched_logits_processor"] = True
             if req.guided is not None:
                 sampling["guided_decoding"] = self._guided_cls(**req.guided)
-            batched = self._batched if req.has_row else None
-            if batched is not None:
-                batched.submitting()
-            try:
-                result = self._llm.generate_async({"prompt_token_ids": req.prompt.tolist()},
-                                                  self._sampling_cls(**sampling), streaming=True)
-            except BaseException:
-                if batched is not None:
-                    batched.bind(None, req.seq_id)
-                raise
+            result = self._llm.generate_async({"prompt_token_ids": req.prompt.tolist()},
+                                              self._sampling_cls(**sampling), streaming=True)
             req.result = result
-            if batched is not None:
-                batched.bind(result.request_id, req.seq_id)
             if req.cancelled:
                 result.abort()
-            async for out in result:
+            outputs = aiter(result)
+            while True:
+                try:
+                    out = await next_output(outputs, self._cfg.stall_timeout_s)
+                except StopAsyncIteration:
+                    break
                 done = False
                 for tok in out.outputs[0].token_ids_diff:
                     req.generated += 1
@@ -593,10 +609,7 @@ class TrtllmGenerator:
             reason, error, status = "error", f"generation failed: {err}", status_of(err)
             if req.result is not None:
                 req.result.abort()
-        finally:
-            if self._batched is not None and req.result is not None:
-                self._batched.unbind(req.result.request_id)
-        # Ending the grammar row is a BLS call that may wait for a processor step:
+        # Ending the grammar row is a channel call that may wait for a decoder step:
         # off the loop thread, which serves every other stream.
         await asyncio.get_running_loop().run_in_executor(
             self._finishers, functools.partial(self._deliver_finish, req, reason, error=error, status=status,
@@ -608,11 +621,13 @@ class TrtllmGenerator:
             return
         req.finished = True
         close_reason = None
-        if req.has_row and self._processor is not None:
-            outcome = self._processor.remove([req.seq_id])[0]
+        if req.has_row and self._rows is not None:
+            outcome = self._rows.remove([req.seq_id])[0]
             if outcome is None and reason != "error":
                 reason, error, status = "error", "the grammar row is missing", "INTERNAL"
-            elif outcome is not None and outcome.error is not None and reason != "error":
+            elif outcome is not None and outcome.error is not None and status != CANCELLED:
+                # The row's own error, also where TensorRT-LLM ended the request for it
+                # (the decoder's failed rows) with a message of its own.
                 reason, error, status = "error", outcome.error, "INTERNAL"
             elif outcome is not None and reason != "error":
                 reason, close_reason = closed_finish(reason, outcome.close_state, stop_string)
@@ -633,22 +648,3 @@ class TrtllmGenerator:
 
 class _Cancelled(Exception):
     """The request was cancelled (by :meth:`TrtllmGenerator.cancel` or TensorRT-LLM)."""
-
-
-def _row_processor_class(base: type) -> type:
-    """The ``pytorch`` backend's per-request processor, a ``tensorrt_llm`` ``LogitsProcessor``."""
-
-    class RowProcessor(base):  # type: ignore[misc,valid-type]
-        """Forwards TensorRT-LLM's per-request call to the shared processor as a batch of one."""
-
-        def __init__(self, processor: GrammarLogitsProcessor, key: int) -> None:
-            super().__init__()
-            self._processor = processor
-            self._key = [key]
-
-        def __call__(self, req_id: int, logits: Any, token_ids: list[list[int]], stream_ptr: int | None,
-                     client_id: int | None) -> None:
-            del req_id, client_id
-            self._processor(self._key, [logits], [token_ids], stream_ptr)
-
-    return RowProcessor

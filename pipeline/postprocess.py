@@ -18,50 +18,19 @@ ensemble and BLS on every Triton release (server#7804 resets BLS error codes).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 import contract
-from grammar_backend.errors import INTERNAL, status_of
+from grammar_backend.errors import INTERNAL
 from grammar_backend.fidelity import result_json, validator_for
 from grammar_backend.spec import validated_constraint
 from grammar_backend.values import unenforced_for
+from pipeline.finish import FinalState, cut_error
 
 FINISH_REASONS = contract.FINISH_REASONS
-#: Longest ``RESULT.error`` sent to a client: messages that quote a value (an
-#: unknown kind, a bad option) must never echo a megabyte payload back.
-MAX_ERROR_CHARS = 1000
-
-
-def _cut(message: str | None) -> str | None:
-    if message is None or len(message) <= MAX_ERROR_CHARS:
-        return message
-    return f"{message[:MAX_ERROR_CHARS]}... ({len(message)} characters)"
-
-
-@dataclass(frozen=True)
-class FinalState:
-    """What ``llm`` reports on its last response."""
-
-    finish_reason: str
-    text: str
-    prompt_tokens: int
-    completion_tokens: int
-    error: str | None = None
-    status: str | None = None
-    close_reason: str | None = None
-    stop_string: bool = False
-    backend: str | None = None
-    value_retries: int = 0
-    value_dropped_tokens: int = 0
-
-    @classmethod
-    def rejected(cls, err: BaseException) -> FinalState:
-        """The final state of a request refused before generation (no tokens)."""
-        return cls("error", "", 0, 0, error=str(err), status=status_of(err))
 
 
 def json_report(constraint: dict[str, str], text: str, backend: str | None = "xgrammar") -> dict[str, Any]:
@@ -99,7 +68,7 @@ def build_result(final: FinalState, constraint: dict[str, str] | None) -> dict[s
         "value_dropped_tokens": final.value_dropped_tokens,
         "text": final.text,
         "usage": {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens},
-        "error": _cut(final.error),
+        "error": cut_error(final.error),
         "status": final.status,
         "json": None,
     }
@@ -109,11 +78,6 @@ def build_result(final: FinalState, constraint: dict[str, str] | None) -> dict[s
 
 
 _log = logging.getLogger(__name__)
-
-
-def finish_json(final: FinalState, constraint: dict[str, str] | None) -> str:
-    """The ``FINISH`` tensor of ``llm``'s last response: the final state plus the constraint."""
-    return json.dumps({**dataclasses.asdict(final), "constraint": constraint}, ensure_ascii=False)
 
 
 @dataclass(frozen=True)

@@ -1,18 +1,23 @@
-"""GrammarLogitsProcessor: the grammar hook of the TensorRT-LLM engine, driven by a real model here.
+"""GrammarRows: the grammar side of TensorRT-LLM's guided decoder, driven in TensorRT-LLM's per-step order.
 
-TensorRT-LLM cannot be installed on these machines, so these tests drive the
-processor the way TensorRT-LLM's executor does (its documented batched
-logits-processor call: after the forward, before sampling, every request's
-token history with the prompt first, logits modified in place), with the
-logits of the real tiny torch model and the real grammar engine (xgrammar)
-behind a provider that counts its calls.
+TensorRT-LLM cannot be installed on these machines.  These tests run the
+real tiny torch model and the real grammar engine (xgrammar) behind a
+provider that counts its calls, through :class:`Executor`: the per-step
+order of TensorRT-LLM 1.2's PyTorch executor as read in its sources
+(``py_executor.py`` ``_executor_loop`` and ``_executor_loop_overlap``,
+``guided_decoder.py``), with its data (``GuidedRequest``/``GuidedRequests``
+as ``guided_decoder.py`` defines them: rows at batch offsets, contexts
+first, the matcher initialised at the last context chunk and advanced with
+``get_last_tokens(0)`` in generation, a paused request scheduled again as
+a context).  ``GuidedDecoder.execute``'s copy and ``logits_bitmask``
+kernel are :func:`apply_rows`: rows whose ``token_mask`` is 0 stay unmasked.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -20,10 +25,12 @@ import torch
 import xgrammar as xgr
 from transformers import AutoTokenizer
 
+from contract import bitmask_width
 from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
+from grammar_backend.errors import GrammarError
 from llm_runtime.engine import TorchEngine, TorchEngineConfig
 from llm_runtime.errors import EngineError
-from llm_runtime.grammar_hook import GrammarLogitsProcessor, RowOutcome
+from llm_runtime.grammar_hook import GrammarRows, RowOutcome
 from llm_runtime.local_mask import LocalMaskProvider
 from llm_runtime.mask import ConstraintRequest, MaskStep
 from llm_runtime.tiny_model import TinyModelInfo, build_tiny_llama
@@ -62,14 +69,14 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModelInfo:
 
 @pytest.fixture(scope="module")
 def engine(tiny: TinyModelInfo) -> TorchEngine:
-    return TorchEngine(tiny.path, TorchEngineConfig(max_batch_size=8, max_seq_len=320))
+    return TorchEngine(tiny.path, TorchEngineConfig(max_batch_size=16, max_seq_len=320))
 
 
 @pytest.fixture
 def grammar(tiny: TinyModelInfo) -> Iterator[GrammarEngine]:
     hf = AutoTokenizer.from_pretrained(str(tiny.path), local_files_only=True)
     info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=tiny.vocab_size, stop_token_ids=[tiny.eos_token_id])
-    g = GrammarEngine(info, "tiny", GrammarEngineConfig(max_batch=8))
+    g = GrammarEngine(info, "tiny", GrammarEngineConfig(max_batch=16))
     yield g
     assert g.active_count == 0, "a grammar sequence leaked"
     g.close()
@@ -80,236 +87,353 @@ def provider(grammar: GrammarEngine) -> CountingProvider:
     return CountingProvider(grammar)
 
 
-def processor_for(engine: TorchEngine, provider: CountingProvider) -> GrammarLogitsProcessor:
-    return GrammarLogitsProcessor(provider, vocab_size=engine.vocab_size, end_token_ids=engine.eos_token_ids,
-                                  max_rows=8)
+#: TensorRT-LLM pads its vocabulary (vocab_size_padded); the decoder's rows are this much wider.
+PAD_WORDS = 2
 
 
-def drive_like_trtllm(
-    engine: TorchEngine,
-    processor: GrammarLogitsProcessor,
-    prompts: Sequence[list[int]],
-    constraints: Sequence[ConstraintRequest | None],
-    max_tokens: int,
-    *,
-    list_form: bool = False,
-    stream_ptr: int | None = None,
-) -> tuple[list[list[int]], list[RowOutcome | None], int]:
-    """Greedy in-flight decoding in TensorRT-LLM's order: forward -> processor(all rows) -> sample.
+@dataclass
+class Guide:
+    """``tllm.GuidedDecodingParams``: ``guide`` is the string the request was given."""
 
-    Returns each request's generated tokens, its row outcome at finish, and the
-    number of steps that had a constrained row.
+    guide: str
+
+
+@dataclass
+class Request:
+    """What an ``LlmRequest`` shows the guided decoder, and its state in the executor."""
+
+    request_id: int
+    prompt: list[int]
+    guide: Guide | None
+    chunks: int = 1  # context chunks; the matcher starts at the last one
+    tokens: list[int] = field(default_factory=list)  # prompt + generated (get_tokens(0))
+    chunk: int = 0
+    state: str = "context"  # context | generation | paused | complete
+    seq_slot: int | None = None
+    max_tokens: int = 48
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[len(self.prompt):]
+
+
+@dataclass(slots=True)
+class GuidedRequest:
+    """TensorRT-LLM's ``GuidedRequest`` (the fields GrammarRows reads, the two predicates verbatim)."""
+
+    guided_decoding_params: Guide | None
+    request_id: int
+    seq_slot: int | None
+    is_context_init_state: bool
+    is_last_context_chunk: bool
+    is_generation_in_progress_state: bool
+    new_token: int | None
+    is_draft: bool = False
+    draft_tokens: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_llm_request(cls, r: Request) -> GuidedRequest:
+        ctx = r.state == "context"
+        return cls(r.guide, r.request_id, r.seq_slot, ctx, ctx and r.chunk == r.chunks - 1,
+                   r.state == "generation", r.tokens[-1])
+
+    def require_matcher_init(self) -> bool:
+        if self.guided_decoding_params is None or self.is_draft:
+            return False
+        return self.is_context_init_state and self.is_last_context_chunk
+
+    def require_matcher_advance(self) -> bool:
+        if self.guided_decoding_params is None or self.is_draft:
+            return False
+        return self.is_generation_in_progress_state
+
+
+@dataclass
+class GuidedRequests:
+    """TensorRT-LLM's ``GuidedRequests`` (no draft tokens: one row per request)."""
+
+    requests: list[GuidedRequest]
+    num_contexts: int
+
+    @property
+    def num_bitmask_tokens(self) -> int:
+        return len(self.requests)
+
+    def valid_requests_with_offsets(self) -> Iterator[tuple[GuidedRequest, int]]:
+        for offset, req in enumerate(self.requests):
+            if req.guided_decoding_params is not None and req.seq_slot is not None:
+                yield req, offset
+
+
+def apply_rows(logits: torch.Tensor, bitmask: np.ndarray, token_mask: np.ndarray, vocab: int) -> None:
+    """``GuidedDecoder.execute`` after the build: the ``logits_bitmask`` kernel, rows with token_mask 1 only."""
+    rows = [i for i in range(logits.shape[0]) if token_mask[i]]
+    if rows:
+        xgr.apply_token_bitmask_inplace(logits, torch.from_numpy(bitmask[: logits.shape[0]]), vocab_size=vocab,
+                                        indices=rows)
+
+
+class Executor:
+    """TensorRT-LLM's PyTorch executor loop, in the order its sources give, over the real tiny model.
+
+    ``overlap``: ``_executor_loop_overlap``: the forward of step N is launched
+    with step N-1's sampled tokens still on the device; ``_update_requests``
+    of the previous batch then lands them on the host (a request that ended
+    there leaves the batch's generation state); ``add_batch`` is called again
+    and ``execute`` builds and applies the masks; then step N samples.
+    Without overlap (``_executor_loop``) the tokens land before the forward.
     """
-    keys = list(range(100, 100 + len(prompts)))  # the engine's request ids (not the grammar's)
-    for key, prompt, c in zip(keys, prompts, constraints, strict=True):
-        if c is not None:
-            processor.start(key, key * 7 + 1, c, len(prompt))
-    histories = {k: list(p) for k, p in zip(keys, prompts, strict=True)}
-    live = list(keys)
-    outcomes: dict[int, RowOutcome | None] = {}
-    logits = torch.stack([engine.prefill(k, p) for k, p in zip(keys, prompts, strict=True)])
-    constrained_steps = 0
-    for _ in range(max_tokens):
-        constrained_steps += any(k in processor for k in live)
-        rows = [logits[i].view(1, 1, -1) for i in range(len(live))] if list_form else logits
-        processor(live, rows, [[histories[k]] for k in live], stream_ptr, [None] * len(live))
-        tokens = logits.argmax(dim=-1).tolist()
-        done = []
-        for k, t in zip(live, tokens, strict=True):
-            histories[k].append(t)
-            if t in engine.eos_token_ids or len(histories[k]) - len(prompts[keys.index(k)]) >= max_tokens:
-                done.append(k)
-        for k, out in zip(done, processor.remove(done), strict=True):
-            outcomes[k] = out
-            engine.release(k)
-        live = [k for k in live if k not in done]
-        if not live:
-            break
-        logits = engine.decode(live, [histories[k][-1] for k in live])
-    for k, out in zip(live, processor.remove(live), strict=True):
-        outcomes[k] = out
-        engine.release(k)
-    generated = [histories[k][len(p):] for k, p in zip(keys, prompts, strict=True)]
-    return generated, [outcomes[k] for k in keys], constrained_steps
+
+    def __init__(self, engine: TorchEngine, rows: GrammarRows, *, overlap: bool, max_slots: int = 16) -> None:
+        self.engine, self.rows, self.overlap = engine, rows, overlap
+        width = bitmask_width(engine.vocab_size) + PAD_WORDS
+        self.bitmask = np.full((max_slots, width), -1, dtype=np.int32)  # bitmask_host (stale rows on purpose)
+        self.token_mask = np.ones(max_slots, dtype=np.int32)  # token_mask_host
+        self.free = list(range(max_slots))
+        self.builds = 0
+        self.pause_at: dict[int, tuple[int, int]] = {}  # request id -> (generated count, steps paused)
+        self._paused_for: dict[int, int] = {}
+
+    def _update(self, reqs: list[Request], sampled: dict[int, int]) -> None:
+        """``_update_requests``: the sampled tokens land; finished requests complete and free their slot."""
+        for r in reqs:
+            t = sampled.get(r.request_id)
+            if t is None or r.state == "complete":
+                continue
+            r.tokens.append(t)
+            if t in self.engine.eos_token_ids or len(r.generated) >= r.max_tokens:
+                r.state = "complete"
+                self.engine.release(r.request_id)
+                if r.seq_slot is not None:
+                    self.free.append(r.seq_slot)
+                    r.seq_slot = None
+            elif r.request_id in self.pause_at and len(r.generated) == self.pause_at[r.request_id][0]:
+                # _pause_requests: the KV cache is freed; the request comes back as a context of all its tokens.
+                r.state = "paused"
+                self._paused_for[r.request_id] = self.pause_at.pop(r.request_id)[1]
+                self.engine.release(r.request_id)
+
+    def run(self, reqs: list[Request]) -> None:
+        for r in reqs:
+            r.tokens = list(r.prompt)
+        pending: dict[int, int] = {}
+        previous: list[Request] = []
+        while any(r.state != "complete" for r in reqs) or pending:
+            if not self.overlap:
+                self._update(previous, pending)
+                pending = {}
+            for rid, left in list(self._paused_for.items()):
+                if left == 0:
+                    del self._paused_for[rid]
+                    r = next(x for x in reqs if x.request_id == rid)
+                    r.state, r.chunk, r.chunks = "context", 0, 1
+                else:
+                    self._paused_for[rid] = left - 1
+            batch = [r for r in reqs if r.state == "context"] + [r for r in reqs if r.state == "generation"]
+            if not batch and not pending:
+                continue
+            for r in batch:
+                if r.seq_slot is None:
+                    r.seq_slot = self.free.pop(0)
+            # The forward (launched before the previous tokens reach the host under overlap).
+            logits_rows: dict[int, torch.Tensor] = {}
+            gen = [r for r in batch if r.state == "generation"]
+            if gen:
+                last = [pending.get(r.request_id, r.tokens[-1]) if self.overlap else r.tokens[-1] for r in gen]
+                for r, row in zip(gen, self.engine.decode([r.request_id for r in gen], last), strict=True):
+                    logits_rows[r.request_id] = row
+            for r in batch:
+                if r.state == "context" and r.chunk == r.chunks - 1:
+                    logits_rows[r.request_id] = self.engine.prefill(r.request_id, r.tokens).reshape(-1)
+            if self.overlap:
+                self._update(previous, pending)
+                pending = {}
+            if not batch:
+                break
+            # add_batch (again, under overlap), then execute: build on the host, mask on the device.
+            guided = GuidedRequests([GuidedRequest.from_llm_request(r) for r in batch],
+                                    sum(r.state == "context" for r in batch))
+            failed = self.rows.build(guided, self.bitmask, self.token_mask)
+            assert failed == []
+            self.builds += 1
+            logits = torch.stack([logits_rows.get(r.request_id, torch.zeros(self.engine.vocab_size)) for r in batch])
+            apply_rows(logits, self.bitmask, self.token_mask, self.engine.vocab_size)
+            for r in batch:
+                if r.state == "context":
+                    if r.chunk < r.chunks - 1:
+                        r.chunk += 1  # an earlier chunk: no token sampled
+                        continue
+                    r.state = "generation"
+                if r.state == "generation":
+                    pending[r.request_id] = int(logits[batch.index(r)].argmax())
+            previous = [r for r in batch if r.request_id in pending]
 
 
-@pytest.mark.parametrize("list_form", [False, True], ids=["tensor", "per-request-tensors"])
-def test_one_batched_grammar_request_per_step(engine: TorchEngine, provider: CountingProvider, list_form: bool) -> None:
-    """Four rows (three constrained, one free) cost exactly one grammar request per step."""
+def rows_for(engine: TorchEngine, provider: CountingProvider, max_rows: int = 16) -> GrammarRows:
+    return GrammarRows(provider, vocab_size=engine.vocab_size, end_token_ids=engine.eos_token_ids, max_rows=max_rows)
+
+
+def requests_for(engine: TorchEngine, rows: GrammarRows, kinds: Sequence[str | None], *,
+                 chunks: Sequence[int] | None = None) -> list[Request]:
     tok = engine.tokenizer
-    prompts = [tok.encode(p).ids for p in PROMPTS]
-    kinds = ["regex", "choice", "json", None]
-    constraints = [None if k is None else CONSTRAINTS[k][0] for k in kinds]
-    processor = processor_for(engine, provider)
-    generated, outcomes, steps = drive_like_trtllm(engine, processor, prompts, constraints, 24, list_form=list_form)
-    assert len(provider.step_rows) == steps
-    assert provider.step_rows[0] == 3  # every constrained row in the first (context) call
-    stats = processor.stats()
-    assert (stats.calls, stats.grammar_requests, stats.rows) == (steps, steps, sum(provider.step_rows))
-    for kind, out, toks in zip(kinds, outcomes, generated, strict=True):
+    out = []
+    for i, kind in enumerate(kinds):
+        guide = None
+        if kind is not None:
+            seq = 1000 + i
+            rows.start(seq, CONSTRAINTS[kind][0])
+            guide = Guide(rows.guide(seq))
+        out.append(Request(100 + i, tok.encode(PROMPTS[i % len(PROMPTS)]).ids, guide,
+                           chunks=1 if chunks is None else chunks[i]))
+    return out
+
+
+def check_outputs(engine: TorchEngine, rows: GrammarRows, reqs: list[Request], kinds: Sequence[str | None]) -> None:
+    for r, kind in zip(reqs, kinds, strict=True):
         if kind is None:
-            assert out is None
             continue
-        assert out is not None and out == RowOutcome(None, out.close_state, False)
-        assert toks[-1] in engine.eos_token_ids, "a constrained row must end with its end token"
-        text = tok.decode(toks[:-1])
+        toks = r.generated
+        assert toks[-1] in engine.eos_token_ids, (kind, toks)
+        text = engine.tokenizer.decode(toks[:-1])
         assert re.fullmatch(CONSTRAINTS[kind][1], text), (kind, text)
-    assert processor.row_count == 0
+    outcomes = rows.remove([1000 + i for i, k in enumerate(kinds) if k is not None])
+    assert all(o is not None and o.error is None for o in outcomes)
+    assert rows.row_count == 0
 
 
-def test_row_error_and_termination_leave_only_end_tokens(engine: TorchEngine, provider: CountingProvider,
-                                                          tiny: TinyModelInfo) -> None:
-    """A row the grammar side ends gets a mask that allows only the end tokens; its outcome says why."""
-    processor = processor_for(engine, provider)
-    prompt = engine.tokenizer.encode("hello").ids
-    processor.start(1, 11, CONSTRAINTS["choice"][0], len(prompt))
-    processor.start(2, 22, CONSTRAINTS["choice"][0], len(prompt))
-    logits = torch.zeros((2, engine.vocab_size))
-    north = engine.tokenizer.encode("north").ids
-    # Row 1 feeds a full choice then its end token... row 2 a token the grammar refuses.
-    bad = engine.tokenizer.encode("zzz").ids[:1]
-    processor([1, 2], logits, [[prompt], [prompt]])  # the context step: nothing fed yet
-    logits.zero_()
-    processor([1, 2], logits, [[prompt + north], [prompt + bad]])
-    allowed = [set(torch.nonzero(torch.isfinite(logits[i])).view(-1).tolist()) for i in range(2)]
-    assert allowed[1] == set(engine.eos_token_ids)
-    out = processor.outcome(2)
-    assert out is not None and out.error is not None and "reject" in out.error.lower()
-    assert tiny.eos_token_id in allowed[0]  # "north" is complete: the end token is allowed
-    logits.zero_()
-    processor([1], logits[:1], [[prompt + north + [tiny.eos_token_id]]])
-    assert processor.outcome(1) == RowOutcome(None, 0, True)
-    assert set(torch.nonzero(torch.isfinite(logits[0])).view(-1).tolist()) == set(engine.eos_token_ids)
-    assert [o is not None and o.terminated for o in processor.remove([1, 2, 3])] == [True, False, False]
+@pytest.mark.parametrize("overlap", [False, True], ids=["executor_loop", "executor_loop_overlap"])
+def test_one_grammar_request_per_step_for_16_constrained_rows(engine: TorchEngine, provider: CountingProvider,
+                                                              overlap: bool) -> None:
+    """16 constrained rows: every step that has one costs exactly one grammar request, with all of them."""
+    kinds = [("regex", "choice", "json")[i % 3] for i in range(16)]
+    rows = rows_for(engine, provider)
+    reqs = requests_for(engine, rows, kinds)
+    ex = Executor(engine, rows, overlap=overlap)
+    ex.run(reqs)
+    assert provider.step_rows[0] == 16
+    stats = rows.stats()
+    assert (stats.builds, stats.grammar_requests) == (len(provider.step_rows), len(provider.step_rows))
+    assert stats.rows == sum(provider.step_rows)
+    check_outputs(engine, rows, reqs, kinds)
+
+
+def test_overlap_gives_what_the_plain_loop_gives(engine: TorchEngine, grammar: GrammarEngine) -> None:
+    """Under the overlap scheduler the tokens reach the host one step late; the outputs are the same."""
+    kinds: list[str | None] = ["json", "regex", None, "choice"]
+    outputs = []
+    for overlap in (False, True):
+        provider = CountingProvider(grammar)
+        rows = rows_for(engine, provider)
+        reqs = requests_for(engine, rows, kinds)
+        Executor(engine, rows, overlap=overlap).run(reqs)
+        outputs.append([r.generated for r in reqs])
+        check_outputs(engine, rows, reqs, kinds)
+    assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["executor_loop", "executor_loop_overlap"])
+def test_context_chunks_and_a_paused_request(engine: TorchEngine, grammar: GrammarEngine, overlap: bool) -> None:
+    """A 3-chunk context gets its first mask at its last chunk; a request paused after 3 tokens and scheduled
+    again as a context of all its tokens resumes its grammar where it was (the token sampled before the pause
+    is fed then); the outputs equal those of an uninterrupted run."""
+    kinds: list[str | None] = ["json", "regex", "choice"]
+    provider = CountingProvider(grammar)
+    rows = rows_for(engine, provider)
+    plain = requests_for(engine, rows, kinds)
+    Executor(engine, rows, overlap=overlap).run(plain)
+    check_outputs(engine, rows, plain, kinds)
+    provider = CountingProvider(grammar)
+    rows = rows_for(engine, provider)
+    reqs = requests_for(engine, rows, kinds, chunks=[3, 1, 2])
+    ex = Executor(engine, rows, overlap=overlap)
+    ex.pause_at = {100: (3, 2)}
+    ex.run(reqs)
+    assert [r.generated for r in reqs] == [r.generated for r in plain]
+    assert provider.step_rows[:3] == [1, 2, 3]  # regex from step 1; choice joins at step 2, json at step 3
+    check_outputs(engine, rows, reqs, kinds)
+
+
+def test_rows_past_the_vocabulary_stay_masked(engine: TorchEngine, provider: CountingProvider) -> None:
+    """The padded words past the vocabulary are never written: 0, so those ids are never sampled."""
+    rows = rows_for(engine, provider)
+    reqs = requests_for(engine, rows, ["regex"])
+    ex = Executor(engine, rows, overlap=False)
+    ex.bitmask[:, bitmask_width(engine.vocab_size):] = 0
+    ex.run(reqs)
+    assert not ex.bitmask[:, bitmask_width(engine.vocab_size):].any()
+    check_outputs(engine, rows, reqs, ["regex"])
+
+
+def view(seq: int | None, *, slot: int = 0, init: bool = True, token: int | None = None,
+         draft: list[int] | None = None) -> GuidedRequests:
+    req = GuidedRequest(None if seq is None else Guide(f"constrained-llm-sequence-{seq}"), 7, slot, init, init,
+                        not init, token, draft_tokens=draft or [])
+    return GuidedRequests([req], int(init))
 
 
 @pytest.mark.parametrize(
-    ("case", "token_ids", "message"),
+    ("case", "message"),
     [
-        ("beams", lambda p: [p, p], "beam width 2 is not supported"),
-        ("shrunk", lambda p: [p[:-1]], "token history shrank"),
+        ("unknown sequence", "no grammar sequence for this request"),
+        ("draft tokens", "speculative decoding is not supported with the grammar model's constraints"),
+        ("step fails", "grammar step failed: grammar model unreachable"),
     ],
 )
-def test_unsupported_rows_fail_alone(engine: TorchEngine, provider: CountingProvider, case: str,
-                                     token_ids: object, message: str) -> None:
-    processor = processor_for(engine, provider)
-    prompt = engine.tokenizer.encode("hello world").ids
-    processor.start(1, 11, CONSTRAINTS["regex"][0], len(prompt))
-    processor.start(2, 22, CONSTRAINTS["regex"][0], len(prompt))
-    logits = torch.zeros((2, engine.vocab_size))
-    processor([1, 2], logits, [token_ids(prompt), [prompt]])  # type: ignore[operator]
-    out = processor.outcome(1)
-    assert out is not None and out.error is not None and message in out.error
-    assert processor.outcome(2) == RowOutcome(None, 0, False)
-    assert int(torch.isfinite(logits[1]).sum()) > len(engine.eos_token_ids)
-    processor.remove([1, 2])
+def test_failed_rows_are_returned_and_left_only_end_tokens(engine: TorchEngine, provider: CountingProvider,
+                                                           case: str, message: str) -> None:
+    rows = rows_for(engine, provider)
+    rows.start(5, CONSTRAINTS["regex"][0])
+    bitmask = np.zeros((2, bitmask_width(engine.vocab_size) + PAD_WORDS), dtype=np.int32)
+    token_mask = np.zeros(2, dtype=np.int32)
+    provider.fail_steps = case == "step fails"
+    requests = view(99 if case == "unknown sequence" else 5, draft=[1] if case == "draft tokens" else None)
+    assert rows.build(requests, bitmask, token_mask) == [(7, message)]
+    allowed = {t for t in range(engine.vocab_size) if bitmask[0, t // 32] >> (t % 32) & 1}
+    assert (allowed, token_mask.tolist()) == (set(engine.eos_token_ids), [1, 0])
+    outcome = rows.remove([5])[0]
+    assert outcome is not None and outcome.error == (None if case == "unknown sequence" else message)
 
 
-def test_multi_token_steps_are_fed_in_order(engine: TorchEngine, provider: CountingProvider) -> None:
-    """Several tokens sampled since the last call (speculative or multi-token steps) are accepted in order."""
-    processor = processor_for(engine, provider)
-    prompt = engine.tokenizer.encode("x").ids
-    processor.start(5, 55, CONSTRAINTS["json"][0], len(prompt))
-    text = engine.tokenizer.encode('{"n":12').ids
-    logits = torch.zeros((1, engine.vocab_size))
-    processor([5], logits, [[prompt]])
-    processor([5], logits, [[prompt + text]])
-    assert provider.step_rows == [1, 1]
-    assert processor.outcome(5) == RowOutcome(None, 0, False)
-    logits.zero_()
-    processor([5], logits, [[prompt + text]])  # nothing new: the same mask again
-    allowed = torch.isfinite(logits[0])
-    close = engine.tokenizer.encode("}").ids
-    assert len(close) == 1 and bool(allowed[close[0]])
-    assert not bool(allowed[engine.tokenizer.encode("a").ids[0]])
-    processor.remove([5])
+def test_a_terminated_row_keeps_only_end_tokens(engine: TorchEngine, provider: CountingProvider,
+                                                tiny: TinyModelInfo) -> None:
+    rows = rows_for(engine, provider)
+    rows.start(5, CONSTRAINTS["choice"][0])
+    bitmask = np.zeros((1, bitmask_width(engine.vocab_size)), dtype=np.int32)
+    token_mask = np.zeros(1, dtype=np.int32)
+    assert rows.build(view(5), bitmask, token_mask) == []
+    for t in [*engine.tokenizer.encode("north").ids, tiny.eos_token_id]:
+        assert rows.build(view(5, init=False, token=t), bitmask, token_mask) == []
+    assert rows.outcome(5) == RowOutcome(None, 0, True)
+    allowed = {t for t in range(engine.vocab_size) if bitmask[0, t // 32] >> (t % 32) & 1}
+    assert allowed == set(engine.eos_token_ids)
+    assert [o is not None and o.terminated for o in rows.remove([5, 6])] == [True, False]
 
 
-def test_a_failed_grammar_step_ends_every_constrained_row(engine: TorchEngine, provider: CountingProvider) -> None:
-    processor = processor_for(engine, provider)
-    prompt = engine.tokenizer.encode("hi").ids
-    processor.start(1, 11, CONSTRAINTS["regex"][0], len(prompt))
-    processor.start(2, 22, CONSTRAINTS["json"][0], len(prompt))
-    provider.fail_steps = True
-    logits = torch.zeros((3, engine.vocab_size))
-    processor([1, 2, 3], logits, [[prompt], [prompt], [prompt]])
-    for key in (1, 2):
-        out = processor.outcome(key)
-        assert out is not None and out.error == "grammar step failed: grammar model unreachable"
-        assert set(torch.nonzero(torch.isfinite(logits[key - 1])).view(-1).tolist()) == set(engine.eos_token_ids)
-    assert bool(torch.isfinite(logits[2]).all()), "the unconstrained row is untouched"
-    processor.remove([1, 2])
-
-
-def test_start_refuses_a_key_twice_without_leaking(engine: TorchEngine, provider: CountingProvider) -> None:
-    processor = processor_for(engine, provider)
-    processor.start(1, 11, CONSTRAINTS["regex"][0], 1)
-    with pytest.raises(EngineError, match="request 1 already has a grammar row"):
-        processor.start(1, 12, CONSTRAINTS["regex"][0], 1)
-    processor.remove([1])
+def test_start_refuses_a_sequence_twice_without_leaking(engine: TorchEngine, provider: CountingProvider) -> None:
+    rows = rows_for(engine, provider)
+    rows.start(5, CONSTRAINTS["regex"][0])
+    with pytest.raises(GrammarError, match="sequence 5: already started"):
+        rows.start(5, CONSTRAINTS["regex"][0])
+    assert rows.row_count == 1
+    rows.remove([5])
 
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
         ({"end_token_ids": []}, "end_token_ids must be non-empty"),
-        ({"end_token_ids": [10**6]}, "end_token_ids must be non-empty ids in"),
         ({"max_rows": 0}, "max_rows must be positive"),
     ],
 )
-def test_processor_rejects_bad_settings(provider: CountingProvider, kwargs: dict[str, object], message: str) -> None:
-    settings: dict[str, object] = {"vocab_size": 320, "end_token_ids": [1], "max_rows": 4}
-    settings.update(kwargs)
+def test_rows_reject_bad_settings(provider: CountingProvider, kwargs: dict[str, object], message: str) -> None:
+    args: dict[str, object] = {"vocab_size": 100, "end_token_ids": [0], "max_rows": 4, **kwargs}
     with pytest.raises(EngineError, match=message):
-        GrammarLogitsProcessor(provider, **settings)  # type: ignore[arg-type]
+        GrammarRows(provider, **args)  # type: ignore[arg-type]
 
 
-def test_budget_closing_through_the_processor(engine: TorchEngine, provider: CountingProvider) -> None:
-    """Closing states reach the row outcome, and the forced completion is valid JSON."""
-    tok = engine.tokenizer
-    schema = '{"type":"object","properties":{"s":{"type":"string"}},"required":["s"],"additionalProperties":false}'
-    c = ConstraintRequest("json_schema", schema, json.dumps({"on_budget": "close", "on_repeat": "continue"}), budget=12)
-    processor = processor_for(engine, provider)
-    prompts = [tok.encode("x").ids] * 2
-    generated, outcomes, _ = drive_like_trtllm(engine, processor, prompts, [c, c], 12)
-    for toks, out in zip(generated, outcomes, strict=True):
-        assert out is not None and out.error is None
-        assert out.close_state == 1  # CloseState.BUDGET
-        assert toks[-1] in engine.eos_token_ids and len(toks) <= 12
-        assert set(json.loads(tok.decode(toks[:-1]))) == {"s"}
+def test_grammar_rows_refuse_to_be_pickled(provider: CountingProvider) -> None:
+    """It lives with the executor; TensorRT-LLM carrying it to another process must fail with the reason."""
+    import pickle
 
-
-@pytest.mark.gpu
-def test_processor_masks_cuda_logits_on_the_engines_stream(tiny: TinyModelInfo, grammar: GrammarEngine) -> None:
-    """The CUDA path: pinned host rows copied on the engine's stream, the kernel applied there (per-request tensors)."""
-    engine = TorchEngine(tiny.path, TorchEngineConfig(device="cuda", max_batch_size=4, max_seq_len=320))
-    provider = CountingProvider(grammar)
-    processor = GrammarLogitsProcessor(provider, vocab_size=engine.vocab_size, end_token_ids=engine.eos_token_ids,
-                                       max_rows=4, device="cuda")
-    tok = engine.tokenizer
-    kinds = ["regex", "choice", "json"]
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        generated, outcomes, steps = drive_like_trtllm(
-            engine, processor, [tok.encode(p).ids for p in PROMPTS[:3]], [CONSTRAINTS[k][0] for k in kinds], 24,
-            list_form=True, stream_ptr=stream.cuda_stream)
-    assert len(provider.step_rows) == steps
-    for kind, out, toks in zip(kinds, outcomes, generated, strict=True):
-        assert out is not None and out.error is None
-        assert toks[-1] in engine.eos_token_ids
-        assert re.fullmatch(CONSTRAINTS[kind][1], tok.decode(toks[:-1]))
-
-
-def test_a_processor_failure_never_reaches_the_engine(engine: TorchEngine, provider: CountingProvider) -> None:
-    """More rows than the processor was sized for: the call returns, the rows fail (inside TensorRT-LLM's
-    forward an exception would fail the whole batch or its executor loop)."""
-    processor = GrammarLogitsProcessor(provider, vocab_size=engine.vocab_size, end_token_ids=engine.eos_token_ids,
-                                       max_rows=1)
-    prompt = engine.tokenizer.encode("hi").ids
-    processor.start(1, 11, CONSTRAINTS["regex"][0], len(prompt))
-    processor.start(2, 22, CONSTRAINTS["regex"][0], len(prompt))
-    processor([1, 2], torch.zeros((2, engine.vocab_size)), [[prompt], [prompt]])
-    for key in (1, 2):
-        out = processor.outcome(key)
-        assert out is not None and out.error == "grammar processor failed: 2 rows exceed the processor's 1"
-    processor.remove([1, 2])
+    with pytest.raises(TypeError, match="lives in the llm model's process"):
+        pickle.dumps(GrammarRows(provider, vocab_size=100, end_token_ids=[0], max_rows=1))

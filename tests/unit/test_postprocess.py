@@ -9,13 +9,8 @@ import pytest
 from grammar_backend.fidelity import validator as validator_module
 from grammar_backend.fidelity import walker
 from grammar_backend.spec import parse_constraint
-from pipeline.postprocess import (
-    MAX_ERROR_CHARS,
-    FinalState,
-    build_result,
-    finish_json,
-    result_of_finish,
-)
+from pipeline.finish import MAX_ERROR_CHARS, FinalState, finish_json
+from pipeline.postprocess import build_result, result_of_finish
 from tests.unit.conftest import load_schema
 
 

@@ -8,20 +8,32 @@ tests/unit/test_grammar_hook.py drives with the real torch model everywhere.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
+import inspect
 import json
 import os
+import pickle
+import types
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from grammar_backend.errors import ConfigError, InvalidArgument
 from grammar_backend.params import from_parameters
+from llm_runtime.errors import EngineStalled
+from llm_runtime.grammar_hook import GrammarRows
 from llm_runtime.mask import ConstraintRequest
 from llm_runtime.model_config import ENGINE_GRAMMAR_MODES, LlmModelConfig
 from llm_runtime.trtllm_engine import (
+    TRTLLM_GUIDED_API,
+    TRTLLM_VERSION,
     TrtllmConfig,
+    check_trtllm_api,
     native_guided_kwargs,
+    next_output,
     trtllm_sampling_kwargs,
 )
 
@@ -48,8 +60,8 @@ def test_grammar_mode_defaults_per_engine(params: dict[str, str], mode: str) -> 
         ({"grammar_mode": "native"}, "engine 'torch' takes grammar_mode overlap, processor, got 'native'"),
         ({"engine": "tensorrt_llm", "grammar_mode": "overlap"},
          "engine 'tensorrt_llm' takes grammar_mode processor, native, got 'overlap'"),
-        ({"trtllm_backend": "tensorrt"}, "apply to engine 'tensorrt_llm' only"),
-        ({"engine_dir": "e"}, "apply to engine 'tensorrt_llm' only"),
+        ({"trtllm_backend": "tensorrt"}, "unknown parameter 'trtllm_backend'"),
+        ({"kv_cache_free_fraction": "0.5"}, "kv_cache_free_fraction applies to engine 'tensorrt_llm' only"),
         ({"kv_cache": "1"}, "unknown parameter 'kv_cache'"),
     ],
 )
@@ -68,13 +80,11 @@ def test_engine_grammar_modes_are_the_engines_own() -> None:
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"backend": "onnx"}, "trtllm_backend: must be one of pytorch, tensorrt, got 'onnx'"),
         ({"grammar_mode": "overlap"}, "grammar_mode: engine tensorrt_llm takes processor, native"),
         ({"max_batch": 0}, "max_batch: must be a positive integer"),
         ({"tensor_parallel_size": 2}, "1 GPU per replica, or use 'native'"),
         ({"kv_cache_free_fraction": 1.0}, r"kv_cache_free_fraction: must be in \(0, 1\)"),
-        ({"backend": "tensorrt"}, "engine_dir: is required with trtllm_backend 'tensorrt' and only there"),
-        ({"engine_dir": "/e"}, "engine_dir: is required with trtllm_backend 'tensorrt' and only there"),
+        ({"stall_timeout_s": 0}, r"stall_timeout_s: must be in \(0, 3600\]"),
     ],
 )
 def test_trtllm_config_refuses(fields: dict[str, object], message: str) -> None:
@@ -148,7 +158,7 @@ def test_sampling_mapping(args: tuple[object, ...], expected: dict[str, object])
 
 @pytest.mark.trtllm
 @pytest.mark.gpu
-def test_trtllm_engine_decodes_a_schema_through_the_processor() -> None:
+def test_trtllm_engine_decodes_a_schema_through_the_grammar_decoder() -> None:
     """The real TensorRT-LLM PyTorch backend, masks from the in-process grammar engine (needs TRTLLM_TEST_MODEL)."""
     model = os.environ.get("TRTLLM_TEST_MODEL", "")
     if not model:
@@ -184,8 +194,116 @@ def test_trtllm_engine_decodes_a_schema_through_the_processor() -> None:
         fin = events[-1]
         assert isinstance(fin, FinishEvent) and fin.finish_reason in ("stop", "length"), fin
         assert set(json.loads(fin.text)) == {"n"}
-        stats = gen.processor_stats()
-        assert stats is not None and stats.grammar_requests >= 1
+        assert gen.summary()["grammar_requests"] >= 1
     finally:
         gen.close()
         grammar.close()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "guided"),
+    [
+        (trtllm_sampling_kwargs(16, 0.0, 0, 1.0, None, {7, 3}), {"regex": GrammarRows.guide(2**64 - 1)}),
+        (trtllm_sampling_kwargs(8, 0.7, 40, 0.9, 5, {2}), native_guided_kwargs(ConstraintRequest("json_schema", SCHEMA, ""))),
+    ],
+    ids=["processor", "native"],
+)
+def test_pickle_round_trip_of_what_tensorrt_llm_carries(kwargs: dict[str, object], guided: dict[str, str]) -> None:
+    """TensorRT-LLM 1.2 pickles every new request (sampling params and guided params), even at world size 1:
+    the engine hands it plain values only, so the round trip is exact (no processor object rides along)."""
+    carried = {**kwargs, "guided_decoding": guided}
+    assert pickle.loads(pickle.dumps(carried, protocol=pickle.HIGHEST_PROTOCOL)) == carried
+    assert {type(v) for v in carried.values()} <= {int, float, bool, str, list, dict, type(None)}
+
+
+def test_pickle_guide_names_its_sequence() -> None:
+    assert GrammarRows.guide(42) == "constrained-llm-sequence-42"
+
+
+def method_with(params: tuple[str, ...]) -> object:
+    """A function whose signature has exactly these parameter names."""
+    def method(*args: object) -> None:
+        del args
+
+    method.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in params])
+    return method
+
+
+def trtllm_like(drop: tuple[str, str] | None = None, params: tuple[str, str, tuple[str, ...]] | None = None,
+                ) -> tuple[types.ModuleType, types.ModuleType]:
+    """Modules shaped as TRTLLM_GUIDED_API says (built from that table), with one member dropped or changed."""
+    guided = types.ModuleType("guided_decoder")
+    for cls_name, members in TRTLLM_GUIDED_API.items():
+        body: dict[str, object] = {}
+        for name, args in members.items():
+            if drop == (cls_name, name):
+                continue
+            if params is not None and params[:2] == (cls_name, name):
+                args = params[2]
+            body[name] = method_with(args) if args is not None else object()
+        setattr(guided, cls_name, type(cls_name, (), body))
+    creator = types.ModuleType("py_executor_creator")
+    creator.GuidedDecoder = guided.GuidedDecoder  # type: ignore[attr-defined]
+    return guided, creator
+
+
+def test_trtllm_api_check_accepts_the_api_it_was_written_for() -> None:
+    check_trtllm_api(*trtllm_like())
+
+
+@pytest.mark.parametrize(
+    ("drop", "params", "message"),
+    [
+        (("GuidedDecoder", "_build"), None, "GuidedDecoder._build is missing"),
+        (None, ("GuidedDecoder", "_build", ("self", "requests", "runtime_draft_len")),
+         r"GuidedDecoder._build takes \(self, requests, runtime_draft_len\), expected \(self, requests\)"),
+        (("GuidedRequests", "valid_requests_with_offsets"), None,
+         "GuidedRequests.valid_requests_with_offsets is missing"),
+        (("GuidedRequest", "new_token"), None, "GuidedRequest.new_token is missing"),
+    ],
+)
+def test_trtllm_api_check_names_what_differs(drop: tuple[str, str] | None,
+                                             params: tuple[str, str, tuple[str, ...]] | None, message: str) -> None:
+    with pytest.raises(ConfigError, match=rf"not the {TRTLLM_VERSION} API this engine hooks: .*{message}"):
+        check_trtllm_api(*trtllm_like(drop, params))
+
+
+def test_trtllm_api_check_needs_the_creator_to_build_it_by_name() -> None:
+    guided, creator = trtllm_like()
+    creator.GuidedDecoder = type("Other", (), {})  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError, match="py_executor_creator does not build GuidedDecoder by that name"):
+        check_trtllm_api(guided, creator)
+
+
+def test_trtllm_api_check_reads_dataclass_fields() -> None:
+    """GuidedRequest is a slotted dataclass in TensorRT-LLM: its fields count even without class attributes."""
+    guided, creator = trtllm_like()
+    fields = [n for n, a in TRTLLM_GUIDED_API["GuidedRequest"].items() if a is None]
+    methods = {n: getattr(guided.GuidedRequest, n) for n, a in TRTLLM_GUIDED_API["GuidedRequest"].items() if a}
+    guided.GuidedRequest = dataclass(slots=True)(type("GuidedRequest", (), {  # type: ignore[attr-defined]
+        "__annotations__": dict.fromkeys(fields, "object"), **methods}))
+    check_trtllm_api(guided, creator)
+
+
+async def _outputs(delays: list[float]) -> AsyncIterator[int]:
+    for i, delay in enumerate(delays):
+        await asyncio.sleep(delay)
+        yield i
+
+
+@pytest.mark.parametrize(("delays", "expected"), [([0, 0], [0, 1]), ([0, 5.0], EngineStalled)])
+def test_waits_on_tensorrt_llm_are_bounded(delays: list[float], expected: object) -> None:
+    async def collect() -> list[int]:
+        it, got = _outputs(delays), []
+        while True:
+            try:
+                got.append(await next_output(it, 0.2))
+            except StopAsyncIteration:
+                return got
+
+    if expected is EngineStalled:
+        with pytest.raises(EngineStalled, match="TensorRT-LLM sent no output for 0.2 s"):
+            asyncio.run(collect())
+    else:
+        assert asyncio.run(collect()) == expected

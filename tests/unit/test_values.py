@@ -17,7 +17,8 @@ from grammar_backend.llg import LlgBackend
 from grammar_backend.llg import unenforced_keywords as llg_unenforced
 from grammar_backend.spec import parse_constraint
 from grammar_backend.values import ValueRules, ValueScanner, rules_for
-from pipeline.postprocess import FinalState, build_result
+from pipeline.finish import FinalState
+from pipeline.postprocess import build_result
 
 QWEN_VOCAB = 151_936
 #: One token per byte: the scanner's unit tests need no tokenizer.

@@ -49,7 +49,7 @@ from llm_runtime.mask import ConstraintRequest
 from llm_runtime.model_config import LlmModelConfig, bls_generator
 from llm_runtime.scheduler import FinishEvent, GenerationRequest, TokenEvent
 from llm_runtime.streaming import DeltaCoalescer, Outbox
-from pipeline.postprocess import FinalState, finish_json
+from pipeline.finish import FinalState, finish_json
 from pipeline.preprocess import GenerationParams
 
 _EMPTY = np.array([b""], np.object_)
