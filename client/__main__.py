@@ -36,6 +36,7 @@ from client.errors import (
     TruncatedOutput,
 )
 from client.sdk import (
+    API_KEY_ENV,
     DEFAULT_MAX_TOKENS,
     DEFAULT_MODEL,
     DEFAULT_TIMEOUT_S,
@@ -89,6 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=DEFAULT_MODEL, help=f"ensemble name (default {DEFAULT_MODEL})")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                         help=f"deadline of the whole call (default {DEFAULT_TIMEOUT_S:g})")
+    secure = parser.add_argument_group("TLS and API key (a gateway that serves TLS or asks for keys)")
+    secure.add_argument("--tls", action="store_true", help="connect with TLS, verified by the system's roots")
+    secure.add_argument("--ca-file", metavar="FILE", help="PEM CA that signed the server's certificate (implies --tls)")
+    secure.add_argument("--cert-file", metavar="FILE", help="client certificate for mutual TLS (with --key-file)")
+    secure.add_argument("--key-file", metavar="FILE", help="client private key for mutual TLS")
+    secure.add_argument("--api-key", metavar="KEY",
+                        help=f"sent as 'authorization: Bearer KEY' (default: ${API_KEY_ENV}; prefer the "
+                             "variable: a flag is visible in the process list)")
 
     kinds = parser.add_argument_group("constraint (at most one)").add_mutually_exclusive_group()
     kinds.add_argument("--schema", metavar="FILE|JSON", help="JSON Schema: a .json file or inline JSON text")
@@ -274,7 +283,8 @@ def main(argv: Sequence[str] | None = None, *, stdin: TextIO | None = None, stdo
         constraint = constraint_from_args(args)
         prompt = stdin.read() if args.prompt == "-" else args.prompt
         messages = None if args.messages is None else _load_json_file(args.messages, "--messages")
-        with Client(args.url, args.model, timeout_s=args.timeout) as llm:
+        with Client(args.url, args.model, timeout_s=args.timeout, tls=args.tls, ca_file=args.ca_file,
+                    cert_file=args.cert_file, key_file=args.key_file, api_key=args.api_key) as llm:
             chunks = llm.stream(
                 prompt,
                 messages=messages,

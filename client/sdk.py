@@ -25,6 +25,7 @@ import codecs
 import dataclasses
 import json
 import math
+import os
 import queue
 import threading
 import time
@@ -53,6 +54,7 @@ from client.errors import (
 )
 
 __all__ = [
+    "API_KEY_ENV",
     "DEFAULT_MAX_TOKENS",
     "DEFAULT_MODEL",
     "DEFAULT_TIMEOUT_S",
@@ -72,6 +74,8 @@ DEFAULT_URL: Final = "127.0.0.1:8001"
 DEFAULT_MODEL: Final = "constrained_llm"
 DEFAULT_MAX_TOKENS: Final = 256
 DEFAULT_TIMEOUT_S: Final = 300.0
+#: Environment variable the SDK and CLI read the API key from when none is given.
+API_KEY_ENV: Final = "CONSTRAINED_LLM_API_KEY"
 FINISH_REASONS: Final = frozenset(contract.FINISH_REASONS)
 #: ``RESULT.close_reason`` values (the request contract's).
 CLOSE_REASONS: Final = frozenset(contract.CLOSE_REASONS)
@@ -705,11 +709,22 @@ class Client:
         ``None`` waits without bound.
     verbose : bool
         tritonclient's verbose logging.
+    tls : bool
+        Connect with TLS (implied by ``ca_file``); without ``ca_file`` the
+        system's root certificates verify the server.
+    ca_file : str or Path, optional
+        PEM CA bundle that signed the server's certificate.
+    cert_file, key_file : str or Path, optional
+        Client certificate and key for mutual TLS (both or neither).
+    api_key : str, optional
+        Sent as ``authorization: Bearer <key>`` on every call; default: the
+        :data:`API_KEY_ENV` environment variable, if set.  Send keys over TLS only.
 
     Raises
     ------
     InvalidRequest
-        ``timeout_s`` is not a positive number, or ``url``/``model`` is empty.
+        ``timeout_s`` is not a positive number, ``url``/``model`` is empty, a
+        TLS file cannot be read, or only one of ``cert_file``/``key_file`` is given.
     """
 
     def __init__(
@@ -719,6 +734,11 @@ class Client:
         timeout_s: float | None = DEFAULT_TIMEOUT_S,
         *,
         verbose: bool = False,
+        tls: bool = False,
+        ca_file: str | os.PathLike[str] | None = None,
+        cert_file: str | os.PathLike[str] | None = None,
+        key_file: str | os.PathLike[str] | None = None,
+        api_key: str | None = None,
     ) -> None:
         if not isinstance(url, str) or not url:
             raise InvalidRequest("url", "must be a non-empty host:port string")
@@ -730,6 +750,20 @@ class Client:
         self.model = model
         self.timeout_s = None if timeout_s is None else float(timeout_s)
         self._verbose = verbose
+        if (cert_file is None) != (key_file is None):
+            raise InvalidRequest("cert_file" if cert_file is None else "key_file",
+                                 "mutual TLS needs both cert_file and key_file")
+        for name, path in (("ca_file", ca_file), ("cert_file", cert_file), ("key_file", key_file)):
+            if path is not None and not os.access(path, os.R_OK):
+                raise InvalidRequest(name, f"cannot read {os.fspath(path)!r}")
+        self._tls = tls or ca_file is not None or cert_file is not None
+        self._ca_file = None if ca_file is None else os.fspath(ca_file)
+        self._cert_file = None if cert_file is None else os.fspath(cert_file)
+        self._key_file = None if key_file is None else os.fspath(key_file)
+        key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+        if key is not None and (not isinstance(key, str) or not key.strip() or any(c in key for c in "\r\n")):
+            raise InvalidRequest("api_key", "must be a non-empty single-line string")
+        self._headers: dict[str, str] | None = None if key is None else {"authorization": f"Bearer {key.strip()}"}
         self._idle: list[grpcclient.InferenceServerClient] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -741,7 +775,9 @@ class Client:
                 raise ClientError("client is closed")
             if self._idle:
                 return self._idle.pop()
-        return grpcclient.InferenceServerClient(self.url, verbose=self._verbose)
+        return grpcclient.InferenceServerClient(
+            self.url, verbose=self._verbose, ssl=self._tls, root_certificates=self._ca_file,
+            private_key=self._key_file, certificate_chain=self._cert_file)
 
     def _release(self, conn: grpcclient.InferenceServerClient, *, healthy: bool) -> None:
         # A channel that saw UNAVAILABLE sits in gRPC reconnect backoff (up to
@@ -784,8 +820,8 @@ class Client:
         healthy = True
         try:
             return bool(
-                conn.is_server_ready(client_timeout=self.timeout_s)
-                and conn.is_model_ready(self.model, client_timeout=self.timeout_s)
+                conn.is_server_ready(headers=self._headers, client_timeout=self.timeout_s)
+                and conn.is_model_ready(self.model, headers=self._headers, client_timeout=self.timeout_s)
             )
         except InferenceServerException as err:
             mapped = from_server_error(err)
@@ -928,7 +964,7 @@ class Client:
         deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s + _LOCAL_GRACE_S
         try:
             try:
-                conn.start_stream(callback=on_response, stream_timeout=self.timeout_s)
+                conn.start_stream(callback=on_response, stream_timeout=self.timeout_s, headers=self._headers)
                 conn.async_stream_infer(
                     self.model, inputs, request_id=request_id, enable_empty_final_response=True
                 )

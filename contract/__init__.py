@@ -32,6 +32,7 @@ __all__ = [
     "MAX_CONSTRAINT_BYTES",
     "MAX_CONSTRAINT_DEPTH",
     "MAX_INDENT",
+    "MAX_MESSAGE_BYTES",
     "MAX_STOP_CHARS",
     "MAX_STOP_STRINGS",
     "MAX_TEMPERATURE",
@@ -100,6 +101,14 @@ MAX_INDENT: Final = 16
 MAX_CONSTRAINT_BYTES: Final = 2 * 1024 * 1024
 #: Deepest JSON nesting of a constraint payload (objects and arrays).
 MAX_CONSTRAINT_DEPTH: Final = 128
+#: Largest gRPC message the public port takes or sends (deploy/gateway.py): one
+#: request carries at most one constraint (:data:`MAX_CONSTRAINT_BYTES`) plus a
+#: prompt or chat history, options and the protobuf envelope (tensor names,
+#: shapes, parameters: well under 1 KiB).  The prompt is bounded in tokens by
+#: preprocessing (``max_prompt_tokens``, 4,096 by default: ~16 KiB of English
+#: text), so an equal 2 MiB of headroom takes any valid request and a larger
+#: message is refused (``RESOURCE_EXHAUSTED``) before it is parsed.
+MAX_MESSAGE_BYTES: Final = 2 * MAX_CONSTRAINT_BYTES
 
 MAX_TEMPERATURE: Final = 2.0
 MAX_TOP_K: Final = 2**31 - 1

@@ -2,13 +2,17 @@
 
 Kubernetes runs this as the container's ``preStop`` hook (deploy/k8s). A pod
 that is being deleted leaves its Service's endpoints as the hook starts, so
-no new stream arrives after a short propagation delay (``--settle``); the
-hook then waits until Triton's ``llm_live_requests`` gauge reads 0, so the
+no new connection arrives after a short propagation delay (``--settle``).
+The hook then asks the launcher to start the gateway's drain (``POST
+--gateway-drain-url``, deploy/health.py): GOAWAY on every connection, so
+clients that hold one open their next streams on another pod, and new streams
+on this pod's connections are refused.  It then waits until Triton's ``llm_live_requests`` gauge reads 0, so the
 streams already running finish, or until ``--timeout`` (kept below the pod's
 ``terminationGracePeriodSeconds``). Only then does the kubelet send SIGTERM,
 and ``deploy.server`` stops Triton. Run::
 
     python -m deploy.drain [--metrics-url http://127.0.0.1:8002/metrics] [--settle 5] [--timeout 300]
+                           [--gateway-drain-url http://127.0.0.1:8003/v2/drain | --gateway-drain-url '']
 
 Exit status 0: drained; 1: still busy at the deadline (the pod stops anyway);
 2: the metrics endpoint could not be read at all.
@@ -74,8 +78,12 @@ def drain(
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
     log: Callable[[str], None] = print,
+    gateway_drain_url: str | None = None,
 ) -> int:
-    """Wait ``settle_s``, then until ``llm_live_requests`` is 0 or ``timeout_s`` has passed.
+    """Wait ``settle_s``, start the gateway's drain, then wait until ``llm_live_requests`` is 0 or ``timeout_s``.
+
+    ``gateway_drain_url`` (None: skipped) is POSTed once after the settle; a
+    failure is logged and the wait goes on (the streams in flight still finish).
 
     Returns
     -------
@@ -84,6 +92,12 @@ def drain(
     """
     deadline = clock() + timeout_s
     sleep(min(settle_s, timeout_s))
+    if gateway_drain_url:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(gateway_drain_url, method="POST"), timeout=10):
+                log("drain: gateway draining (GOAWAY sent)")
+        except OSError as err:
+            log(f"drain: cannot start the gateway's drain at {gateway_drain_url}: {err}")
     read_once = False
     live = -1.0
     while True:
@@ -108,11 +122,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--settle", type=float, default=5.0, help="seconds before the first check (default %(default)s)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds in all (default %(default)s)")
     parser.add_argument("--poll", type=float, default=1.0, help="seconds between checks (default %(default)s)")
+    parser.add_argument("--gateway-drain-url", default="http://127.0.0.1:8003/v2/drain",
+                        help="POSTed after the settle to send GOAWAY (the launcher's --health-port; '' skips; "
+                             "default %(default)s)")
     args = parser.parse_args(argv)
     for name in ("settle", "timeout", "poll"):
         if getattr(args, name) < 0 or (name == "poll" and args.poll == 0):
             parser.error(f"--{name} must be positive")
-    return drain(args.metrics_url, settle_s=args.settle, timeout_s=args.timeout, poll_s=args.poll)
+    return drain(args.metrics_url, settle_s=args.settle, timeout_s=args.timeout, poll_s=args.poll,
+                 gateway_drain_url=args.gateway_drain_url or None)
 
 
 if __name__ == "__main__":

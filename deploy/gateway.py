@@ -53,6 +53,29 @@ is that client, whatever the real client does:
   health probe (:meth:`Gateway.set_health`), so a broken composing model turns
   readiness false even while Triton still reports ready.
 
+On the public port (issue 24) the gateway also
+
+* serves **TLS** from a mounted certificate and key (optionally mutual TLS:
+  :attr:`GatewaySecurity.tls_client_ca`), and checks **API keys** sent as
+  ``authorization: Bearer <key>`` metadata against a file of key hashes
+  (:class:`KeyRing`; reloaded when the file changes, so a rotated Kubernetes
+  Secret takes effect without a restart).  A missing or unknown key gets
+  ``UNAUTHENTICATED`` on every RPC except ``grpc.health.v1`` (probes carry no
+  metadata; it tells only up/down); a key over its ``max_streams`` gets
+  ``RESOURCE_EXHAUSTED`` for that new stream only.  Keys are never logged;
+  logs and metrics name the key's ``id``;
+* bounds every message by :data:`contract.MAX_MESSAGE_BYTES` (gRPC answers a
+  larger one with ``RESOURCE_EXHAUSTED`` and the server stays up);
+* sends keepalive pings and ends every connection after
+  :attr:`GatewayConfig.max_connection_age_s` (with a GOAWAY), so a ClusterIP
+  Service, which balances connections, not streams, spreads long-lived
+  clients over new pods; :meth:`Gateway.begin_drain` (the preStop drain, via
+  the launcher's ``POST /v2/drain``) sends GOAWAY at once, refuses new streams
+  on existing connections and lets the streams in flight finish;
+* serves the standard ``grpc.health.v1.Health`` service and its own metrics
+  (:meth:`Gateway.metrics_text`, served by the launcher at ``/metrics`` on its
+  health port).
+
 Cost: one more loopback hop and a protobuf parse + serialize per streamed
 response.  Measured on the 2-core machine, 10 interleaved streaming requests
 each way on one server: time per request gateway/direct 0.97 (within noise),
@@ -62,19 +85,34 @@ inter-token p50 94.6 vs 97.8 ms, time to first token p50 217 vs 216 ms.
 from __future__ import annotations
 
 import asyncio
+import collections
+import hashlib
+import hmac
+import json
 import logging
+import os
+import re
 import secrets
 import threading
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Final
 
 import grpc
 from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as pb
 
-__all__ = ["GRPC_SECRET_METADATA", "SECRET_HEADER", "Gateway", "GatewayConfig", "GatewayError"]
+import contract
+
+__all__ = [
+    "GRPC_SECRET_METADATA", "SECRET_HEADER", "ApiKey", "Gateway", "GatewayConfig", "GatewayError",
+    "GatewaySecurity", "KeyFileError", "KeyRing", "bearer_key", "parse_keys",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -86,11 +124,22 @@ SERVICE: Final = "inference.GRPCInferenceService"
 SECRET_HEADER: Final = "x-constrained-llm-internal"
 GRPC_SECRET_METADATA: Final = f"triton-grpc-protocol-{SECRET_HEADER}"
 _FINAL: Final = "triton_final_response"
+# Beyond a stop's grace, how long :meth:`Gateway.stop` waits for its thread (the
+# loop's own teardown); part of the pod's stop budget (deploy/k8s deployment).
+STOP_JOIN_SLACK_S: Final = 10.0
 _EMPTY_FINAL: Final = "triton_enable_empty_final_response"
-# Bounds on what one client message may be: the constraint payload limit is
-# 2 MiB (grammar_backend.spec), so 64 MiB leaves room for any valid request and
-# keeps one message from taking the gateway's memory.
-MAX_MESSAGE_BYTES: Final = 64 * 1024 * 1024
+# Bound on one message either way (contract.MAX_MESSAGE_BYTES: the payload
+# limit plus room for the prompt and the protobuf envelope); also on the
+# loopback channel to tritonserver, whose responses are smaller still.
+MAX_MESSAGE_BYTES: Final = contract.MAX_MESSAGE_BYTES
+#: Metadata key of the API key (``authorization: Bearer <key>``; gRPC metadata keys are lower case).
+AUTH_METADATA: Final = "authorization"
+_BEARER: Final = "bearer "
+# Refusal codes the gateway itself answers (metrics start them at 0 so rate() works from the start).
+_REFUSAL_CODES: Final = ("UNAUTHENTICATED", "RESOURCE_EXHAUSTED", "PERMISSION_DENIED", "INVALID_ARGUMENT",
+                         "UNAVAILABLE")
+_KEY_ID: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_SHA256_HEX: Final = re.compile(r"^[0-9a-f]{64}$")
 _PER_MODEL: Final = ("ModelReady", "ModelMetadata", "ModelConfig", "ModelStatistics")
 # Unary calls forwarded to tritonserver (the per-model ones for public models only).
 _FORWARDED: Final = ("ServerLive", "ServerReady", "ServerMetadata", *_PER_MODEL)
@@ -104,6 +153,238 @@ _REFUSED: Final = (
 
 class GatewayError(RuntimeError):
     """The gateway could not start (bad config, port taken, upstream unreachable)."""
+
+
+class KeyFileError(GatewayError):
+    """The API keys file cannot be read or does not follow the format of :func:`parse_keys`."""
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """One accepted API key, as the keys file names it.
+
+    Attributes
+    ----------
+    id : str
+        A name for logs and metrics (never the key itself).
+    sha256 : bytes
+        SHA-256 digest of the key's UTF-8 bytes.
+    max_streams : int or None
+        Concurrent ``ModelStreamInfer`` calls this key may hold; None: only the
+        gateway's own ``max_streams`` bounds it.
+    """
+
+    id: str
+    sha256: bytes = field(repr=False)
+    max_streams: int | None = None
+
+
+def parse_keys(text: str, source: str = "keys file") -> tuple[ApiKey, ...]:
+    """Parse an API keys file.
+
+    The format is JSON, hashes only, so a copy of the file (a backup, a dump of
+    the Secret's mount, an operator's terminal) holds no usable key::
+
+        {"keys": [{"id": "team-a", "sha256": "<64 hex digits>", "max_streams": 8},
+                  {"id": "team-b", "sha256": "<64 hex digits>"}]}
+
+    ``sha256`` is the hex SHA-256 of the key (``printf %s "$KEY" | sha256sum``).
+    An unsalted hash is enough because keys are random (``secrets.token_urlsafe(32)``:
+    256 bits), not passwords: no dictionary covers them.  ``max_streams`` is
+    optional (an integer >= 1).  An empty list is valid and refuses every client.
+
+    Raises
+    ------
+    KeyFileError
+        Not JSON, or an entry is malformed; the message names the entry and field.
+    """
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise KeyFileError(f"{source}: not JSON: {err}") from err
+    if not isinstance(doc, dict) or set(doc) != {"keys"} or not isinstance(doc["keys"], list):
+        raise KeyFileError(f'{source}: must be an object {{"keys": [...]}} and nothing else')
+    keys: list[ApiKey] = []
+    ids: set[str] = set()
+    digests: set[bytes] = set()
+    for i, entry in enumerate(doc["keys"]):
+        where = f"{source}: keys[{i}]"
+        if not isinstance(entry, dict):
+            raise KeyFileError(f"{where}: must be an object")
+        unknown = sorted(set(entry) - {"id", "sha256", "max_streams"})
+        if unknown:
+            raise KeyFileError(f"{where}: unknown field {unknown[0]!r} (fields: id, sha256, max_streams)")
+        key_id = entry.get("id")
+        if not isinstance(key_id, str) or not _KEY_ID.match(key_id):
+            raise KeyFileError(f"{where}.id: must be 1-64 characters of A-Z a-z 0-9 . _ -, got {key_id!r}")
+        digest_hex = entry.get("sha256")
+        if not isinstance(digest_hex, str) or not _SHA256_HEX.match(digest_hex):
+            raise KeyFileError(f"{where}.sha256: must be 64 lower-case hex digits (the key's SHA-256)")
+        limit = entry.get("max_streams")
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise KeyFileError(f"{where}.max_streams: must be an integer >= 1, got {limit!r}")
+        digest = bytes.fromhex(digest_hex)
+        if key_id in ids:
+            raise KeyFileError(f"{where}.id: {key_id!r} is given more than once")
+        if digest in digests:
+            raise KeyFileError(f"{where}.sha256: the same key as an earlier entry")
+        ids.add(key_id)
+        digests.add(digest)
+        keys.append(ApiKey(key_id, digest, limit))
+    return tuple(keys)
+
+
+def bearer_key(metadata: Any) -> str | None:
+    """The key of an ``authorization: Bearer <key>`` entry of gRPC metadata, or None."""
+    for name, value in metadata or ():
+        if name == AUTH_METADATA and isinstance(value, str) and value[:len(_BEARER)].lower() == _BEARER:
+            key = value[len(_BEARER):].strip()
+            return key or None
+    return None
+
+
+class KeyRing:
+    """The accepted API keys, re-read when their file changes.
+
+    A Kubernetes Secret volume updates in place by swapping a symlink
+    (``..data``) to a new directory, so the file's path stays while the file
+    behind it changes: the ring ``stat``-s the path (following links) at most
+    every ``check_interval_s`` and reloads when device, inode, size or mtime
+    differ.  A reload that fails keeps the previous keys and logs the reason
+    (counted in ``gateway_key_reload_failures_total``): a half-written or
+    broken update must not lock every client out.
+
+    Parameters
+    ----------
+    path : Path
+        The keys file (format: :func:`parse_keys`).
+    check_interval_s : float
+        Least time between two ``stat`` calls (one ``stat`` costs ~2 us; an
+        RPC start checks at most this often).
+    clock : callable
+        Monotonic seconds (tests pass their own).
+
+    Raises
+    ------
+    KeyFileError
+        The file cannot be read or parsed at construction.
+    """
+
+    def __init__(self, path: Path, check_interval_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.path = path
+        self._interval = check_interval_s
+        self._clock = clock
+        self.reload_failures = 0
+        self._identity, self._keys = self._load()
+        self._checked = clock()
+
+    def _stat(self) -> tuple[int, int, int, int]:
+        st = os.stat(self.path)
+        return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+    def _load(self) -> tuple[tuple[int, int, int, int], tuple[ApiKey, ...]]:
+        try:
+            identity = self._stat()
+            text = self.path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise KeyFileError(f"api keys file {self.path}: cannot read: {err}") from err
+        return identity, parse_keys(text, f"api keys file {self.path}")
+
+    def refresh(self) -> None:
+        """Reload the keys if the file changed (at most once per ``check_interval_s``)."""
+        now = self._clock()
+        if now - self._checked < self._interval:
+            return
+        self._checked = now
+        try:
+            if self._stat() == self._identity:
+                return
+            self._identity, self._keys = self._load()
+        except (OSError, KeyFileError) as err:
+            self.reload_failures += 1
+            _log.error("gateway: api keys not reloaded, keeping the %d previous keys: %s", len(self._keys), err)
+            return
+        _log.info("gateway: api keys reloaded from %s: %d keys", self.path, len(self._keys))
+
+    @property
+    def keys(self) -> tuple[ApiKey, ...]:
+        return self._keys
+
+    def authenticate(self, presented: str | None) -> ApiKey | None:
+        """The key entry that ``presented`` matches, or None.
+
+        Every entry is compared (``hmac.compare_digest`` on the digests, no
+        early exit), so the time taken does not tell which entry was close.
+        """
+        self.refresh()
+        if not presented:
+            return None
+        digest = hashlib.sha256(presented.encode("utf-8", "surrogatepass")).digest()
+        found: ApiKey | None = None
+        for key in self._keys:
+            if hmac.compare_digest(digest, key.sha256) and found is None:
+                found = key
+        return found
+
+
+@dataclass(frozen=True)
+class GatewaySecurity:
+    """TLS and API keys of the public port (all None: plaintext and keyless, ``make serve``'s loopback default).
+
+    Attributes
+    ----------
+    tls_cert, tls_key : Path or None
+        PEM certificate chain and private key (a ``kubernetes.io/tls``
+        Secret's ``tls.crt`` / ``tls.key``); both or neither.  Read at start:
+        a renewed certificate takes effect at the next start (rollout restart).
+    tls_client_ca : Path or None
+        PEM CA bundle: clients must present a certificate it signed (mutual TLS).
+        Needs ``tls_cert``.
+    api_keys_file : Path or None
+        Keys file (:func:`parse_keys`); None: no key is asked for.
+    """
+
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
+    api_keys_file: Path | None = None
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            given, missing = ("tls_cert", "tls_key") if self.tls_key is None else ("tls_key", "tls_cert")
+            raise GatewayError(f"{missing}: required with {given} (give both or neither)")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise GatewayError("tls_client_ca: mutual TLS needs tls_cert and tls_key")
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
+
+    def server_credentials(self) -> grpc.ServerCredentials | None:
+        """The TLS credentials to serve with (None without TLS).
+
+        Raises
+        ------
+        GatewayError
+            A file cannot be read (the message names the field and the path).
+        """
+        if self.tls_cert is None or self.tls_key is None:
+            return None
+        cert = _read_pem("tls_cert", self.tls_cert)
+        key = _read_pem("tls_key", self.tls_key)
+        ca = None if self.tls_client_ca is None else _read_pem("tls_client_ca", self.tls_client_ca)
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+
+
+def _read_pem(name: str, path: Path) -> bytes:
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise GatewayError(f"{name}: cannot read {path}: {err}") from err
+    if b"-----BEGIN " not in data:
+        raise GatewayError(f"{name}: {path} is not PEM (no '-----BEGIN' line)")
+    return data
 
 
 @dataclass(frozen=True)
@@ -130,6 +411,31 @@ class GatewayConfig:
     drain_timeout_s : float
         After a client leaves, how long its cancelled requests may take to send
         their FINAL response before the gateway gives up on them (logged).
+    keepalive_time_s, keepalive_timeout_s : float
+        The gateway pings an idle connection every ``keepalive_time_s`` and
+        closes it when no answer comes within ``keepalive_timeout_s``: a client
+        whose node vanished (no FIN, no RST) is noticed within ~80 s, and its
+        requests are cancelled instead of decoding to ``max_tokens``.  60 s is
+        below the common 350 s idle timeout of cloud NATs and load balancers.
+    min_client_ping_interval_s : float
+        Clients' own keepalive pings are allowed this often (also without
+        calls in flight); faster ones get GOAWAY (gRPC's "too many pings").
+    max_connection_age_s : float
+        Every connection gets a GOAWAY after this long (gRPC adds +-10 %
+        jitter), and the client reconnects through the Service: a ClusterIP
+        Service balances connections, not streams, so without it a long-lived
+        client never reaches a pod added by the HPA.  The cost is one TLS
+        handshake per client per 5 minutes.
+    max_connection_age_grace_s : float
+        How long streams in flight on such a connection may still run before
+        it is closed; it must cover the longest stream: ``MAX_TOKENS_LIMIT``
+        (1,024) tokens at the worst inter-token time measured on CPU (p99 0.4 s)
+        is 410 s, the same bound as the preStop drain (deploy/k8s).
+    drain_grace_s : float
+        After :meth:`Gateway.begin_drain`, how long streams in flight may run
+        before they are cancelled (same bound as ``max_connection_age_grace_s``).
+    security : GatewaySecurity
+        TLS and API keys (default: neither).
     """
 
     upstream: str
@@ -141,6 +447,13 @@ class GatewayConfig:
     max_in_flight_per_stream: int = 64
     max_streams: int = 4096
     drain_timeout_s: float = 600.0
+    keepalive_time_s: float = 60.0
+    keepalive_timeout_s: float = 20.0
+    min_client_ping_interval_s: float = 10.0
+    max_connection_age_s: float = 300.0
+    max_connection_age_grace_s: float = 420.0
+    drain_grace_s: float = 420.0
+    security: GatewaySecurity = GatewaySecurity()
 
     def __post_init__(self) -> None:
         if not self.upstream or ":" not in self.upstream:
@@ -154,8 +467,32 @@ class GatewayConfig:
         for name in ("max_in_flight_per_stream", "max_streams"):
             if getattr(self, name) < 1:
                 raise GatewayError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        if not self.drain_timeout_s > 0:
-            raise GatewayError(f"drain_timeout_s: must be > 0, got {self.drain_timeout_s}")
+        for name in ("drain_timeout_s", "keepalive_time_s", "keepalive_timeout_s", "min_client_ping_interval_s",
+                     "max_connection_age_s", "max_connection_age_grace_s", "drain_grace_s"):
+            if not getattr(self, name) > 0:
+                raise GatewayError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.min_client_ping_interval_s > self.keepalive_time_s:
+            raise GatewayError(f"min_client_ping_interval_s: must be <= keepalive_time_s={self.keepalive_time_s}, "
+                               f"got {self.min_client_ping_interval_s}")
+
+    def server_options(self) -> list[tuple[str, int]]:
+        """gRPC core options of the client-facing server (message bounds, keepalive, connection age)."""
+        return [
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.keepalive_time_ms", ms(self.keepalive_time_s)),
+            ("grpc.keepalive_timeout_ms", ms(self.keepalive_timeout_s)),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", ms(self.min_client_ping_interval_s)),
+            ("grpc.http2.max_ping_strikes", 2),
+            ("grpc.max_connection_age_ms", ms(self.max_connection_age_s)),
+            ("grpc.max_connection_age_grace_ms", ms(self.max_connection_age_grace_s)),
+        ]
+
+
+def ms(seconds: float) -> int:
+    """Seconds as the integer milliseconds of gRPC core options."""
+    return int(seconds * 1000)
 
 
 @dataclass
@@ -256,25 +593,31 @@ class _StreamSession:
     async def _forward(self, request: pb.ModelInferRequest) -> None:
         model = request.model_name
         if model not in self.gw.config.public_models:
+            self.gw.refused("PERMISSION_DENIED")
             await self._write(_in_band_error(request, "PERMISSION_DENIED",
                                              f"model {model!r} is not served to clients; "
                                              f"call {', '.join(self.gw.config.public_models)}"))
             return
         if len(self.pending) >= self.gw.config.max_in_flight_per_stream:
+            self.gw.refused("RESOURCE_EXHAUSTED")
             await self._write(_in_band_error(request, "RESOURCE_EXHAUSTED",
                                              f"{len(self.pending)} requests already in flight on this stream "
                                              f"(limit {self.gw.config.max_in_flight_per_stream})"))
             return
+        self.gw.requests[model] += 1
         if self.upstream_error is not None:
+            self.gw.refused("UNAVAILABLE")
             await self._write(_unavailable(model, request.id, self.upstream_error))
             return
         try:
             config = await self.gw.model_config(model)
         except grpc.RpcError as err:
+            self.gw.refused("UNAVAILABLE")
             await self._write(_unavailable(model, request.id, err))
             return
         problem = input_error(request, config)
         if problem is not None:
+            self.gw.refused("INVALID_ARGUMENT")
             await self._write(_in_band_error(request, "INVALID_ARGUMENT", problem))
             return
         param = request.parameters.get(_EMPTY_FINAL)
@@ -391,6 +734,17 @@ class Gateway:
         self._configs: dict[str, mc.ModelConfig] = {}
         self._stop = asyncio.Event()
         self._grace_s = 5.0
+        self._draining = False
+        self._health_service = HealthServicer()
+        self._keys = None if config.security.api_keys_file is None else KeyRing(config.security.api_keys_file)
+        # Metrics (read by metrics_text from the launcher's HTTP thread; plain
+        # ints and dicts written only on the gateway's event loop).
+        self.streams_open = 0
+        self.requests: collections.Counter[str] = collections.Counter({m: 0 for m in config.public_models})
+        self.refusals: collections.Counter[str] = collections.Counter({c: 0 for c in _REFUSAL_CODES})
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self._key_streams: collections.Counter[str] = collections.Counter()
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, timeout_s: float = 30.0) -> None:
@@ -399,7 +753,9 @@ class Gateway:
         Raises
         ------
         GatewayError
-            The port could not be bound.
+            The port could not be bound, or a TLS file cannot be read.
+        KeyFileError
+            The API keys file is missing or malformed (raised by the constructor).
         """
         started = threading.Event()
         failure: list[BaseException] = []
@@ -441,7 +797,7 @@ class Gateway:
         options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
         self._channel = aio.insecure_channel(self.config.upstream, options=options)
-        ser = pb.ModelStreamInferResponse.SerializeToString
+        ser = self._counting_serializer(pb.ModelStreamInferResponse.SerializeToString)
         self.stream_stub = self._channel.stream_stream(
             f"/{SERVICE}/ModelStreamInfer",
             request_serializer=pb.ModelInferRequest.SerializeToString,
@@ -449,7 +805,8 @@ class Gateway:
         )
         handlers: dict[str, grpc.RpcMethodHandler] = {
             "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(
-                self._model_stream_infer, request_deserializer=pb.ModelInferRequest.FromString,
+                self._model_stream_infer,
+                request_deserializer=self._counting_deserializer(pb.ModelInferRequest.FromString),
                 response_serializer=ser),
         }
         service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
@@ -462,19 +819,69 @@ class Gateway:
                     f"/{SERVICE}/{name}", request_serializer=req_cls.SerializeToString,
                     response_deserializer=resp_cls.FromString)
             handlers[name] = grpc.unary_unary_rpc_method_handler(
-                self._unary_handler(name), request_deserializer=req_cls.FromString,
-                response_serializer=resp_cls.SerializeToString)
+                self._unary_handler(name), request_deserializer=self._counting_deserializer(req_cls.FromString),
+                response_serializer=self._counting_serializer(resp_cls.SerializeToString))
+        credentials = self.config.security.server_credentials()
         self._server = aio.server(
-            options=options, maximum_concurrent_rpcs=self.config.max_streams,
+            options=self.config.server_options(), maximum_concurrent_rpcs=self.config.max_streams,
         )
         self._server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, handlers)])
+        # grpc.health.v1 for "" (the whole server) and the inference service;
+        # open without a key: the kubelet's gRPC probe sends no metadata.
+        health_pb2_grpc.add_HealthServicer_to_server(self._health_service, self._server)
+        await self._publish_health()
         address = f"{self.config.host}:{self.config.port}"
-        port = self._server.add_insecure_port(address)
+        if credentials is None:
+            port = self._server.add_insecure_port(address)
+        else:
+            port = self._server.add_secure_port(address, credentials)
         if port == 0:
             raise GatewayError(f"cannot bind {address}")
         self.port = port
         await self._server.start()
         started.set()
+
+    def _counting_serializer(self, serialize: Callable[[Any], bytes]) -> Callable[[Any], bytes]:
+        def counted(message: Any) -> bytes:
+            data = serialize(message)
+            self.bytes_out += len(data)
+            return data
+
+        return counted
+
+    def _counting_deserializer(self, parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+        def counted(data: bytes) -> Any:
+            self.bytes_in += len(data)
+            return parse(data)
+
+        return counted
+
+    def begin_drain(self) -> None:
+        """Start draining: GOAWAY on every connection now, streams in flight run on; idempotent.
+
+        gRPC's server shutdown (``aio.Server.stop(grace)``) sends GOAWAY, stops
+        listening and refuses new calls on existing connections, so clients
+        reconnect through the Service to another pod, while calls in flight
+        get ``drain_grace_s`` to finish.  Health turns NOT_SERVING (gRPC and
+        the launcher's ``/v2/health/ready``).  :meth:`stop` later ends
+        whatever still runs (with its own, shorter grace).
+        """
+        loop = self._loop
+        if loop is None or self._draining:
+            return
+        self._draining = True
+        _log.info("gateway: draining: GOAWAY sent, new streams refused, %d streams in flight may run %.0f s",
+                  self.streams_open, self.config.drain_grace_s)
+        asyncio.run_coroutine_threadsafe(self._drain(), loop)
+
+    async def _drain(self) -> None:
+        await self._health_service.enter_graceful_shutdown()
+        if self._server is not None:
+            self.spawn(self._server.stop(self.config.drain_grace_s))
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Stop serving (in-flight RPCs get ``grace_s``); idempotent."""
@@ -483,16 +890,85 @@ class Gateway:
             return
         self._grace_s = grace_s
         loop.call_soon_threadsafe(self._stop.set)
-        thread.join(grace_s + 10)
+        thread.join(grace_s + STOP_JOIN_SLACK_S)
 
     # ------------------------------------------------------------------ health
     def set_health(self, ready: bool, reason: str = "") -> None:
-        """Set by the supervisor's probe: while false, readiness RPCs answer not ready."""
+        """Set by the supervisor's probe: while false, readiness RPCs answer not ready.
+
+        ``grpc.health.v1`` follows: SERVING while ready, NOT_SERVING otherwise.
+        """
+        changed = self._health.ready != ready
         self._health = _Health(ready=ready, reason=reason)
+        loop = self._loop
+        if changed and loop is not None and loop.is_running():
+            asyncio.run_coroutine_threadsafe(self._publish_health(), loop)
+
+    async def _publish_health(self) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if self._health.ready
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for service in ("", SERVICE):
+            await self._health_service.set(service, status)
 
     @property
     def health(self) -> tuple[bool, str]:
+        if self._draining:
+            return False, "draining"
         return self._health.ready, self._health.reason
+
+    # ------------------------------------------------------------------ metrics
+    def refused(self, code: str) -> None:
+        """Count one refusal the gateway itself answered (``code``: a gRPC status name)."""
+        self.refusals[code] += 1
+
+    def metrics_text(self) -> str:
+        """The gateway's metrics in the Prometheus text format (served at the launcher's ``/metrics``).
+
+        Refusals that gRPC answers before a handler runs (over ``max_streams``,
+        a message over :data:`MAX_MESSAGE_BYTES`, a failed TLS handshake) are
+        not seen by the gateway and not counted here.
+        """
+        lines = [
+            "# HELP gateway_streams_open ModelStreamInfer calls open now.",
+            "# TYPE gateway_streams_open gauge",
+            f"gateway_streams_open {self.streams_open}",
+            "# HELP gateway_requests_total Stream requests for public models accepted for checks.",
+            "# TYPE gateway_requests_total counter",
+            *(f'gateway_requests_total{{model="{m}"}} {n}' for m, n in sorted(self.requests.items())),
+            "# HELP gateway_refusals_total Requests and calls the gateway refused, by gRPC status.",
+            "# TYPE gateway_refusals_total counter",
+            *(f'gateway_refusals_total{{code="{c}"}} {n}' for c, n in sorted(self.refusals.items())),
+            "# HELP gateway_received_bytes_total Serialized client messages received.",
+            "# TYPE gateway_received_bytes_total counter",
+            f"gateway_received_bytes_total {self.bytes_in}",
+            "# HELP gateway_sent_bytes_total Serialized messages sent to clients.",
+            "# TYPE gateway_sent_bytes_total counter",
+            f"gateway_sent_bytes_total {self.bytes_out}",
+            "# HELP gateway_draining 1 once the drain has started (GOAWAY sent).",
+            "# TYPE gateway_draining gauge",
+            f"gateway_draining {int(self._draining)}",
+        ]
+        if self._keys is not None:
+            lines += [
+                "# HELP gateway_key_reload_failures_total Changed API keys files that could not be loaded.",
+                "# TYPE gateway_key_reload_failures_total counter",
+                f"gateway_key_reload_failures_total {self._keys.reload_failures}",
+            ]
+        return "\n".join(lines) + "\n"
+
+    # ------------------------------------------------------------------ keys
+    async def _authenticate(self, context: aio.ServicerContext) -> ApiKey | None:
+        """The caller's key (None when no keys are configured); aborts ``UNAUTHENTICATED`` otherwise."""
+        if self._keys is None:
+            return None
+        presented = bearer_key(context.invocation_metadata())
+        key = self._keys.authenticate(presented)
+        if key is None:
+            self.refused("UNAUTHENTICATED")
+            reason = "no API key" if presented is None else "unknown API key"
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                f"{reason}: send metadata '{AUTH_METADATA}: Bearer <key>'")
+        return key
 
     # ------------------------------------------------------------------ handlers
     def keep_open(self, call: Any) -> None:
@@ -506,7 +982,22 @@ class Gateway:
         task.add_done_callback(self._tasks.discard)
 
     async def _model_stream_infer(self, _request_iterator: AsyncIterator[Any], context: aio.ServicerContext) -> None:
-        await _StreamSession(self, context).run()
+        key = await self._authenticate(context)
+        if key is not None and key.max_streams is not None and self._key_streams[key.id] >= key.max_streams:
+            self.refused("RESOURCE_EXHAUSTED")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"API key {key.id!r} already has {self._key_streams[key.id]} streams open "
+                                f"(limit {key.max_streams})")
+        key_id = None if key is None else key.id
+        if key_id is not None:
+            self._key_streams[key_id] += 1
+        self.streams_open += 1
+        try:
+            await _StreamSession(self, context).run()
+        finally:
+            self.streams_open -= 1
+            if key_id is not None:
+                self._key_streams[key_id] -= 1
 
     def _unary_handler(self, name: str) -> Any:
         async def handle(request: Any, context: aio.ServicerContext) -> Any:
@@ -515,12 +1006,16 @@ class Gateway:
         return handle
 
     async def _unary_call(self, name: str, request: Any, context: aio.ServicerContext) -> Any:
+        await self._authenticate(context)
         if name in _REFUSED:
+            self.refused("PERMISSION_DENIED")
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{name} is not available to clients")
         model = getattr(request, "name", "") or getattr(request, "model_name", "")
         if name in (*_PER_MODEL, "ModelInfer") and model not in self.config.public_models:
+            self.refused("PERMISSION_DENIED")
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"model {model!r} is not served to clients")
         if name == "ModelInfer":
+            self.refused("INVALID_ARGUMENT")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"model {model!r} streams its responses (decoupled): use ModelStreamInfer")
         # Shielded: a client that cancels must not cancel the upstream call (see the module docstring).
@@ -529,7 +1024,7 @@ class Gateway:
             response = await asyncio.shield(_await(call))
         except grpc.RpcError as err:
             await context.abort(err.code(), err.details() or "")
-        if name in ("ServerReady", "ModelReady") and not self._health.ready:
+        if name in ("ServerReady", "ModelReady") and not self.health[0]:
             response.ready = False
         return response
 

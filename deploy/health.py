@@ -14,6 +14,13 @@ deploy.server --health-port N``) therefore serves the same two paths itself:
     its models are ready and the supervisor's probes pass; 503 with the reason
     otherwise.
 
+``GET /metrics``
+    The gateway's own metrics (Prometheus text, deploy/gateway.py
+    ``Gateway.metrics_text``), when the launcher passes ``metrics``.
+``POST /v2/drain``
+    Start the gateway's drain (GOAWAY, no new streams; deploy/drain.py calls it
+    from the preStop hook), when the launcher passes ``on_drain``.
+
 Anything else is 404.  Bodies are one line of text; no request reaches Triton.
 """
 
@@ -38,15 +45,37 @@ class HealthServer:
         Where to listen (port 0 picks a free one: :attr:`port`).
     ready : callable
         ``() -> (ready, reason)``, called per readiness request.
+    metrics : callable, optional
+        ``() -> str``: the body of ``GET /metrics``.
+    on_drain : callable, optional
+        Called by ``POST /v2/drain``.
     """
 
-    def __init__(self, host: str, port: int, ready: ReadyCheck) -> None:
+    def __init__(self, host: str, port: int, ready: ReadyCheck, *, metrics: Callable[[], str] | None = None,
+                 on_drain: Callable[[], None] | None = None) -> None:
         self._ready = ready
         self._stopping = threading.Event()
         owner = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
+            def _reply(self, code: int, body: bytes, content_type: str = "text/plain; charset=utf-8") -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_POST(self) -> None:
+                if self.path != "/v2/drain" or on_drain is None:
+                    self.send_error(404)
+                    return
+                on_drain()
+                self._reply(200, b"draining")
+
             def do_GET(self) -> None:
+                if self.path == "/metrics" and metrics is not None:
+                    self._reply(200, metrics().encode(), "text/plain; version=0.0.4; charset=utf-8")
+                    return
                 if self.path == "/v2/health/live":
                     ok, reason = (not owner._stopping.is_set(), "stopping")
                 elif self.path == "/v2/health/ready":

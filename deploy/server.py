@@ -45,6 +45,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -56,6 +57,7 @@ from deploy.gateway import (
     Gateway,
     GatewayConfig,
     GatewayError,
+    GatewaySecurity,
     new_secret,
     restriction_args,
 )
@@ -83,6 +85,15 @@ DEFAULT_HOST: Final = "127.0.0.1"
 # alone is ~2-4 s on this 2-core machine).
 _POLL_S: Final = 0.2
 _LOG_TAIL_BYTES: Final = 6000
+# What the launcher keeps of Triton's output when it goes to stdout and to no
+# file: enough for the error messages of a failed start (:meth:`TritonServer.log_tail`).
+_LOG_MEMORY_BYTES: Final = 1 << 20
+# Prefix of Triton's lines (and its stubs') on the launcher's stdout, next to
+# the launcher's own ``server: `` lines, so one ``kubectl logs`` shows both.
+LOG_TAG: Final = "triton: "
+# How long the launcher waits for the supervisor thread at shutdown (it may be in
+# the middle of a restart); part of the pod's stop budget (deploy/k8s deployment).
+SUPERVISOR_JOIN_S: Final = 60.0
 # How many times start() picks fresh ports when the server could not bind an
 # automatically chosen one (another process took it between our probe and the
 # server's bind).  Explicitly given ports are never retried.
@@ -370,7 +381,13 @@ class ServerConfig:
     models : tuple[str, ...]
         Models that :meth:`TritonServer.wait_ready` waits for by default.
     log_file : Path or None
-        Where the server's stdout+stderr go; None = a new file under the temp dir.
+        A file that gets the server's stdout+stderr (appended to across
+        supervisor restarts); None = a new file under the temp dir, unless
+        ``log_stdout`` is set.
+    log_stdout : bool
+        Copy the server's output line by line, prefixed :data:`LOG_TAG`, to this
+        process's stdout (a container's log); without ``log_file`` no file is
+        written and the last 1 MiB stays in memory for :meth:`TritonServer.log_tail`.
     log_verbose : int
         ``--log-verbose`` level.
     ready_timeout_s : float
@@ -396,6 +413,8 @@ class ServerConfig:
         Models the gateway serves to clients.
     internal_grpc_port : int
         ``tritonserver``'s gRPC port behind the gateway; 0 picks a free one.
+    gateway_security : GatewaySecurity
+        TLS and API keys of the gateway (default: plaintext, no keys, for loopback).
     """
 
     model_repository: Path
@@ -405,6 +424,7 @@ class ServerConfig:
     metrics_port: int = 0
     models: tuple[str, ...] = ()
     log_file: Path | None = None
+    log_stdout: bool = False
     log_verbose: int = 0
     ready_timeout_s: float = 300.0
     stop_grace_s: float = 30.0
@@ -414,6 +434,7 @@ class ServerConfig:
     gateway: bool = True
     public_models: tuple[str, ...] = ("constrained_llm",)
     internal_grpc_port: int = 0
+    gateway_security: GatewaySecurity = field(default_factory=GatewaySecurity)
 
     def __post_init__(self) -> None:
         for name in ("grpc_port", "http_port", "metrics_port", "internal_grpc_port"):
@@ -501,6 +522,11 @@ class TritonServer:
         self._process: subprocess.Popen[bytes] | None = None
         self._log_handle: TextIO | None = None
         self._log_path: Path | None = config.log_file
+        # Lines pumped to stdout (log_stdout), newest last, at most _LOG_MEMORY_BYTES.
+        self._log_memory: deque[bytes] = deque()
+        self._log_memory_bytes = 0
+        self._log_memory_lock = threading.Lock()
+        self._log_pump: threading.Thread | None = None
         self._lock = threading.Lock()
         self._gateway: Gateway | None = None
         # Fresh per start; only the gateway (and this object) ever holds it.
@@ -546,7 +572,7 @@ class TritonServer:
 
     @property
     def log_path(self) -> Path | None:
-        """The server's log file (kept after stop for post-mortems)."""
+        """The server's log file (kept after stop for post-mortems); None when it logs to stdout only."""
         return self._log_path
 
     @property
@@ -560,7 +586,11 @@ class TritonServer:
 
     def log_tail(self, max_bytes: int = _LOG_TAIL_BYTES) -> str:
         """The last ``max_bytes`` of the server log, decoded leniently."""
-        if self._log_path is None or not self._log_path.exists():
+        if self._log_path is None:
+            with self._log_memory_lock:
+                tail = b"".join(self._log_memory)
+            return tail[-max_bytes:].decode("utf-8", errors="replace")
+        if not self._log_path.exists():
             return ""
         with self._log_path.open("rb") as handle:
             size = handle.seek(0, os.SEEK_END)
@@ -618,11 +648,12 @@ class TritonServer:
             ensure_python_stub(dist)
             env = server_environment(dist, self._requested.python_env)
             self.config = _pick_ports(self._requested)
-            if self._log_path is None:
+            if self._log_path is None and not self._requested.log_stdout:
                 fd, name = tempfile.mkstemp(prefix="tritonserver-", suffix=".log")
                 os.close(fd)
                 self._log_path = Path(name)
-            self._log_path.parent.mkdir(parents=True, exist_ok=True)
+            if self._log_path is not None:
+                self._log_path.parent.mkdir(parents=True, exist_ok=True)
             self._spawn(env, mode="w")
             if self.config.gateway:
                 self._start_gateway()
@@ -646,15 +677,18 @@ class TritonServer:
             self._spawn(server_environment(dist, self._requested.python_env), mode="a")
 
     def _spawn(self, env: dict[str, str], mode: Literal["w", "a"]) -> None:
-        if self._log_path is None:
-            raise ServerError("no log path")
         self._close_log()
-        self._log_handle = self._log_path.open(mode, encoding="utf-8")
+        pump = self._requested.log_stdout
+        # With the pump, the file belongs to that process's reader thread, which
+        # closes it at EOF (an old process's reader may still drain after a restart).
+        handle = None if self._log_path is None else self._log_path.open(mode, encoding="utf-8")
+        if not pump:
+            self._log_handle = handle
         self._process = subprocess.Popen(
             self.command(),
             env=env,
             stdin=subprocess.DEVNULL,
-            stdout=self._log_handle,
+            stdout=subprocess.PIPE if pump else self._log_handle,
             stderr=subprocess.STDOUT,
             # Own session: a Ctrl-C in the terminal reaches only the
             # launcher, which then stops the server in order; and stop()
@@ -664,15 +698,46 @@ class TritonServer:
             # thread held at fork; the hook makes one pre-resolved prctl call.
             preexec_fn=_parent_death_signal_hook(),  # noqa: PLW1509
         )
+        if pump:
+            # One reader per process; it ends at EOF, when the server and every
+            # stub holding the pipe have exited.  Triton logs per event, not per
+            # token (log_verbose 0), so a line-by-line copy costs nothing measurable.
+            self._log_pump = threading.Thread(target=self._pump_log, args=(self._process, handle),
+                                              name="triton-log", daemon=True)
+            self._log_pump.start()
+
+    def _pump_log(self, process: subprocess.Popen[bytes], handle: TextIO | None) -> None:
+        """Copy ``process``'s output to stdout (tagged), to ``handle`` and to the in-memory tail."""
+        if process.stdout is None:
+            raise ServerError("log_stdout: the server's stdout is not a pipe")
+        out = sys.stdout
+        for raw in process.stdout:
+            text = raw.decode("utf-8", errors="replace")
+            out.write(LOG_TAG + text if text.endswith("\n") else LOG_TAG + text + "\n")
+            out.flush()
+            if handle is not None:
+                handle.write(text)
+                handle.flush()
+            else:
+                with self._log_memory_lock:
+                    self._log_memory.append(raw)
+                    self._log_memory_bytes += len(raw)
+                    while self._log_memory_bytes > _LOG_MEMORY_BYTES:
+                        self._log_memory_bytes -= len(self._log_memory.popleft())
+        process.stdout.close()
+        if handle is not None:
+            handle.close()
 
     def _start_gateway(self) -> None:
         cfg = self.config
         if self._gateway is not None:
             self._gateway.stop()
-        self._gateway = Gateway(GatewayConfig(
-            upstream=f"{_INTERNAL_HOST}:{cfg.internal_grpc_port}", secret=self._secret, host=cfg.host,
-            port=cfg.grpc_port, public_models=cfg.public_models))
+        self._gateway = None
         try:
+            # The keys file is read here: a missing or malformed one fails the start.
+            self._gateway = Gateway(GatewayConfig(
+                upstream=f"{_INTERNAL_HOST}:{cfg.internal_grpc_port}", secret=self._secret, host=cfg.host,
+                port=cfg.grpc_port, public_models=cfg.public_models, security=cfg.gateway_security))
             self._gateway.start()
         except GatewayError as err:
             raise ServerStartError(f"gateway on {cfg.host}:{cfg.grpc_port}: {err}") from err
@@ -731,6 +796,9 @@ class TritonServer:
             while True:
                 code = self._process.poll()
                 if code is not None:
+                    if self._log_pump is not None:
+                        # Its last lines (the reason) may still be in the pipe.
+                        self._log_pump.join(timeout=5.0)
                     raise ServerStartError(
                         f"tritonserver exited with status {code} before it was ready "
                         f"(log {self._log_path}):\n{self.log_tail()}"
@@ -832,6 +900,33 @@ class TritonServer:
 
 
 # ---------------------------------------------------------------------- CLI
+#: ``(flag, environment variable, help)`` of the gateway's security options.
+_GATEWAY_SECURITY_FLAGS: Final = (
+    ("--tls-cert", "GATEWAY_TLS_CERT", "PEM certificate chain: serve TLS (needs --tls-key)"),
+    ("--tls-key", "GATEWAY_TLS_KEY", "PEM private key of --tls-cert"),
+    ("--tls-client-ca", "GATEWAY_TLS_CLIENT_CA", "PEM CA bundle: require client certificates it signed (mutual TLS)"),
+    ("--api-keys-file", "GATEWAY_API_KEYS_FILE",
+     "JSON file of API key hashes (deploy/gateway.py parse_keys); reloaded when it changes"),
+)
+
+
+def _env_path(name: str) -> Path | None:
+    value = os.environ.get(name, "")
+    return Path(value) if value else None
+
+
+def gateway_security(args: argparse.Namespace) -> GatewaySecurity:
+    """The gateway's :class:`GatewaySecurity` from parsed launcher flags.
+
+    Raises
+    ------
+    GatewayError
+        Certificate and key not given together, or a client CA without them.
+    """
+    return GatewaySecurity(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
+                           api_keys_file=args.api_keys_file)
+
+
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m deploy.server",
@@ -846,13 +941,22 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--python-env", type=Path, default=Path(sys.prefix),
                         help="the environment whose packages stubs without an EXECUTION_ENV_PATH see "
                              "(default: this interpreter's, %(default)s)")
-    parser.add_argument("--log-file", type=Path, default=None)
+    parser.add_argument("--log-file", type=Path, default=None,
+                        help="also write tritonserver's log to this file (appended across restarts); "
+                             "its lines always go to stdout, prefixed 'triton: '")
     parser.add_argument("--log-verbose", type=int, default=0)
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds (default %(default)s)")
     parser.add_argument("--stop-grace", type=float, default=30.0, help="seconds from SIGTERM to SIGKILL")
     parser.add_argument("--client-hint", default=None, help="command line printed once ready")
     parser.add_argument("--health-port", type=int, default=None,
                         help="serve /v2/health/live and /v2/health/ready for probes here (deploy/health.py)")
+    # The gateway's TLS and API keys; each flag falls back to its environment
+    # variable (what deploy/k8s sets from mounted Secrets); an empty value is unset.
+    # None of them: plaintext and keyless (`make serve` on loopback).
+    security = parser.add_argument_group("gateway TLS and API keys (public gRPC port)")
+    for flag, env, what in _GATEWAY_SECURITY_FLAGS:
+        security.add_argument(flag, type=Path, default=_env_path(env), metavar="FILE",
+                              help=f"{what} (env {env})")
     parser.add_argument("extra", nargs="*", help="extra tritonserver arguments, after --")
     return parser.parse_args(argv)
 
@@ -870,14 +974,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             metrics_port=args.metrics_port,
             models=tuple(args.models),
             log_file=args.log_file,
+            # The launcher is a container's process 1 and `make serve`'s
+            # foreground job: Triton's lines belong on its stdout, next to its own.
+            log_stdout=True,
             log_verbose=args.log_verbose,
             ready_timeout_s=args.ready_timeout,
             stop_grace_s=args.stop_grace,
             exit_timeout_s=max(0, min(20, int(args.stop_grace) - 1)),
             extra_args=tuple(args.extra),
             python_env=args.python_env,
+            gateway_security=gateway_security(args),
         )
-    except ValueError as err:
+    except (ValueError, GatewayError) as err:
         print(f"server: error: {err}", file=sys.stderr)
         return 2
 
@@ -896,7 +1004,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     server = TritonServer(config)
     try:
         server.start()
-        print(f"server: starting tritonserver (pid {server.pid}), log {server.log_path}", flush=True)
+        where = f"stdout ('{LOG_TAG.strip()}' lines)" + (f" and {server.log_path}" if server.log_path else "")
+        print(f"server: starting tritonserver (pid {server.pid}), log to {where}", flush=True)
         server.wait_ready()
         ready.set()
     except ServerError as err:
@@ -910,7 +1019,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = server.config
     print(
         f"server: ready: grpc={server.grpc_url} http={server.http_url} metrics={server.metrics_url} "
-        f"models={','.join(cfg.models) or '-'} pid={server.pid} log={server.log_path}",
+        f"models={','.join(cfg.models) or '-'} pid={server.pid}",
         flush=True,
     )
     if args.client_hint:
@@ -935,7 +1044,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return False, "tritonserver is not running"
             return gateway.health
 
-        health = HealthServer(cfg.host, args.health_port, ready_now)
+        def gateway_metrics() -> str:
+            gateway = server.gateway
+            return "" if gateway is None else gateway.metrics_text()
+
+        def begin_drain() -> None:
+            # The preStop drain (deploy/drain.py): GOAWAY now, streams in flight finish.
+            gateway = server.gateway
+            if gateway is not None:
+                gateway.begin_drain()
+
+        health = HealthServer(cfg.host, args.health_port, ready_now, metrics=gateway_metrics, on_drain=begin_drain)
         health.start()
         print(f"server: health: http://{cfg.host}:{health.port}/v2/health/ready", flush=True)
     while not stop_requested.wait(0.5):
@@ -943,7 +1062,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if health is not None:
         health.stop()
     supervisor.stop()
-    watcher.join(60)
+    watcher.join(SUPERVISOR_JOIN_S)
     code = server.stop()
     print(f"server: stopped (tritonserver exit status {code})", flush=True)
     return 0

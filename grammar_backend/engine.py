@@ -220,6 +220,10 @@ class GrammarEngine:
         """
         return self.cache.get(self._key(spec, XGRAMMAR), self._compile_fn(spec, XGRAMMAR), timeout_s)
 
+    def caches(self) -> dict[str, CompileCache]:
+        """The compile cache of each backend (``contract.BACKENDS``), for its counters."""
+        return {XGRAMMAR: self.cache, LLGUIDANCE: self.llg_cache}
+
     def starts(self) -> dict[str, int]:
         """Sequences started so far, by the backend that serves them."""
         with self._counts_lock:

@@ -82,20 +82,37 @@ def _latency(name: str, help_text: str, model: str) -> tuple[MetricSpec, ...]:
     )
 
 
+def _by_backend(name: str, kind: Kind, help_text: str) -> MetricSpec:
+    """A grammar-model metric of one compile cache: labelled with its ``backend``."""
+    return MetricSpec(name, kind, help_text, "grammar", ("backend",))
+
+
 METRICS: Final[tuple[MetricSpec, ...]] = (
     # grammar model
     MetricSpec("grammar_active_sequences", "gauge", "Sequences holding a matcher now", "grammar"),
-    MetricSpec("grammar_cache_bytes", "gauge", "Bytes of compiled grammars in the compile cache", "grammar"),
-    MetricSpec("grammar_cache_entries", "gauge", "Compiled grammars in the compile cache", "grammar"),
-    MetricSpec("grammar_compiles_in_flight", "gauge", "Compiles running or queued now", "grammar"),
-    MetricSpec("grammar_cache_hits_total", "counter", "Starts served from the compile cache", "grammar"),
-    MetricSpec("grammar_cache_misses_total", "counter", "Starts that needed a compile (or the store)", "grammar"),
-    MetricSpec("grammar_cache_evictions_total", "counter", "Compiled grammars evicted by the byte bound", "grammar"),
+    # The compile caches, one per grammar backend (backend: xgrammar | llguidance, contract.BACKENDS).
+    _by_backend("grammar_cache_bytes", "gauge", "Bytes of compiled grammars in the compile cache"),
+    _by_backend("grammar_cache_entries", "gauge", "Compiled grammars in the compile cache"),
+    _by_backend("grammar_compiles_in_flight", "gauge", "Compiles running or queued now"),
+    _by_backend("grammar_cache_hits_total", "counter", "Starts served from the compile cache"),
+    _by_backend("grammar_cache_misses_total", "counter", "Starts that needed a compile (or the store)"),
+    _by_backend("grammar_cache_evictions_total", "counter", "Compiled grammars evicted by the byte bound"),
+    _by_backend("grammar_compiles_total", "counter", "Compiles finished (successful or not)"),
+    _by_backend("grammar_compile_failures_total", "counter", "Compiles that failed (bad constraint, limits)"),
+    _by_backend("grammar_compile_timeouts_total", "counter", "Starts that gave up waiting for a compile"),
+    _by_backend("grammar_compile_seconds_total", "counter", "Seconds spent compiling"),
+    # The on-disk store of xgrammar's compiled grammars (grammar_backend.cache.GrammarStore).
     MetricSpec("grammar_store_hits_total", "counter", "Misses served from the on-disk grammar store", "grammar"),
-    MetricSpec("grammar_compiles_total", "counter", "Compiles finished (successful or not)", "grammar"),
-    MetricSpec("grammar_compile_failures_total", "counter", "Compiles that failed (bad constraint, limits)", "grammar"),
-    MetricSpec("grammar_compile_timeouts_total", "counter", "Starts that gave up waiting for a compile", "grammar"),
-    MetricSpec("grammar_compile_seconds_total", "counter", "Seconds spent compiling", "grammar"),
+    MetricSpec("grammar_store_bytes", "gauge",
+               "Bytes of the on-disk grammar store's files (this replica's last count of a shared folder)", "grammar"),
+    MetricSpec("grammar_store_evictions_total", "counter",
+               "Store files this replica removed to keep the store within its bound", "grammar"),
+    MetricSpec("grammar_store_write_failures_total", "counter",
+               "Store writes that failed (op: save, touch, remove; reason: errno name such as ENOSPC or EROFS); "
+               "the request was served", "grammar", ("op", "reason")),
+    MetricSpec("grammar_store_read_failures_total", "counter",
+               "Store reads that failed (reason: corrupt, stale or an errno name); a miss, compiled again",
+               "grammar", ("reason",)),
     MetricSpec("grammar_starts_total", "counter", "Sequences started, by the grammar backend that serves them",
                "grammar", ("backend",)),
     MetricSpec("grammar_backend_fallbacks_total", "counter",

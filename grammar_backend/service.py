@@ -17,7 +17,7 @@ import numpy as np
 
 import contract
 from contract import bitmask_width
-from grammar_backend.cache import CacheConfig
+from grammar_backend.cache import STORE_MAX_BYTES, CacheConfig
 from grammar_backend.channel import ChannelReply, ChannelServer, ChannelStart, ChannelStep
 from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
 from grammar_backend.errors import ConstraintError, GrammarError
@@ -48,6 +48,8 @@ class GrammarModelConfig:
     ``compile_cpu_s`` CPU seconds (twice that in wall time) or
     ``compile_memory_bytes`` of memory, and refused when its grammar exceeds
     ``max_grammar_bytes`` (see :mod:`grammar_backend.workers`).
+    ``store_dir`` is the on-disk grammar store (empty: none), bounded by
+    ``store_max_bytes`` (empty: :data:`~grammar_backend.cache.STORE_MAX_BYTES`).
     """
 
     tokenizer: str
@@ -65,6 +67,7 @@ class GrammarModelConfig:
     cache_max_bytes: int = 512 * 1024 * 1024
     negative_ttl_s: float = 30.0
     store_dir: str | None = None
+    store_max_bytes: int | None = None
     capacity: int = 1024
     idle_ttl_s: float = 600.0
     max_payload_bytes: int = contract.MAX_CONSTRAINT_BYTES
@@ -82,6 +85,7 @@ class GrammarModelConfig:
                 timeout_s=self.compile_timeout_s,
                 negative_ttl_s=self.negative_ttl_s,
                 store_dir=self.store_dir,
+                store_max_bytes=STORE_MAX_BYTES if self.store_max_bytes is None else self.store_max_bytes,
             ),
             workers=WorkerConfig(
                 cpu_s=self.compile_cpu_s,
@@ -231,20 +235,29 @@ class GrammarService:
     def metrics_snapshot(self) -> Snapshot:
         """The ``grammar`` metrics of :mod:`grammar_backend.metrics`, now."""
         eng = self.engine
-        c = eng.cache.stats()
         snap = Snapshot()
         snap.put("grammar_active_sequences", eng.active_count)
-        snap.put("grammar_cache_bytes", c.bytes_in_use)
-        snap.put("grammar_cache_entries", c.entries)
-        snap.put("grammar_compiles_in_flight", c.in_flight)
-        snap.put("grammar_cache_hits_total", c.hits)
-        snap.put("grammar_cache_misses_total", c.misses)
-        snap.put("grammar_cache_evictions_total", c.evictions)
-        snap.put("grammar_store_hits_total", c.store_hits)
-        snap.put("grammar_compiles_total", c.compiles)
-        snap.put("grammar_compile_failures_total", c.compile_failures)
-        snap.put("grammar_compile_timeouts_total", c.timeouts)
-        snap.put("grammar_compile_seconds_total", c.compile_seconds)
+        for backend, cache in eng.caches().items():
+            c = cache.stats()
+            snap.put("grammar_cache_bytes", c.bytes_in_use, backend=backend)
+            snap.put("grammar_cache_entries", c.entries, backend=backend)
+            snap.put("grammar_compiles_in_flight", c.in_flight, backend=backend)
+            snap.put("grammar_cache_hits_total", c.hits, backend=backend)
+            snap.put("grammar_cache_misses_total", c.misses, backend=backend)
+            snap.put("grammar_cache_evictions_total", c.evictions, backend=backend)
+            snap.put("grammar_compiles_total", c.compiles, backend=backend)
+            snap.put("grammar_compile_failures_total", c.compile_failures, backend=backend)
+            snap.put("grammar_compile_timeouts_total", c.timeouts, backend=backend)
+            snap.put("grammar_compile_seconds_total", c.compile_seconds, backend=backend)
+        store = eng.cache.stats().store  # xgrammar's only: llguidance compiles in about 1 ms
+        snap.put("grammar_store_hits_total", store.hits)
+        snap.put("grammar_store_bytes", store.bytes)
+        snap.put("grammar_store_evictions_total", store.evictions)
+        for op, reasons in store.write_failures.items():
+            for reason, n in reasons.items():
+                snap.put("grammar_store_write_failures_total", n, op=op, reason=reason)
+        for reason, n in store.read_failures.items():
+            snap.put("grammar_store_read_failures_total", n, reason=reason)
         starts = eng.starts()
         for backend in contract.BACKENDS:
             snap.put("grammar_starts_total", starts.get(backend, 0), backend=backend)

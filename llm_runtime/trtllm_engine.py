@@ -256,6 +256,35 @@ class TrtllmConfig:
             raise config_error("stall_timeout_s", f"must be in (0, 3600], got {t!r}")
 
 
+def occupancy(live: int, compiling: int, max_batch: int) -> tuple[int, int]:
+    """The batch and queue gauges of the GPU path, from what this engine knows.
+
+    TensorRT-LLM schedules at most ``max_batch_size`` of the requests it holds
+    (fewer when the KV cache runs short, which only its iteration stats show;
+    those are not read: see deploy/gpu/README.md) and queues the rest.  So the
+    batch is what it holds, capped at ``max_batch``, and the waiting requests
+    are those compiling here plus those queued there: the occupancy signals of
+    the GPU overlay's autoscaler (deploy/k8s/overlays/gpu/hpa-patch.yaml).
+
+    Parameters
+    ----------
+    live : int
+        Requests not finished (compiling, queued or decoding).
+    compiling : int
+        Requests not yet handed to TensorRT-LLM (their grammar compiles).
+    max_batch : int
+        TensorRT-LLM's ``max_batch_size``.
+
+    Returns
+    -------
+    tuple of (int, int)
+        ``(llm_batch_size, llm_waiting_requests)``.
+    """
+    held = live - compiling
+    batch = min(held, max_batch)
+    return batch, compiling + held - batch
+
+
 def native_guided_kwargs(constraint: ConstraintRequest) -> dict[str, Any]:
     """``GuidedDecodingParams`` keyword arguments for a constraint (``grammar_mode: native``).
 
@@ -526,9 +555,11 @@ class TrtllmGenerator:
             return
         with self._lock:
             live = len(self._live)
-            waiting = sum(1 for r in self._live.values() if r.result is None)
+            compiling = sum(1 for r in self._live.values() if r.result is None)
+        batch, waiting = occupancy(live, compiling, self._cfg.max_batch)
         snap = Snapshot()
         snap.put("llm_live_requests", live)
+        snap.put("llm_batch_size", batch)
         snap.put("llm_waiting_requests", waiting)
         try:
             self._on_metrics(snap)

@@ -13,6 +13,9 @@
 #                     model's stub always sees the environment of the python3 on PATH
 #   MAX_BATCH         decode batch
 #   STREAM_INTERVAL_MS  least milliseconds between a stream's responses after the first (default 50; 0: every token)
+#   GRAMMAR_STORE_MAX_BYTES  bound of the compiled-grammar store (empty: the grammar model's default, 2 GiB)
+#   GATEWAY_TLS_CERT, GATEWAY_TLS_KEY, GATEWAY_TLS_CLIENT_CA, GATEWAY_API_KEYS_FILE
+#                     TLS and API keys of the public port (read by deploy.server; empty: off)
 #   RENDER_ONLY=1     render into $RENDER_DIR and exit (inspect the configuration)
 # Extra arguments go to tritonserver.
 set -euo pipefail
@@ -28,7 +31,8 @@ python3 -m deploy.render --src model_repository --dst "$repo" --values deploy/va
     --set "MODEL_DIR=${MODEL_DIR}" --set "ENGINE=${ENGINE}" --set "DEVICE=${DEVICE}" \
     --set "MAX_BATCH=${MAX_BATCH}" --set "GRAMMAR_MODE=${GRAMMAR_MODE}" \
     --set "STREAM_INTERVAL_MS=${STREAM_INTERVAL_MS:-50}" \
-    --set "GRAMMAR_STORE_DIR=${GRAMMAR_STORE_DIR:-/var/lib/constrained-llm/grammar-store}" "${envs[@]}"
+    --set "GRAMMAR_STORE_DIR=${GRAMMAR_STORE_DIR:-/var/lib/constrained-llm/grammar-store}" \
+    --set "GRAMMAR_STORE_MAX_BYTES=${GRAMMAR_STORE_MAX_BYTES:-}" "${envs[@]}"
 if [[ "${RENDER_ONLY:-0}" == 1 ]]; then
     exit 0
 fi

@@ -1,4 +1,4 @@
-"""``python -m deploy.server`` as the containers run it: probe endpoints, SIGTERM after a drain.
+"""``python -m deploy.server`` as the containers run it: probe endpoints, SIGTERM after a drain, Triton's log on stdout.
 
 The container entrypoint (deploy/docker/entrypoint.sh) starts exactly this
 command with ``--health-port 8003``; the Kubernetes probes read those paths
@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -43,7 +44,7 @@ def test_launcher_serves_probes_drains_and_stops_on_sigterm(tmp_path: Path) -> N
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "deploy.server", "--model-repository", str(tmp_path / "repo"),
-         "--model", "constrained_llm", "--health-port", "0", "--log-file", str(tmp_path / "triton.log")],
+         "--model", "constrained_llm", "--health-port", "0"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         lines: list[str] = []
@@ -59,11 +60,21 @@ def test_launcher_serves_probes_drains_and_stops_on_sigterm(tmp_path: Path) -> N
             if m := re.search(r"health: (http://\S+)/v2/health/ready", line):
                 health = m.group(1)
         assert health is not None and metrics is not None, "".join(lines)
+        # Keep reading: a full pipe would block the launcher's log copy, then Triton.
+        reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)  # type: ignore[arg-type]
+        reader.start()
         assert status(f"{health}/v2/health/live") == 200
         assert status(f"{health}/v2/health/ready") == 200
         assert drain(metrics, settle_s=0, timeout_s=10, log=lambda _: None) == 0  # the preStop hook
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(120) == 0
+        reader.join(30)
+        # Triton's own log is on the launcher's stdout (a container's log), tagged,
+        # with the launcher's lines; no file was asked for.
+        output = "".join(lines)
+        assert re.search(r'^triton: .*"Started GRPCInferenceService at 127\.0\.0\.1:\d+"$', output, re.MULTILINE), output
+        assert re.search(r"^server: ready: grpc=", output, re.MULTILINE), output
+        assert "log to stdout ('triton:' lines)\n" in output, output
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import importlib.metadata
 import queue
+import re
 import socket
 import sys
 import sysconfig
@@ -200,10 +201,22 @@ def test_stub_sees_venv_over_grpc_and_stops_cleanly(
 
 
 @pytest.mark.slow
-def test_model_load_failure_raises_with_log_tail(tmp_path: Path, start_triton: Callable[..., TritonServer]) -> None:
+@pytest.mark.parametrize("log", [
+    pytest.param({}, id="file"),
+    # The launcher's mode: stdout only, the tail kept in memory.
+    pytest.param({"log_file": None, "log_stdout": True}, id="stdout"),
+])
+def test_model_load_failure_raises_with_log_tail(
+    tmp_path: Path, start_triton: Callable[..., TritonServer], log: dict[str, object], capfd: pytest.CaptureFixture[str]
+) -> None:
     repo = write_repository(tmp_path / "repo", BROKEN_MODEL_PY)
     with pytest.raises(ServerStartError, match=r"(?s)exited with status 1 before it was ready.*initialize refused on purpose"):
-        start_triton(repo, models=(MODEL,), ready_timeout_s=180.0)
+        start_triton(repo, models=(MODEL,), ready_timeout_s=180.0, **log)
+    out = capfd.readouterr().out
+    if log:
+        assert re.search(r"^triton: .*initialize refused on purpose", out, re.MULTILINE), out
+    else:
+        assert "triton: " not in out
 
 
 def test_missing_repository_is_rejected_before_start(tmp_path: Path) -> None:

@@ -200,3 +200,25 @@ def test_module_entry_point_exit_code() -> None:
     assert proc.returncode == EXIT_INVALID
     assert proc.stdout == ""
     assert proc.stderr == "error: choices[1]: duplicate of choices[0]\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "stderr"),
+    [
+        (["--ca-file", "/nonexistent/ca.pem", "p"], "error: ca_file: cannot read '/nonexistent/ca.pem'\n"),
+        (["--cert-file", "c.pem", "p"], "error: key_file: mutual TLS needs both cert_file and key_file\n"),
+        (["--api-key", "a\nb", "p"], "error: api_key: must be a non-empty single-line string\n"),
+    ],
+)
+def test_main_security_flags_are_checked(argv: list[str], stderr: str) -> None:
+    code, out, err = _main(["--url", f"127.0.0.1:{_closed_port()}", *argv])
+    assert (code, out, err) == (EXIT_INVALID, "", stderr)
+
+
+def test_security_flags_parse() -> None:
+    args = build_parser().parse_args(["--ca-file", "ca.pem", "--cert-file", "c.pem", "--key-file", "k.pem",
+                                      "--api-key", "k", "p"])
+    assert (args.tls, args.ca_file, args.cert_file, args.key_file, args.api_key) == (
+        False, "ca.pem", "c.pem", "k.pem", "k")
+    defaults = build_parser().parse_args(["p"])
+    assert (defaults.tls, defaults.ca_file, defaults.api_key) == (False, None, None)

@@ -10,8 +10,10 @@ integration tests; here only an unreachable port is used.
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,6 +41,7 @@ from client import (
     Violation,
 )
 from client.sdk import (
+    API_KEY_ENV,
     DEFAULT_MAX_TOKENS,
     StreamAssembler,
     build_inputs,
@@ -547,3 +550,58 @@ def test_closed_client_refuses_calls() -> None:
     llm.close()
     with pytest.raises(ClientError, match=r"^client is closed$"):
         llm.generate("hi")
+
+
+# ----------------------------------------------------------------------------- TLS and API keys
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"cert_file": "c.pem"}, r"^key_file: mutual TLS needs both cert_file and key_file$"),
+        ({"key_file": "k.pem"}, r"^cert_file: mutual TLS needs both cert_file and key_file$"),
+        ({"ca_file": "/nonexistent/ca.pem"}, r"^ca_file: cannot read '/nonexistent/ca\.pem'$"),
+        ({"api_key": ""}, r"^api_key: must be a non-empty single-line string$"),
+        ({"api_key": "a\nb"}, r"^api_key: must be a non-empty single-line string$"),
+    ],
+)
+def test_client_rejects_bad_security_settings(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidRequest, match=message):
+        Client(**kwargs)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl binary to make a test CA")
+def test_client_tls_and_api_key_reach_the_gateway(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A real gateway with TLS and keys; its upstream is a closed port, so a call
+    # that passes TLS and the key check ends UNAVAILABLE there (is_ready False)
+    # and the gateway's refusal counter tells the key check's verdict.
+    import hashlib
+    import json
+
+    from deploy.gateway import Gateway, GatewayConfig, GatewaySecurity
+    from tests.tls_certs import make_pki
+
+    pki, other = make_pki(tmp_path, "ca"), make_pki(tmp_path, "other")
+    keys = tmp_path / "keys"
+    keys.write_text(json.dumps({"keys": [{"id": "t", "sha256": hashlib.sha256(b"good-key").hexdigest()}]}))
+    gateway = Gateway(GatewayConfig(upstream=f"127.0.0.1:{_closed_port()}", secret="s" * 32,
+                                    security=GatewaySecurity(tls_cert=pki.cert, tls_key=pki.key, api_keys_file=keys)))
+    gateway.start()
+    url = f"127.0.0.1:{gateway.port}"
+    try:
+        monkeypatch.delenv(API_KEY_ENV, raising=False)
+        with Client(url, ca_file=pki.ca, timeout_s=10) as llm:
+            with pytest.raises(GenerationError, match=r"^UNAUTHENTICATED: no API key") as info:
+                llm.is_ready()
+            assert info.value.status == "UNAUTHENTICATED"
+        assert gateway.refusals["UNAUTHENTICATED"] == 1
+        with Client(url, ca_file=pki.ca, api_key="good-key", timeout_s=10) as llm:
+            assert llm.is_ready() is False  # past TLS and the key: the closed upstream answers
+        monkeypatch.setenv(API_KEY_ENV, "good-key")
+        with Client(url, ca_file=pki.ca, timeout_s=10) as llm:
+            assert llm.is_ready() is False
+            with pytest.raises(ServerUnavailable):
+                llm.generate("hi")
+        with Client(url, ca_file=other.ca, timeout_s=10) as llm:
+            assert llm.is_ready() is False  # the handshake fails: never reaches the key check
+        assert gateway.refusals["UNAUTHENTICATED"] == 1
+    finally:
+        gateway.stop()

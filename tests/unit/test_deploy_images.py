@@ -104,6 +104,9 @@ def test_dockerfile_grammar_env_pins_are_requirements_txt_pins() -> None:
     base = pinned_requirements(REPO / "requirements.txt")
     assert {name: base.get(name) for name in grammar} == grammar
     assert {"xgrammar", "llguidance", "torch"} <= set(grammar)
+    # And it leaves out only what the image has another way: the server binary
+    # (NGC's, not pytriton's), and the CPU model's conversion and weights tools.
+    assert set(base) - set(grammar) == {"nvidia-pytriton", "gguf", "accelerate", "safetensors"}
 
 
 def test_dockerfile_llm_additions_leave_tensorrt_llms_pins_alone() -> None:
@@ -152,6 +155,19 @@ def test_entrypoint_renders_a_valid_repository(tmp_path: Path, env: dict[str, st
     cfg = llm_config(repo)
     assert {name: getattr(cfg, name) for name in expected} == expected
     assert cfg.model_dir == "/models/hf"
+
+
+@pytest.mark.parametrize(("env", "expected"), [({}, None), ({"GRAMMAR_STORE_MAX_BYTES": "3221225472"}, 3221225472)])
+def test_entrypoint_passes_the_store_bound_to_the_grammar_model(tmp_path: Path, env: dict[str, str],
+                                                                expected: int | None) -> None:
+    """GRAMMAR_STORE_MAX_BYTES (set by deploy/k8s) reaches the grammar model; unset, its default applies."""
+    from grammar_backend.service import GrammarModelConfig
+
+    repo = render_gpu_repository(tmp_path, **env)
+    parsed = text_format.Parse((repo / "grammar" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+    as_dict = json_format.MessageToDict(parsed, preserving_proto_field_name=True)
+    cfg = from_parameters(GrammarModelConfig, parameter_values(as_dict), "grammar")
+    assert cfg.store_max_bytes == expected
 
 
 @pytest.mark.parametrize(("python_env", "expected"), [

@@ -1,20 +1,40 @@
-"""The gateway's configuration and the tritonserver restrictions it relies on (the traffic itself is
-tested against a real tritonserver in tests/integration/test_abuse.py)."""
+"""The gateway's configuration, the tritonserver restrictions it relies on, and its own checks over
+real gRPC (keys, per-key limits, message bounds, health, drain, TLS); the forwarded traffic is tested
+against a real tritonserver in tests/integration/test_abuse.py and test_gateway_tls.py."""
 
 from __future__ import annotations
 
-import pytest
+import hashlib
+import json
+import queue
+import time
+from collections.abc import Iterator
+from pathlib import Path
 
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tritonclient.grpc import service_pb2 as pb
+
+import contract
 from deploy.gateway import (
     GRPC_SECRET_METADATA,
+    MAX_MESSAGE_BYTES,
     SECRET_HEADER,
+    SERVICE,
     Gateway,
     GatewayConfig,
     GatewayError,
+    GatewaySecurity,
+    KeyFileError,
+    KeyRing,
+    bearer_key,
     input_error,
     new_secret,
+    parse_keys,
     restriction_args,
 )
+from tests.tls_certs import make_pki, openssl_missing
 
 SECRET = "s" * 32
 
@@ -99,3 +119,432 @@ def _request(*tensors: tuple[str, str, list[int]]) -> object:
 def test_input_error_names_the_input_and_the_reason(tensors: list[tuple[str, str, list[int]]], batch: int,
                                                      problem: str | None) -> None:
     assert input_error(_request(*tensors), _config(batch)) == problem  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------- keys, limits, health, drain (real gRPC)
+# The gateway's upstream here is a closed port: authentication, the per-key
+# stream limit, message bounds, health and drain all act before anything is
+# forwarded, so these run without a tritonserver; the forwarded traffic is
+# covered with a real one in tests/integration/test_gateway_tls.py.
+
+H1 = hashlib.sha256(b"key-one").hexdigest()
+H2 = hashlib.sha256(b"key-two").hexdigest()
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("nope", r"^f: not JSON: "),
+        ("[]", r'^f: must be an object \{"keys": \[\.\.\.\]\} and nothing else$'),
+        ('{"keys": [], "x": 1}', r'^f: must be an object \{"keys": \[\.\.\.\]\} and nothing else$'),
+        ('{"keys": [1]}', r"^f: keys\[0\]: must be an object$"),
+        (f'{{"keys": [{{"id": "a", "sha256": "{H1}", "key": "x"}}]}}',
+         r"^f: keys\[0\]: unknown field 'key' \(fields: id, sha256, max_streams\)$"),
+        (f'{{"keys": [{{"id": "", "sha256": "{H1}"}}]}}', r"^f: keys\[0\]\.id: must be 1-64 characters"),
+        (f'{{"keys": [{{"id": "a b", "sha256": "{H1}"}}]}}', r"^f: keys\[0\]\.id: must be 1-64 characters"),
+        ('{"keys": [{"id": "a", "sha256": "abc"}]}', r"^f: keys\[0\]\.sha256: must be 64 lower-case hex digits"),
+        (f'{{"keys": [{{"id": "a", "sha256": "{H1.upper()}"}}]}}', r"^f: keys\[0\]\.sha256: must be 64 lower-case"),
+        (f'{{"keys": [{{"id": "a", "sha256": "{H1}", "max_streams": 0}}]}}',
+         r"^f: keys\[0\]\.max_streams: must be an integer >= 1, got 0$"),
+        (f'{{"keys": [{{"id": "a", "sha256": "{H1}", "max_streams": true}}]}}',
+         r"^f: keys\[0\]\.max_streams: must be an integer >= 1, got True$"),
+        (f'{{"keys": [{{"id": "a", "sha256": "{H1}"}}, {{"id": "a", "sha256": "{H2}"}}]}}',
+         r"^f: keys\[1\]\.id: 'a' is given more than once$"),
+        (f'{{"keys": [{{"id": "a", "sha256": "{H1}"}}, {{"id": "b", "sha256": "{H1}"}}]}}',
+         r"^f: keys\[1\]\.sha256: the same key as an earlier entry$"),
+    ],
+)
+def test_parse_keys_rejects(text: str, match: str) -> None:
+    with pytest.raises(KeyFileError, match=match):
+        parse_keys(text, "f")
+
+
+def test_parse_keys_reads_ids_digests_and_limits() -> None:
+    keys = parse_keys(json.dumps({"keys": [{"id": "team-a", "sha256": H1, "max_streams": 8},
+                                           {"id": "team.b_2", "sha256": H2}]}))
+    assert [(k.id, k.sha256.hex(), k.max_streams) for k in keys] == [("team-a", H1, 8), ("team.b_2", H2, None)]
+    assert parse_keys('{"keys": []}') == ()
+    assert "sha256" not in repr(keys[0])  # digests stay out of logs and reprs
+
+
+@pytest.mark.parametrize(
+    ("metadata", "key"),
+    [
+        ((("authorization", "Bearer abc"),), "abc"),
+        ((("authorization", "bearer  abc "),), "abc"),
+        ((("x-other", "1"), ("authorization", "Bearer k2")), "k2"),
+        ((("authorization", "Basic abc"),), None),
+        ((("authorization", "Bearer "),), None),
+        ((("authorization-x", "Bearer abc"),), None),
+        ((), None),
+        (None, None),
+    ],
+)
+def test_bearer_key(metadata: object, key: str | None) -> None:
+    assert bearer_key(metadata) == key
+
+
+def _write_keys(path: Path, *entries: tuple[str, bytes, int | None]) -> None:
+    doc = {"keys": [{"id": i, "sha256": hashlib.sha256(k).hexdigest(), **({} if m is None else {"max_streams": m})}
+                    for i, k, m in entries]}
+    # Like the kubelet's atomic writer: a new file renamed over the old one (a new inode).
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc))
+    tmp.replace(path)
+
+
+def test_key_ring_reloads_on_change_and_keeps_keys_on_a_broken_update(tmp_path: Path) -> None:
+    path = tmp_path / "keys"
+    _write_keys(path, ("a", b"old", None))
+    now = [0.0]
+    ring = KeyRing(path, check_interval_s=1.0, clock=lambda: now[0])
+    assert ring.authenticate("old") is not None and ring.authenticate("new") is None
+    _write_keys(path, ("a", b"new", 2))
+    assert ring.authenticate("new") is None  # not checked again within the interval
+    now[0] = 1.5
+    key = ring.authenticate("new")
+    assert key is not None and (key.id, key.max_streams) == ("a", 2)
+    assert ring.authenticate("old") is None
+    path.write_text("{broken")
+    now[0] = 3.0
+    assert ring.authenticate("new") is not None and ring.reload_failures == 1
+    assert ring.authenticate(None) is None and ring.authenticate("") is None
+
+
+def test_key_ring_follows_a_symlink_swap(tmp_path: Path) -> None:
+    # The layout of a Kubernetes Secret volume: keys -> ..data/keys, ..data -> ..<timestamp>.
+    for gen, raw in (("..v1", b"first"), ("..v2", b"second")):
+        (tmp_path / gen).mkdir()
+        _write_keys(tmp_path / gen / "keys", ("k", raw, None))
+    (tmp_path / "..data").symlink_to("..v1")
+    (tmp_path / "keys").symlink_to("..data/keys")
+    now = [0.0]
+    ring = KeyRing(tmp_path / "keys", clock=lambda: now[0])
+    assert ring.authenticate("first") is not None
+    (tmp_path / "..data_tmp").symlink_to("..v2")
+    (tmp_path / "..data_tmp").replace(tmp_path / "..data")
+    now[0] = 2.0
+    assert ring.authenticate("second") is not None and ring.authenticate("first") is None
+
+
+def test_key_ring_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(KeyFileError, match=r"^api keys file .*/absent: cannot read: "):
+        KeyRing(tmp_path / "absent")
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"tls_cert": Path("c")}, r"^tls_key: required with tls_cert \(give both or neither\)$"),
+        ({"tls_key": Path("k")}, r"^tls_cert: required with tls_key \(give both or neither\)$"),
+        ({"tls_client_ca": Path("ca")}, r"^tls_client_ca: mutual TLS needs tls_cert and tls_key$"),
+    ],
+)
+def test_security_rejects(fields: dict[str, Path], match: str) -> None:
+    with pytest.raises(GatewayError, match=match):
+        GatewaySecurity(**fields)
+
+
+def test_security_names_an_unreadable_or_non_pem_file(tmp_path: Path) -> None:
+    (tmp_path / "cert").write_text("not pem")
+    with pytest.raises(GatewayError, match=r"^tls_cert: .*/cert is not PEM \(no '-----BEGIN' line\)$"):
+        GatewaySecurity(tls_cert=tmp_path / "cert", tls_key=tmp_path / "key").server_credentials()
+    with pytest.raises(GatewayError, match=r"^tls_cert: cannot read .*/absent: "):
+        GatewaySecurity(tls_cert=tmp_path / "absent", tls_key=tmp_path / "key").server_credentials()
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"keepalive_time_s": 0}, r"^keepalive_time_s: must be > 0, got 0$"),
+        ({"max_connection_age_s": -1}, r"^max_connection_age_s: must be > 0, got -1$"),
+        ({"max_connection_age_grace_s": 0}, r"^max_connection_age_grace_s: must be > 0, got 0$"),
+        ({"drain_grace_s": 0}, r"^drain_grace_s: must be > 0, got 0$"),
+        ({"min_client_ping_interval_s": 90}, r"^min_client_ping_interval_s: must be <= keepalive_time_s=60\.0, got 90$"),
+    ],
+)
+def test_config_rejects_connection_settings(fields: dict[str, float], match: str) -> None:
+    with pytest.raises(GatewayError, match=match):
+        GatewayConfig(upstream="127.0.0.1:1", secret=SECRET, **fields)  # type: ignore[arg-type]
+
+
+def test_server_options_follow_the_config_and_the_payload_limit() -> None:
+    options = dict(GatewayConfig(upstream="127.0.0.1:1", secret=SECRET).server_options())
+    assert MAX_MESSAGE_BYTES == contract.MAX_MESSAGE_BYTES == 2 * contract.MAX_CONSTRAINT_BYTES
+    assert options == {
+        "grpc.max_receive_message_length": 4 * 1024 * 1024, "grpc.max_send_message_length": 4 * 1024 * 1024,
+        "grpc.keepalive_time_ms": 60_000, "grpc.keepalive_timeout_ms": 20_000,
+        "grpc.keepalive_permit_without_calls": 1, "grpc.http2.min_ping_interval_without_data_ms": 10_000,
+        "grpc.http2.max_ping_strikes": 2,
+        "grpc.max_connection_age_ms": 300_000, "grpc.max_connection_age_grace_ms": 420_000,
+    }
+
+
+@pytest.fixture
+def keyed(tmp_path: Path) -> Iterator[tuple[Gateway, Path]]:
+    path = tmp_path / "keys"
+    _write_keys(path, ("one", b"key-one", 1), ("two", b"key-two", None))
+    gateway = Gateway(GatewayConfig(upstream="127.0.0.1:1", secret=SECRET, drain_grace_s=30,
+                                    security=GatewaySecurity(api_keys_file=path)))
+    gateway.start()
+    try:
+        yield gateway, path
+    finally:
+        gateway.stop()
+
+
+def _auth(key: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {key}"),)
+
+
+def _stream(channel: grpc.Channel) -> grpc.StreamStreamMultiCallable:
+    return channel.stream_stream(f"/{SERVICE}/ModelStreamInfer",
+                                 request_serializer=pb.ModelInferRequest.SerializeToString,
+                                 response_deserializer=pb.ModelStreamInferResponse.FromString)
+
+
+def _live(channel: grpc.Channel) -> grpc.UnaryUnaryMultiCallable:
+    return channel.unary_unary(f"/{SERVICE}/ServerLive", request_serializer=pb.ServerLiveRequest.SerializeToString,
+                               response_deserializer=pb.ServerLiveResponse.FromString)
+
+
+def _health(channel: grpc.Channel, service: str = "") -> int:
+    return int(health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                         timeout=5).status)
+
+
+class _OpenStream:
+    """A client stream that stays open until :meth:`close` (no request sent: nothing is forwarded)."""
+
+    def __init__(self, channel: grpc.Channel, metadata: tuple[tuple[str, str], ...]) -> None:
+        self._requests: queue.SimpleQueue[pb.ModelInferRequest | None] = queue.SimpleQueue()
+        self.call = _stream(channel)(iter(self._requests.get, None), metadata=metadata, timeout=30)
+
+    def send(self, request: pb.ModelInferRequest) -> None:
+        self._requests.put(request)
+
+    def close(self) -> grpc.StatusCode:
+        self._requests.put(None)
+        try:
+            self.responses = list(self.call)
+        except grpc.RpcError:
+            self.responses = []
+        return self.call.code()  # type: ignore[no-any-return]
+
+
+def _wait(predicate: object, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize(
+    ("metadata", "code", "details"),
+    [
+        ((), grpc.StatusCode.UNAUTHENTICATED, "no API key: send metadata 'authorization: Bearer <key>'"),
+        (_auth("wrong"), grpc.StatusCode.UNAUTHENTICATED,
+         "unknown API key: send metadata 'authorization: Bearer <key>'"),
+        ((("authorization", "key-one"),), grpc.StatusCode.UNAUTHENTICATED,
+         "no API key: send metadata 'authorization: Bearer <key>'"),
+        # A good key passes; the call then reaches the (closed) upstream port.
+        (_auth("key-one"), grpc.StatusCode.UNAVAILABLE, None),
+    ],
+)
+def test_unary_calls_need_a_key(keyed: tuple[Gateway, Path], metadata: tuple[tuple[str, str], ...],
+                                code: grpc.StatusCode, details: str | None) -> None:
+    gateway, _ = keyed
+    with grpc.insecure_channel(f"127.0.0.1:{gateway.port}") as channel, pytest.raises(grpc.RpcError) as info:
+        _live(channel)(pb.ServerLiveRequest(), metadata=metadata, timeout=10)
+    assert info.value.code() == code
+    if details is not None:
+        assert info.value.details() == details
+
+
+def test_streams_need_a_key_and_keep_to_the_per_key_limit(keyed: tuple[Gateway, Path]) -> None:
+    gateway, _ = keyed
+    with grpc.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+        anonymous = _OpenStream(channel, ())
+        assert anonymous.close() == grpc.StatusCode.UNAUTHENTICATED
+        first = _OpenStream(channel, _auth("key-one"))
+        _wait(lambda: gateway.streams_open == 1)
+        over = _OpenStream(channel, _auth("key-one"))
+        assert over.close() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert over.call.details() == "API key 'one' already has 1 streams open (limit 1)"
+        other = _OpenStream(channel, _auth("key-two"))  # another key has its own budget
+        _wait(lambda: gateway.streams_open == 2)
+        assert other.close() == grpc.StatusCode.OK
+        assert first.close() == grpc.StatusCode.OK
+        again = _OpenStream(channel, _auth("key-one"))  # the slot is free again
+        assert again.close() == grpc.StatusCode.OK
+    text = gateway.metrics_text()
+    assert 'gateway_refusals_total{code="UNAUTHENTICATED"} 1\n' in text
+    assert 'gateway_refusals_total{code="RESOURCE_EXHAUSTED"} 1\n' in text
+    assert "gateway_streams_open 0\n" in text
+
+
+def test_rotated_key_file_applies_without_restart(keyed: tuple[Gateway, Path]) -> None:
+    gateway, path = keyed
+    with grpc.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+        assert _OpenStream(channel, _auth("key-one")).close() == grpc.StatusCode.OK
+        _write_keys(path, ("one", b"rotated", 1))
+        time.sleep(1.1)  # KeyRing's check interval
+        assert _OpenStream(channel, _auth("key-one")).close() == grpc.StatusCode.UNAUTHENTICATED
+        assert _OpenStream(channel, _auth("rotated")).close() == grpc.StatusCode.OK
+
+
+def test_health_service_is_open_and_follows_health_and_drain(keyed: tuple[Gateway, Path]) -> None:
+    gateway, _ = keyed
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    with grpc.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+        assert (_health(channel), _health(channel, SERVICE)) == (serving, serving)  # no key needed
+        gateway.set_health(False, "grammar probe failed")
+        _wait(lambda: _health(channel) == not_serving)
+        assert _health(channel, SERVICE) == not_serving
+        gateway.set_health(True)
+        _wait(lambda: _health(channel) == serving)
+        with pytest.raises(grpc.RpcError) as info:
+            _health(channel, "no.such.Service")
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_drain_sends_goaway_refuses_new_streams_and_lets_open_ones_finish(keyed: tuple[Gateway, Path]) -> None:
+    gateway, _ = keyed
+    with grpc.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+        in_flight = _OpenStream(channel, _auth("key-two"))
+        _wait(lambda: gateway.streams_open == 1)
+        gateway.begin_drain()
+        assert gateway.health == (False, "draining")
+        _wait(lambda: "gateway_draining 1\n" in gateway.metrics_text())
+        time.sleep(0.2)  # the GOAWAY reaches the client
+        # A new stream on the same (already connected) channel is refused.
+        late = _OpenStream(channel, _auth("key-two"))
+        assert late.close() == grpc.StatusCode.UNAVAILABLE
+        # The stream in flight still works and ends normally.
+        assert in_flight.close() == grpc.StatusCode.OK
+        assert gateway.streams_open == 0
+
+
+def test_oversize_message_is_refused_and_the_gateway_stays_up(keyed: tuple[Gateway, Path]) -> None:
+    gateway, _ = keyed
+    big = pb.ModelInferRequest(model_name="constrained_llm", id="big")
+    big.raw_input_contents.append(b"x" * (MAX_MESSAGE_BYTES + 1))
+    with grpc.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+        stream = _OpenStream(channel, _auth("key-two"))
+        stream.send(big)
+        assert stream.close() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert _health(channel) == health_pb2.HealthCheckResponse.SERVING
+        # A request that fits is read and answered (in-band: the upstream port is closed).
+        small = pb.ModelInferRequest(model_name="grammar", id="small")
+        ok = _OpenStream(channel, _auth("key-two"))
+        ok.send(small)
+        assert ok.close() == grpc.StatusCode.OK
+        responses = ok.responses
+        assert [r.error_message for r in responses] == [
+            "PERMISSION_DENIED: model 'grammar' is not served to clients; call constrained_llm"]
+    text = gateway.metrics_text()
+    assert 'gateway_refusals_total{code="PERMISSION_DENIED"} 1\n' in text
+    received = int(next(line.split()[1] for line in text.splitlines() if line.startswith("gateway_received_bytes")))
+    sent = int(next(line.split()[1] for line in text.splitlines() if line.startswith("gateway_sent_bytes")))
+    assert received == small.ByteSize() and sent == responses[0].ByteSize()
+
+
+@pytest.mark.skipif(openssl_missing(), reason="no openssl binary to make a test CA")
+def test_tls_and_mutual_tls_handshakes(tmp_path: Path) -> None:
+    pki, other = make_pki(tmp_path, "ca"), make_pki(tmp_path, "other")
+    security = GatewaySecurity(tls_cert=pki.cert, tls_key=pki.key, tls_client_ca=pki.ca)
+    gateway = Gateway(GatewayConfig(upstream="127.0.0.1:1", secret=SECRET, security=security))
+    gateway.start()
+    try:
+        target = f"127.0.0.1:{gateway.port}"
+
+        def check(ca: Path, client: bool) -> int | grpc.StatusCode:
+            creds = grpc.ssl_channel_credentials(
+                ca.read_bytes(), pki.client_key.read_bytes() if client else None,
+                pki.client_cert.read_bytes() if client else None)
+            with grpc.secure_channel(target, creds) as channel:
+                try:
+                    return _health(channel)
+                except grpc.RpcError as err:
+                    return err.code()  # type: ignore[no-any-return]
+
+        assert check(pki.ca, client=True) == health_pb2.HealthCheckResponse.SERVING
+        assert check(other.ca, client=True) == grpc.StatusCode.UNAVAILABLE  # the server's CA is not trusted
+        assert check(pki.ca, client=False) == grpc.StatusCode.UNAVAILABLE  # no client certificate
+        with grpc.insecure_channel(target) as plain:
+            with pytest.raises(grpc.RpcError) as info:
+                _health(plain)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        gateway.stop()
+
+
+def test_launcher_health_port_serves_gateway_metrics_and_starts_the_drain(keyed: tuple[Gateway, Path]) -> None:
+    import urllib.request
+
+    from deploy.drain import drain
+    from deploy.health import HealthServer
+
+    gateway, _ = keyed
+    health = HealthServer("127.0.0.1", 0, lambda: gateway.health, metrics=gateway.metrics_text,
+                          on_drain=gateway.begin_drain)
+    health.start()
+    base = f"http://127.0.0.1:{health.port}"
+    try:
+        with urllib.request.urlopen(f"{base}/metrics", timeout=5) as resp:
+            body = resp.read().decode()
+        assert resp.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+        assert "gateway_streams_open 0\n" in body and "gateway_draining 0\n" in body
+        logs: list[str] = []
+        # deploy.drain's preStop sequence: settle, POST the drain, then wait on the live gauge
+        # (read here from the gateway's own metrics: 0 requests in flight).
+        code = drain(f"{base}/metrics", settle_s=0, timeout_s=5, poll_s=0.1, sleep=lambda s: None, log=logs.append,
+                     gateway_drain_url=f"{base}/v2/drain")
+        assert code == 0 and logs[0] == "drain: gateway draining (GOAWAY sent)"
+        assert gateway.draining and gateway.health == (False, "draining")
+        with urllib.request.urlopen(f"{base}/metrics", timeout=5) as resp:
+            assert "gateway_draining 1\n" in resp.read().decode()
+    finally:
+        health.stop()
+
+
+def test_drain_logs_a_gateway_that_cannot_be_asked() -> None:
+    from deploy.drain import drain
+
+    logs: list[str] = []
+    drain("http://127.0.0.1:1/metrics", settle_s=0, timeout_s=0, sleep=lambda s: None, log=logs.append,
+          gateway_drain_url="http://127.0.0.1:1/v2/drain")
+    assert logs[0].startswith("drain: cannot start the gateway's drain at http://127.0.0.1:1/v2/drain: ")
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "expected"),
+    [
+        ([], {}, GatewaySecurity()),
+        (["--tls-cert", "c", "--tls-key", "k"], {}, GatewaySecurity(tls_cert=Path("c"), tls_key=Path("k"))),
+        ([], {"GATEWAY_TLS_CERT": "/s/tls.crt", "GATEWAY_TLS_KEY": "/s/tls.key", "GATEWAY_TLS_CLIENT_CA": "",
+              "GATEWAY_API_KEYS_FILE": "/k/keys"},
+         GatewaySecurity(tls_cert=Path("/s/tls.crt"), tls_key=Path("/s/tls.key"), api_keys_file=Path("/k/keys"))),
+        (["--tls-client-ca", "ca"], {"GATEWAY_TLS_CERT": "c", "GATEWAY_TLS_KEY": "k"},
+         GatewaySecurity(tls_cert=Path("c"), tls_key=Path("k"), tls_client_ca=Path("ca"))),
+        (["--api-keys-file", "flag"], {"GATEWAY_API_KEYS_FILE": "env"}, GatewaySecurity(api_keys_file=Path("flag"))),
+    ],
+)
+def test_launcher_gateway_flags_and_env(argv: list[str], env: dict[str, str], expected: GatewaySecurity,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from deploy.server import _parse_args, gateway_security
+
+    for name in ("GATEWAY_TLS_CERT", "GATEWAY_TLS_KEY", "GATEWAY_TLS_CLIENT_CA", "GATEWAY_API_KEYS_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert gateway_security(_parse_args(["--model-repository", "r", *argv])) == expected
+
+
+def test_launcher_refuses_a_certificate_without_its_key(monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    from deploy.server import main
+
+    monkeypatch.delenv("GATEWAY_TLS_KEY", raising=False)
+    assert main(["--model-repository", "r", "--tls-cert", "c"]) == 2
+    assert capsys.readouterr().err == "server: error: tls_key: required with tls_cert (give both or neither)\n"

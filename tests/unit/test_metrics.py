@@ -6,6 +6,7 @@ import json
 import re
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,6 +22,7 @@ from grammar_backend.metrics import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
+XGR = (("backend", "xgrammar"),)
 
 
 def test_catalog_names_are_unique_and_prometheus_shaped() -> None:
@@ -47,10 +49,10 @@ def test_every_model_that_exports_metrics_builds_them_from_the_catalog() -> None
           {("grammar_active_sequences", ()): 0.0}],
          [[Update("grammar_active_sequences", (), "set", 2.0)], [], [Update("grammar_active_sequences", (), "set", 0.0)]]),
         # counters: increments by the growth of the cumulative value
-        ([{("grammar_cache_hits_total", ()): 3.0}, {("grammar_cache_hits_total", ()): 3.0},
-          {("grammar_cache_hits_total", ()): 7.0}],
-         [[Update("grammar_cache_hits_total", (), "increment", 3.0)], [],
-          [Update("grammar_cache_hits_total", (), "increment", 4.0)]]),
+        ([{("llm_steps_total", ()): 3.0}, {("llm_steps_total", ()): 3.0},
+          {("llm_steps_total", ()): 7.0}],
+         [[Update("llm_steps_total", (), "increment", 3.0)], [],
+          [Update("llm_steps_total", (), "increment", 4.0)]]),
         # labelled series are independent
         ([{("constrained_llm_outputs_total", (("finish_reason", "stop"), ("kind", "regex"))): 1.0,
            ("constrained_llm_outputs_total", (("finish_reason", "length"), ("kind", "regex"))): 2.0}],
@@ -121,7 +123,7 @@ def test_snapshots_taken_on_several_threads_reach_the_endpoint_in_order() -> Non
     def snapshot() -> Snapshot:
         with lock:
             count[0] += 1
-            return Snapshot({("grammar_compiles_total", ()): float(count[0])})
+            return Snapshot({("grammar_compiles_total", XGR): float(count[0])})
 
     errors: list[BaseException] = []
 
@@ -138,7 +140,7 @@ def test_snapshots_taken_on_several_threads_reach_the_endpoint_in_order() -> Non
     for t in threads:
         t.join(30)
     assert not errors, errors[0]
-    assert metrics._series[("grammar_compiles_total", ())].value == 1200.0
+    assert metrics._series[("grammar_compiles_total", XGR)].value == 1200.0
     metrics.close()
 
 
@@ -171,6 +173,84 @@ def test_latency_window_quantiles_reset_per_publication_sums_do_not() -> None:
     snap.put_latency("llm_step_seconds", w)
     assert {k for k in snap.values if k[0] == "llm_step_seconds"} == {
         ("llm_step_seconds", (("quantile", q),)) for q in QUANTILES}
+
+
+#: The compile-cache series of grammar_backend.service.GrammarService.metrics_snapshot, one per backend.
+CACHE_SERIES = ("grammar_cache_hits_total", "grammar_cache_misses_total", "grammar_compiles_total",
+                "grammar_compile_failures_total", "grammar_compile_timeouts_total", "grammar_cache_evictions_total",
+                "grammar_cache_entries", "grammar_cache_bytes", "grammar_compiles_in_flight")
+
+
+def _by_backend(values: dict[tuple[str, tuple[tuple[str, str], ...]], float], backend: str) -> dict[str, float]:
+    return {name: values[(name, (("backend", backend),))] for name in CACHE_SERIES}
+
+
+def test_cache_metrics_count_every_backend(qwen_tokenizer: Any, qwen_info: Any) -> None:
+    """llguidance starts move the llguidance-labelled cache series (they read 0 unlabelled before); xgrammar's stay 0."""
+    from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
+    from grammar_backend.llg import LlgBackend
+    from grammar_backend.service import GrammarService
+    from grammar_backend.spec import parse_constraint
+
+    stops = [int(t) for t in qwen_info.stop_token_ids]
+    llg = LlgBackend(qwen_tokenizer, 151_936, stops)
+    eng = GrammarEngine(qwen_info, "qwen", GrammarEngineConfig(max_batch=8), llg=llg)
+    try:
+        specs = [parse_constraint("json_schema", '{"type":"object","properties":{"a":{"type":"integer"}}}'),
+                 parse_constraint("regex", "[a-z]{3}", {"backend": "llguidance"})]
+        sid = 0
+        for spec, n in zip(specs, (3, 2), strict=True):  # the JSON one through backend auto: llguidance first
+            for _ in range(n):
+                sid += 1
+                eng.start(sid, spec)
+                assert eng.table.get(sid).backend == "llguidance"
+        snap = GrammarService(eng).metrics_snapshot().values
+        expected_bytes = sum(llg.compile(spec).memory_size_bytes for spec in specs)
+        assert _by_backend(snap, "llguidance") == {
+            "grammar_cache_hits_total": 3.0, "grammar_cache_misses_total": 2.0, "grammar_compiles_total": 2.0,
+            "grammar_compile_failures_total": 0.0, "grammar_compile_timeouts_total": 0.0,
+            "grammar_cache_evictions_total": 0.0, "grammar_cache_entries": 2.0,
+            "grammar_cache_bytes": float(expected_bytes), "grammar_compiles_in_flight": 0.0}
+        assert _by_backend(snap, "xgrammar") == dict.fromkeys(CACHE_SERIES, 0.0)
+        assert snap[("grammar_compile_seconds_total", (("backend", "llguidance"),))] > 0
+        assert [k for k in snap if k[0] in CACHE_SERIES and not k[1]] == []  # no unlabelled cache series left
+        assert Publisher(METRICS).updates(GrammarService(eng).metrics_snapshot())  # the catalog takes them
+    finally:
+        eng.end(list(range(1, sid + 1)))
+        eng.close()
+
+
+def test_store_metrics_report_a_failing_store(tmp_path: Path, tiny_info: Any) -> None:
+    """A store folder replaced by a file: the start is served; the snapshot counts the failed read and write."""
+    import shutil
+
+    from grammar_backend.cache import CacheConfig
+    from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
+    from grammar_backend.service import GrammarService
+    from grammar_backend.spec import parse_constraint
+
+    root = tmp_path / "store"
+    eng = GrammarEngine(tiny_info, "fp", GrammarEngineConfig(max_batch=2, cache=CacheConfig(store_dir=str(root))))
+    try:
+        shutil.rmtree(root)
+        root.write_text("")
+        eng.start(1, parse_constraint("regex", "a+"))
+        eng.start(2, parse_constraint("regex", "a+"))
+        snap = GrammarService(eng).metrics_snapshot().values
+        assert {k: v for k, v in snap.items() if k[0].startswith("grammar_store_")} == {
+            ("grammar_store_hits_total", ()): 0.0,
+            ("grammar_store_bytes", ()): 0.0,
+            ("grammar_store_evictions_total", ()): 0.0,
+            ("grammar_store_write_failures_total", (("op", "save"), ("reason", "ENOTDIR"))): 1.0,
+            ("grammar_store_read_failures_total", (("reason", "ENOTDIR"),)): 1.0,
+        }
+        assert _by_backend(snap, "xgrammar")["grammar_cache_misses_total"] == 1.0
+        assert _by_backend(snap, "xgrammar")["grammar_cache_hits_total"] == 1.0
+        assert _by_backend(snap, "xgrammar")["grammar_compile_failures_total"] == 0.0
+        Publisher(METRICS).updates(GrammarService(eng).metrics_snapshot())  # labels match the catalog
+    finally:
+        eng.end([1, 2])
+        eng.close()
 
 
 @pytest.mark.usefixtures("one_torch_thread")

@@ -34,6 +34,7 @@ from llm_runtime.trtllm_engine import (
     check_trtllm_api,
     native_guided_kwargs,
     next_output,
+    occupancy,
     trtllm_sampling_kwargs,
 )
 
@@ -154,6 +155,20 @@ def test_native_refuses_what_it_cannot_express(kind: str, payload: str, options:
 )
 def test_sampling_mapping(args: tuple[object, ...], expected: dict[str, object]) -> None:
     assert trtllm_sampling_kwargs(*args) == expected  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("live", "compiling", "max_batch", "expected"),
+    [
+        (0, 0, 64, (0, 0)),
+        (5, 2, 64, (3, 2)),     # two compile here, three decode
+        (70, 0, 64, (64, 6)),   # six queue inside TensorRT-LLM
+        (70, 4, 64, (64, 6)),   # four compile, two queue there
+        (3, 3, 64, (0, 3)),
+    ],
+)
+def test_gpu_occupancy_gauges(live: int, compiling: int, max_batch: int, expected: tuple[int, int]) -> None:
+    assert occupancy(live, compiling, max_batch) == expected
 
 
 @pytest.mark.trtllm

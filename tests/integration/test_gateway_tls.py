@@ -1,0 +1,172 @@
+"""TLS and API keys on the public port, against a real tritonserver behind the gateway (``pytest -k tls``).
+
+One server for the module (a start costs ~20 s here), serving TLS from a
+throwaway CA (tests/tls_certs.py, the ``openssl`` binary) and API keys from a
+file that the tests rewrite to rotate keys without a restart.  The last test
+drains the gateway, so it runs last.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from client import Client, Constraint, GenerationError, ServerBusy, ServerUnavailable
+from client.__main__ import EXIT_OK
+from client.__main__ import main as client_main
+from client.sdk import API_KEY_ENV
+from deploy.gateway import GatewaySecurity
+from deploy.server import TritonServer
+from tests.integration.served import MODEL_DIR, start_ensemble
+from tests.tls_certs import Pki, make_pki, openssl_missing
+
+pytestmark = [pytest.mark.triton, pytest.mark.e2e]
+
+CHOICES = ["red", "blue"]
+
+
+def _write_keys(path: Path, keys: dict[str, tuple[str, int | None]]) -> None:
+    doc = {"keys": [{"id": key_id, "sha256": hashlib.sha256(raw.encode()).hexdigest(),
+                     **({} if limit is None else {"max_streams": limit})}
+                    for key_id, (raw, limit) in keys.items()]}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc))
+    tmp.replace(path)  # a new inode, as the kubelet's symlink swap gives
+
+
+@pytest.fixture(scope="module")
+def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TritonServer, Pki, Pki, Path]]:
+    if not (MODEL_DIR / "config.json").is_file():
+        pytest.skip(f"{MODEL_DIR} missing (run `make model`)")
+    if openssl_missing():
+        pytest.skip("no openssl binary to make a test CA")
+    tmp = tmp_path_factory.mktemp("tls")
+    pki, other = make_pki(tmp, "ca"), make_pki(tmp, "other")
+    keys = tmp / "keys"
+    _write_keys(keys, {"team-a": ("key-a", None), "team-one": ("key-one", 1)})
+    security = GatewaySecurity(tls_cert=pki.cert, tls_key=pki.key, api_keys_file=keys)
+    server = start_ensemble(tmp, gateway_security=security)
+    try:
+        yield server, pki, other, keys
+    finally:
+        server.stop()
+
+
+def _client(server: TritonServer, ca: Path, key: str | None, timeout_s: float = 120) -> Client:
+    return Client(server.grpc_url, ca_file=ca, api_key=key, timeout_s=timeout_s)
+
+
+def test_tls_good_key_gets_a_constrained_result(tls_server: tuple[TritonServer, Pki, Pki, Path]) -> None:
+    server, pki, _, _ = tls_server
+    gateway = server.gateway
+    assert gateway is not None
+    before = gateway.requests["constrained_llm"]
+    with _client(server, pki.ca, "key-a") as llm:
+        assert llm.is_ready() is True
+        result = llm.generate("Name a colour.", constraint=Constraint.choice(CHOICES), max_tokens=8)
+    assert result.text in CHOICES and result.finish_reason == "stop"
+    assert gateway.requests["constrained_llm"] == before + 1
+    assert gateway.bytes_in > 0 and gateway.bytes_out > 0
+
+
+def test_tls_cli_with_ca_file_and_key_from_env(tls_server: tuple[TritonServer, Pki, Pki, Path],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    server, pki, _, _ = tls_server
+    monkeypatch.setenv(API_KEY_ENV, "key-a")
+    out, err = io.StringIO(), io.StringIO()
+    code = client_main(["--url", server.grpc_url, "--ca-file", str(pki.ca), "--max-tokens", "8",
+                        "--choice", "red", "--choice", "blue", "Name a colour."], stdout=out, stderr=err)
+    assert (code, err.getvalue()) == (EXIT_OK, "")
+    assert out.getvalue().strip() in CHOICES
+
+
+@pytest.mark.parametrize(("key", "message"), [(None, "no API key"), ("not-a-key", "unknown API key")])
+def test_tls_without_a_valid_key_is_unauthenticated(tls_server: tuple[TritonServer, Pki, Pki, Path],
+                                                    key: str | None, message: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    server, pki, _, _ = tls_server
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    with _client(server, pki.ca, key) as llm:
+        for call in (llm.is_ready, lambda: llm.generate("hi", max_tokens=4)):
+            with pytest.raises(GenerationError, match=rf"^UNAUTHENTICATED: {message}: ") as info:
+                call()
+            assert info.value.status == "UNAUTHENTICATED"
+
+
+def test_tls_wrong_ca_is_unavailable(tls_server: tuple[TritonServer, Pki, Pki, Path]) -> None:
+    server, _, other, _ = tls_server
+    with _client(server, other.ca, "key-a", timeout_s=10) as llm:
+        assert llm.is_ready() is False
+        with pytest.raises(ServerUnavailable) as info:
+            llm.generate("hi", max_tokens=4)
+        assert info.value.status == "UNAVAILABLE"
+
+
+def test_tls_key_over_its_stream_limit_is_resource_exhausted(tls_server: tuple[TritonServer, Pki, Pki, Path]) -> None:
+    server, pki, _, _ = tls_server
+    gateway = server.gateway
+    assert gateway is not None
+    holder = _client(server, pki.ca, "key-one")
+    stream = holder.stream("Count from 1 to 100.", max_tokens=64, require_complete=False)
+    next(stream)  # the first delta: the key's one stream is open
+    try:
+        with _client(server, pki.ca, "key-one") as llm:
+            with pytest.raises(ServerBusy, match=r"^server busy: API key 'team-one' already has 1 streams open "
+                                                 r"\(limit 1\)$") as info:
+                llm.generate("hi", max_tokens=4)
+            assert info.value.status == "RESOURCE_EXHAUSTED"
+        with _client(server, pki.ca, "key-a") as llm:  # other keys are not affected
+            assert llm.generate("Name a colour.", constraint=Constraint.choice(CHOICES), max_tokens=8).text in CHOICES
+    finally:
+        stream.close()  # cancels the request inside the server
+        holder.close()
+    deadline = time.monotonic() + 30
+    while gateway.streams_open:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    with _client(server, pki.ca, "key-one") as llm:  # the slot is free again
+        assert llm.generate("Name a colour.", constraint=Constraint.choice(CHOICES), max_tokens=8).text in CHOICES
+
+
+def test_tls_rotated_key_applies_without_restart(tls_server: tuple[TritonServer, Pki, Pki, Path]) -> None:
+    server, pki, _, keys = tls_server
+    _write_keys(keys, {"team-a": ("key-a-2", None), "team-one": ("key-one", 1)})
+    time.sleep(1.2)  # KeyRing checks the file at most once a second
+    with _client(server, pki.ca, "key-a") as llm, pytest.raises(GenerationError, match=r"^UNAUTHENTICATED: "):
+        llm.is_ready()
+    with _client(server, pki.ca, "key-a-2") as llm:
+        assert llm.generate("Name a colour.", constraint=Constraint.choice(CHOICES), max_tokens=8).text in CHOICES
+
+
+def test_tls_drain_lets_the_stream_in_flight_finish_and_refuses_new_ones(
+        tls_server: tuple[TritonServer, Pki, Pki, Path]) -> None:
+    # Last in the module: the gateway stays draining.
+    server, pki, _, _ = tls_server
+    gateway = server.gateway
+    assert gateway is not None
+    results: list[object] = []
+    with _client(server, pki.ca, "key-a-2") as llm:
+        assert llm.is_ready() is True  # the channel (and its connection) exists before the drain
+        stream = llm.stream("Count from 1 to 100.", max_tokens=48, require_complete=False)
+        first = next(stream)
+
+        def finish() -> None:
+            results.extend(chunk.result for chunk in stream if chunk.result is not None)
+
+        rest = threading.Thread(target=finish)
+        rest.start()
+        gateway.begin_drain()
+        time.sleep(0.3)
+        with pytest.raises(ServerUnavailable):
+            llm.generate("hi", max_tokens=4)
+        rest.join(120)
+    assert first.text
+    assert len(results) == 1 and results[0].finish_reason in ("length", "stop")  # type: ignore[attr-defined]
+    assert gateway.health == (False, "draining")
