@@ -38,6 +38,11 @@ LIVE_GAUGE: Final = "llm_live_requests"
 
 Series = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
+# The hook talks only to this pod's own ports: never through an HTTP(S)_PROXY of
+# the pod's environment (a proxy would reach the launcher from outside, and
+# its POST /v2/drain is obeyed from loopback only: deploy/health.py).
+_DIRECT: Final = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
 _LINE: Final = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\d+)?$")
 _LABEL: Final = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
@@ -50,7 +55,7 @@ def scrape(metrics_url: str, timeout_s: float = 10.0) -> Series:
     OSError
         When the endpoint cannot be read (``urllib.error.URLError`` included).
     """
-    with urllib.request.urlopen(metrics_url, timeout=timeout_s) as resp:
+    with _DIRECT.open(metrics_url, timeout=timeout_s) as resp:
         text = resp.read().decode("utf-8", "replace")
     out: Series = {}
     for line in text.splitlines():
@@ -94,7 +99,7 @@ def drain(
     sleep(min(settle_s, timeout_s))
     if gateway_drain_url:
         try:
-            with urllib.request.urlopen(urllib.request.Request(gateway_drain_url, method="POST"), timeout=10):
+            with _DIRECT.open(urllib.request.Request(gateway_drain_url, method="POST"), timeout=10):
                 log("drain: gateway draining (GOAWAY sent)")
         except OSError as err:
             log(f"drain: cannot start the gateway's drain at {gateway_drain_url}: {err}")

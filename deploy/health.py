@@ -19,7 +19,9 @@ deploy.server --health-port N``) therefore serves the same two paths itself:
     ``Gateway.metrics_text``), when the launcher passes ``metrics``.
 ``POST /v2/drain``
     Start the gateway's drain (GOAWAY, no new streams; deploy/drain.py calls it
-    from the preStop hook), when the launcher passes ``on_drain``.
+    from the preStop hook), when the launcher passes ``on_drain``.  Only from
+    loopback (403 otherwise): the port is open to Prometheus and the kubelet
+    (deploy/k8s NetworkPolicy), and a drain takes the pod out of service.
 
 Anything else is 404.  Bodies are one line of text; no request reaches Triton.
 """
@@ -27,13 +29,29 @@ Anything else is 404.  Bodies are one line of text; no request reaches Triton.
 from __future__ import annotations
 
 import http.server
+import ipaddress
 import threading
 from collections.abc import Callable
 
-__all__ = ["HealthServer"]
+__all__ = ["HealthServer", "may_drain"]
 
 #: Returns ``(ready, reason)``.
 ReadyCheck = Callable[[], tuple[bool, str]]
+
+
+def may_drain(peer: str) -> bool:
+    """Whether a ``POST /v2/drain`` from address ``peer`` is obeyed: loopback only (the preStop hook runs in the pod).
+
+    An IPv4-mapped IPv6 loopback (``::ffff:127.0.0.1``) counts; anything that
+    does not parse as an address does not.
+    """
+    try:
+        address = ipaddress.ip_address(peer)
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped.is_loopback
+    return address.is_loopback
 
 
 class HealthServer:
@@ -68,6 +86,9 @@ class HealthServer:
             def do_POST(self) -> None:
                 if self.path != "/v2/drain" or on_drain is None:
                     self.send_error(404)
+                    return
+                if not may_drain(str(self.client_address[0])):
+                    self._reply(403, b"drain: only from inside the pod (loopback)")
                     return
                 on_drain()
                 self._reply(200, b"draining")

@@ -119,3 +119,18 @@ def test_main_refuses_bad_arguments(args: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(args)
     assert exc.value.code == 2
+
+
+@pytest.mark.parametrize("endpoint", [[0]], indirect=True)
+def test_drain_never_goes_through_the_pods_proxy(endpoint: Endpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An HTTP(S)_PROXY in the pod's environment (common behind corporate egress) is not used for the pod's own ports."""
+    import urllib.request
+
+    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")  # nothing listens there
+    for name in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(urllib.request, "_opener", None)  # urlopen would build its opener from this environment
+    assert value(scrape(endpoint.url), "llm_live_requests") == 0
+    lines: list[str] = []
+    assert drain(endpoint.url, settle_s=0, timeout_s=5, sleep=lambda s: None, log=lines.append) == 0
