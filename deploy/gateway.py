@@ -103,7 +103,7 @@ from typing import Any, Final
 import grpc
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
+from grpc_health.v1.health import aio as health_aio  # the asyncio servicer, by its public name
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as pb
 
@@ -735,7 +735,7 @@ class Gateway:
         self._stop = asyncio.Event()
         self._grace_s = 5.0
         self._draining = False
-        self._health_service = HealthServicer()
+        self._health_service = health_aio.HealthServicer()
         self._keys = None if config.security.api_keys_file is None else KeyRing(config.security.api_keys_file)
         # Metrics (read by metrics_text from the launcher's HTTP thread; plain
         # ints and dicts written only on the gateway's event loop).
