@@ -12,6 +12,7 @@
 #   make bench       grammar and MaskBench benchmarks on $(SHARED)/data/maskbench-dev
 #   make bench-e2e   constrained vs unconstrained served, equal work (BENCH_QUICK=1: a few minutes)
 #   make bench-path  the serving path around a fast (tiny) forward: served vs in-process, CPU per process
+#   make bench-openai  OpenAI endpoint vs gRPC, same prompts, one server (BENCH_QUICK=1, BENCH_TINY=1)
 #   make loadtest    locust over gRPC, every output checked (LOADTEST_TIME, LOADTEST_USERS, LOADTEST_SHAPE)
 #
 # Expensive steps are guarded by stamp files under build/, so re-running a
@@ -42,11 +43,13 @@ HOST         ?= 127.0.0.1
 GRPC_PORT    ?= 8001
 HTTP_PORT    ?= 8000
 METRICS_PORT ?= 8002
+# The OpenAI-compatible API (openai_api/; 0 = off).
+OPENAI_PORT  ?= 8080
 # Models `serve` waits for before printing its ready line (the ensemble needs all
 # of its composing models).
 SERVE_MODELS ?= constrained_llm
 
-LINT_PACKAGES := contract pipeline grammar_backend llm_runtime client deploy bench loadtest
+LINT_PACKAGES := contract pipeline grammar_backend llm_runtime client openai_api deploy bench loadtest
 
 VENV_STAMP      := $(BUILD)/.stamp-venv
 K8S_TOOLS       := $(BUILD)/k8s-tools
@@ -72,7 +75,7 @@ RENDER_EXTRA ?=
 CLIENT_SCHEMA := {"type":"object","properties":{"name":{"type":"string","maxLength":40},"age":{"type":"integer","minimum":0,"maximum":120}},"required":["name","age"],"additionalProperties":false}
 CLIENT_HINT   := $(PY) -m client --url $(HOST):$(GRPC_PORT) --schema '$(CLIENT_SCHEMA)' "Invent a person."
 
-.PHONY: help venv k8s-tools model tokenizers render serve test test-gpu lint bench bench-e2e bench-path loadtest clean
+.PHONY: help venv k8s-tools model tokenizers render serve test test-gpu lint bench bench-e2e bench-path bench-openai loadtest clean
 
 help:
 	@sed -n '1p;3,16p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
@@ -132,7 +135,7 @@ serve: export CLIENT_HINT := $(CLIENT_HINT)
 serve: venv model render
 	$(PY) -m deploy.server --model-repository $(REPO_DST) --host $(HOST) \
 		--grpc-port $(GRPC_PORT) --http-port $(HTTP_PORT) --metrics-port $(METRICS_PORT) \
-		$(addprefix --model ,$(SERVE_MODELS)) --log-file $(BUILD)/logs/tritonserver.log \
+		--openai-port $(OPENAI_PORT) $(addprefix --model ,$(SERVE_MODELS)) --log-file $(BUILD)/logs/tritonserver.log \
 		--client-hint "$$CLIENT_HINT"
 
 # --------------------------------------------------------------------- test
@@ -163,13 +166,15 @@ LOADTEST_TIME  ?= 60s
 LOADTEST_USERS ?= 8
 LOADTEST_SHAPE ?= steady
 LOADTEST_TAGS  ?=
+# 1: also the openai task, against the OpenAI-compatible endpoint on $(OPENAI_PORT).
+LOADTEST_OPENAI ?=
 LOADTEST_OUT   ?= $(BUILD)/loadtest
 
 loadtest: venv model render
 	$(PY) loadtest/run.py --host $(HOST) --grpc-port $(GRPC_PORT) --http-port $(HTTP_PORT) \
 		--metrics-port $(METRICS_PORT) --repository $(REPO_DST) --out $(LOADTEST_OUT) \
 		--users $(LOADTEST_USERS) --time $(LOADTEST_TIME) --shape $(LOADTEST_SHAPE) \
-		$(if $(LOADTEST_TAGS),--tags $(LOADTEST_TAGS))
+		$(if $(filter 1,$(LOADTEST_OPENAI)),--openai-port $(OPENAI_PORT)) $(if $(LOADTEST_TAGS),--tags $(LOADTEST_TAGS))
 
 # --------------------------------------------------------------------- bench-e2e
 # Constrained vs unconstrained through the served ensemble (bench/e2e_bench.py);
@@ -187,6 +192,17 @@ bench-e2e: venv model
 bench-path: venv
 	$(PY) bench/path_bench.py $(if $(filter 1,$(BENCH_QUICK)),--quick) \
 		--json $(BUILD)/bench/path.json --plot $(BUILD)/bench/path.png
+
+# --------------------------------------------------------------------- bench-openai
+# The OpenAI-compatible endpoint (openai_api/) against the gRPC path on one
+# server: same prompts, greedy, unconstrained and strict json_schema, at
+# concurrency 1 and 8, interleaved; tokens/s, TTFT and CPU per token per side,
+# every constrained output validated (bench/openai_bench.py). BENCH_TINY=1
+# serves the tiny stand-in. Its last line is the c8 openai/grpc tokens/s.
+BENCH_TINY ?=
+bench-openai: venv model
+	$(PY) bench/openai_bench.py $(if $(filter 1,$(BENCH_QUICK)),--quick) \
+		$(if $(filter 1,$(BENCH_TINY)),--tiny) --json $(BUILD)/bench/openai.json
 
 # --------------------------------------------------------------------- bench
 BENCH_DATA := $(SHARED)/data/maskbench-dev

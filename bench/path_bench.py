@@ -49,6 +49,7 @@ Nothing here asserts a time: read ratios from one run on this noisy host.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import math
@@ -195,36 +196,59 @@ class CpuMeter:
 
 
 # --------------------------------------------------------------------------- server
-@dataclass
+@dataclass(frozen=True)
 class Served:
-    """The launched server: its gRPC URL, launcher pid and log file."""
+    """The launched server: its gRPC URL, OpenAI base URL (None: off), launcher pid and log file."""
 
     url: str
+    openai_url: str | None
     launcher: int
     log: Path
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports."""
+    ports: list[int] = []
+    while len(ports) < n:
+        port = find_free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
 @contextlib.contextmanager
-def launched(repo: Path, log: Path) -> Iterator[Served]:
+def launched(repo: Path, log: Path, *, openai: bool = False) -> Iterator[Served]:
     """``python -m deploy.server`` on free loopback ports for the block; stopped (SIGTERM) after.
+
+    ``openai``: with the OpenAI-compatible endpoint too (the launcher's
+    ``--openai-port 0`` means off, so a free port is picked here); ready once
+    the launcher prints its URL.  The launcher's stdout (Triton's log lines
+    included) is read to the end on a thread, so the pipe never fills.
 
     Raises
     ------
     RuntimeError
         The launcher exited, or was not ready within :data:`READY_TIMEOUT_S`.
     """
-    grpc, http, metrics = (find_free_port() for _ in range(3))
+    grpc, http, metrics, oai = free_ports(4)
     cmd = [sys.executable, "-m", "deploy.server", "--model-repository", str(repo), "--grpc-port", str(grpc),
            "--http-port", str(http), "--metrics-port", str(metrics), "--model", ENSEMBLE, "--log-file", str(log)]
+    if openai:
+        cmd += ["--openai-port", str(oai)]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
+    lines: collections.deque[str] = collections.deque(maxlen=40)
+    urls: dict[str, str] = {}
     ready = threading.Event()
 
     def read() -> None:
-        assert proc.stdout is not None
+        if proc.stdout is None:
+            return
         for line in proc.stdout:
             lines.append(line.rstrip())
-            if "server: ready:" in line:
+            if line.startswith("server: openai: "):
+                urls["openai"] = line.removeprefix("server: openai: ").strip()
+            # The launcher prints its OpenAI URL after its ready line.
+            if ("server: ready:" in line and not openai) or "openai" in urls:
                 ready.set()
 
     reader = threading.Thread(target=read, name="launcher-output", daemon=True)
@@ -233,9 +257,9 @@ def launched(repo: Path, log: Path) -> Iterator[Served]:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not ready.wait(0.2):
             if proc.poll() is not None or time.monotonic() > deadline:
-                tail = "\n".join(lines[-20:])
+                tail = "\n".join(lines)
                 raise RuntimeError(f"the launcher was not ready (exit status {proc.poll()}):\n{tail}")
-        yield Served(f"127.0.0.1:{grpc}", proc.pid, log)
+        yield Served(f"127.0.0.1:{grpc}", urls.get("openai"), proc.pid, log)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)

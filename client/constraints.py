@@ -230,6 +230,8 @@ class Constraint:
             raise InvalidConstraint("grammar", f"must not be empty for {self.kind} constraints")
         if self.kind == "json_object" and self.payload:
             raise InvalidConstraint("grammar", "must be empty for json_object constraints")
+        if self.kind == "structural_tag" and not isinstance(_load_json_text(self.payload, "grammar"), dict):
+            raise InvalidConstraint("grammar", "a structural tag must be a JSON object")
         # Frozen: copy into a read-only view so later edits of the caller's dict cannot leak in.
         object.__setattr__(self, "options", MappingProxyType(_validate_options(self.kind, self.options)))
 
@@ -528,6 +530,8 @@ class Constraint:
             payload = _dumps(dict(spec))
         except (TypeError, ValueError) as err:
             raise InvalidConstraint("structural_tag", f"is not JSON-serialisable: {err}") from err
+        except RecursionError as err:
+            raise InvalidConstraint("structural_tag", "is nested too deeply") from err
         return cls("structural_tag", payload)
 
     @classmethod

@@ -95,7 +95,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -111,7 +111,7 @@ import contract
 
 __all__ = [
     "GRPC_SECRET_METADATA", "SECRET_HEADER", "ApiKey", "Gateway", "GatewayConfig", "GatewayError",
-    "GatewaySecurity", "KeyFileError", "KeyRing", "bearer_key", "parse_keys",
+    "GatewaySecurity", "KeyFileError", "KeyRing", "Refused", "bearer_key", "parse_keys",
 ]
 
 _log = logging.getLogger(__name__)
@@ -153,6 +153,23 @@ _REFUSED: Final = (
 
 class GatewayError(RuntimeError):
     """The gateway could not start (bad config, port taken, upstream unreachable)."""
+
+
+class Refused(GatewayError):
+    """The gateway refuses a call of :meth:`Gateway.infer` before it starts.
+
+    Parameters
+    ----------
+    code : str
+        The gRPC status name a ``ModelStreamInfer`` call would get
+        (``UNAUTHENTICATED``, ``RESOURCE_EXHAUSTED``, ``UNAVAILABLE``).
+    message : str
+        Why (names no key, only a key's id).
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class KeyFileError(GatewayError):
@@ -519,6 +536,18 @@ def _in_band_error(request: pb.ModelInferRequest, status: str, message: str) -> 
     return response
 
 
+def is_final(response: pb.ModelStreamInferResponse) -> bool:
+    """Whether ``response`` is its request's last.
+
+    Triton marks every response of a decoupled model with the FINAL
+    parameter (true/false); an error the frontend raises before the request
+    starts (bad dtype, unknown input) carries none and is the only response
+    that request gets.
+    """
+    param = response.infer_response.parameters.get(_FINAL)
+    return param.bool_param if param is not None else bool(response.error_message)
+
+
 def input_error(request: pb.ModelInferRequest, config: mc.ModelConfig) -> str | None:
     """Why ``request``'s tensors do not fit ``config``'s declared inputs, or None when they do.
 
@@ -556,11 +585,15 @@ def _unavailable(model: str, client_id: str, err: BaseException) -> pb.ModelStre
 
 
 class _StreamSession:
-    """One client ``ModelStreamInfer`` call and its upstream stream."""
+    """One client stream (a ``ModelStreamInfer`` call, or one :meth:`Gateway.infer` call) and its upstream stream.
 
-    def __init__(self, gateway: Gateway, context: aio.ServicerContext) -> None:
+    ``send`` delivers a response to the client: the gRPC call's ``write``,
+    or a queue that :meth:`Gateway.infer` reads.
+    """
+
+    def __init__(self, gateway: Gateway, send: Callable[[pb.ModelStreamInferResponse], Awaitable[None]]) -> None:
         self.gw = gateway
-        self.context = context
+        self.send = send
         self.pending: dict[str, _Pending] = {}
         self.upstream: Any = None
         self.pump: asyncio.Task[None] | None = None
@@ -573,10 +606,10 @@ class _StreamSession:
         self.upstream = self.gw.stream_stub(metadata=self.gw.upstream_metadata)
         self.pump = asyncio.get_running_loop().create_task(self._pump())
 
-    async def run(self) -> None:
+    async def run(self, context: aio.ServicerContext) -> None:
         try:
             while True:
-                request = await self.context.read()
+                request = await context.read()
                 if request is aio.EOF:
                     break
                 await self._forward(request)
@@ -645,7 +678,7 @@ class _StreamSession:
         if self.client_gone:
             return
         try:
-            await self.context.write(response)
+            await self.send(response)
         except (asyncio.InvalidStateError, RuntimeError, grpc.RpcError):
             self.client_gone = True
 
@@ -659,12 +692,7 @@ class _StreamSession:
                 if entry is None:
                     _log.warning("gateway: response for unknown request id dropped")
                     continue
-                final_param = infer.parameters.get(_FINAL)
-                # Triton marks every response of a decoupled model with the FINAL
-                # parameter (true/false); an error the frontend raises before the
-                # request starts (bad dtype, unknown input) carries none and is the
-                # only response that request gets.
-                final = final_param.bool_param if final_param is not None else bool(response.error_message)
+                final = is_final(response)
                 infer.id = entry.client_id
                 if response.error_message:
                     response.error_message = response.error_message.replace(internal_id, entry.client_id)
@@ -981,6 +1009,80 @@ class Gateway:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The gateway's event loop (None before :meth:`start`); :meth:`infer` runs on it."""
+        return self._loop
+
+    def check_key(self, presented: str | None) -> ApiKey | None:
+        """The key a non-gRPC front (the OpenAI-compatible endpoint) was given; None when no keys are configured.
+
+        Raises
+        ------
+        Refused
+            ``UNAUTHENTICATED``: keys are configured and ``presented`` is
+            missing or unknown (counted as a refusal).
+        """
+        if self._keys is None:
+            return None
+        key = self._keys.authenticate(presented)
+        if key is None:
+            self.refused("UNAUTHENTICATED")
+            raise Refused("UNAUTHENTICATED", "no API key" if presented is None else "unknown API key")
+        return key
+
+    async def infer(self, request: pb.ModelInferRequest,
+                    key: ApiKey | None) -> AsyncGenerator[pb.ModelStreamInferResponse, None]:
+        """Run one request the way a client stream's request runs; yield its responses up to the FINAL one.
+
+        The request gets an unguessable id, the model and input checks of
+        ``ModelStreamInfer``, errors as in-band data, and a departure that
+        cancels: when the caller stops iterating or is cancelled before the
+        FINAL response, the request is cancelled inside the server (``CANCEL``
+        to ``llm``) and drained, exactly as for a departed gRPC client.  It
+        counts against ``key``'s ``max_streams``.  Call it on :attr:`loop`.
+
+        Raises
+        ------
+        Refused
+            ``RESOURCE_EXHAUSTED``: ``key`` is at its ``max_streams``;
+            ``UNAVAILABLE``: the gateway is draining.
+        """
+        if self._draining:
+            self.refused("UNAVAILABLE")
+            raise Refused("UNAVAILABLE", "the server is draining (shutting down); retry on another replica")
+        if key is not None and key.max_streams is not None and self._key_streams[key.id] >= key.max_streams:
+            self.refused("RESOURCE_EXHAUSTED")
+            raise Refused("RESOURCE_EXHAUSTED", f"API key {key.id!r} already has {self._key_streams[key.id]} "
+                                                f"streams open (limit {key.max_streams})")
+        responses: asyncio.Queue[pb.ModelStreamInferResponse] = asyncio.Queue()
+
+        async def deliver(response: pb.ModelStreamInferResponse) -> None:
+            responses.put_nowait(response)
+
+        session = _StreamSession(self, deliver)
+        # Keep the FINAL marker on every response: it is how the caller knows the request is over.
+        request.parameters[_EMPTY_FINAL].bool_param = True
+        if key is not None:
+            self._key_streams[key.id] += 1
+        try:
+            await session._forward(request)
+            while True:
+                response = await responses.get()
+                yield response
+                if is_final(response):
+                    break
+            await session._finish_upstream()
+        except BaseException:
+            # Cancelled (the HTTP client left) or closed early by the caller: the same path as a
+            # departed gRPC client (cancel, drain, then close upstream).
+            session.client_gone = True
+            self.spawn(session._after_departure())
+            raise
+        finally:
+            if key is not None:
+                self._key_streams[key.id] -= 1
+
     async def _model_stream_infer(self, _request_iterator: AsyncIterator[Any], context: aio.ServicerContext) -> None:
         key = await self._authenticate(context)
         if key is not None and key.max_streams is not None and self._key_streams[key.id] >= key.max_streams:
@@ -993,7 +1095,7 @@ class Gateway:
             self._key_streams[key_id] += 1
         self.streams_open += 1
         try:
-            await _StreamSession(self, context).run()
+            await _StreamSession(self, context.write).run(context)
         finally:
             self.streams_open -= 1
             if key_id is not None:

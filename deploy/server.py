@@ -61,6 +61,7 @@ from deploy.gateway import (
     new_secret,
     restriction_args,
 )
+from openai_api.server import OpenAIConfig, OpenAIServer, OpenAIServerError, try_lines
 
 __all__ = [
     "ServerConfig",
@@ -415,6 +416,10 @@ class ServerConfig:
         ``tritonserver``'s gRPC port behind the gateway; 0 picks a free one.
     gateway_security : GatewaySecurity
         TLS and API keys of the gateway (default: plaintext, no keys, for loopback).
+    openai_port : int or None
+        Serve the OpenAI-compatible endpoint (:mod:`openai_api.server`) on this
+        port of ``host``, on the gateway's loop, with its TLS and keys; None:
+        off; 0: a free port.  Needs ``gateway``.
     """
 
     model_repository: Path
@@ -435,11 +440,17 @@ class ServerConfig:
     public_models: tuple[str, ...] = ("constrained_llm",)
     internal_grpc_port: int = 0
     gateway_security: GatewaySecurity = field(default_factory=GatewaySecurity)
+    openai_port: int | None = None
 
     def __post_init__(self) -> None:
+        if self.openai_port is not None:
+            _validate_port("openai_port", self.openai_port)
+            if not self.gateway:
+                raise ValueError("openai_port: the OpenAI-compatible endpoint needs the gateway (gateway=True)")
         for name in ("grpc_port", "http_port", "metrics_port", "internal_grpc_port"):
             _validate_port(name, getattr(self, name))
-        explicit = [p for p in (self.grpc_port, self.http_port, self.metrics_port, self.internal_grpc_port) if p]
+        explicit = [p for p in (self.grpc_port, self.http_port, self.metrics_port, self.internal_grpc_port,
+                                self.openai_port) if p]
         if len(explicit) != len(set(explicit)):
             raise ValueError(f"ports: grpc/http/metrics ports must differ, got {explicit}")
         if self.log_verbose < 0:
@@ -462,7 +473,8 @@ class ServerConfig:
 
 def _pick_ports(config: ServerConfig) -> ServerConfig:
     """Fill every 0 port with a distinct free port."""
-    taken = {p for p in (config.grpc_port, config.http_port, config.metrics_port, config.internal_grpc_port) if p}
+    taken = {p for p in (config.grpc_port, config.http_port, config.metrics_port, config.internal_grpc_port,
+                         config.openai_port) if p}
 
     def pick(port: int) -> int:
         while not port or port in taken:
@@ -476,6 +488,8 @@ def _pick_ports(config: ServerConfig) -> ServerConfig:
         http_port=config.http_port or pick(0),
         metrics_port=config.metrics_port or pick(0),
         internal_grpc_port=(config.internal_grpc_port or pick(0)) if config.gateway else 0,
+        # Picked once, so a restart by the supervisor keeps the port clients know.
+        openai_port=None if config.openai_port is None else config.openai_port or pick(0),
     )
 
 
@@ -529,6 +543,7 @@ class TritonServer:
         self._log_pump: threading.Thread | None = None
         self._lock = threading.Lock()
         self._gateway: Gateway | None = None
+        self._openai: OpenAIServer | None = None
         # Fresh per start; only the gateway (and this object) ever holds it.
         self._secret = new_secret()
 
@@ -554,6 +569,11 @@ class TritonServer:
     def gateway(self) -> Gateway | None:
         """The running gateway (None before start or without one)."""
         return self._gateway
+
+    @property
+    def openai(self) -> OpenAIServer | None:
+        """The running OpenAI-compatible endpoint (None before start or when off)."""
+        return self._openai
 
     @property
     def http_url(self) -> str:
@@ -728,11 +748,18 @@ class TritonServer:
         if handle is not None:
             handle.close()
 
-    def _start_gateway(self) -> None:
-        cfg = self.config
+    def _stop_front(self) -> None:
+        """Stop the client-facing endpoints first: no new request reaches a server that is stopping."""
+        if self._openai is not None:
+            self._openai.stop()
+            self._openai = None
         if self._gateway is not None:
             self._gateway.stop()
-        self._gateway = None
+            self._gateway = None
+
+    def _start_gateway(self) -> None:
+        cfg = self.config
+        self._stop_front()
         try:
             # The keys file is read here: a missing or malformed one fails the start.
             self._gateway = Gateway(GatewayConfig(
@@ -741,6 +768,13 @@ class TritonServer:
             self._gateway.start()
         except GatewayError as err:
             raise ServerStartError(f"gateway on {cfg.host}:{cfg.grpc_port}: {err}") from err
+        if cfg.openai_port is not None:
+            try:
+                self._openai = OpenAIServer(self._gateway, OpenAIConfig(
+                    host=cfg.host, port=cfg.openai_port, models=cfg.public_models, security=cfg.gateway_security))
+                self._openai.start()
+            except OpenAIServerError as err:
+                raise ServerStartError(f"OpenAI-compatible endpoint on {cfg.host}:{cfg.openai_port}: {err}") from err
 
     def wait_ready(self, models: Sequence[str] | None = None, timeout_s: float | None = None) -> None:
         """Block until the server and ``models`` are ready.
@@ -848,10 +882,7 @@ class TritonServer:
             process = self._process
             if process is None:
                 return None
-            if self._gateway is not None:
-                # First: no new client request reaches a server that is stopping.
-                self._gateway.stop()
-                self._gateway = None
+            self._stop_front()
             self._terminate(process, graceful=True)
             self._close_log()
             return process.returncode
@@ -948,6 +979,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds (default %(default)s)")
     parser.add_argument("--stop-grace", type=float, default=30.0, help="seconds from SIGTERM to SIGKILL")
     parser.add_argument("--client-hint", default=None, help="command line printed once ready")
+    parser.add_argument("--openai-port", type=int, default=0,
+                        help="serve the OpenAI-compatible API (/v1/chat/completions) here; 0 = off")
     parser.add_argument("--health-port", type=int, default=None,
                         help="serve /v2/health/live and /v2/health/ready for probes here (deploy/health.py)")
     # The gateway's TLS and API keys; each flag falls back to its environment
@@ -984,6 +1017,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             extra_args=tuple(args.extra),
             python_env=args.python_env,
             gateway_security=gateway_security(args),
+            openai_port=args.openai_port or None,
         )
     except (ValueError, GatewayError) as err:
         print(f"server: error: {err}", file=sys.stderr)
@@ -1022,6 +1056,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"models={','.join(cfg.models) or '-'} pid={server.pid}",
         flush=True,
     )
+    if server.openai is not None:
+        print(f"server: openai: {server.openai.url}", flush=True)
+        for line in try_lines(server.openai.url, cfg.public_models[0], keys=cfg.gateway_security.api_keys_file
+                              is not None):
+            print(f"server: try: {line}", flush=True)
     if args.client_hint:
         print(f"server: try: {args.client_hint}", flush=True)
     print("server: Ctrl-C to stop", flush=True)
@@ -1045,8 +1084,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return gateway.health
 
         def gateway_metrics() -> str:
-            gateway = server.gateway
-            return "" if gateway is None else gateway.metrics_text()
+            gateway, front = server.gateway, server.openai
+            return ("" if gateway is None else gateway.metrics_text()) + ("" if front is None else front.metrics_text())
 
         def begin_drain() -> None:
             # The preStop drain (deploy/drain.py): GOAWAY now, streams in flight finish.

@@ -106,11 +106,30 @@ def lark_of(spec: ConstraintSpec) -> str:
     if kind is ConstraintKind.LARK:
         return str(llguidance.LLMatcher.grammar_from_lark(spec.payload))
     if kind is ConstraintKind.EBNF:
-        return str(llguidance.LLMatcher.grammar_from_lark(llguidance.gbnf_to_lark.gbnf_to_lark(spec.payload)))
+        return str(llguidance.LLMatcher.grammar_from_lark(_gbnf_to_lark(spec.payload)))
     if kind is ConstraintKind.CHOICE:
         # Lark string literals read JSON escapes, so json.dumps spells any choice.
         return str(llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.document)))
     raise CompileError("grammar_type", f"{kind.value} is not supported by the llguidance backend")  # not reached
+
+
+def _gbnf_to_lark(ebnf: str) -> str:
+    """llguidance's GBNF-to-Lark translation, its refusals as :class:`CompileError`.
+
+    Raises
+    ------
+    CompileError
+        The grammar has no ``root`` rule, names an undefined rule, or nests
+        deeper than Python's recursion limit (the translator is a recursive
+        descent parser in Python).
+    """
+    try:
+        return str(llguidance.gbnf_to_lark.gbnf_to_lark(ebnf))
+    except RecursionError as err:
+        raise CompileError("grammar", "llguidance cannot compile this ebnf: it nests too deeply") from err
+    except Exception as err:  # llguidance 1.9 raises a bare Exception for every grammar error
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CompileError("grammar", f"llguidance cannot compile this ebnf: {reason}") from err
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Locust load test of the ``constrained_llm`` ensemble over gRPC streaming, every output checked.
+"""Locust load test of the ``constrained_llm`` ensemble over gRPC streaming (and OpenAI's API), every output checked.
 
 Run it with ``make loadtest`` (headless, bounded, reports under
 ``build/loadtest``), or by hand against a running server::
@@ -16,12 +16,22 @@ completion tokens), ``ttft <kind>`` (time to the first text) and ``itl
 exact status); anything else is a locust failure with the reason, and locust
 then exits 1.
 
+The ``openai`` task (given ``--openai-url``, e.g.
+``http://127.0.0.1:8080/v1``; without it the task is excluded and the mix
+is the gRPC one) streams a strict ``json_schema`` chat completion through the
+``openai`` package (one client per user, no retries) to the OpenAI-compatible
+endpoint; it fires ``http openai`` (size: the usage chunk's completion
+tokens), ``ttft openai`` and ``itl openai`` (content deltas), and
+:func:`loadtest.workload.judge_chat` decides its success.
+
 Options added to locust's: ``--shape steady|ramp|spike`` (with ``-u``, ``-r``
 and ``-t``: ramp climbs to ``-u`` users over 80 % of ``-t``; spike runs a
 quarter of ``-u`` with a full ``-u`` burst in the middle fifth),
-``--max-tokens``, ``--data-dir`` and ``--sample`` (MaskBench schemas),
-``--model-dir`` (tokenizer used to pre-compile them), ``--outputs-json``
-(per-kind counts of valid, closed-early and failed outputs).
+``--max-tokens``, ``--data-dir`` and ``--sample`` (MaskBench schemas; with
+``--openai-url`` as many again that OpenAI's strict mode takes, for the
+``openai`` task), ``--model-dir`` (tokenizer used to pre-compile them),
+``--outputs-json`` (per-kind counts of valid, closed-early and failed
+outputs), ``--openai-url``.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import gevent
+import openai
 import tritonclient.grpc as grpcclient
 from locust import LoadTestShape, User, constant, events, tag, task
 from locust.env import Environment
@@ -49,18 +60,26 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from client import Client, ClientError
+from client.sdk import DEFAULT_MODEL as MODEL
+from loadtest.summary import REQUEST_TYPES
 from loadtest.workload import (
     DEFAULT_DATA,
     SHAPES,
+    ChatStream,
     Job,
     SchemaCheck,
     Workload,
+    chat_request,
+    exclude_tags,
     judge,
+    judge_chat,
     judge_refusal,
+    openai_base_url,
     shape_tick,
 )
 
-MODEL: str = "constrained_llm"
+#: The ``openai`` client needs a key; a server without API keys ignores it.
+OPENAI_API_KEY: str = "loadtest"
 _STATE: dict[str, Any] = {}
 #: kind -> outcome ("valid", "closed:budget", "failed", ...) -> count; written by --outputs-json.
 OUTPUTS: defaultdict[str, Counter[str]] = defaultdict(Counter)
@@ -87,6 +106,9 @@ def _options(parser: Any) -> None:
     parser.add_argument("--outputs-json", default="", help="write per-kind output counts here at the end")
     parser.add_argument("--max-requests", type=int, default=0,
                         help="stop (letting running streams finish) after this many requests; 0: no bound")
+    parser.add_argument("--openai-url", default="",
+                        help="base URL of the OpenAI-compatible endpoint (http://HOST:PORT/v1) for the openai "
+                             "task; none: that task is off")
 
 
 @events.init.add_listener
@@ -97,9 +119,22 @@ def _build_workload(environment: Environment, **_: Any) -> None:
     data = Path(opts.data_dir) if opts.data_dir else None
     if data is not None and not data.is_dir():
         raise SystemExit(f"--data-dir {data}: not a folder (pass --data-dir '' to use the own schemas only)")
+    try:
+        url = openai_base_url(opts.openai_url)
+        # Tags are filtered when the run starts, after this hook.
+        environment.exclude_tags = exclude_tags(opts.exclude_tags, opts.tags, url)
+    except ValueError as err:
+        raise SystemExit(str(err)) from err
+    _STATE["openai_url"] = url
     check = SchemaCheck(Path(opts.model_dir), opts.max_tokens)
-    _STATE["workload"] = workload = Workload.build(data, opts.sample, opts.max_tokens, check)
+    _STATE["workload"] = workload = Workload.build(data, opts.sample, opts.max_tokens, check, openai=url is not None)
     print(f"loadtest: {len(workload.schemas)} JSON schemas: {', '.join(name for name, _, _ in workload.schemas)}")
+    if url is not None:
+        if not workload.strict:
+            raise SystemExit("loadtest: --openai-url: no schema for the openai task (none of the own or sampled "
+                             "schemas passes OpenAI's strict mode; raise --sample)")
+        print(f"loadtest: openai task on {url}, {len(workload.strict)} strict JSON schemas: "
+              f"{', '.join(name for name, _, _ in workload.strict)}")
     _STATE["sent"] = 0
     if opts.max_requests:
         environment.events.request.add_listener(_bound(environment, opts.max_requests))
@@ -109,7 +144,7 @@ def _bound(environment: Environment, limit: int) -> Any:
     """A request listener that stops the run after ``limit`` requests (``--max-requests``)."""
 
     def count(request_type: str, **_: Any) -> None:
-        if request_type != "grpc":
+        if request_type not in REQUEST_TYPES:
             return
         _STATE["sent"] += 1
         if _STATE["sent"] == limit and environment.runner is not None:
@@ -150,10 +185,16 @@ class ConstrainedLlmUser(User):
             raise SystemExit("--host HOST:PORT is required (the gateway's gRPC endpoint)")
         self.sdk = Client(self.host, timeout_s=600)
         self.raw = grpcclient.InferenceServerClient(self.host)
-        OPEN_CLIENTS.update((self.sdk, self.raw))
+        self.clients: list[Any] = [self.sdk, self.raw]
+        url = _STATE.get("openai_url")
+        self.chat = None if url is None else openai.OpenAI(base_url=url, api_key=OPENAI_API_KEY, max_retries=0,
+                                                           timeout=600)
+        if self.chat is not None:
+            self.clients.append(self.chat)
+        OPEN_CLIENTS.update(self.clients)
 
     def on_stop(self) -> None:
-        for client in (self.sdk, self.raw):
+        for client in self.clients:
             client.close()
             OPEN_CLIENTS.discard(client)
 
@@ -190,6 +231,11 @@ class ConstrainedLlmUser(User):
     @task(1)
     def bad(self) -> None:
         self._refused(self.workload.bad())
+
+    @tag("openai")
+    @task(3)
+    def openai_chat(self) -> None:
+        self._chat(self.workload.openai())
 
     def _generate(self, job: Job) -> None:
         start = time.perf_counter()
@@ -228,6 +274,38 @@ class ConstrainedLlmUser(User):
         outcome = "failed" if reason is not None else (
             f"closed:{result.close_reason}" if result is not None and result.closed_early else "valid")
         OUTPUTS[job.tag][outcome] += 1
+
+    def _chat(self, job: Job) -> None:
+        """Stream one chat completion from the OpenAI-compatible endpoint; timed and judged as :meth:`_generate`."""
+        if self.chat is None:  # excluded by tag without --openai-url (exclude_tags): never picked
+            raise RuntimeError("the openai task ran without --openai-url")
+        start = time.perf_counter()
+        first = last = None
+        gaps: list[float] = []
+        stream = ChatStream()
+        error: openai.OpenAIError | None = None
+        try:
+            for chunk in self.chat.chat.completions.create(**chat_request(job)):
+                now = time.perf_counter()
+                if stream.feed(chunk):
+                    if last is None:
+                        first = now
+                    else:
+                        gaps.append(now - last)
+                    last = now
+        except openai.OpenAIError as err:  # a refusal, an error event mid-stream, a lost connection
+            error = err
+        elapsed = time.perf_counter() - start
+        reason = judge_chat(job, stream) if error is None else f"{type(error).__name__}: {error}"
+        if reason is not None and job.label:
+            reason = f"{reason} [{job.label}]"
+        env = self.environment
+        _fire(env, "http", job.name, elapsed, stream.completion_tokens or 0, reason)
+        if first is not None:
+            _fire(env, "ttft", job.tag, first - start)
+        for gap in gaps:
+            _fire(env, "itl", job.tag, gap)
+        OUTPUTS[job.tag][stream.outcome(reason)] += 1
 
     def _refused(self, job: Job) -> None:
         """Send a bad input on its own raw stream; it must end with exactly its status."""

@@ -2,15 +2,19 @@
 
 Uses the server already answering on ``--host`` when there is one; otherwise
 starts the embedded default (the rendered ``build/model_repository``, as
-``make serve`` does) on those ports and stops it afterwards.  Writes under
+``make serve`` does) on those ports and stops it afterwards.  With
+``--openai-port`` the ``openai`` task runs too, against the OpenAI-compatible
+endpoint on that port (the server in use must serve it; the embedded one is
+started with it).  Writes under
 ``--out``: locust's CSV files and HTML report, ``outputs.json`` (valid,
 closed-early and failed outputs per kind), ``summary.json`` and
 ``summary.png``.
 
 Exit status: locust's (1 on any failure: every request is checked, see
-``loadtest/locustfile.py``), or 1 when the server is not ready afterwards or
-its ``grammar_active_sequences`` / ``llm_live_requests`` gauges do not return
-to 0 (a leaked sequence or request).
+``loadtest/locustfile.py``), or 1 when the server (or its OpenAI-compatible
+endpoint) is not ready before or after the run, or its
+``grammar_active_sequences`` / ``llm_live_requests`` gauges do not return to 0
+(a leaked sequence or request).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import json
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
@@ -31,6 +36,7 @@ if str(REPO) not in sys.path:
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from client.sdk import DEFAULT_MODEL
 from deploy.drain import scrape
 from deploy.server import ServerConfig, TritonServer
 from loadtest import summary
@@ -51,6 +57,22 @@ def ready(url: str) -> bool:
         return False
     finally:
         client.close()
+
+
+def openai_ready(base_url: str) -> bool:
+    """Whether the OpenAI-compatible endpoint at ``base_url`` (``http://HOST:PORT/v1``) lists the ensemble."""
+    try:
+        with urllib.request.urlopen(f"{base_url}/models", timeout=10) as response:
+            models = json.loads(response.read())
+    except (OSError, json.JSONDecodeError):  # urllib.error.URLError is an OSError
+        return False
+    return isinstance(models, dict) and any(
+        isinstance(m, dict) and m.get("id") == DEFAULT_MODEL for m in models.get("data") or ())
+
+
+def openai_endpoint(host: str, port: int) -> str:
+    """The OpenAI-compatible endpoint's base URL on ``host:port`` (``""``: port 0, off)."""
+    return f"http://{host}:{port}/v1" if port else ""
 
 
 def gauges(metrics_url: str) -> dict[str, float]:
@@ -74,8 +96,8 @@ def settle(metrics_url: str, timeout_s: float = 30.0) -> dict[str, float]:
 
 def locust_command(host: str, out: Path, users: int, run_time: str, shape: str, *, tags: Sequence[str] = (),
                    max_tokens: int = 96, sample: int = 12, data_dir: str | None = None,
-                   max_requests: int = 0) -> list[str]:
-    """The headless locust command line of one run."""
+                   max_requests: int = 0, openai_url: str = "") -> list[str]:
+    """The headless locust command line of one run (``openai_url``: also the ``openai`` task, against it)."""
     cmd = [
         sys.executable, "-m", "locust", "-f", str(REPO / "loadtest" / "locustfile.py"), "--headless",
         "--host", host, "-u", str(users), "-r", str(users), "-t", run_time, "--shape", shape,
@@ -87,6 +109,8 @@ def locust_command(host: str, out: Path, users: int, run_time: str, shape: str, 
     ]  # fmt: skip
     if data_dir is not None:
         cmd += ["--data-dir", data_dir]
+    if openai_url:
+        cmd += ["--openai-url", openai_url]
     if tags:
         cmd += ["--tags", *tags]
     return cmd
@@ -135,17 +159,25 @@ def _run_locust(cmd: Sequence[str], report: Path, timeout_s: float) -> int:
     return code
 
 
-def run(host: str, metrics_url: str, out: Path, cmd: Sequence[str], timeout_s: float) -> int:
+def run(host: str, metrics_url: str, out: Path, cmd: Sequence[str], timeout_s: float, openai_url: str = "") -> int:
     """Run locust, then the post-run checks and the summary; returns the exit status.
 
     Locust must exit within ``timeout_s`` (:func:`exit_deadline`): once it
     hung at exit after the server behind it died mid-stream; a load
-    generator that hangs is killed and the run fails.
+    generator that hangs is killed and the run fails.  ``openai_url``: the
+    OpenAI-compatible endpoint must answer before and after the run too.
     """
     out.mkdir(parents=True, exist_ok=True)
+    if openai_url and not openai_ready(openai_url):
+        print(f"loadtest: no OpenAI-compatible endpoint serving {DEFAULT_MODEL} on {openai_url} (start the server "
+              "with --openai-port, or run without it)", file=sys.stderr)
+        return 1
     status = _run_locust(cmd, out / "run.json", timeout_s)
     if not ready(host):
         print("loadtest: the server is not ready after the run", file=sys.stderr)
+        status = status or 1
+    if openai_url and not openai_ready(openai_url):
+        print(f"loadtest: the OpenAI-compatible endpoint on {openai_url} is not ready after the run", file=sys.stderr)
         status = status or 1
     left = settle(metrics_url)
     if any(left.get(g, 0.0) for g in GAUGES):
@@ -166,6 +198,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--grpc-port", type=int, default=8001)
     parser.add_argument("--http-port", type=int, default=8000)
     parser.add_argument("--metrics-port", type=int, default=8002)
+    parser.add_argument("--openai-port", type=int, default=0,
+                        help="also run the openai task against the OpenAI-compatible endpoint on this port; 0: off")
     parser.add_argument("--repository", type=Path, default=REPO / "build" / "model_repository")
     parser.add_argument("--out", type=Path, default=REPO / "build" / "loadtest")
     parser.add_argument("--users", type=int, default=8)
@@ -177,20 +211,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     host = f"{args.host}:{args.grpc_port}"
     metrics_url = f"http://{args.host}:{args.metrics_port}/metrics"
+    url = openai_endpoint(args.host, args.openai_port)
     cmd = locust_command(host, args.out, args.users, args.time, args.shape, tags=args.tags,
-                         max_tokens=args.max_tokens, sample=args.sample)
+                         max_tokens=args.max_tokens, sample=args.sample, openai_url=url)
     if ready(host):
         print(f"loadtest: using the server on {host}")
-        return run(host, metrics_url, args.out, cmd, exit_deadline(args.time))
+        return run(host, metrics_url, args.out, cmd, exit_deadline(args.time), url)
     print(f"loadtest: no server on {host}; starting the embedded default")
     server = TritonServer(ServerConfig(
         model_repository=args.repository, host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
-        metrics_port=args.metrics_port, models=("constrained_llm",), log_file=args.out / "tritonserver.log"))
+        metrics_port=args.metrics_port, models=(DEFAULT_MODEL,), log_file=args.out / "tritonserver.log",
+        openai_port=args.openai_port or None))
     args.out.mkdir(parents=True, exist_ok=True)
     server.start()
     try:
         server.wait_ready()
-        return run(host, metrics_url, args.out, cmd, exit_deadline(args.time))
+        return run(host, metrics_url, args.out, cmd, exit_deadline(args.time), url)
     finally:
         server.stop()
 

@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 PERCENTILES = ("50%", "95%", "99%")
+#: Locust request types of whole requests: gRPC streams and the ``openai`` task's HTTP streams.
+REQUEST_TYPES = ("grpc", "http")
 
 
 def _read(path: Path) -> list[dict[str, str]]:
@@ -76,7 +78,7 @@ def summarize(prefix: Path, outputs: dict[str, Any] | None = None) -> dict[str, 
     kinds: dict[str, dict[str, Any]] = defaultdict(lambda: {"requests": 0, "failures": 0, "tokens": 0})
     for entry in entries:
         kind, name = entry["method"], entry["name"]
-        if kind == "grpc":
+        if kind in REQUEST_TYPES:
             figures = kinds[_kind(name)]
             figures["requests"] += entry["num_requests"]
             figures["failures"] += entry["num_failures"]
@@ -124,7 +126,7 @@ def plot(prefix: Path, png: Path) -> None:
     for r in rows:
         t = int(r["Timestamp"]) - t0
         users[t] = int(r["User Count"])
-        if r["Type"] == "grpc":
+        if r["Type"] in REQUEST_TYPES:
             series["rps", _kind(r["Name"])].append((t, _number(r["Requests/s"])))
         elif r["Type"] == "itl":
             series["itl", r["Name"]].append((t, _number(r["99%"])))

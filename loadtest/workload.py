@@ -13,6 +13,14 @@ arguments) and a seeded sample of MaskBench schemas read by path from
 server takes them, xgrammar compiles them, and the fidelity table lists no
 keyword xgrammar leaves unenforced: a load test's failures must be the
 server's, not known gaps (``bench/maskbench.py`` measures those).
+
+The ``openai`` task sends JSON jobs to the OpenAI-compatible endpoint
+(``--openai-url``) through the ``openai`` package: :func:`chat_request` is
+its strict ``json_schema`` request (schemas that OpenAI's strict mode takes:
+:func:`strict_ok`), :class:`ChatStream` reads its chunks and
+:func:`judge_chat` judges them as :func:`judge` does a gRPC result, plus
+OpenAI's stream shape and the endpoint's report.  Without ``--openai-url``
+the task is excluded (:func:`exclude_tags`): the gRPC mix is unchanged.
 """
 
 from __future__ import annotations
@@ -25,7 +33,8 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
+from urllib.parse import urlsplit
 
 import jsonschema
 import numpy as np
@@ -33,13 +42,19 @@ import tritonclient.grpc as grpcclient
 
 from client import Constraint, Result
 from client.errors import InvalidConstraint
+from client.sdk import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionChunk
 
 REPO: Final = Path(__file__).resolve().parents[1]
 OWN_SCHEMAS: Final = REPO / "loadtest" / "schemas"
 DEFAULT_DATA: Final = REPO.parent / "shared" / "data" / "maskbench-dev"
 
+#: The task over the OpenAI-compatible endpoint: excluded unless ``--openai-url`` is given.
+OPENAI_TAG: Final = "openai"
 #: Task kinds; each is a locust tag, so ``--tags``/``--exclude-tags`` select them.
-TAGS: Final = ("constrained", "unconstrained", "regex", "choice", "cold", "bad")
+TAGS: Final = ("constrained", "unconstrained", "regex", "choice", "cold", "bad", OPENAI_TAG)
 
 #: Schemas longer than this (compact JSON characters) are left out of the
 #: sample: their prompts run to thousands of tokens, and this measures decoding.
@@ -52,6 +67,9 @@ _OWN_PROMPTS: Final[dict[str, str]] = {
                         "on 2025-06-02, economy.",
     "contact_extraction": "Extract the contact: Dr. Ana Ruiz, ana.ruiz@example.org, +34 600 123 456, "
                           "works at Nimbus Labs.",
+    # The one own schema in OpenAI's strict subset (closed, all required, nullable eta): the openai task's
+    # schema even when no MaskBench sample is taken.
+    "order_status": "Report the order: ORD-104233 shipped with 3 items, arriving on 2025-07-14.",
 }
 _MASKBENCH_PROMPT: Final = "Produce one realistic JSON instance of this schema: {schema}"
 
@@ -167,8 +185,26 @@ class SchemaCheck:
         return shortest is not None and len(shortest) + 1 <= self.max_tokens // 2
 
 
-def maskbench_sample(data: Path, count: int, seed: int, check: SchemaCheck) -> list[tuple[str, dict[str, Any]]]:
-    """``count`` small (file name, schema) of ``data``, seeded, that ``check`` finds usable."""
+def strict_ok(schema: dict[str, Any]) -> bool:
+    """Whether OpenAI's strict mode takes ``schema``: the endpoint's own rule, :func:`openai_api.strict.check_strict`."""
+    # Imported here: the gRPC-only load test needs none of the OpenAI endpoint's modules.
+    from openai_api.errors import BadRequest
+    from openai_api.strict import check_strict
+
+    try:
+        check_strict(schema, "schema")
+    except BadRequest:
+        return False
+    return True
+
+
+def maskbench_sample(data: Path, count: int, seed: int, check: SchemaCheck, *,
+                     strict: bool = False) -> list[tuple[str, dict[str, Any]]]:
+    """``count`` small (file name, schema) of ``data``, seeded, that ``check`` finds usable.
+
+    ``strict``: only schemas that OpenAI's strict mode takes (:func:`strict_ok`,
+    tested before the costlier ``check``), in the same seeded order.
+    """
     files = sorted(data.glob("*.json"))
     random.Random(seed).shuffle(files)
     out: list[tuple[str, dict[str, Any]]] = []
@@ -177,7 +213,7 @@ def maskbench_sample(data: Path, count: int, seed: int, check: SchemaCheck) -> l
             break
         schema = json.loads(path.read_text(encoding="utf-8")).get("schema")
         small = isinstance(schema, dict) and len(json.dumps(schema, separators=(",", ":"))) <= MAX_SCHEMA_CHARS
-        if small and check.usable(schema):
+        if small and (not strict or strict_ok(schema)) and check.usable(schema):
             out.append((path.stem, schema))
     return out
 
@@ -193,32 +229,43 @@ class Workload:
         Budget of every generating job.
     seed : int
         Seeds the choice of schema and prompt per job.
+    strict : sequence of (name, schema, prompt)
+        The ``openai`` task's schemas (OpenAI's strict mode takes them); empty
+        when that task is off.
     """
 
-    def __init__(self, schemas: Sequence[tuple[str, dict[str, Any], str]], max_tokens: int, seed: int = 0) -> None:
+    def __init__(self, schemas: Sequence[tuple[str, dict[str, Any], str]], max_tokens: int, seed: int = 0,
+                 strict: Sequence[tuple[str, dict[str, Any], str]] = ()) -> None:
         if not schemas:
             raise ValueError("loadtest: no JSON schema to send")
         self.schemas = list(schemas)
+        self.strict = list(strict)
         self.max_tokens = max_tokens
         self._rng = random.Random(seed)
         self._bad = bad_inputs()
 
     @classmethod
     def build(cls, data: Path | None, sample: int, max_tokens: int, check: SchemaCheck | None,
-              seed: int = 0) -> Workload:
+              seed: int = 0, *, openai: bool = False) -> Workload:
         """The own schemas plus ``sample`` MaskBench schemas of ``data``, all passing ``check``.
 
+        ``openai``: also the ``openai`` task's schemas, the own ones that
+        OpenAI's strict mode takes plus ``sample`` MaskBench schemas that it
+        takes (few are strict, so they are sampled apart from the mix).
         ``check`` None (unit tests): the own schemas, unchecked, and no sample.
         """
-        schemas = [(path.stem, json.loads(path.read_text(encoding="utf-8")), _OWN_PROMPTS[path.stem])
-                   for path in sorted(OWN_SCHEMAS.glob("*.json"))]
+        own = [(path.stem, json.loads(path.read_text(encoding="utf-8")), _OWN_PROMPTS[path.stem])
+               for path in sorted(OWN_SCHEMAS.glob("*.json"))]
         if check is not None:
-            schemas = [entry for entry in schemas if check.usable(entry[1])]
-            if data is not None and sample:
-                for name, schema in maskbench_sample(data, sample, seed, check):
-                    prompt = _MASKBENCH_PROMPT.format(schema=json.dumps(schema, separators=(",", ":")))
-                    schemas.append((name, schema, prompt))
-        return cls(schemas, max_tokens, seed)
+            own = [entry for entry in own if check.usable(entry[1])]
+        schemas, strict = list(own), [entry for entry in own if openai and strict_ok(entry[1])]
+        if check is not None and data is not None and sample:
+            schemas += [(name, schema, _maskbench_prompt(schema))
+                        for name, schema in maskbench_sample(data, sample, seed, check)]
+            if openai:
+                strict += [(name, schema, _maskbench_prompt(schema))
+                           for name, schema in maskbench_sample(data, sample, seed, check, strict=True)]
+        return cls(schemas, max_tokens, seed, strict)
 
     def constrained(self) -> Job:
         """A JSON Schema job (own or MaskBench)."""
@@ -254,6 +301,19 @@ class Workload:
         """A request the server must refuse with its exact status."""
         name, inputs, status, message = self._rng.choice(self._bad)
         return Job("bad", name, inputs=inputs, expect=(status, message))
+
+    def openai(self) -> Job:
+        """A JSON Schema job for the OpenAI-compatible endpoint (a schema that strict mode takes)."""
+        if not self.strict:
+            raise ValueError("loadtest: no schema for the openai task: none of the own or sampled schemas "
+                             "passes OpenAI's strict mode (openai_api.strict)")
+        name, schema, prompt = self._rng.choice(self.strict)
+        return Job(OPENAI_TAG, OPENAI_TAG, prompt, Constraint.json_schema(schema), self.max_tokens, schema,
+                   label=name)
+
+
+def _maskbench_prompt(schema: dict[str, Any]) -> str:
+    return _MASKBENCH_PROMPT.format(schema=json.dumps(schema, separators=(",", ":")))
 
 
 SHAPES: Final = ("steady", "ramp", "spike")
@@ -296,18 +356,23 @@ def judge(job: Job, result: Result) -> str | None:
     if not (result.complete or result.closed_early):
         return "stop string" if result.stop_string else "truncated"
     if job.schema is not None:
-        try:
-            value = json.loads(result.text)
-        except json.JSONDecodeError:
-            return "not JSON"
-        error = jsonschema.exceptions.best_match(
-            jsonschema.Draft202012Validator(job.schema, format_checker=_FORMATS).iter_errors(value))
-        return None if error is None else f"invalid at {error.json_path}: {error.validator}"
+        return check_json(job.schema, result.text)
     if job.tag == "regex":
         return None if re.fullmatch(_REGEX[0], result.text) else "regex mismatch"
     if job.tag == "choice":
         return None if result.text in _CHOICE[0] else "not a choice"
     return None
+
+
+def check_json(schema: dict[str, Any], text: str) -> str | None:
+    """None when ``text`` is one JSON value valid against ``schema`` (Draft 2020-12, formats checked); else why."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return "not JSON"
+    error = jsonschema.exceptions.best_match(
+        jsonschema.Draft202012Validator(schema, format_checker=_FORMATS).iter_errors(value))
+    return None if error is None else f"invalid at {error.json_path}: {error.validator}"
 
 
 def judge_refusal(job: Job, result: dict[str, Any] | None, error: str | None) -> str | None:
@@ -324,4 +389,183 @@ def judge_refusal(job: Job, result: dict[str, Any] | None, error: str | None) ->
         return f"expected error {status}, got {got}"
     if not str(result.get("error", "")).startswith(message):
         return f"unexpected message: {str(result.get('error'))[:80]}"
+    return None
+
+
+def openai_base_url(url: str) -> str | None:
+    """``--openai-url`` checked: None when empty (the ``openai`` task is off), else the base URL without a final ``/``.
+
+    Raises
+    ------
+    ValueError
+        Not ``http(s)://HOST[:PORT]/v1`` (the client appends ``/chat/completions``).
+    """
+    if not url:
+        return None
+    parts = urlsplit(url)
+    try:
+        parts.port  # noqa: B018 - parsing the port is the check
+    except ValueError as err:
+        raise ValueError(f"--openai-url {url!r}: {err}") from err
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"--openai-url {url!r}: must be http(s)://HOST:PORT/v1")
+    if parts.path.rstrip("/") != "/v1" or parts.query or parts.fragment:
+        raise ValueError(f"--openai-url {url!r}: the path must be /v1 (the client appends /chat/completions)")
+    return url.rstrip("/")
+
+
+def exclude_tags(exclude: Sequence[str] | None, tags: Sequence[str] | None, openai_url: str | None) -> list[str]:
+    """The ``--exclude-tags`` of a run: as given, plus ``openai`` when there is no ``--openai-url``.
+
+    Raises
+    ------
+    ValueError
+        ``--tags`` asks for ``openai`` without ``--openai-url``.
+    """
+    if openai_url:
+        return list(exclude or ())
+    if tags and OPENAI_TAG in tags:
+        raise ValueError(f"--tags {OPENAI_TAG}: needs --openai-url (the OpenAI-compatible endpoint's base URL, "
+                         "e.g. http://127.0.0.1:8080/v1)")
+    return [*(exclude or ()), OPENAI_TAG]
+
+
+def schema_name(label: str) -> str:
+    """``response_format.json_schema.name`` for a schema's label (1-64 of ``A-Za-z0-9_-``, as OpenAI's)."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", label)[:64] or "schema"
+
+
+def chat_request(job: Job) -> dict[str, Any]:
+    """Keyword arguments of ``openai.OpenAI().chat.completions.create`` for an ``openai`` job.
+
+    Its schema as a strict ``json_schema`` response format, its prompt as one
+    user message (the gRPC jobs' prompt is one user turn too), greedy as the
+    gRPC jobs, streamed with the usage chunk.
+
+    Raises
+    ------
+    ValueError
+        ``job`` has no schema.
+    """
+    if job.schema is None:
+        raise ValueError(f"{job.name}: not a JSON job (no schema)")
+    return {
+        "model": DEFAULT_MODEL,
+        "messages": [{"role": "user", "content": job.prompt}],
+        "response_format": {"type": "json_schema",
+                            "json_schema": {"name": schema_name(job.label), "schema": job.schema, "strict": True}},
+        "max_tokens": job.max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+@dataclass
+class ChatStream:
+    """What one streamed chat completion returned, read chunk by chunk.
+
+    Attributes
+    ----------
+    text : str
+        The content deltas joined.
+    finish_reason : str or None
+        From the chunk that has one.
+    report : Any
+        That chunk's extension object (``constrained_llm``: ``complete``,
+        ``closed_early``, ``json``, ...), as sent.
+    completion_tokens : int or None
+        From the usage chunk.
+    problem : str or None
+        The first break of OpenAI's stream shape (a failure reason): a chunk
+        after the usage chunk, usage beside choices, other than one choice
+        per chunk, a chunk after the finish reason, a tool call.
+    """
+
+    text: str = ""
+    finish_reason: str | None = None
+    report: Any = None
+    completion_tokens: int | None = None
+    problem: str | None = None
+
+    def feed(self, chunk: ChatCompletionChunk) -> str:
+        """Take one chunk; returns its text delta (``""`` for none)."""
+        from openai_api.request import EXTENSION
+
+        if self.completion_tokens is not None:
+            return self._broken("a chunk after the usage chunk")
+        if chunk.usage is not None:
+            if chunk.choices:
+                return self._broken("usage on a chunk with choices")
+            self.completion_tokens = chunk.usage.completion_tokens
+            return ""
+        if len(chunk.choices) != 1:
+            return self._broken(f"{len(chunk.choices)} choices in a chunk")
+        if self.finish_reason is not None:
+            return self._broken("a chunk after the finish_reason")
+        choice = chunk.choices[0]
+        if choice.delta.tool_calls:
+            return self._broken("a tool call in a json_schema response")
+        text = choice.delta.content or ""
+        self.text += text
+        if choice.finish_reason is not None:
+            self.finish_reason = choice.finish_reason
+            self.report = (chunk.model_extra or {}).get(EXTENSION)
+        return text
+
+    def _broken(self, reason: str) -> str:
+        self.problem = self.problem or reason
+        return ""
+
+    def outcome(self, reason: str | None) -> str:
+        """The ``--outputs-json`` outcome of this stream judged ``reason``: failed, closed:REASON or valid."""
+        if reason is not None:
+            return "failed"
+        if isinstance(self.report, dict) and self.report.get("closed_early") is True:
+            return f"closed:{self.report.get('close_reason')}"
+        return "valid"
+
+
+def judge_chat(job: Job, stream: ChatStream) -> str | None:
+    """None when a streamed chat completion is a success for ``job``; else the failure reason.
+
+    The output as :func:`judge` checks a gRPC one (complete or closed early,
+    then parsed and validated), and what OpenAI's shape adds: the stream's
+    shape (:class:`ChatStream`), the usage chunk asked for, a
+    ``finish_reason`` of ``stop`` or ``length`` that agrees with the report
+    (a complete output stops), and the report's ``json`` verdict agreeing.
+
+    Raises
+    ------
+    ValueError
+        ``job`` has no schema.
+    """
+    from openai_api.request import EXTENSION
+
+    if job.schema is None:
+        raise ValueError(f"{job.name}: not a JSON job (no schema)")
+    if stream.problem is not None:
+        return stream.problem
+    if stream.finish_reason is None:
+        return "no finish_reason"
+    if stream.completion_tokens is None:
+        return "no usage chunk"
+    if stream.finish_reason not in ("stop", "length"):
+        return f"finish_reason {stream.finish_reason}"
+    report = stream.report
+    if not isinstance(report, dict):
+        return f"no {EXTENSION} report"
+    complete, closed = report.get("complete") is True, report.get("closed_early") is True
+    if complete and stream.finish_reason != "stop":
+        return f"complete but finish_reason {stream.finish_reason}"
+    if not (complete or closed):
+        return "stop string" if report.get("stop_string") is True else "truncated"
+    reason = check_json(job.schema, stream.text)
+    if reason is not None:
+        return reason
+    verdict = report.get("json")
+    if not isinstance(verdict, dict):
+        return f"report json {json.dumps(verdict)}"
+    if (verdict.get("parsed"), verdict.get("valid")) != (True, True):
+        return f"report json parsed={verdict.get('parsed')} valid={verdict.get('valid')}"
     return None

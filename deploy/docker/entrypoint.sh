@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Render the model repository for this container's settings, then run the
-# supervised server (gateway on 0.0.0.0:8001, Triton's HTTP 8000 and metrics
+# supervised server (gateway on 0.0.0.0:8001, the OpenAI-compatible API on 8080, Triton's HTTP 8000 and metrics
 # 8002, probe endpoints 8003: deploy/health.py).  Settings come from the environment (defaults in deploy/docker/Dockerfile
 # for the GPU image, deploy/docker/Dockerfile.cpu for the CPU one):
 #   ENGINE, DEVICE    torch + cpu (CPU image) or tensorrt_llm + cuda (GPU image)
@@ -15,7 +15,8 @@
 #   STREAM_INTERVAL_MS  least milliseconds between a stream's responses after the first (default 50; 0: every token)
 #   GRAMMAR_STORE_MAX_BYTES  bound of the compiled-grammar store (empty: the grammar model's default, 2 GiB)
 #   GATEWAY_TLS_CERT, GATEWAY_TLS_KEY, GATEWAY_TLS_CLIENT_CA, GATEWAY_API_KEYS_FILE
-#                     TLS and API keys of the public port (read by deploy.server; empty: off)
+#                     TLS and API keys of the public ports (read by deploy.server; empty: off)
+#   OPENAI_PORT       the OpenAI-compatible API (openai_api/; default 8080, 0: off); same TLS and keys
 #   RENDER_ONLY=1     render into $RENDER_DIR and exit (inspect the configuration)
 # Extra arguments go to tritonserver.
 set -euo pipefail
@@ -38,5 +39,6 @@ if [[ "${RENDER_ONLY:-0}" == 1 ]]; then
 fi
 stub_env="$(python3 -c 'import sys; print(sys.prefix)')"
 exec "${LAUNCHER_PYTHON:-python3}" -m deploy.server --model-repository "$repo" --host 0.0.0.0 --python-env "$stub_env" \
-    --grpc-port 8001 --http-port 8000 --metrics-port 8002 --health-port 8003 --model constrained_llm \
+    --grpc-port 8001 --http-port 8000 --metrics-port 8002 --health-port 8003 --openai-port "${OPENAI_PORT:-8080}" \
+    --model constrained_llm \
     --ready-timeout "${READY_TIMEOUT_S:-1800}" -- "$@"

@@ -81,6 +81,16 @@ def metric(server: TritonServer, name: str) -> float:
     return series[0]
 
 
+def wait_freed(server: TritonServer, timeout_s: float = 20.0) -> tuple[int, float]:
+    """``grammar_active_sequences`` and ``llm_live_requests`` once both are 0, or as they are after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        active, live = grammar_active(server), metric(server, "llm_live_requests")
+        if (active == 0 and live == 0) or time.monotonic() > deadline:
+            return active, live
+        time.sleep(0.2)
+
+
 def wait_active_zero(server: TritonServer, timeout_s: float = 60) -> int:
     deadline = time.monotonic() + timeout_s
     active = grammar_active(server)

@@ -33,7 +33,7 @@ from tritonclient.utils import InferenceServerException
 from client import Client, Constraint
 from client.errors import InvalidConstraint
 from deploy.server import TritonServer
-from tests.integration.served import REPO, gateway_ready, grammar_active, metric
+from tests.integration.served import REPO, gateway_ready, grammar_active, wait_freed
 
 pytestmark = [pytest.mark.triton, pytest.mark.e2e]
 
@@ -260,15 +260,6 @@ CHILD = textwrap.dedent("""
 """).format(**LONG)
 
 
-def _wait_freed(server: TritonServer, timeout_s: float = 20.0) -> tuple[int, float]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        active, live = grammar_active(server), metric(server, "llm_live_requests")
-        if (active == 0 and live == 0) or time.monotonic() > deadline:
-            return active, live
-        time.sleep(0.2)
-
-
 @pytest.mark.parametrize("mode", ["cancel", "deadline", "sigkill", "sigterm"])
 def test_every_way_of_leaving_frees_the_sequence(server: TritonServer, mode: str) -> None:
     """A departed client's sequence is cancelled inside the server (the gateway sends CANCEL to `llm`),
@@ -288,7 +279,7 @@ def test_every_way_of_leaving_frees_the_sequence(server: TritonServer, mode: str
             child.send_signal(signal.SIGKILL)
         elif mode == "sigterm":
             child.send_signal(signal.SIGTERM)
-        assert _wait_freed(server) == (0, 0)
+        assert wait_freed(server) == (0, 0)
         assert time.monotonic() - started < 20
     finally:
         child.kill()
@@ -388,7 +379,7 @@ def test_abuse_mix_keeps_the_server_up_and_clean(server: TritonServer) -> None:
     assert outcomes.count("ok") + outcomes.count("closed") == SOAK_REQUESTS
     assert len(valid) >= 3, valid
     assert server.is_running() and gateway_ready(server)
-    assert _wait_freed(server) == (0, 0)
+    assert wait_freed(server) == (0, 0)
     rss_after = _group_rss_mib(server.pid)
     print(f"abuse mix: {SOAK_REQUESTS} requests in {elapsed:.0f} s, {len(valid)} valid streams completed, "
           f"server RSS {rss_before:.0f} -> {rss_after:.0f} MiB")

@@ -315,11 +315,26 @@ def test_structural_tag_raw_passes_xgrammar_form_through() -> None:
         ({"type": "structural_tag"}, r"^structural_tag\.format: is required and must be an object$"),
         ({"triggers": ["<a"]}, r"^structural_tag: needs either 'type' \+ 'format'"),
         ({"triggers": [], "tags": [set()]}, r"^structural_tag: is not JSON-serialisable"),
+        ({"triggers": ["<a"], "tags": [float("nan")]}, r"^structural_tag: is not JSON-serialisable: Out of range"),
+        ({"triggers": [], "tags": _nested(5_000)}, r"^structural_tag: is nested too deeply$"),
     ],
 )
 def test_structural_tag_raw_rejects(spec: Any, message: str) -> None:
     with pytest.raises(InvalidConstraint, match=message):
         Constraint.structural_tag_raw(spec)
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        ("not json", r"^grammar: invalid JSON at line 1 column 1: Expecting value$"),
+        ("[1]", r"^grammar: a structural tag must be a JSON object$"),
+        ("[" * 100_000, r"^grammar: is nested too deeply$"),
+    ],
+)
+def test_a_structural_tag_payload_must_be_a_json_object(payload: str, message: str) -> None:
+    with pytest.raises(InvalidConstraint, match=message):
+        Constraint("structural_tag", payload)
 
 
 # ----------------------------------------------------------------------------- from_file

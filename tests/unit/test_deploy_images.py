@@ -106,7 +106,8 @@ def test_dockerfile_grammar_env_pins_are_requirements_txt_pins() -> None:
     assert {"xgrammar", "llguidance", "torch"} <= set(grammar)
     # And it leaves out only what the image has another way: the server binary
     # (NGC's, not pytriton's), and the CPU model's conversion and weights tools.
-    assert set(base) - set(grammar) == {"nvidia-pytriton", "gguf", "accelerate", "safetensors"}
+    # openai: the tests' and the load test's client, not the server's.
+    assert set(base) - set(grammar) == {"nvidia-pytriton", "gguf", "accelerate", "safetensors", "openai"}
 
 
 def test_dockerfile_llm_additions_leave_tensorrt_llms_pins_alone() -> None:

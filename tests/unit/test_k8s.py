@@ -126,19 +126,19 @@ def test_objects_agree_with_each_other(overlay: str) -> None:
     pod = deploy["spec"]["template"]
     (container,) = pod["spec"]["containers"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"grpc": 8001, "http": 8000, "metrics": 8002, "health": 8003}
+    assert ports == {"grpc": 8001, "openai": 8080, "http": 8000, "metrics": 8002, "health": 8003}
     pod_labels = pod["metadata"]["labels"]
     service = objs[("Service", "constrained-llm")]
     assert service["spec"]["selector"].items() <= pod_labels.items()
     assert deploy["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
-    assert {p["name"]: p["targetPort"] for p in service["spec"]["ports"]} == {"grpc": "grpc", "metrics": "metrics",
-                                                                             "launcher": "health"}
+    assert {p["name"]: p["targetPort"] for p in service["spec"]["ports"]} == {"grpc": "grpc", "openai": "openai",
+                                                                             "metrics": "metrics", "launcher": "health"}
     monitor = objs[("ServiceMonitor", "constrained-llm")]
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["metrics", "launcher"]
     policy = objs[("NetworkPolicy", "constrained-llm")]
     assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
-    assert sorted(p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]) == [8001, 8002, 8003]
+    assert sorted(p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]) == [8001, 8002, 8003, 8080]
     pdb = objs[("PodDisruptionBudget", "constrained-llm")]
     assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
     # Probes on the launcher's health port (deploy/health.py paths).

@@ -28,7 +28,7 @@ from tests.unit.test_k8s import K8S, OVERLAYS, REPO, objects, rendered, tool
 NS = "constrained-llm"
 SERVER_LABELS = {"app.kubernetes.io/name": NS, "app.kubernetes.io/part-of": NS,
                  "app.kubernetes.io/component": "server"}
-SERVER_PORTS = {"grpc": 8001, "http": 8000, "metrics": 8002, "health": 8003}
+SERVER_PORTS = {"grpc": 8001, "openai": 8080, "http": 8000, "metrics": 8002, "health": 8003}
 EXAMPLES = sorted((K8S / "examples").glob("*.yaml"))
 
 
@@ -169,6 +169,11 @@ RENDERED_CASES = [
     # (source, dest, port, protocol, allowed)
     (CLIENT_ELSEWHERE, SERVER, 8001, "TCP", True),
     (CLIENT_SAME_NS, SERVER, 8001, "TCP", True),
+    (CLIENT_ELSEWHERE, SERVER, 8080, "TCP", True),  # the OpenAI-compatible API
+    (CLIENT_SAME_NS, SERVER, 8080, "TCP", True),
+    (PROMETHEUS, SERVER, 8080, "TCP", False),
+    (UNLABELLED, SERVER, 8080, "TCP", False),
+    (OTHER_NODE, SERVER, 8080, "TCP", False),
     (CLIENT_ELSEWHERE, SERVER, 8001, "UDP", False),
     (CLIENT_ELSEWHERE, SERVER, 8002, "TCP", False),
     (CLIENT_ELSEWHERE, SERVER, 8000, "TCP", False),

@@ -330,3 +330,34 @@ def test_when_both_backends_refuse_the_error_is_the_first_ones(engine: GrammarEn
     assert re.fullmatch(r"grammar: xgrammar cannot compile this regex: .+ \(llguidance too: llguidance cannot compile "
                         r"this regex: .+\)", str(info.value), re.DOTALL), str(info.value)
     assert 15 not in engine.table
+
+
+_DEEP = "(" * 20_000 + '"a"' + ")" * 20_000
+
+
+@pytest.mark.parametrize(
+    ("kind", "payload", "backend", "message"),
+    [
+        ("ebnf", 'rule ::= "a"', "llguidance", r"llguidance cannot compile this ebnf: No 'root' rule found$"),
+        ("ebnf", 'rule ::= "a"', "xgrammar", r"xgrammar cannot compile this ebnf: .*root rule with name \"root\""),
+        ("ebnf", "root ::= foo", "llguidance", r"llguidance cannot compile this ebnf: Rule 'foo' not found$"),
+        ("ebnf", "root ::= foo", "xgrammar", r"xgrammar cannot compile this ebnf: .*Rule \"foo\" is not defined$"),
+        # llguidance's GBNF translator is recursive Python: 20,000 groups end in a RecursionError.
+        ("ebnf", "root ::= " + _DEEP, "llguidance", r"llguidance cannot compile this ebnf: it nests too deeply$"),
+        ("ebnf", "root ::= " + _DEEP, "xgrammar", r"xgrammar cannot compile this ebnf: .*Nest layer exceeded"),
+        ("lark", 'rule: "a"', "llguidance", r"llguidance cannot compile this lark: no start rule found$"),
+        ("lark", "start: foo", "xgrammar", r"xgrammar cannot compile this lark: .*unknown name 'foo'$"),
+        ("lark", "start: " + _DEEP, "llguidance", r"llguidance cannot compile this lark: .*too deeply nested"),
+        # auto tries both: the error is a client's (INVALID_ARGUMENT), never an internal one.
+        ("ebnf", 'rule ::= "a"', "auto", (r"xgrammar cannot compile this ebnf: .*\(llguidance too: llguidance cannot "
+                                         r"compile this ebnf: No 'root' rule found\)$")),
+        ("ebnf", "root ::= " + _DEEP, "auto", (r"xgrammar .*\(llguidance too: llguidance cannot compile this ebnf: it nests too "
+                                              r"deeply\)$")),
+    ],
+)
+def test_a_broken_grammar_is_the_clients_error_on_every_backend(engine: GrammarEngine, kind: str, payload: str,
+                                                                backend: str, message: str) -> None:
+    with pytest.raises(CompileError, match=r"^grammar: " + message) as info:
+        engine.start(16, parse_constraint(kind, payload, {"backend": backend}))
+    assert info.value.field == "grammar"
+    assert 16 not in engine.table

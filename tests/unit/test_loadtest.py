@@ -3,31 +3,50 @@
 (``loadtest/locustfile.py`` itself imports locust, which monkey-patches the
 whole process with gevent, so it runs only as a locust process: see
 ``tests/integration/test_loadtest_smoke.py``.)
+
+The ``openai`` task's streams are the endpoint's own: its request parser
+(:func:`openai_api.request.parse_chat`) takes :func:`loadtest.workload.chat_request`,
+its renderer (:class:`openai_api.response.Renderer`) writes the chunks, and
+the ``openai`` package's ``ChatCompletionChunk`` reads them back.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
+from openai.types.chat import ChatCompletionChunk
 
 from client import Result, Usage
+from client.constraints import Constraint
 from grammar_backend.fidelity import unenforced_keywords
-from loadtest.run import exit_deadline
+from loadtest.run import exit_deadline, locust_command, openai_endpoint, openai_ready
 from loadtest.summary import percentile, render, summarize
 from loadtest.workload import (
     OWN_SCHEMAS,
+    ChatStream,
     Job,
     Workload,
+    chat_request,
+    exclude_tags,
     judge,
+    judge_chat,
     judge_refusal,
+    openai_base_url,
+    schema_name,
     shape_tick,
+    strict_ok,
 )
+from openai_api.request import parse_chat
+from openai_api.response import Renderer
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}, "required": ["n"]}
+#: SCHEMA as OpenAI's strict mode takes it (closed).
+STRICT = {**SCHEMA, "additionalProperties": False}
 
 
 def _result(text: str, finish: str = "stop", *, complete: bool = True, closed: str | None = None,
@@ -44,7 +63,7 @@ def workload() -> Workload:
 
 def test_own_schemas_are_enforced_in_full_and_have_prompts(workload: Workload) -> None:
     names = sorted(path.stem for path in OWN_SCHEMAS.glob("*.json"))
-    assert names == ["contact_extraction", "invoice_extraction", "tool_call_search"]
+    assert names == ["contact_extraction", "invoice_extraction", "order_status", "tool_call_search"]
     for name, schema, prompt in workload.schemas:
         assert unenforced_keywords(schema, strict_mode=False) == (), name
         assert prompt
@@ -146,6 +165,7 @@ def test_summary_per_kind(tmp_path: Path) -> None:
         entry("grpc", "constrained", {"5000": 4}, failures=1, tokens=200),
         entry("grpc", "bad:regex", {"30": 2}), entry("grpc", "bad:utf8", {"20": 1}),
         entry("ttft", "constrained", {"400": 3, "900": 1}), entry("itl", "constrained", {"70": 90, "300": 10}),
+        entry("http", "openai", {"3000": 2}, tokens=50), entry("ttft", "openai", {"300": 2}),
     ]))
     outputs = {"outcomes": {"constrained": {"valid": 2, "closed:budget": 1, "failed": 1}},
                "failures": {"constrained": {"truncated": 1}}}
@@ -156,6 +176,8 @@ def test_summary_per_kind(tmp_path: Path) -> None:
     assert constrained["ttft_ms"] == {"50%": 400.0, "95%": 900.0, "99%": 900.0}
     assert constrained["itl_ms"] == {"50%": 70.0, "95%": 300.0, "99%": 300.0}
     assert summary["kinds"]["bad"]["requests"] == 3
+    openai = summary["kinds"]["openai"]
+    assert (openai["requests"], openai["output_tokens_s"], openai["ttft_ms"]["50%"]) == (2, 5.0, 300.0)
     text = render(summary)
     assert "failure constrained: 1 x truncated" in text
     assert "constrained         4     1    0.40    20.0  400/900/900          70/300/300" in text
@@ -187,3 +209,217 @@ def test_a_locust_that_hangs_at_exit_costs_seconds(tmp_path: Path, monkeypatch: 
     t0 = time.monotonic()
     assert run_mod._run_locust([sys.executable, "-c", script, str(report)], report, timeout_s) == status
     assert time.monotonic() - t0 < 20
+
+
+# --------------------------------------------------------------------------- the openai task
+def _openai_job(label: str = "counter") -> Job:
+    return Job("openai", "openai", "Count.", Constraint.json_schema(STRICT), 32, STRICT, label=label)
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [("", None), ("http://127.0.0.1:8080/v1", "http://127.0.0.1:8080/v1"),
+     ("http://127.0.0.1:8080/v1/", "http://127.0.0.1:8080/v1"), ("https://llm.example:443/v1", "https://llm.example:443/v1")],
+)
+def test_openai_base_url(url: str, expected: str | None) -> None:
+    assert openai_base_url(url) == expected
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [("127.0.0.1:8080/v1", r"^--openai-url '127\.0\.0\.1:8080/v1': must be http\(s\)://HOST:PORT/v1$"),
+     ("ftp://h:21/v1", r"^--openai-url 'ftp://h:21/v1': must be http\(s\)://HOST:PORT/v1$"),
+     ("http://h:8080", r"^--openai-url 'http://h:8080': the path must be /v1 \(the client appends /chat/completions\)$"),
+     ("http://h:8080/v1?x=1", r"^--openai-url 'http://h:8080/v1\?x=1': the path must be /v1 "),
+     ("http://h:99999/v1", r"^--openai-url 'http://h:99999/v1': Port out of range 0-65535$")],
+)
+def test_a_bad_openai_url_is_refused(url: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        openai_base_url(url)
+
+
+@pytest.mark.parametrize(
+    ("exclude", "tags", "url", "expected"),
+    [(None, None, None, ["openai"]),  # no endpoint: the task is off, the gRPC mix unchanged
+     (["bad"], None, None, ["bad", "openai"]),
+     (None, ["constrained"], None, ["openai"]),
+     ([], [], None, ["openai"]),
+     (None, None, "http://h:8080/v1", []),
+     (["bad"], ["openai", "constrained"], "http://h:8080/v1", ["bad"])],
+)
+def test_exclude_tags(exclude: list[str] | None, tags: list[str] | None, url: str | None,
+                      expected: list[str]) -> None:
+    assert exclude_tags(exclude, tags, url) == expected
+
+
+def test_the_openai_tag_without_an_endpoint_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"^--tags openai: needs --openai-url \(the OpenAI-compatible endpoint"):
+        exclude_tags(None, ["constrained", "openai"], None)
+
+
+@pytest.mark.parametrize(
+    ("label", "name"),
+    [("invoice_extraction", "invoice_extraction"), ("Glaiveai2K---calc_1", "Glaiveai2K---calc_1"),
+     ("a.b c/d", "a_b_c_d"), ("x" * 70, "x" * 64), ("", "schema")],
+)
+def test_schema_name(label: str, name: str) -> None:
+    assert schema_name(label) == name
+
+
+def test_chat_request() -> None:
+    assert chat_request(_openai_job("a.b")) == {
+        "model": "constrained_llm",
+        "messages": [{"role": "user", "content": "Count."}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "a_b", "schema": STRICT, "strict": True}},
+        "max_tokens": 32,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with pytest.raises(ValueError, match=r"^regex: not a JSON job \(no schema\)$"):
+        chat_request(Job("regex", "regex", "p", Constraint.regex("a"), 8))
+
+
+def test_the_endpoint_takes_the_request() -> None:
+    plan = parse_chat(chat_request(_openai_job()), 256)
+    assert (plan.endpoint, plan.model, plan.kind, plan.stream, plan.include_usage) == (
+        "chat", "constrained_llm", "json_schema", True, True)
+    assert plan.constraint_param == "response_format.json_schema.schema"
+
+
+@pytest.mark.parametrize(
+    ("schema", "ok"),
+    [(STRICT, True),
+     # OpenAI's strict mode: every property required (tests/integration/test_openai_api.py, test_bad_requests).
+     ({"type": "object", "properties": {"a": {"type": "string"}}, "additionalProperties": False}, False)],
+)
+def test_strict_ok(schema: dict[str, Any], ok: bool) -> None:
+    assert strict_ok(schema) is ok
+
+
+def test_openai_jobs_come_from_the_strict_schemas(workload: Workload) -> None:
+    assert workload.strict == []  # built without openai: the task is off
+    with pytest.raises(ValueError, match=r"^loadtest: no schema for the openai task: none of the own or sampled "):
+        workload.openai()
+    mixed = Workload(workload.schemas, 32, seed=1, strict=[("counter", STRICT, "Count.")])
+    job = mixed.openai()
+    assert (job.tag, job.name, job.prompt, job.max_tokens, job.schema, job.label) == (
+        "openai", "openai", "Count.", 32, STRICT, "counter")
+    assert job.constraint is not None and json.loads(job.constraint.payload) == STRICT
+    built = Workload.build(None, 0, 32, None, openai=True)
+    assert [name for name, _, _ in built.strict] == ["order_status"]  # the own schema in strict mode's subset
+    assert built.strict == [entry for entry in built.schemas if strict_ok(entry[1])]
+    assert [name for name, _, _ in built.schemas] == [name for name, _, _ in workload.schemas]
+
+
+def _report(valid: bool | None = True) -> dict[str, Any]:
+    return {"parsed": valid is not None, "parse_error": None if valid is not None else "line 1 column 6: x",
+            "valid": valid, "violations": [], "unenforced": []}
+
+
+def _final(text: str, finish: str = "stop", *, complete: bool = True, closed: str | None = None,
+           stop_string: bool = False, report: dict[str, Any] | None = None) -> Result:
+    return Result(text=text, finish_reason=finish, complete=complete, usage=Usage(5, 7), parsed=None, json=None,
+                  error=None, closed_early=closed is not None, close_reason=closed, stop_string=stop_string,
+                  raw={"json": report})
+
+
+def _rendered(deltas: list[str], result: Result) -> tuple[ChatStream, list[str]]:
+    """The endpoint's chunks for ``deltas`` and ``result``, read back by the openai package, fed to a ChatStream."""
+    renderer = Renderer(parse_chat(chat_request(_openai_job()), 256))
+    chunks = [c for d in deltas for c in renderer.chunks(d)] + renderer.final_chunks("", result)
+    stream = ChatStream()
+    texts = [stream.feed(ChatCompletionChunk.model_validate(json.loads(json.dumps(c)))) for c in chunks]
+    return stream, texts
+
+
+def test_a_chat_stream_is_read_as_sent() -> None:
+    stream, texts = _rendered(['{"n":', "3}"], _final('{"n":3}', report=_report()))
+    assert texts == ["", '{"n":', "3}", "", ""]  # role chunk, two deltas, finish chunk, usage chunk
+    assert (stream.text, stream.finish_reason, stream.completion_tokens, stream.problem) == (
+        '{"n":3}', "stop", 7, None)
+    assert stream.report["complete"] is True and stream.report["json"] == _report()
+
+
+@pytest.mark.parametrize(
+    ("deltas", "result", "reason", "outcome"),
+    [
+        (['{"n":', "3}"], _final('{"n":3}', report=_report()), None, "valid"),
+        # Closed at the budget: "length", and it parses and validates.
+        (['{"n":3}'], _final('{"n":3}', "length", complete=False, closed="budget", report=_report()), None,
+         "closed:budget"),
+        (['{"n":-1}'], _final('{"n":-1}', report=_report(False)), "invalid at $.n: minimum", "failed"),
+        (['{"n":'], _final('{"n":', "length", complete=False, report=_report(None)), "truncated", "failed"),
+        (['{"n"'], _final('{"n"', complete=False, stop_string=True, report=_report(None)), "stop string", "failed"),
+        # The output is valid but the endpoint's report says otherwise.
+        (['{"n":3}'], _final('{"n":3}', report=_report(False)), "report json parsed=True valid=False", "failed"),
+        (['{"n":3}'], _final('{"n":3}', report=None), "report json null", "failed"),
+        (['{"n":3}'], _final('{"n":3}', "length", report=_report()), "complete but finish_reason length", "failed"),
+    ],
+)
+def test_judge_chat(deltas: list[str], result: Result, reason: str | None, outcome: str) -> None:
+    stream, _ = _rendered(deltas, result)
+    assert judge_chat(_openai_job(), stream) == reason
+    assert stream.outcome(reason) == outcome
+
+
+def _chunk(*choices: dict[str, Any], usage: dict[str, int] | None = None, **extra: Any) -> ChatCompletionChunk:
+    return ChatCompletionChunk.model_validate({
+        "id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": "constrained_llm",
+        "choices": list(choices), "usage": usage, **extra})
+
+
+def _choice(content: str | None = None, finish: str | None = None, **delta: Any) -> dict[str, Any]:
+    return {"index": 0, "delta": {"content": content, **delta}, "finish_reason": finish}
+
+
+_REPORT = {"complete": True, "closed_early": False, "close_reason": None, "stop_string": False, "json": _report()}
+_USAGE = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+_CALL = [{"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": ""}}]
+
+
+@pytest.mark.parametrize(
+    ("chunks", "reason"),
+    [
+        ([_chunk(_choice('{"n":3}')), _chunk(_choice(finish="stop"), constrained_llm=_REPORT), _chunk(usage=_USAGE)],
+         None),
+        ([_chunk(_choice('{"n":3}')), _chunk(_choice(finish="stop"), constrained_llm=_REPORT)], "no usage chunk"),
+        ([_chunk(_choice('{"n":3}')), _chunk(usage=_USAGE)], "no finish_reason"),
+        ([_chunk(_choice('{"n":3}', "stop")), _chunk(usage=_USAGE)], "no constrained_llm report"),
+        ([_chunk(_choice('{"n":3}', "tool_calls"), constrained_llm=_REPORT), _chunk(usage=_USAGE)],
+         "finish_reason tool_calls"),
+        ([_chunk(_choice('{"n":3}', "stop"), constrained_llm=_REPORT), _chunk(usage=_USAGE), _chunk(_choice(" "))],
+         "a chunk after the usage chunk"),
+        ([_chunk(_choice('{"n":3}', "stop"), constrained_llm=_REPORT), _chunk(_choice(" ")), _chunk(usage=_USAGE)],
+         "a chunk after the finish_reason"),
+        ([_chunk(_choice('{"n":3}'), _choice("4")), _chunk(_choice(finish="stop"), constrained_llm=_REPORT)],
+         "2 choices in a chunk"),
+        ([_chunk(_choice('{"n":3}', "stop"), constrained_llm=_REPORT, usage=_USAGE)], "usage on a chunk with choices"),
+        ([_chunk(_choice(tool_calls=_CALL)), _chunk(_choice('{"n":3}', "stop"), constrained_llm=_REPORT),
+          _chunk(usage=_USAGE)], "a tool call in a json_schema response"),
+    ],
+)
+def test_the_stream_shape_is_checked(chunks: list[ChatCompletionChunk], reason: str | None) -> None:
+    stream = ChatStream()
+    for chunk in chunks:
+        stream.feed(chunk)
+    assert judge_chat(_openai_job(), stream) == reason
+
+
+@pytest.mark.parametrize(("host", "port", "url"), [("127.0.0.1", 8080, "http://127.0.0.1:8080/v1"), ("h", 0, "")])
+def test_openai_endpoint(host: str, port: int, url: str) -> None:
+    assert openai_endpoint(host, port) == url
+
+
+@pytest.mark.parametrize("url", ["", "http://127.0.0.1:8080/v1"])
+def test_locust_command_passes_the_openai_url(tmp_path: Path, url: str) -> None:
+    cmd = locust_command("127.0.0.1:8001", tmp_path, 4, "30s", "steady", tags=["openai"], openai_url=url)
+    tail = cmd[cmd.index("--max-requests") + 2:]
+    assert tail == ([] if not url else ["--openai-url", url]) + ["--tags", "openai"]
+
+
+def test_openai_ready_without_an_endpoint() -> None:
+    with socket.socket() as s:  # a port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert openai_ready(f"http://127.0.0.1:{port}/v1") is False

@@ -1,0 +1,610 @@
+"""OpenAI request bodies -> one ensemble request (:class:`Plan`), every field honoured or refused by name.
+
+The checks of the request itself (ranges, stop strings, constraint options)
+are the SDK's (:func:`client.sdk.build_inputs`, :class:`client.Constraint`),
+which are the server's own rules (:mod:`contract`); this module checks only
+what is OpenAI's: the body's shape, which fields exist, and strict mode
+(:mod:`openai_api.strict`).  Each error is a :class:`~openai_api.errors.BadRequest`
+whose ``param`` is the field's path in the body.
+
+Fields of ``POST /v1/chat/completions`` (OpenAI's reference, 2026):
+
+* honoured: ``model``, ``messages`` (roles ``system``, ``developer`` (as
+  system), ``user``, ``assistant`` (with ``tool_calls``), ``tool``; content
+  a string or parts of type ``text``), ``max_tokens``,
+  ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``,
+  ``stream``, ``stream_options.include_usage``, ``response_format``,
+  ``tools``, ``tool_choice``, ``parallel_tool_calls``; ``user``,
+  ``safety_identifier`` and ``prompt_cache_key`` are opaque identifiers
+  (checked as strings; the server keeps no per-user state);
+* accepted only at the value that asks for nothing (:data:`NEUTRAL`):
+  ``n`` 1, ``logprobs`` false, ``top_logprobs`` 0, ``frequency_penalty`` and
+  ``presence_penalty`` 0, ``logit_bias`` empty, ``modalities`` ``["text"]``,
+  ``store`` false, ``metadata`` empty, ``service_tier`` ``auto``/``default``;
+  anything else is a 400 naming the field;
+* refused whenever set: ``audio``, ``prediction``, ``reasoning_effort``,
+  ``verbosity``, ``web_search_options``, ``prompt_cache_retention``, the
+  deprecated ``functions``/``function_call`` (use ``tools``);
+* any other field is a 400 (OpenAI's "Unrecognized request argument").
+
+The extension key :data:`EXTENSION` (``extra_body={"constrained_llm": {...}}``
+in the ``openai`` client) takes the project's other constraint kinds and
+options: exactly one of ``regex``, ``choice``, ``ebnf`` (alias ``grammar``),
+``lark``, ``structural_tag``; ``options`` (``contract.OPTION_NAMES``: applied
+to whichever constraint the request has); ``top_k``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Final, Literal, overload
+
+import tritonclient.grpc as grpcclient
+from tritonclient.grpc import _utils as triton_utils
+from tritonclient.grpc import service_pb2 as pb
+
+from client.constraints import Constraint
+from client.errors import ClientError, InvalidRequest
+from client.sdk import build_inputs
+from openai_api.errors import BadRequest
+from openai_api.strict import check_strict
+from openai_api.tools import Tool, ToolMode, call_prefix, tool_constraint, tools_prompt
+
+__all__ = ["CHAT_FIELDS", "COMPLETION_FIELDS", "EXTENSION", "NEUTRAL", "REFUSED", "Plan", "client_error_param",
+           "parse_chat", "parse_completion"]
+
+#: The request (and response) key of the project's extensions.
+EXTENSION: Final = "constrained_llm"
+#: OpenAI's default ``max_tokens`` of ``/v1/completions`` (16); chat uses the SDK's default.
+COMPLETION_DEFAULT_MAX_TOKENS: Final = 16
+#: Fields accepted only at these values, and why any other value is refused.
+NEUTRAL: Final[Mapping[str, tuple[tuple[Any, ...], str]]] = {
+    "n": ((1,), "only 1 choice per request is supported"),
+    "logprobs": ((False,), "log probabilities are not returned by this server"),
+    "top_logprobs": ((0,), "log probabilities are not returned by this server"),
+    "frequency_penalty": ((0, 0.0), "not supported by this server's sampler"),
+    "presence_penalty": ((0, 0.0), "not supported by this server's sampler"),
+    "logit_bias": (({},), "not supported (the grammar mask decides which tokens are allowed)"),
+    "modalities": ((["text"],), "only text output is supported"),
+    "store": ((False,), "stored completions are not supported"),
+    "metadata": (({},), "stored completions are not supported (metadata goes with store)"),
+    "service_tier": (("auto", "default"), "this server has one service tier"),
+    "best_of": ((1,), "only 1 candidate per request is supported"),
+    "echo": ((False,), "the prompt is not echoed"),
+    "suffix": (("",), "insertion (suffix) is not supported"),
+}
+#: Fields refused whenever set (not null), with the reason.
+REFUSED: Final[Mapping[str, str]] = {
+    "audio": "audio output is not supported",
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "reasoning controls are not supported by this model",
+    "verbosity": "not supported by this model",
+    "web_search_options": "web search is not supported",
+    "prompt_cache_retention": "prompt caching is not configurable",
+    "functions": "deprecated by OpenAI and not supported: use tools",
+    "function_call": "deprecated by OpenAI and not supported: use tool_choice",
+}
+_IDENTIFIERS: Final = ("user", "safety_identifier", "prompt_cache_key")
+_CHAT_HONOURED: Final = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+                         "seed", "stop", "stream", "stream_options", "response_format", "tools", "tool_choice",
+                         "parallel_tool_calls", *_IDENTIFIERS, EXTENSION)
+_CHAT_NEUTRAL: Final = ("n", "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty", "logit_bias",
+                        "modalities", "store", "metadata", "service_tier")
+#: Every field ``/v1/chat/completions`` knows (honoured, neutral-only, refused).
+CHAT_FIELDS: Final = frozenset((*_CHAT_HONOURED, *_CHAT_NEUTRAL, *REFUSED))
+_COMPLETION_HONOURED: Final = ("model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
+                               "stream_options", "user", EXTENSION)
+_COMPLETION_NEUTRAL: Final = ("n", "logprobs", "frequency_penalty", "presence_penalty", "logit_bias", "best_of",
+                              "echo", "suffix")
+#: Every field ``/v1/completions`` knows.
+COMPLETION_FIELDS: Final = frozenset((*_COMPLETION_HONOURED, *_COMPLETION_NEUTRAL))
+_EXTENSION_KINDS: Final[Mapping[str, str]] = {"regex": "regex", "choice": "choice", "ebnf": "ebnf",
+                                             "grammar": "ebnf", "lark": "lark",
+                                             "structural_tag": "structural_tag"}
+_EXTENSION_FIELDS: Final = (*_EXTENSION_KINDS, "options", "top_k")
+# The SDK's names for a constraint's payload itself (its errors are about the field as a whole).
+_PAYLOAD_FIELDS: Final = ("grammar", "schema", "regex", "ebnf", "lark", "choices", "structural_tag")
+_SCHEMA_NAME: Final = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_ROLES: Final = ("system", "developer", "user", "assistant", "tool")
+Endpoint = Literal["chat", "completions"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One OpenAI request, checked and translated.
+
+    Attributes
+    ----------
+    endpoint : {"chat", "completions"}
+    model : str
+        The ``model`` asked for (a served model: checked by the server module).
+    inputs : list of tritonclient.grpc.InferInput
+        The ensemble's input tensors (:func:`client.sdk.build_inputs`).
+    kind : str or None
+        The constraint kind (None: unconstrained).
+    constraint_param : str or None
+        Where the constraint came from in the body (the ``param`` of a
+        constraint the server refuses).
+    max_tokens_param : str
+        ``max_tokens`` or ``max_completion_tokens``: the field the budget came from.
+    stream, include_usage : bool
+    tools : tuple of Tool
+        The callable functions (empty without tools or under ``tool_choice: none``).
+    tool_mode : {"auto", "required", "named"} or None
+    """
+
+    endpoint: Endpoint
+    model: str
+    inputs: list[grpcclient.InferInput]
+    kind: str | None
+    constraint_param: str | None
+    max_tokens_param: str
+    stream: bool
+    include_usage: bool
+    tools: tuple[Tool, ...] = ()
+    tool_mode: ToolMode | None = None
+
+    def infer_request(self, model_name: str) -> pb.ModelInferRequest:
+        """The ``ModelInferRequest`` of this plan for the ensemble ``model_name``."""
+        return triton_utils._get_inference_request(
+            model_name=model_name, inputs=self.inputs, model_version="", request_id="", outputs=None,
+            sequence_id=0, sequence_start=False, sequence_end=False, priority=0, timeout=None, parameters=None)
+
+    def param_of(self, field: str | None) -> str | None:
+        """The body path of a field the server names (``grammar#/properties/a``, ``max_tokens``, ``messages[0]``)."""
+        if field is None:
+            return None
+        head, _, pointer = field.partition("#")
+        if head == "grammar_options":
+            return f"{EXTENSION}.options"
+        if head.startswith("grammar_options."):
+            return f"{EXTENSION}.options.{head.removeprefix('grammar_options.')}"
+        if head in ("grammar", "grammar_type"):
+            if self.constraint_param == "tools":
+                # The pointer is into the structural tag built from the tools, not into the body.
+                return "tools"
+            return _pointer_path(self.constraint_param or EXTENSION, pointer)
+        if head == "max_tokens":
+            return self.max_tokens_param
+        return head
+
+
+# --------------------------------------------------------------------------- helpers
+def _object(value: Any, param: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise BadRequest(param, f"must be an object, got {_type(value)}")
+    return value
+
+
+def _type(value: Any) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null",
+            int: "integer", float: "number"}.get(type(value), type(value).__name__)
+
+
+def _string(value: Any, param: str, *, empty: bool = False) -> str:
+    if not isinstance(value, str):
+        raise BadRequest(param, f"must be a string, got {_type(value)}")
+    if not empty and not value:
+        raise BadRequest(param, "must not be empty")
+    return value
+
+
+def _bool(value: Any, param: str) -> bool:
+    if not isinstance(value, bool):
+        raise BadRequest(param, f"must be a boolean, got {_type(value)}")
+    return value
+
+
+def _fields(body: dict[str, Any], known: frozenset[str], neutral: Sequence[str]) -> None:
+    for name in body:
+        if name not in known:
+            raise BadRequest(name, "unrecognized request argument", code="unknown_parameter")
+    for name in neutral:
+        value = body.get(name)
+        accepted, reason = NEUTRAL[name]
+        if value is not None and not any(type(value) is type(a) and value == a for a in accepted):
+            raise BadRequest(name, f"{reason}; got {json.dumps(value)}", code="unsupported_parameter")
+    for name, reason in REFUSED.items():
+        if name in known and body.get(name) is not None:
+            raise BadRequest(name, reason, code="unsupported_parameter")
+    for name in _IDENTIFIERS:
+        if name in known and body.get(name) is not None:
+            _string(body[name], name, empty=True)
+
+
+def _max_tokens(body: dict[str, Any], default: int) -> tuple[int, str]:
+    given = [name for name in ("max_completion_tokens", "max_tokens") if body.get(name) is not None]
+    if len(given) == 2 and body["max_tokens"] != body["max_completion_tokens"]:
+        raise BadRequest("max_tokens", "differs from max_completion_tokens; give one of them")
+    if not given:
+        return default, "max_tokens"
+    value = body[given[0]]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(given[0], f"must be an integer, got {_type(value)}")
+    return value, given[0]
+
+
+def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
+    stream = body.get("stream")
+    stream = False if stream is None else _bool(stream, "stream")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    options = _object(options, "stream_options")
+    if not stream:
+        raise BadRequest("stream_options", "only allowed when stream is true")
+    for name in options:
+        if name not in ("include_usage", "include_obfuscation"):
+            raise BadRequest(f"stream_options.{name}", "unrecognized stream option")
+    if options.get("include_obfuscation") not in (None, False):
+        raise BadRequest("stream_options.include_obfuscation", "obfuscation padding is not sent by this server")
+    usage = options.get("include_usage")
+    return stream, False if usage is None else _bool(usage, "stream_options.include_usage")
+
+
+@overload
+def _number(body: dict[str, Any], name: str, default: float) -> float: ...
+@overload
+def _number(body: dict[str, Any], name: str, default: None) -> float | None: ...
+def _number(body: dict[str, Any], name: str, default: float | None) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadRequest(name, f"must be a number, got {_type(value)}")
+    return float(value)
+
+
+def _extension(body: dict[str, Any]) -> tuple[Constraint | None, str | None, dict[str, Any], int | None]:
+    """The extension's constraint (and its param), options and ``top_k``."""
+    raw = body.get(EXTENSION)
+    if raw is None:
+        return None, None, {}, None
+    ext = _object(raw, EXTENSION)
+    for name in ext:
+        if name not in _EXTENSION_FIELDS:
+            raise BadRequest(f"{EXTENSION}.{name}", f"unknown field; expected one of {', '.join(_EXTENSION_FIELDS)}")
+    kinds = [name for name in _EXTENSION_KINDS if ext.get(name) is not None]
+    if len(kinds) > 1:
+        raise BadRequest(f"{EXTENSION}.{kinds[1]}", f"give one constraint, not {' and '.join(kinds)}")
+    options = _object(ext.get("options", {}), f"{EXTENSION}.options")
+    top_k = ext.get("top_k")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)):
+        raise BadRequest(f"{EXTENSION}.top_k", f"must be an integer, got {_type(top_k)}")
+    if not kinds:
+        return None, None, options, top_k
+    name = kinds[0]
+    param = f"{EXTENSION}.{name}"
+    value = ext[name]
+    with _as_bad_request(param):
+        kind = _EXTENSION_KINDS[name]
+        if kind == "choice":
+            constraint = Constraint.choice(value)
+        elif kind == "structural_tag":
+            constraint = Constraint.structural_tag_raw(_object(value, param))
+        elif kind == "regex":
+            constraint = Constraint.regex(_string(value, param))
+        elif kind == "ebnf":
+            constraint = Constraint.ebnf(_string(value, param))
+        else:
+            constraint = Constraint.lark(_string(value, param))
+    return constraint, param, options, top_k
+
+
+@contextmanager
+def _as_bad_request(param: str) -> Iterator[None]:
+    """Turn the SDK's :class:`InvalidRequest` into a :class:`BadRequest` under ``param``."""
+    try:
+        yield
+    except InvalidRequest as err:
+        raise BadRequest(_sdk_path(param, err.field), err.reason) from err
+
+
+def _sdk_path(param: str, field: str | None) -> str:
+    """The body path of a field the SDK names under the constraint at ``param``.
+
+    The SDK names the payload itself (``schema``, ``choices``, ...) and then
+    a JSON pointer (``schema#/properties/a``), a key (``structural_tag.type``)
+    or an index (``choices[1]``) inside it; the payload is ``param`` here.
+    """
+    if not field:
+        return param
+    for name in _PAYLOAD_FIELDS:
+        if field == name:
+            return param
+        rest = field.removeprefix(name)
+        if rest != field and rest[0] in "#.[":
+            return _pointer_path(param, rest[1:]) if rest[0] == "#" else param + rest
+    return f"{param}.{field}"
+
+
+#: Schema keywords whose value is an array: a pointer's number after one is an index (``anyOf[1]``).
+_ARRAY_KEYWORDS: Final = frozenset({"anyOf", "oneOf", "allOf", "prefixItems", "enum", "items", "required", "tags",
+                                    "triggers"})
+
+
+def _pointer_path(base: str, pointer: str) -> str:
+    """``base`` extended by the JSON pointer ``pointer`` in this package's dotted form (``.a.anyOf[1]``)."""
+    path, previous = base, ""
+    for raw in pointer.split("/"):
+        if not raw:
+            continue
+        part = raw.replace("~1", "/").replace("~0", "~")
+        path += f"[{part}]" if part.isdigit() and previous in _ARRAY_KEYWORDS else f".{part}"
+        previous = part
+    return path
+
+
+def _response_format(body: dict[str, Any]) -> tuple[Constraint | None, str | None]:
+    raw = body.get("response_format")
+    if raw is None:
+        return None, None
+    fmt = _object(raw, "response_format")
+    kind = fmt.get("type")
+    allowed = {"text": (), "json_object": (), "json_schema": ("json_schema",)}
+    if kind not in allowed:
+        raise BadRequest("response_format.type", f"must be one of text, json_object, json_schema, got {kind!r}")
+    for name in fmt:
+        if name != "type" and name not in allowed[kind]:
+            raise BadRequest(f"response_format.{name}", f"unknown field for type {kind}")
+    if kind == "text":
+        return None, None
+    if kind == "json_object":
+        return Constraint.json_object(), "response_format"
+    spec = _object(fmt.get("json_schema"), "response_format.json_schema")
+    for name in spec:
+        if name not in ("name", "description", "schema", "strict"):
+            raise BadRequest(f"response_format.json_schema.{name}", "unknown field; expected name, description, "
+                                                                    "schema, strict")
+    name = _string(spec.get("name"), "response_format.json_schema.name")
+    if not _SCHEMA_NAME.match(name):
+        raise BadRequest("response_format.json_schema.name", "must be 1-64 characters of a-z, A-Z, 0-9, _ and -")
+    if spec.get("description") is not None:
+        _string(spec["description"], "response_format.json_schema.description", empty=True)
+    strict = spec.get("strict")
+    strict = False if strict is None else _bool(strict, "response_format.json_schema.strict")
+    param = "response_format.json_schema.schema"
+    if spec.get("schema") is None:
+        return Constraint.json_object(), param
+    schema = _object(spec["schema"], param)
+    if strict:
+        check_strict(schema, param)
+    with _as_bad_request(param):
+        return Constraint.json_schema(schema), param
+
+
+def _tools(body: dict[str, Any]) -> tuple[tuple[Tool, ...], ToolMode | None, bool]:
+    """The callable tools, the tool mode, and ``parallel_tool_calls``."""
+    raw_tools, choice = body.get("tools"), body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    parallel = True if parallel is None else _bool(parallel, "parallel_tool_calls")
+    if raw_tools is None:
+        if choice not in (None, "none"):
+            raise BadRequest("tool_choice", "needs tools")
+        return (), None, parallel
+    if not isinstance(raw_tools, list) or not raw_tools:
+        raise BadRequest("tools", "must be a non-empty array of function tools")
+    tools: list[Tool] = []
+    for i, raw in enumerate(raw_tools):
+        where = f"tools[{i}]"
+        entry = _object(raw, where)
+        if entry.get("type") != "function":
+            raise BadRequest(f"{where}.type", f"only function tools are supported, got {entry.get('type')!r}")
+        for name in entry:
+            if name not in ("type", "function"):
+                raise BadRequest(f"{where}.{name}", "unknown field; expected type, function")
+        fn = _object(entry.get("function"), f"{where}.function")
+        for name in fn:
+            if name not in ("name", "description", "parameters", "strict"):
+                raise BadRequest(f"{where}.function.{name}", "unknown field; expected name, description, "
+                                                             "parameters, strict")
+        name = _string(fn.get("name"), f"{where}.function.name")
+        if not _SCHEMA_NAME.match(name):
+            raise BadRequest(f"{where}.function.name", "must be 1-64 characters of a-z, A-Z, 0-9, _ and -")
+        if any(t.name == name for t in tools):
+            raise BadRequest(f"{where}.function.name", f"{name!r} is defined twice")
+        description = fn.get("description")
+        description = "" if description is None else _string(description, f"{where}.function.description", empty=True)
+        strict = fn.get("strict")
+        strict = False if strict is None else _bool(strict, f"{where}.function.strict")
+        param = f"{where}.function.parameters"
+        parameters = fn.get("parameters")
+        if parameters is None:  # OpenAI: no parameters = a function that takes none
+            parameters = {"type": "object", "properties": {}, "additionalProperties": False}
+        parameters = _object(parameters, param)
+        if parameters.get("type") != "object":
+            raise BadRequest(f"{param}.type", 'must be "object" (function arguments are a JSON object)')
+        if strict:
+            check_strict(parameters, param)
+        with _as_bad_request(param):
+            Constraint.json_schema(parameters)  # the meta-schema check, named under this tool
+        tools.append(Tool(name, description, parameters, strict))
+    if choice is None or choice == "auto":
+        return tuple(tools), "auto", parallel
+    if choice == "none":
+        return (), None, parallel
+    if choice == "required":
+        return tuple(tools), "required", parallel
+    if not isinstance(choice, dict) or choice.get("type") != "function":
+        raise BadRequest("tool_choice", 'must be "none", "auto", "required" or {"type": "function", "function": '
+                                        '{"name": ...}}')
+    wanted = _string(_object(choice.get("function"), "tool_choice.function").get("name"), "tool_choice.function.name")
+    for tool in tools:
+        if tool.name == wanted:
+            return (tool,), "named", parallel
+    raise BadRequest("tool_choice.function.name", f"{wanted!r} is not one of the tools")
+
+
+def _content(value: Any, param: str) -> str:
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise BadRequest(param, f"must be a string or an array of text parts, got {_type(value)}")
+    texts = []
+    for i, part in enumerate(value):
+        part = _object(part, f"{param}[{i}]")
+        if part.get("type") != "text":
+            raise BadRequest(f"{param}[{i}].type", f"only text parts are supported, got {part.get('type')!r}")
+        texts.append(_string(part.get("text"), f"{param}[{i}].text", empty=True))
+    return "".join(texts)
+
+
+def _messages(raw: Any, system_extra: str | None) -> list[dict[str, str]]:
+    """OpenAI messages -> the ensemble's ``{role, content}`` list (see the module docstring for the roles)."""
+    if not isinstance(raw, list) or not raw:
+        raise BadRequest("messages", "must be a non-empty array")
+    out: list[dict[str, str]] = []
+    for i, item in enumerate(raw):
+        where = f"messages[{i}]"
+        msg = _object(item, where)
+        role = msg.get("role")
+        if role not in _ROLES:
+            raise BadRequest(f"{where}.role", f"must be one of {', '.join(_ROLES)}, got {role!r}")
+        allowed = {"role", "content"} | {"assistant": {"tool_calls", "refusal"}, "tool": {"tool_call_id"}}.get(role,
+                                                                                                              set())
+        for name in msg:
+            if name not in allowed:
+                raise BadRequest(f"{where}.{name}", f"not supported on a {role} message")
+        if role == "assistant":
+            text = "" if msg.get("content") is None else _content(msg["content"], f"{where}.content")
+            if msg.get("refusal") is not None:
+                _string(msg["refusal"], f"{where}.refusal", empty=True)
+            for j, call in enumerate(msg.get("tool_calls") or []):
+                fn = _object(_object(call, f"{where}.tool_calls[{j}]").get("function"),
+                             f"{where}.tool_calls[{j}].function")
+                name = _string(fn.get("name"), f"{where}.tool_calls[{j}].function.name")
+                arguments = _string(fn.get("arguments"), f"{where}.tool_calls[{j}].function.arguments", empty=True)
+                text += f"{call_prefix(name)}{arguments}}}</tool_call>"
+            out.append({"role": "assistant", "content": text})
+            continue
+        text = _content(msg.get("content"), f"{where}.content")
+        if role == "tool":
+            _string(msg.get("tool_call_id"), f"{where}.tool_call_id")
+            # Hermes-style: tool results come back as a user turn (chat templates know no "tool" role).
+            out.append({"role": "user", "content": f"<tool_response>\n{text}\n</tool_response>"})
+        else:
+            out.append({"role": "system" if role == "developer" else role, "content": text})
+    if system_extra is not None:
+        if out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + system_extra}
+        else:
+            out.insert(0, {"role": "system", "content": system_extra})
+    return out
+
+
+def _with_options(constraint: Constraint | None, options: dict[str, Any], param: str | None) -> Constraint | None:
+    if not options:
+        return constraint
+    if constraint is None:
+        raise BadRequest(f"{EXTENSION}.options", "needs a constraint (response_format, tools or a kind of "
+                                                 f"{EXTENSION})")
+    try:
+        return Constraint(constraint.kind, constraint.payload, {**constraint.options, **options})
+    except InvalidRequest as err:
+        field = err.field or "options"
+        raise BadRequest(f"{EXTENSION}.options.{field.removeprefix('grammar_options.')}", err.reason) from err
+
+
+def _build(endpoint: Endpoint, body: dict[str, Any], *, prompt: str | None, messages: list[dict[str, str]] | None,
+           constraint: Constraint | None, constraint_param: str | None, default_max_tokens: int,
+           top_k: int | None, tools: tuple[Tool, ...] = (), tool_mode: ToolMode | None = None) -> Plan:
+    max_tokens, max_param = _max_tokens(body, default_max_tokens)
+    stream, include_usage = _stream(body)
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise BadRequest("seed", f"must be an integer, got {_type(seed)}")
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, (str, list)):
+        raise BadRequest("stop", f"must be a string or an array of strings, got {_type(stop)}")
+    try:
+        inputs = build_inputs(prompt, messages=messages, constraint=constraint, max_tokens=max_tokens,
+                              temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", None),
+                              top_k=top_k, seed=seed, stop=stop)
+    except InvalidRequest as err:
+        field = err.field or "request"
+        where = {"max_tokens": max_param, "top_k": f"{EXTENSION}.top_k"}.get(field, field)
+        raise BadRequest(where, err.reason) from err
+    return Plan(endpoint=endpoint, model=_string(body.get("model"), "model"), inputs=inputs,
+                kind=None if constraint is None else constraint.kind, constraint_param=constraint_param,
+                max_tokens_param=max_param, stream=stream, include_usage=include_usage, tools=tools,
+                tool_mode=tool_mode)
+
+
+# --------------------------------------------------------------------------- entry points
+def parse_chat(body: Any, default_max_tokens: int) -> Plan:
+    """Check and translate a ``/v1/chat/completions`` body.
+
+    Parameters
+    ----------
+    body : Any
+        The parsed JSON body.
+    default_max_tokens : int
+        The budget when the request gives none.
+
+    Returns
+    -------
+    Plan
+
+    Raises
+    ------
+    BadRequest
+        A field is unknown, malformed, refused, or breaks the server's rules.
+    """
+    body = _object(body, "body")
+    _fields(body, CHAT_FIELDS, _CHAT_NEUTRAL)
+    if "model" not in body:
+        raise BadRequest("model", "is required")
+    fmt, fmt_param = _response_format(body)
+    ext, ext_param, options, top_k = _extension(body)
+    tools, mode, parallel = _tools(body)
+    if fmt is not None and ext is not None:
+        raise BadRequest(ext_param or EXTENSION, "give one constraint: response_format or the extension's, not both")
+    constraint, param = (fmt, fmt_param) if fmt is not None else (ext, ext_param)
+    if tools and constraint is not None:
+        raise BadRequest("tool_choice" if fmt is None else "response_format",
+                         "a constraint on the text cannot be combined with tool calls; set tool_choice to "
+                         '"none" to use it')
+    system_extra = None
+    if tools and mode is not None:
+        constraint, param = tool_constraint(tools, mode, parallel=parallel), "tools"
+        system_extra = tools_prompt(tools, mode)
+    constraint = _with_options(constraint, options, param)
+    messages = _messages(body.get("messages"), system_extra)
+    return _build("chat", body, prompt=None, messages=messages, constraint=constraint, constraint_param=param,
+                  default_max_tokens=default_max_tokens, top_k=top_k, tools=tools, tool_mode=mode)
+
+
+def parse_completion(body: Any) -> Plan:
+    """Check and translate a ``/v1/completions`` body (one prompt; token-id prompts are refused).
+
+    Raises
+    ------
+    BadRequest
+        As :func:`parse_chat`.
+    """
+    body = _object(body, "body")
+    _fields(body, COMPLETION_FIELDS, _COMPLETION_NEUTRAL)
+    if "model" not in body:
+        raise BadRequest("model", "is required")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        if len(prompt) != 1 or not isinstance(prompt[0], str):
+            raise BadRequest("prompt", "must be a string or an array of one string (batches and token ids are "
+                                       "not supported)")
+        prompt = prompt[0]
+    prompt = _string(prompt, "prompt", empty=True)
+    constraint, param, options, top_k = _extension(body)
+    constraint = _with_options(constraint, options, param)
+    return _build("completions", body, prompt=prompt, messages=None, constraint=constraint, constraint_param=param,
+                  default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS, top_k=top_k)
+
+
+def client_error_param(plan: Plan, err: ClientError) -> str | None:
+    """The body path of the field a server error names (an :class:`InvalidRequest`'s ``field``), if any."""
+    return plan.param_of(err.field) if isinstance(err, InvalidRequest) else None
+
+
