@@ -436,3 +436,23 @@ def test_lone_surrogates_are_invalid_requests(call: dict[str, Any], message: str
 
     with pytest.raises(InvalidRequest, match=message):
         build_inputs(**call)
+
+
+def test_a_schema_that_passed_its_meta_check_is_not_checked_again() -> None:
+    from client import constraints
+
+    schema = {"type": "object", "properties": {"cache_probe": {"type": "integer"}}, "required": ["cache_probe"]}
+    constraints._check_text.cache_clear()
+    Constraint.json_schema(schema)
+    Constraint.json_schema(dict(reversed(list(schema.items()))))  # the same schema, keys in another order
+    info = constraints._check_text.cache_info()
+    assert (info.misses, info.hits, info.currsize) == (1, 1, 1)
+    bad = {"type": "object", "properties": {"a": {"type": 5}}}
+    for _ in range(2):  # a refusal is never remembered: refused, with its pointer, every time
+        with pytest.raises(InvalidConstraint, match=r"^schema#/properties/a/type: 5 is not valid under any"):
+            Constraint.json_schema(bad)
+    assert constraints._check_text.cache_info().currsize == 1
+    # Over the size bound: checked every time, never kept.
+    big = {"type": "object", "description": "x" * constraints._CHECKED_MAX_CHARS}
+    Constraint.json_schema(big)
+    assert constraints._check_text.cache_info().currsize == 1
