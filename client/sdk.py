@@ -526,7 +526,7 @@ def build_inputs(
         inputs.append(_bytes_input("GRAMMAR", [constraint.payload]))
         if constraint.options:
             inputs.append(_bytes_input("GRAMMAR_OPTIONS", [constraint.options_json]))
-    inputs.append(_scalar_input("MAX_TOKENS", "INT32", np.int32, _check_int(max_tokens, "max_tokens", 1, 2**31 - 1)))
+    inputs.append(_scalar_input("MAX_TOKENS", "INT32", np.int32, _check_int(max_tokens, "max_tokens", 1, contract.MAX_MAX_TOKENS)))
     temp = _check_float(temperature, "temperature")
     mass = None if top_p is None else _check_float(top_p, "top_p")
     k = None if top_k is None else _check_int(top_k, "top_k", 0, contract.MAX_TOP_K)

@@ -32,6 +32,7 @@ __all__ = [
     "MAX_CONSTRAINT_BYTES",
     "MAX_CONSTRAINT_DEPTH",
     "MAX_INDENT",
+    "MAX_MAX_TOKENS",
     "MAX_MESSAGE_BYTES",
     "MAX_STOP_CHARS",
     "MAX_STOP_STRINGS",
@@ -112,6 +113,8 @@ MAX_MESSAGE_BYTES: Final = 2 * MAX_CONSTRAINT_BYTES
 
 MAX_TEMPERATURE: Final = 2.0
 MAX_TOP_K: Final = 2**31 - 1
+#: ``MAX_TOKENS`` is INT32; the model's context bounds it further, server-side.
+MAX_MAX_TOKENS: Final = 2**31 - 1
 #: Seeds are in ``[0, SEED_LIMIT)`` (uint64).
 SEED_LIMIT: Final = 2**64
 MAX_STOP_STRINGS: Final = 8

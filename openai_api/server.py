@@ -116,8 +116,9 @@ class OpenAIConfig:
             raise OpenAIServerError(f"port: must be in [1, 65535], got {self.port}")
         if not self.models:
             raise OpenAIServerError("models: must not be empty")
-        if not 1 <= self.default_max_tokens <= 2**31 - 1:  # MAX_TOKENS is INT32 (client.sdk.build_inputs)
-            raise OpenAIServerError(f"default_max_tokens: must be in [1, 2147483647], got {self.default_max_tokens}")
+        if not 1 <= self.default_max_tokens <= contract.MAX_MAX_TOKENS:
+            raise OpenAIServerError(f"default_max_tokens: must be in [1, {contract.MAX_MAX_TOKENS}], "
+                                    f"got {self.default_max_tokens}")
 
     def ssl_context(self) -> ssl.SSLContext | None:
         """The TLS context of the port (None without TLS)."""
