@@ -452,7 +452,7 @@ class ServerConfig:
         explicit = [p for p in (self.grpc_port, self.http_port, self.metrics_port, self.internal_grpc_port,
                                 self.openai_port) if p]
         if len(explicit) != len(set(explicit)):
-            raise ValueError(f"ports: grpc/http/metrics ports must differ, got {explicit}")
+            raise ValueError(f"ports: grpc/http/metrics/internal/openai ports must differ, got {explicit}")
         if self.log_verbose < 0:
             raise ValueError(f"log_verbose: must be >= 0, got {self.log_verbose}")
         if not self.ready_timeout_s > 0:
