@@ -5,7 +5,7 @@ Usage (from the repository root, after ``make model``)::
     .venv/bin/python bench/budget_bench.py ../shared/data/maskbench-dev             # ~15 min on 2 cores
     .venv/bin/python bench/budget_bench.py ../shared/data/maskbench-dev --quick     # ~5 min
 
-Three parts, in one run:
+Four parts, in one run:
 
 1. **Search** (in process, no server).  For a seeded sample of MaskBench
    schemas with a valid test instance: the instance is tokenized with the
@@ -18,6 +18,12 @@ Three parts, in one run:
    replay a runaway string (``"bin/bin/..."``) with a 4,096-token budget,
    ``on_budget: close`` vs ``truncate``, interleaved: what the budget checks
    cost on rows far from their budget.
+2b. **Replay** (in process, the real engine and masks, no model).  The
+   issue's misses: large MaskBench schemas (3-20k characters), a scripted
+   "model" that writes the start of the valid instance up to its first string
+   value, then runs away (an aperiodic digit run, ``1234567890...``,
+   ``1000...``, prose without a short unit), at ``--replay-tokens`` (384);
+   where the mask refuses its token it takes the closing one.
 3. **Served** (a real tritonserver on loopback, 4 streams at a time, greedy).
    The project's own schemas (``tests/fixtures/schemas``) and a seeded
    sample of small MaskBench schemas, each with the prompt "Produce one
@@ -30,6 +36,12 @@ Three parts, in one run:
    that parse and validate (by the model alone or closed early), parsed but
    invalid (keywords xgrammar leaves unenforced), truncated; tokens used.
    Modes alternate per schema, so machine noise hits both alike.
+
+Every miss (an output that is not valid although the shortest valid
+instance fits its budget) is printed with the tail of its text and why: the
+violation of an output that parsed, else where its completion stopped fitting
+(its text replayed with a completion search at every token).  ``--misses
+OUT.json`` prints them for an earlier run's ``--json`` file.
 
 The last line reads ``valid at 50% budget: close X% (C/T) truncate Y% (D/T)``.
 Nothing here asserts: figures vary with the machine; read ratios from one run.
@@ -59,7 +71,7 @@ import xgrammar as xgr
 from e2e_bench import MODEL_DIR, pct, served_ensemble
 
 from client import Client, ClientError, Constraint
-from grammar_backend.closing import Closer
+from grammar_backend.closing import CLOSE_REASONS, Closer
 from grammar_backend.compile import compile_spec
 from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
 from grammar_backend.errors import GrammarError
@@ -73,6 +85,23 @@ PROMPT: Final = "Produce one realistic JSON instance of this schema: {schema}"
 #: Schemas larger than this (compact JSON characters) are left out: they make
 #: prompts of thousands of tokens, and the served part measures closing, not prefill.
 MAX_SCHEMA_CHARS: Final = 2500
+#: Served runs without budget closing (their misses are the point of comparison, not closing's).
+WITHOUT_CLOSING: Final = frozenset({"before", "truncate50", "truncate80"})
+#: Part 2b's schemas: the issue's misses were in schemas of 3-19k characters.
+LARGE: Final = (3000, 20000)
+#: Part 2b's runaways (each repeated for as long as the output runs): a counter's digits (no short
+#: period), the period-10 digit run and ``1000...`` of the issue, and prose without a short unit.
+RUNAWAYS: Final[dict[str, str]] = {
+    "digits": str(7**400),
+    "period10": "1234567890" * 40,
+    "zeros": "1" + "0" * 400,
+    "prose": "",  # filled below: 400 words in a seeded random order
+}
+_WORDS: Final = ("the", "quick", "brown", "fox", "jumps", "over", "lazy", "dogs", "while", "seven", "wizards",
+                 "judge", "boxing", "matches", "near", "ancient", "harbors", "filled", "with", "curious",
+                 "travelers", "carrying", "maps", "and", "lanterns")
+_rng = random.Random(5)
+RUNAWAYS["prose"] = " ".join(_rng.choice(_WORDS) for _ in range(400))
 MODES: Final[dict[str, dict[str, str]]] = {
     "close": {},  # the defaults
     "truncate": {"on_budget": "truncate", "on_repeat": "continue"},
@@ -88,8 +117,10 @@ def _accepted(schema: dict[str, Any]) -> bool:
     return True
 
 
-def sample(data: Path, count: int, seed: int) -> list[tuple[str, dict[str, Any], Any]]:
-    """``count`` (name, schema, first valid instance) from ``data``, seeded, small schemas only."""
+def sample(data: Path, count: int, seed: int, sizes: tuple[int, int] = (0, MAX_SCHEMA_CHARS), *,
+           object_instance: bool = False) -> list[tuple[str, dict[str, Any], Any]]:
+    """``count`` (name, schema, first valid instance) from ``data``, seeded, of ``sizes`` compact characters
+    (small by default; ``object_instance``: the instance is a JSON object)."""
     files = sorted(data.glob("*.json"))
     random.Random(seed).shuffle(files)
     out = []
@@ -97,8 +128,9 @@ def sample(data: Path, count: int, seed: int) -> list[tuple[str, dict[str, Any],
         doc = json.loads(path.read_text(encoding="utf-8"))
         valid = [t["data"] for t in doc.get("tests", []) if t.get("valid")]
         schema = doc["schema"]
-        small = isinstance(schema, dict) and len(json.dumps(schema, separators=(",", ":"))) <= MAX_SCHEMA_CHARS
-        if valid and small and _accepted(schema):
+        size = len(json.dumps(schema, separators=(",", ":"))) if isinstance(schema, dict) else -1
+        if (valid and sizes[0] <= size <= sizes[1] and (isinstance(valid[0], dict) or not object_instance)
+                and _accepted(schema)):
             out.append((path.name, schema, valid[0]))
         if len(out) == count:
             break
@@ -180,6 +212,146 @@ def step_part(model_dir: Path, steps: int) -> dict[str, float]:
         engine.close()
     return {f"{mode}_us_p50": pct(t, 50) * 1e6 for mode, t in timings.items()} | {
         f"{mode}_us_p99": pct(t, 99) * 1e6 for mode, t in timings.items()}
+
+
+class _Diagnosis:
+    """Why an output missed although a completion fitted: replays its text with a fresh matcher and a
+    completion search at every token (a few seconds per miss, only for misses)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self.bundle = load_tokenizer(str(model_dir))
+        self.compiler = xgr.GrammarCompiler(self.bundle.info, max_threads=1)
+        self.closer = Closer(self.bundle.info)
+
+    def reason(self, schema: dict[str, Any], text: str, budget: int, outcome: str) -> str:
+        """One line: the violation of a parsed output, else where the completion stopped fitting."""
+        if outcome == "parsed_invalid":
+            report = validate_output(schema, text)
+            first = report.violations[0] if report.violations else None
+            return (f"ends invalid: {first.pointer or '/'} {first.message} ({first.keyword})" if first
+                    else f"ends invalid: {report.parse_error}")
+        if outcome.startswith("error"):
+            return outcome
+        matcher = xgr.GrammarMatcher(compile_spec(self.compiler, parse_constraint("json_schema",
+                                                                                   json.dumps(schema))))
+        ids = self.bundle.hf.encode(text, add_special_tokens=False)  # re-tokenized: positions are approximate
+        last_fit: tuple[int, int] | None = None
+        lengths: list[int | None] = []
+        for position in range(len(ids) + 1):
+            found = self.closer.complete(matcher)
+            lengths.append(None if found is None else len(found))
+            if found is not None and position + len(found) + 1 <= budget:
+                last_fit = (position, len(found))
+            if position == len(ids) or not matcher.accept_token(ids[position]):
+                break
+        if last_fit is None:
+            known = [n for n in lengths if n is not None]
+            return ("no completion found within the search bound at any token" if not known
+                    else f"no completion ever fitted (shortest at the start: {lengths[0]} tokens, budget {budget})")
+        at, size = last_fit
+        after = lengths[at + 1] if at + 1 < len(lengths) else None
+        grown = ("no completion found" if after is None else f"a completion of {after} tokens")
+        cut = self.bundle.hf.decode(ids[max(0, at - 12):at + 1])
+        return (f"fitted until token {at} (completion {size} tokens, {budget - at - 1} left), then "
+                f"{cut!r} led to {grown}: not closed in time")
+
+
+def print_misses(records: Sequence[dict[str, Any]], schemas: dict[str, dict[str, Any]], model_dir: Path) -> int:
+    """Print each output that is not valid although the shortest valid instance fits its budget (runs with
+    budget closing on only); returns their count."""
+    misses = [r for r in records if 0 < r.get("shortest", 0) <= r["budget"] and r["run"] not in WITHOUT_CLOSING
+              and r["outcome"] not in ("valid", "valid_closed")]
+    diagnosis = _Diagnosis(model_dir) if misses else None
+    for r in misses:
+        schema = schemas[r["schema"]]
+        reason = diagnosis.reason(schema, r["text"], r["budget"], r["outcome"]) if diagnosis else ""
+        print(f"  miss {r['run']:10s} {r['schema']} budget {r['budget']} tokens {r['tokens']} "
+              f"{r['outcome']} closed {r.get('close_reason')}: ...{r['text'][-70:]!r}\n      why: {reason}",
+              flush=True)
+    return len(misses)
+
+
+def allowed_dtype() -> Any:
+    """The dtype of :func:`grammar_backend.bitmask.allowed_tokens` (for a set difference against it)."""
+    from grammar_backend.bitmask import allowed_tokens
+
+    return allowed_tokens(np.zeros(1, np.int32), 32).dtype
+
+
+def replay_part(model_dir: Path, schemas: Sequence[tuple[str, dict[str, Any], Any]],
+                budget: int) -> dict[str, Any]:
+    """Part 2b: the issue's runaways on large schemas, through the real engine (no server, no model).
+
+    A scripted "model" writes the start of each schema's valid instance up to its first string value,
+    then a runaway of each kind in :data:`RUNAWAYS`; where the mask refuses its token it takes the
+    closing token (calm rows) or the only allowed one (forced rows), as greedy sampling would.
+    """
+    from grammar_backend.bitmask import allowed_tokens
+    from grammar_backend.workers import WorkerConfig
+
+    bundle = load_tokenizer(str(model_dir))
+    encode = bundle.hf.encode
+    # These schemas' compiles may pass the serving default (1 GiB) on a loaded host: the closing is measured.
+    engine = GrammarEngine(bundle.info, bundle.fingerprint,
+                           GrammarEngineConfig(max_batch=1, workers=WorkerConfig(memory_bytes=4096 << 20)),
+                           encode=bundle.encode)
+    stop = int(bundle.info.stop_token_ids[0])
+    vocab = bundle.info.vocab_size
+    calm = np.array(engine.closer.calm_tokens(), dtype=allowed_dtype())
+    records: list[dict[str, Any]] = []
+    step_s: list[float] = []
+    seq_id = 0
+    try:
+        for name, schema, instance in schemas:
+            text = json.dumps(instance, separators=(",", ":"), ensure_ascii=False)
+            cut = text.find('":"')
+            if cut < 0:
+                continue
+            spec = parse_constraint("json_schema", json.dumps(schema))
+            minimal = shortest(model_dir, [(name, schema, None)])[0]
+            for kind, runaway in RUNAWAYS.items():
+                seq_id += 1
+                try:
+                    engine.start(seq_id, spec, budget=budget, timeout_s=600)
+                except GrammarError as err:
+                    records.append({"run": kind, "schema": name, "shortest": 0, "budget": budget,
+                                    "outcome": f"error: {err}"[:120], "tokens": 0, "text": "", "close_reason": None})
+                    break
+                head = encode(text[:cut + 3], add_special_tokens=False)
+                body = encode(runaway, add_special_tokens=False)
+                taken: list[int] = []
+                k = 0  # the next token the scripted model wants
+                ids = np.array([seq_id], np.uint64)
+                state = 0
+                while len(taken) < budget:
+                    last = taken[-1:]
+                    t0 = time.perf_counter()
+                    out = engine.step(ids, np.array([last or [0]], np.int32), np.array([len(last)], np.int32))
+                    step_s.append(time.perf_counter() - t0)
+                    state = int(out.closing[0]) if int(out.closing[0]) in CLOSE_REASONS else state
+                    allowed = allowed_tokens(out.bitmask[0], vocab)
+                    wanted = head[k] if k < len(head) else body[(k - len(head)) % len(body)]
+                    if bool(np.isin(wanted, allowed)):
+                        token, k = wanted, k + 1
+                    else:  # forced: its one token; calm: the completion's (the one that is not calm)
+                        closing = np.setdiff1d(allowed, calm, assume_unique=True) if len(allowed) > 1 else allowed
+                        token = int(closing[0]) if len(closing) == 1 else int(allowed[0])
+                    taken.append(int(token))
+                    if token == stop:
+                        break
+                engine.end([seq_id])
+                body = bundle.hf.decode([t for t in taken if t != stop])
+                report = validate_output(schema, body)
+                outcome = (("valid_closed" if state else "valid") if report.valid
+                           else "parsed_invalid" if report.parsed else "truncated")
+                records.append({"run": kind, "schema": name, "shortest": minimal, "budget": budget,
+                                "outcome": outcome, "tokens": len(taken), "text": body,
+                                "close_reason": CLOSE_REASONS.get(state)})
+    finally:
+        engine.close()
+    by_kind = {kind: dict(Counter(r["outcome"] for r in records if r["run"] == kind)) for kind in RUNAWAYS}
+    return {"records": records, "outcomes": by_kind, "step_us_p50": pct(step_s, 50) * 1e6,
+            "step_us_p99": pct(step_s, 99) * 1e6}
 
 
 def one(url: str, schema: dict[str, Any], options: dict[str, str], max_tokens: int) -> dict[str, Any]:
@@ -292,14 +464,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--quick", action="store_true", help="100 search and 16 served schemas, 256 tokens")
+    parser.add_argument("--replay-schemas", type=int, default=12, help="large schemas replayed with runaways")
+    parser.add_argument("--replay-tokens", type=int, default=384, help="their budget (the issue's max_tokens)")
+    parser.add_argument("--quick", action="store_true",
+                        help="100 search, 6 replayed and 16 served schemas, 256 tokens")
+    parser.add_argument("--misses", type=Path, default=None,
+                        help="only print the misses of an earlier run's --json file (and why), then exit")
     parser.add_argument("--model-dir", type=Path, default=MODEL_DIR)
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")
     args = parser.parse_args(argv)
     if args.quick:
         args.search_schemas, args.served_schemas, args.max_tokens, args.steps = 100, 16, 256, 200
+        args.replay_schemas = 6
     if not (args.model_dir / "config.json").is_file():
         parser.error(f"--model-dir {args.model_dir}: no config.json (run `make model`)")
+    if args.misses is not None:
+        saved = json.loads(args.misses.read_text())
+        by_name = {**{p.name: json.loads(p.read_text(encoding="utf-8")) for p in OWN.glob("*.json")}}
+        for part in ("replay", "served"):
+            records = saved.get(part, {}).get("records", [])
+            for r in records:
+                if r["schema"] not in by_name:
+                    by_name[r["schema"]] = json.loads((args.data / r["schema"]).read_text(encoding="utf-8"))["schema"]
+            print(f"{part}: {print_misses(records, by_name, args.model_dir)} misses where a completion fitted")
+        return 0
     t_all = time.perf_counter()
     search = search_part(args.model_dir, sample(args.data, args.search_schemas, args.seed), args.seed)
     print(f"search: {search['found']}/{search['tried']} prefixes completed "
@@ -310,6 +498,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     steps = step_part(args.model_dir, args.steps)
     print("step, 8 rows far from their budget, us: "
           + ", ".join(f"{k} {v:.1f}" for k, v in steps.items()), flush=True)
+    large = sample(args.data, args.replay_schemas, args.seed, LARGE, object_instance=True)  # the issue's misses
+    replay = replay_part(args.model_dir, large, args.replay_tokens)
+    print(f"replay: {len(large)} schemas of {LARGE[0]}-{LARGE[1]} characters, budget {args.replay_tokens}, "
+          f"step us p50 {replay['step_us_p50']:.0f} p99 {replay['step_us_p99']:.0f}", flush=True)
+    for kind, outcomes in replay["outcomes"].items():
+        print(f"  {kind:10s} {outcomes}", flush=True)
+    large_schemas = {name: schema for name, schema, _ in large}
+    print(f"replay: {print_misses(replay['records'], large_schemas, args.model_dir)} misses where a completion "
+          "fitted", flush=True)
     own = [(path.name, json.loads(path.read_text(encoding="utf-8")), None) for path in sorted(OWN.glob("*.json"))]
     served = served_part(args.model_dir, own + sample(args.data, args.served_schemas, args.seed + 1),
                          args.max_tokens, args.concurrency)
@@ -324,9 +521,13 @@ def main(argv: Sequence[str] | None = None) -> int:
               flush=True)
     same, natural = served["ample_unchanged"]
     print(f"  ample budget, budget closing on: {same}/{natural} outputs unchanged")
+    served_schemas = {name: schema for name, schema, _ in own + sample(args.data, args.served_schemas, args.seed + 1)}
+    print(f"served: {print_misses(served['records'], served_schemas, args.model_dir)} misses where the shortest "
+          "valid instance fitted", flush=True)
     print(f"total {time.perf_counter() - t_all:.0f} s")
     if args.json is not None:
-        args.json.write_text(json.dumps({"search": search, "steps": steps, "served": served}, indent=2))
+        args.json.write_text(json.dumps({"search": search, "steps": steps, "replay": replay, "served": served},
+                                        indent=2))
 
     def share(key: str) -> str:
         ok, total = served[key]["valid"]

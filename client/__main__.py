@@ -141,6 +141,17 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--top-k", type=int, metavar="K")
     sampling.add_argument("--seed", type=int)
     sampling.add_argument("--stop", action="append", metavar="TEXT", help="stop string; repeat the flag")
+    sampling.add_argument("--repetition-penalty", type=float, metavar="R",
+                          help=f"in (0, {contract.MAX_REPETITION_PENALTY:g}]: divides the logits of tokens already in "
+                               "the prompt or output (1: off)")
+    sampling.add_argument("--frequency-penalty", type=float, metavar="F",
+                          help=f"in -{contract.MAX_PENALTY:g}..{contract.MAX_PENALTY:g}: subtracted per occurrence "
+                               "in the output (0: off)")
+    sampling.add_argument("--presence-penalty", type=float, metavar="P",
+                          help=f"in -{contract.MAX_PENALTY:g}..{contract.MAX_PENALTY:g}: subtracted once a token "
+                               "occurs in the output (0: off)")
+    sampling.add_argument("--min-p", type=float, metavar="M",
+                          help="in 0..1: sample only tokens at least M times as likely as the most likely (0: off)")
 
     output = parser.add_argument_group("output")
     output.add_argument("--print-result", action="store_true", help="print the final RESULT JSON after the text")
@@ -295,6 +306,10 @@ def main(argv: Sequence[str] | None = None, *, stdin: TextIO | None = None, stdo
                 top_k=args.top_k,
                 seed=args.seed,
                 stop=args.stop,
+                repetition_penalty=args.repetition_penalty,
+                frequency_penalty=args.frequency_penalty,
+                presence_penalty=args.presence_penalty,
+                min_p=args.min_p,
                 require_complete=not args.allow_incomplete,
             )
             for chunk in chunks:

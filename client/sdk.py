@@ -469,6 +469,10 @@ def build_inputs(
     top_k: int | None = None,
     seed: int | None = None,
     stop: str | Sequence[str] | None = None,
+    repetition_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    min_p: float | None = None,
 ) -> list[grpcclient.InferInput]:
     """Build and validate the input tensors of one request.
 
@@ -477,7 +481,8 @@ def build_inputs(
     when a constraint is given; ``GRAMMAR`` is empty for ``json_object``);
     ``GRAMMAR_OPTIONS`` (BYTES, when the constraint sets options);
     ``MAX_TOKENS`` (INT32); ``TEMPERATURE`` (FP32); ``TOP_P`` (FP32);
-    ``TOP_K`` (INT32); ``SEED`` (UINT64); ``STOP`` (BYTES ``[n]``).
+    ``TOP_K`` (INT32); ``SEED`` (UINT64); ``REPETITION_PENALTY``,
+    ``FREQUENCY_PENALTY``, ``PRESENCE_PENALTY``, ``MIN_P`` (FP32); ``STOP`` (BYTES ``[n]``).
 
     Parameters
     ----------
@@ -500,6 +505,17 @@ def build_inputs(
         In [0, 2**64 - 1].
     stop : str or sequence of str, optional
         Stop strings (non-empty).
+    repetition_penalty : float, optional
+        In (0, 2]; 1 is off.  Tokens already in the prompt or the output get
+        their logit divided (positive) or multiplied (negative) by it.
+    frequency_penalty, presence_penalty : float, optional
+        In [-2, 2]; 0 is off.  Subtracted from a token's logit once per time
+        it occurs in the output (frequency) or once if it occurs (presence).
+    min_p : float, optional
+        In [0, 1]; 0 is off.  Sample only tokens at least ``min_p`` times as
+        likely as the most likely one.
+
+    All four apply after the grammar mask (see :data:`contract.PENALTY_FIELDS`).
 
     Returns
     -------
@@ -532,9 +548,14 @@ def build_inputs(
     k = None if top_k is None else _check_int(top_k, "top_k", 0, contract.MAX_TOP_K)
     s = None if seed is None else _check_int(seed, "seed", 0, contract.SEED_LIMIT - 1)
     stops = _stop_list(stop)
+    given = {name: value for name, value in (("repetition_penalty", repetition_penalty),
+                                              ("frequency_penalty", frequency_penalty),
+                                              ("presence_penalty", presence_penalty), ("min_p", min_p))
+             if value is not None}
+    penalties = {name: _check_float(value, name) for name, value in given.items()}
     try:  # the server's own rule (contract), so a request the client sends is one the server takes
         contract.check_sampling(temperature=temp, top_p=1.0 if mass is None else mass, top_k=k or 0, seed=s,
-                                stop=stops)
+                                stop=stops, **penalties)
     except contract.ContractError as err:
         raise InvalidRequest(err.field, err.reason) from err
     inputs.append(_scalar_input("TEMPERATURE", "FP32", np.float32, temp))
@@ -544,6 +565,9 @@ def build_inputs(
         inputs.append(_scalar_input("TOP_K", "INT32", np.int32, k))
     if s is not None:
         inputs.append(_scalar_input("SEED", "UINT64", np.uint64, s))
+    for name in contract.PENALTY_FIELDS:  # the tensor is the field's name in capitals
+        if name in penalties:
+            inputs.append(_scalar_input(name.upper(), "FP32", np.float32, penalties[name]))
     if stops:
         inputs.append(_bytes_input("STOP", stops))
     return inputs
@@ -844,6 +868,10 @@ class Client:
         top_k: int | None = None,
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
+        repetition_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        presence_penalty: float | None = None,
+        min_p: float | None = None,
         require_complete: bool = True,
     ) -> Result:
         """Generate a whole response.
@@ -851,6 +879,7 @@ class Client:
         Parameters
         ----------
         prompt, messages, constraint, max_tokens, temperature, top_p, top_k, seed, stop
+        repetition_penalty, frequency_penalty, presence_penalty, min_p
             As for :func:`build_inputs`.
         require_complete : bool
             Raise :class:`TruncatedOutput` when the output is incomplete.
@@ -880,6 +909,10 @@ class Client:
             top_k=top_k,
             seed=seed,
             stop=stop,
+            repetition_penalty=repetition_penalty,
+            frequency_penalty=frequency_penalty,
+            presence_penalty=presence_penalty,
+            min_p=min_p,
             require_complete=require_complete,
         )
         result: Result | None = None
@@ -904,6 +937,10 @@ class Client:
         top_k: int | None = None,
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
+        repetition_penalty: float | None = None,
+        frequency_penalty: float | None = None,
+        presence_penalty: float | None = None,
+        min_p: float | None = None,
         require_complete: bool = True,
     ) -> Generator[Chunk, None, None]:
         """Stream a response as text deltas.
@@ -919,6 +956,7 @@ class Client:
         Parameters
         ----------
         prompt, messages, constraint, max_tokens, temperature, top_p, top_k, seed, stop
+        repetition_penalty, frequency_penalty, presence_penalty, min_p
             As for :func:`build_inputs`.
         require_complete : bool
             Raise :class:`TruncatedOutput` after the final chunk of an incomplete output.
@@ -944,6 +982,10 @@ class Client:
             top_k=top_k,
             seed=seed,
             stop=stop,
+            repetition_penalty=repetition_penalty,
+            frequency_penalty=frequency_penalty,
+            presence_penalty=presence_penalty,
+            min_p=min_p,
         )
         return self._run(inputs, None if constraint is None else constraint.kind, require_complete)
 

@@ -34,6 +34,8 @@ __all__ = [
     "MAX_INDENT",
     "MAX_MAX_TOKENS",
     "MAX_MESSAGE_BYTES",
+    "MAX_PENALTY",
+    "MAX_REPETITION_PENALTY",
     "MAX_STOP_CHARS",
     "MAX_STOP_STRINGS",
     "MAX_TEMPERATURE",
@@ -41,6 +43,7 @@ __all__ = [
     "MAX_VALUE_RETRIES",
     "MAX_WHITESPACE_RUN",
     "OPTION_NAMES",
+    "PENALTY_FIELDS",
     "POLICIES",
     "SEED_LIMIT",
     "VALUE_RETRIES",
@@ -112,6 +115,20 @@ MAX_CONSTRAINT_DEPTH: Final = 128
 MAX_MESSAGE_BYTES: Final = 2 * MAX_CONSTRAINT_BYTES
 
 MAX_TEMPERATURE: Final = 2.0
+#: ``repetition_penalty`` is in ``(0, MAX_REPETITION_PENALTY]`` (1 = off): the logit of every token
+#: already in the prompt or the output is divided by it when positive and multiplied by it when
+#: negative (HF, vLLM and TensorRT-LLM's rule).  Past 2 a model stops reusing JSON's own punctuation.
+MAX_REPETITION_PENALTY: Final = 2.0
+#: ``frequency_penalty`` and ``presence_penalty`` are in ``[-MAX_PENALTY, MAX_PENALTY]`` (0 = off,
+#: OpenAI's range): ``count * frequency_penalty + (count > 0) * presence_penalty`` is subtracted from
+#: the logit of each token by its count in the output so far (the prompt is not counted, as in OpenAI's API).
+MAX_PENALTY: Final = 2.0
+#: The sampling fields that fight repetition, and the value of each that turns it off.  ``min_p``
+#: (in ``[0, 1]``) keeps the tokens whose probability is at least ``min_p`` times the most likely one's.
+#: Every one applies after the grammar mask: a masked token stays masked, and an allowed token stays
+#: possible (finite logits only move by finite amounts).
+PENALTY_FIELDS: Final[Mapping[str, float]] = {
+    "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "min_p": 0.0}
 MAX_TOP_K: Final = 2**31 - 1
 #: ``MAX_TOKENS`` is INT32; the model's context bounds it further, server-side.
 MAX_MAX_TOKENS: Final = 2**31 - 1
@@ -234,6 +251,10 @@ def check_sampling(
     top_k: int,
     seed: int | None,
     stop: Sequence[str],
+    repetition_penalty: float = 1.0,
+    frequency_penalty: float = 0.0,
+    presence_penalty: float = 0.0,
+    min_p: float = 0.0,
 ) -> None:
     """Check the sampling fields (``max_tokens`` is bounded by the server's configuration, not here).
 
@@ -244,7 +265,10 @@ def check_sampling(
         ``[0, MAX_TEMPERATURE]``, ``top_p`` in ``(0, 1]``, ``top_k`` in
         ``[0, MAX_TOP_K]`` (0 = off), ``seed`` in ``[0, SEED_LIMIT)``, at most
         :data:`MAX_STOP_STRINGS` non-empty stop strings of at most
-        :data:`MAX_STOP_CHARS` characters.
+        :data:`MAX_STOP_CHARS` characters, ``repetition_penalty`` in
+        ``(0, MAX_REPETITION_PENALTY]``, ``frequency_penalty`` and
+        ``presence_penalty`` in ``[-MAX_PENALTY, MAX_PENALTY]``, ``min_p`` in
+        ``[0, 1]`` (see :data:`PENALTY_FIELDS`).
     """
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
         math.isfinite(temperature) and 0.0 <= temperature <= MAX_TEMPERATURE
@@ -263,3 +287,16 @@ def check_sampling(
             raise ContractError(f"stop[{i}]", "must be a non-empty string")
         if len(s) > MAX_STOP_CHARS:
             raise ContractError(f"stop[{i}]", f"is {len(s)} characters; at most {MAX_STOP_CHARS}")
+    if not _number_in(repetition_penalty, 0.0, MAX_REPETITION_PENALTY) or repetition_penalty == 0:
+        raise ContractError("repetition_penalty",
+                            f"must be a number in (0, {MAX_REPETITION_PENALTY:g}] (1 = off), got {repetition_penalty!r}")
+    for name, value in (("frequency_penalty", frequency_penalty), ("presence_penalty", presence_penalty)):
+        if not _number_in(value, -MAX_PENALTY, MAX_PENALTY):
+            raise ContractError(name, f"must be a number in -{MAX_PENALTY:g}..{MAX_PENALTY:g} (0 = off), got {value!r}")
+    if not _number_in(min_p, 0.0, 1.0):
+        raise ContractError("min_p", f"must be a number in 0..1 (0 = off), got {min_p!r}")
+
+
+def _number_in(value: object, lo: float, hi: float) -> bool:
+    return (not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+            and lo <= value <= hi)

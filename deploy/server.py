@@ -37,6 +37,7 @@ import filecmp
 import importlib.util
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -86,6 +87,18 @@ DEFAULT_HOST: Final = "127.0.0.1"
 # alone is ~2-4 s on this 2-core machine).
 _POLL_S: Final = 0.2
 _LOG_TAIL_BYTES: Final = 6000
+#: Triton's line for a model instance whose initialize() raised: the reason, up to the traceback.
+_LOAD_FAILURE: Final = re.compile(r'Failed to create instance: (.*?)(?:\\n\\nAt:|"$)', re.MULTILINE)
+
+
+def load_failures(log: str) -> list[str]:
+    """The distinct reasons model instances failed to load, in ``log`` (Triton's own log text), oldest first.
+
+    A model's ``initialize`` error (a ``ConfigError`` naming what to change) is
+    logged by Triton long before its last lines ("failed to load all models"),
+    so it is put at the head of the start error rather than left in the log.
+    """
+    return list(dict.fromkeys(m.group(1) for m in _LOAD_FAILURE.finditer(log)))
 # What the launcher keeps of Triton's output when it goes to stdout and to no
 # file: enough for the error messages of a failed start (:meth:`TritonServer.log_tail`).
 _LOG_MEMORY_BYTES: Final = 1 << 20
@@ -833,9 +846,10 @@ class TritonServer:
                     if self._log_pump is not None:
                         # Its last lines (the reason) may still be in the pipe.
                         self._log_pump.join(timeout=5.0)
+                    reasons = "".join(f"model load failed: {r}\n" for r in load_failures(self.log_tail(1 << 20)))
                     raise ServerStartError(
                         f"tritonserver exited with status {code} before it was ready "
-                        f"(log {self._log_path}):\n{self.log_tail()}"
+                        f"(log {self._log_path}):\n{reasons}{self.log_tail()}"
                     )
                 # Triton binds gRPC, then HTTP, then metrics, and exits if any
                 # bind fails, so a ready gRPC endpoint alone does not mean the

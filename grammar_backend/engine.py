@@ -474,7 +474,8 @@ class GrammarEngine:
             banned = False
             if values is not None:
                 hold[i] = values.hold()
-                keep = values.bans.get(seq.tokens_accepted) if values.bans else None
+                # A forced token is the closer's (the stop after a completion, say): no ban undoes it.
+                keep = values.bans.get(seq.tokens_accepted) if values.bans and not seq.forcing else None
                 if keep is not None:
                     ban_rows.append((i, keep))
                     banned = True  # forced text may be spelled with a banned token: no jump here

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,8 +20,9 @@ from grammar_backend.errors import (
     TokenRejected,
     UnknownSequence,
 )
-from grammar_backend.spec import ConstraintSpec
-from grammar_backend.values import ValueChecks, ValueRules, ValueScanner
+from grammar_backend.fidelity import validator_for
+from grammar_backend.spec import ConstraintKind, ConstraintSpec
+from grammar_backend.values import ValueChecks, ValueRules, ValueScanner, Violation
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,17 @@ class TableConfig:
 
 #: :meth:`GrammarSequence.plan` result of a row the grammar mask decides alone.
 FREE = -1
+#: JSON Schema types whose value is one scalar token run (see :meth:`GrammarSequence._value_check`).
+_SCALARS = frozenset({"string", "number", "integer"})
+
+
+def _scalar_root(spec: ConstraintSpec) -> bool:
+    """Whether every output of ``spec`` is one JSON string or number (its schema's root ``type``)."""
+    schema = spec.schema
+    if spec.kind is not ConstraintKind.JSON_SCHEMA or not isinstance(schema, Mapping):
+        return False
+    kind = schema.get("type")
+    return kind in _SCALARS if isinstance(kind, str) else False
 
 
 class GrammarSequence:
@@ -75,9 +87,9 @@ class GrammarSequence:
 
     __slots__ = (
         "backend", "budget", "checks", "close_state", "closing", "completion", "completion_at", "completion_kept",
-        "created", "dropped", "forced", "forced_at", "last_used", "matcher", "new_tokens", "next_check",
-        "next_repeat_check", "repeats", "retries_left", "seq_id", "spec", "steps", "tokens_accepted", "utf8_need",
-        "values",
+        "completion_len", "created", "digit_run", "dropped", "forced", "forced_at", "growth", "last_used", "matcher",
+        "new_tokens", "next_check", "next_repeat_check", "repeats", "retries_left", "scalar_tokens", "seq_id", "spec",
+        "steps", "tokens_accepted", "utf8_need", "values",
     )
 
     def __init__(
@@ -115,6 +127,15 @@ class GrammarSequence:
         #: may stop inside a character, where no completion can start).
         self.new_tokens: Sequence[int] | np.ndarray = ()
         self.utf8_need = 0
+        #: The completion's length at the last budget check (-1: none yet) and the most it grew from one
+        #: check to the next (:meth:`plan` widens the calm zone by it).
+        self.completion_len = -1
+        self.growth = 0
+        #: The ASCII digits ending the output (runaway closing only: :meth:`RepeatDetector.repeating`).
+        self.digit_run = 0
+        #: A top-level scalar's tokens so far (None: the output is not one), so that a completion
+        #: is checked as post-validation will check it (:meth:`_value_check`).
+        self.scalar_tokens: list[int] | None = [] if self.closes and _scalar_root(spec) else None
         #: ``tokens_accepted`` at which the budget (resp. the repetition) is checked next.
         self.next_check = 0 if self.budget else -1
         self.next_repeat_check = self.closing.repeat.min_tokens
@@ -128,7 +149,8 @@ class GrammarSequence:
     def check_values(self, checks: ValueChecks, rules: ValueRules, retries: int) -> None:
         """Check each value as it completes, dropping tokens to retry one that breaks the schema (``retries`` times)."""
         if retries > 0:
-            self.checks, self.values, self.retries_left = checks, ValueScanner(rules, checks.index.vocab), retries
+            self.checks, self.retries_left = checks, retries
+            self.values = ValueScanner(rules, checks.index.vocab, checks.stops)
 
     @property
     def terminated(self) -> bool:
@@ -140,7 +162,10 @@ class GrammarSequence:
 
         With value checks on, a value they complete that breaks the schema is
         backtracked (:meth:`ValueChecks.backtrack`): :attr:`dropped` says how
-        many tokens went.
+        many tokens went.  A top-level number, which only the end of the
+        output completes, is checked after each token as if the output ended
+        there (:meth:`ValueChecks.refuse_end`), and a stop token where that
+        end is refused is dropped, with what follows it, instead of accepted.
 
         Raises
         ------
@@ -149,6 +174,37 @@ class GrammarSequence:
         MatcherFailed
             The matcher cannot go on (llguidance past a limit).
         """
+        if self.values is not None and self.checks is not None:
+            stops = self.checks.stops
+            for i, token in enumerate(tokens):
+                if int(token) in stops:
+                    self._accept_end(tokens, i)
+                    return
+        self._accept(tokens)
+
+    def _accept_end(self, tokens: Sequence[int] | np.ndarray, i: int) -> None:
+        """:meth:`accept` of ``tokens`` whose ``i``-th is a stop token.
+
+        The stop is checked before the matcher takes it: llguidance keeps no
+        stop token in its history once only the stop was left (``1`` under
+        ``maximum: 9``), so a rollback over one would undo the token before it.
+        """
+        if i:
+            self._accept(tokens[:i])
+        else:
+            self.dropped = 0
+        values, checks = self.values, self.checks
+        if self.dropped or (self.forced is None and values is not None and checks is not None
+                            and checks.ends_refused(values, int(tokens[i]))):
+            self.dropped += len(tokens) - i  # the caller drops the stop (and what follows it) too
+            return
+        try:
+            self._accept(tokens[i:])
+        except TokenRejected:  # a token after the stop: the call stays atomic (its position counts from the start)
+            self.rollback(i)
+            raise
+
+    def _accept(self, tokens: Sequence[int] | np.ndarray) -> None:
         matcher = self.matcher
         for i, token in enumerate(tokens):
             if not matcher.accept_token(int(token)):
@@ -181,20 +237,45 @@ class GrammarSequence:
         values = self.values
         if values is not None:
             # A completion being forced (or kept calm) is the closer's plan: not second-guessed.
+            checking = self.forced is None and self.close_state == CloseState.OPEN
             try:
-                found = values.push([int(t) for t in tokens],
-                                    check=self.forced is None and self.close_state == CloseState.OPEN)
+                found = values.push([int(t) for t in tokens], check=checking)
             except (LookupError, TypeError, ValueError, AttributeError) as err:
                 # A scanner bug fails this row only (engine.step reports it), never the batch.
                 raise SequenceError(self.seq_id, f"value check failed: {err!r}") from err
-            if found is not None and self.checks is not None:
-                dropped = self.checks.backtrack(self.matcher, values, found)
-                if dropped:
-                    self._rolled_back(dropped)
-                    self.dropped = dropped
-                    self.retries_left -= 1
-                    if not self.retries_left:  # the budget is spent: what completes now stands
-                        self.values = None
+            if found is not None:
+                self._retry(values, found, at_end=False)
+            elif checking and self.retries_left > 0:
+                self._retry(values, self._pending(values), at_end=True)
+
+    def _retry(self, values: ValueScanner, found: Violation | None, *, at_end: bool) -> None:
+        """Retry the value ``found`` says breaks the schema (``at_end``: the top-level number, were the output to
+        end here), while the budget lasts.  A backtrack may leave a top-level number that breaks the schema in
+        turn (``19`` back to ``1`` under ``not: {enum: [1, 19]}``): its end is refused too."""
+        checks = self.checks
+        while found is not None and checks is not None and self.retries_left > 0:
+            dropped = (checks.refuse_end(self.matcher, values, found) if at_end
+                       else checks.backtrack(self.matcher, values, found) or None)
+            if dropped is None:  # no choice point in reach: the value stands
+                return
+            self.retries_left -= 1
+            if not dropped:
+                # The end is banned here: the number must grow.  The scanner stays, even with the budget
+                # spent, so that the ban holds; it checks nothing more (the loop's condition).
+                return
+            self._rolled_back(dropped)
+            self.dropped += dropped
+            if not self.retries_left:  # the budget is spent: what completes now stands
+                self.values = None
+                return
+            found, at_end = self._pending(values), True
+
+    def _pending(self, values: ValueScanner) -> Violation | None:
+        """:meth:`ValueScanner.pending`, its failures as this row's error (like the scan's)."""
+        try:
+            return values.pending()
+        except (LookupError, TypeError, ValueError, AttributeError) as err:
+            raise SequenceError(self.seq_id, f"value check failed: {err!r}") from err
 
     def rollback(self, count: int) -> None:
         """Undo the last ``count`` accepted tokens.
@@ -215,10 +296,15 @@ class GrammarSequence:
 
     def _rolled_back(self, count: int) -> None:
         """Counters after the matcher (and the scanner) dropped ``count`` tokens."""
+        scalar = self.scalar_tokens
+        if scalar is not None:
+            scalar.extend(int(t) for t in self.new_tokens)  # not yet planned: folded in before the cut
+            del scalar[max(0, len(scalar) - count):]
         self.tokens_accepted -= count
         self.completion = None
         self.new_tokens = ()
         self.utf8_need = 0  # a rolled-back output ends where a value began: on a character boundary
+        self.digit_run = 0  # ... so it ends no digit run either
         if self.repeats is not None:
             self.repeats.rollback(count)
         if self.forced is not None:
@@ -236,7 +322,10 @@ class GrammarSequence:
 
         * ``spare > margin + completion``: free; the next check comes a
           quarter of the way to the calm zone, so a 1,000-token budget costs
-          about 20 searches (p50 0.09 ms, p99 2 ms on maskbench-dev).
+          about 20 searches (p50 0.09 ms, p99 2 ms on maskbench-dev), or
+          right after a token that opens an object or array, whose required
+          tail may grow the completion past the budget before that check
+          (one ``{`` of 30 required properties: +182 tokens at once).
         * ``1 < spare <= margin + completion``: ``CALM``: the row may take
           only tokens that open no structure (:meth:`Closer.calm_tokens`) or
           the returned token (the completion's next one), so the model can
@@ -249,22 +338,24 @@ class GrammarSequence:
         * ``spare < 0`` (or no completion found at the end): given up; the
           output ends at ``max_tokens`` as it would without closing.
 
-        Repetition: every ``every`` tokens the tail is checked; a runaway
-        forces the completion at once (``REPETITION``).
+        Repetition: every ``every`` tokens the tail is checked (a repeated
+        unit, or ``max_digits`` digits in a run: :class:`RepeatConfig`); a
+        runaway forces the completion at once (``REPETITION``).  A top-level
+        string or number's completion is checked as post-validation will
+        check it (:meth:`_value_check`).
 
         Raises
         ------
         MatcherFailed
             The matcher failed during the search.
         """
+        if len(self.new_tokens):
+            self._took(closer)
         if self.forced is not None:
             if self.forced_at < len(self.forced):
                 return self.forced[self.forced_at]
             return stop_token
         accepted = self.tokens_accepted
-        if len(self.new_tokens):
-            self.utf8_need = closer.utf8_need(self.utf8_need, self.new_tokens)
-            self.new_tokens = ()
         if self.utf8_need:
             # Inside a character no completion can start (the search would run
             # to its node limit for nothing): every check waits for its end.
@@ -272,17 +363,28 @@ class GrammarSequence:
                 return self._calm_token(stop_token)
             return FREE
         if self.repeats is not None and accepted >= self.next_repeat_check:
-            self.next_repeat_check = accepted + self.closing.repeat.every
-            if self.repeats.repeating():
-                found = closer.complete(self.matcher)
+            repeat = self.closing.repeat
+            self.next_repeat_check = accepted + repeat.every
+            if self.repeats.repeating(self.digit_run):
+                # The kept completion (or a tail of it) where it still ends the output: a new
+                # search on a large schema costs up to 20 ms, at every check while it repeats.
+                found = self._completion(closer)
                 if found is not None and (not self.budget or len(found) < self.budget - accepted):
                     return self._force(found, CloseState.REPETITION, stop_token)
+                # None fits now: the next tries wait a whole run (a search each).
+                self.next_repeat_check = accepted + repeat.min_tokens
         if not 0 <= self.next_check <= accepted:
             if self.close_state == CloseState.CALM:
                 return self._calm_token(stop_token)
             return FREE
         left = self.budget - accepted
+        checked = self.completion_len
         found = self._completion(closer)
+        if found is not None:
+            # How much the completion grew between two checks (one opener can add a whole required tail).
+            if checked >= 0 and len(found) - checked > self.growth:
+                self.growth = len(found) - checked
+            self.completion_len = len(found)
         spare = left - 1 - (len(found) if found is not None else 0)
         self.close_state = CloseState.OPEN
         if found is not None and 0 <= spare <= 1:
@@ -292,8 +394,11 @@ class GrammarSequence:
             return FREE
         # Opening one more sibling (an array item, a key) can grow the completion
         # by about what is still open, so the calm zone widens with it: measured,
-        # "},{" opening an item of 3 required fields added 11 tokens at once.
-        calm_at = self.closing.margin + (len(found) if found is not None else 0)
+        # "},{" opening an item of 3 required fields added 11 tokens at once.  And
+        # by the most it grew between two checks so far: in the replay part of
+        # budget_bench, '"],"ordered_related_items":["' (a uuid item) took a
+        # completion from 3 to 38 tokens with 25 left, after earlier uuid items.
+        calm_at = self.closing.margin + (len(found) + self.growth if found is not None else 0)
         if found is not None and spare <= calm_at:
             self.close_state = CloseState.CALM
             self.next_check = accepted + max(1, (spare - 1) // 2)
@@ -315,16 +420,54 @@ class GrammarSequence:
         budget decisions stay on the safe side.
         """
         last = self.completion
+        check = self._value_check(closer) if self.scalar_tokens is not None else None
         if last is not None:
             found = last[self.completion_at:] if self.completion_kept else closer.resume(self.matcher, last)
+            if found is not None and check is not None and not check(closer.text(found)):
+                found = None  # it ends the output invalid now (a top-level string's format): search again
             if found is None:
-                found = closer.complete(self.matcher)
+                found = closer.complete(self.matcher, check)
         elif self.tokens_accepted == 0:  # a new matcher's state: the same for every sequence of the constraint
-            found = closer.initial((self.backend, self.spec), self.matcher)
+            found = closer.initial((self.backend, self.spec), self.matcher, check)
         else:
-            found = closer.complete(self.matcher)
+            found = closer.complete(self.matcher, check)
         self.completion, self.completion_at, self.completion_kept = found, 0, True
         return found
+
+    def _took(self, closer: Closer) -> None:
+        """Fold the last :meth:`accept`'s tokens into the per-output state :meth:`plan` reads."""
+        new = self.new_tokens
+        self.new_tokens = ()
+        self.utf8_need = closer.utf8_need(self.utf8_need, new)
+        if (self.budget and self.completion is not None and self.next_check > self.tokens_accepted
+                and self.close_state == CloseState.OPEN and closer.opens(new)):
+            # A new object or array may need a long required tail: checked now, not at the next
+            # spaced check, where it could have outgrown the budget meanwhile (see plan).
+            self.next_check = self.tokens_accepted
+        if self.repeats is not None:
+            self.digit_run = closer.digit_run(self.digit_run, new)
+        if self.scalar_tokens is not None:
+            self.scalar_tokens.extend(int(t) for t in new)
+
+    def _value_check(self, closer: Closer) -> Callable[[bytes], bool] | None:
+        """What post-validation will say of a top-level scalar ended by a given completion (see
+        :meth:`Closer.complete`); None where the output's text is not known exactly (tokens accepted
+        by two :meth:`accept` calls without a :meth:`plan` between them, which the engine never does).
+
+        One ``jsonschema`` validation of the whole scalar per candidate (8-23 us for a string with a
+        format), only for outputs that are one scalar, only at budget and runaway checks.
+        """
+        tokens = self.scalar_tokens
+        schema = self.spec.schema
+        if tokens is None or schema is None or len(tokens) != self.tokens_accepted:
+            return None
+        validator = validator_for(schema)
+        prefix = closer.text(tokens)
+
+        def check(completion: bytes) -> bool:
+            return bool(validator.validate_text(prefix + completion).valid)
+
+        return check
 
     def recheck(self, closer: Closer, stop_token: int) -> int:
         """A calm row whose :meth:`plan` token the grammar does not allow here: find a completion now.

@@ -63,6 +63,7 @@ from grammar_backend.fidelity import UnenforcedKeyword, validator_for
 from grammar_backend.fidelity.walker import _root_validator
 from grammar_backend.jump import PrefixIndex
 from grammar_backend.lru import Lru
+from grammar_backend.satisfiable import json_canonical
 from grammar_backend.spec import ConstraintSpec, json_pointer, keyword_sites
 
 __all__ = ["GROWING", "MAX_SEARCH", "ValueChecks", "ValueRules", "ValueScanner", "Violation", "rules_for",
@@ -355,11 +356,15 @@ class ValueScanner:
     rules : ValueRules
     vocab : list of bytes
         Each token's bytes (the tokenizer's decoded vocabulary).
+    stops : frozenset of int
+        The stop tokens: they end the output and are no part of it (their
+        decoded text, ``<|im_end|>``, is not scanned as output bytes).
     """
 
-    def __init__(self, rules: ValueRules, vocab: list[bytes]) -> None:
+    def __init__(self, rules: ValueRules, vocab: list[bytes], stops: frozenset[int] = frozenset()) -> None:
         self.rules = rules
         self._vocab = vocab
+        self._stops = stops
         self.tokens: list[int] = []
         #: Output byte offset at which each token starts.
         self.offsets: list[int] = []
@@ -382,6 +387,8 @@ class ValueScanner:
             index = len(self.tokens)
             self.tokens.append(token)
             self.offsets.append(self._bytes)
+            if token in self._stops:
+                continue
             for byte in self._vocab[token]:
                 bad = self._byte(byte, index)
                 if bad is not None and check and found is None:
@@ -420,7 +427,7 @@ class ValueScanner:
         caller takes.  None past a value that breaks its schema.  This
         scanner is left as it is.
         """
-        probe = ValueScanner(self.rules, self._vocab)
+        probe = ValueScanner(self.rules, self._vocab, self._stops)
         safe = 0
         for k, token in enumerate(tokens, 1):
             if probe.push((token,)) is not None:
@@ -428,6 +435,29 @@ class ValueScanner:
             if probe.hold() == 0:
                 safe = k
         return safe
+
+    def pending(self) -> Violation | None:
+        """The violation of the open top-level number, were the output to end here (None: none).
+
+        A top-level number has no terminator but the end of the output (the
+        stop token), so no byte completes it: without this, ``1`` under
+        ``{"maximum": 9, "not": {"enum": [0, ..., 8]}}`` ended the output
+        unchecked.  Strings and literals complete on their own last byte.
+        An unfinished spelling (``-``, ``1.``, ``1e``) is no value yet: None.
+        One ``jsonschema`` validation per call while such a number is open
+        (20-200 us); nothing otherwise.
+        """
+        node = self._scalar
+        if node is None or node.kind != _NUM or self._stack or node.pointer not in self.rules.anchors:
+            return None
+        try:
+            value = json.loads(bytes(node.raw))
+        except ValueError:
+            return None
+        errors = self.rules.errors(node.pointer, value)
+        if not errors:
+            return None
+        return Violation(node.start, node.end, self._bytes - 1, errors[0][2])
 
     def _may_repeat(self, key: _Node) -> bool:
         """Whether the key being read may still turn out to repeat one of its object's keys.
@@ -568,7 +598,7 @@ class ValueScanner:
             if parent.children is not None and key is not None:  # always: set when the value began
                 parent.children[key] = node
             if parent.seen is not None:
-                canon = _canonical(node.value)
+                canon = json_canonical(node.value)
                 if canon in parent.seen:
                     found = Violation(node.start, node.end, node.last_byte, "repeats an earlier item (uniqueItems)")
                 parent.seen.add(canon)
@@ -590,20 +620,6 @@ class ValueScanner:
 _LITERALS: Final = {ord("t"): b"true", ord("f"): b"false", ord("n"): b"null"}
 
 
-def _canonical(value: Any) -> str:
-    """One text per JSON value under JSON Schema equality (``1`` equals ``1.0``; key order is irrelevant)."""
-    return json.dumps(_normal(value), sort_keys=True, separators=(",", ":"))
-
-
-def _normal(value: Any) -> Any:
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, list):
-        return [_normal(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _normal(v) for k, v in value.items()}
-    return value
-
 
 class ValueChecks:
     """The engine-level half of the value checks: the vocabulary, and the backtrack.
@@ -620,6 +636,9 @@ class ValueChecks:
         self._index = index
         self.vocab_size = int(tokenizer_info.vocab_size)
         self._row = np.zeros((1, bitmask_width(self.vocab_size)), dtype=np.int32)
+        #: The stop tokens, and the packed mask of every other token (what a refused end leaves allowed).
+        self.stops: frozenset[int] = frozenset(int(t) for t in tokenizer_info.stop_token_ids)
+        self._no_stop = np.invert(pack_tokens(sorted(self.stops), self.vocab_size))
         #: Backtracks done, and violations left standing (no choice point in reach).
         self.backtracks = 0
         self.unfixable = 0
@@ -630,6 +649,38 @@ class ValueChecks:
         if self._index is None:
             self._index = PrefixIndex(self._info)
         return self._index
+
+    def refuse_end(self, matcher: Matcher, scanner: ValueScanner, violation: Violation) -> int | None:
+        """Keep the output from ending with the top-level number ``violation`` is about (:meth:`ValueScanner.pending`).
+
+        Where the grammar allows more than a stop token here (``1`` may
+        become ``12``), the stop tokens are banned at this position: the
+        number must grow.  Where it allows nothing else (``1`` under
+        ``maximum: 9``), the number's last choice is undone (:meth:`backtrack`).
+        One mask fill (0.05-1 ms), only on a violation.
+
+        Returns
+        -------
+        int or None
+            Tokens dropped (0: the end was banned, nothing dropped); None
+            when nothing changed (no choice point in reach): the value stands.
+        """
+        position = len(scanner.tokens)
+        keep = self._no_stop.copy()
+        earlier = scanner.bans.get(position)
+        if earlier is not None:
+            np.bitwise_and(keep, earlier, out=keep)
+        matcher.fill_next_token_bitmask(self._row, 0)
+        if np.bitwise_and(self._row[0], keep).any():
+            scanner.bans[position] = keep
+            self.backtracks += 1
+            return 0
+        return self.backtrack(matcher, scanner, violation) or None
+
+    def ends_refused(self, scanner: ValueScanner, token: int) -> bool:
+        """Whether the stop ``token`` is banned where ``scanner`` stands (:meth:`refuse_end` banned it)."""
+        keep = scanner.bans.get(len(scanner.tokens))
+        return keep is not None and not (int(keep[token >> 5]) >> (token & 31)) & 1
 
     def backtrack(self, matcher: Matcher, scanner: ValueScanner, violation: Violation) -> int:
         """Roll ``matcher`` back to the latest choice point inside the offending value and ban the choice taken there.

@@ -20,7 +20,7 @@ from .scheduler import (
     SchedulerConfig,
 )
 from .streaming import MAX_STREAM_INTERVAL_MS
-from .trtllm_engine import TRTLLM_GRAMMAR_MODES, TrtllmConfig
+from .trtllm_engine import TRTLLM_GRAMMAR_MODES, TRTLLM_SAMPLERS, TrtllmConfig
 
 ENGINES: Final = ("torch", "tensorrt_llm")
 #: The grammar modes each engine takes; the first is its default.
@@ -46,7 +46,9 @@ class LlmModelConfig:
     ``""`` = the engine's default; torch takes ``overlap`` (default) or
     ``processor``; tensorrt_llm takes ``processor`` (default) or ``native``
     (see :mod:`llm_runtime.trtllm_engine`; TensorRT-LLM's PyTorch backend, which
-    loads ``model_dir``).  ``kv_cache_free_fraction`` applies to tensorrt_llm only.
+    loads ``model_dir``).  ``kv_cache_free_fraction`` and ``trtllm_sampler``
+    (TensorRT-LLM's ``sampler_type``, ``""`` = TorchSampler, see
+    :attr:`~llm_runtime.trtllm_engine.TrtllmConfig.sampler_type`) apply to tensorrt_llm only.
     ``stream_interval_ms``: after the first text delta (sent at once), a
     request's text is sent once this many milliseconds have passed since its
     last response, and at the end (:class:`llm_runtime.streaming.DeltaCoalescer`;
@@ -65,6 +67,7 @@ class LlmModelConfig:
     grammar_model: str = "grammar"
     grammar_mode: str = ""
     kv_cache_free_fraction: float = 0.85
+    trtllm_sampler: str = ""
     stream_interval_ms: float = 0.0
 
     def __post_init__(self) -> None:
@@ -79,6 +82,11 @@ class LlmModelConfig:
                               f"got {self.stream_interval_ms}")
         if self.engine == "torch" and self.kv_cache_free_fraction != LlmModelConfig.kv_cache_free_fraction:
             raise ConfigError("llm: kv_cache_free_fraction applies to engine 'tensorrt_llm' only")
+        if self.engine == "torch" and self.trtllm_sampler:
+            raise ConfigError("llm: trtllm_sampler applies to engine 'tensorrt_llm' only")
+        if self.trtllm_sampler and self.trtllm_sampler not in TRTLLM_SAMPLERS:
+            raise ConfigError(f"llm: trtllm_sampler must be one of {', '.join(TRTLLM_SAMPLERS)} or empty, "
+                              f"got {self.trtllm_sampler!r}")
 
     @property
     def mode(self) -> str:
@@ -92,7 +100,8 @@ class LlmModelConfig:
 
             return TrtllmGenerator(
                 TrtllmConfig(model_dir=self.model_dir, grammar_mode=self.mode, max_batch=self.max_batch,
-                             max_seq_len=self.max_seq_len, kv_cache_free_fraction=self.kv_cache_free_fraction),
+                             max_seq_len=self.max_seq_len, kv_cache_free_fraction=self.kv_cache_free_fraction,
+                             sampler_type=self.trtllm_sampler or TRTLLM_SAMPLERS[0]),
                 mask_provider,
                 on_metrics=on_metrics,
             )

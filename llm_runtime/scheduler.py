@@ -78,7 +78,7 @@ from .errors import (
 )
 from .grammar_phase import GrammarPhase, JumpPolicy
 from .mask import ROW_DROP, ROW_ERROR, ROW_STOP, ConstraintRequest, MaskProvider, bitmask_width
-from .sampler import Sampler, SamplingParams
+from .sampler import Sampler, SamplingParams, TokenCounts
 
 if TYPE_CHECKING:
     # The torch engine (transformers) is not imported at run time: the TensorRT-LLM
@@ -218,7 +218,7 @@ class GenerationRequest:
         Forwarded to the :class:`~llm_runtime.mask.MaskProvider`; ``None`` = free text.
     max_tokens : int
         Most tokens to generate (the end token counts).
-    temperature, top_k, top_p, seed
+    temperature, top_k, top_p, seed, repetition_penalty, frequency_penalty, presence_penalty, min_p
         See :class:`llm_runtime.sampler.SamplingParams`.
     stop : tuple of str
         Stop strings; the output ends right before the first one.
@@ -233,6 +233,10 @@ class GenerationRequest:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_p: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -410,6 +414,7 @@ class _Seq:
     callback: EventCallback
     gen: torch.Generator
     detok: IncrementalDetokenizer
+    counts: TokenCounts | None = None  # the output's token counts, for a request with a penalty
     started: bool = False  # MaskProvider.start returned
     backend: str | None = None  # what MaskProvider.start returned
     ended: bool = False  # MaskProvider.end issued
@@ -478,10 +483,14 @@ def check_request(
     try:
         # The contract's ranges, as preprocessing (the served path's authority) applies them.
         contract.check_sampling(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
-                                stop=stop)
+                                stop=stop, repetition_penalty=req.repetition_penalty,
+                                frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
+                                min_p=req.min_p)
     except contract.ContractError as err:
         raise RequestError(err.field, err.reason) from err
-    params = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed)
+    params = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed,
+                            repetition_penalty=req.repetition_penalty, frequency_penalty=req.frequency_penalty,
+                            presence_penalty=req.presence_penalty, min_p=req.min_p)
     # The budget rides with the constraint: the grammar side closes the output before it runs out.
     constraint = None if req.constraint is None else dataclasses.replace(req.constraint, budget=mt)
     return CheckedRequest(prompt, params, stop, constraint)
@@ -729,6 +738,8 @@ class Scheduler:
             callback=callback,
             gen=self._sampler.generator(checked.params.seed),
             detok=IncrementalDetokenizer(self._tokenizer, stop=checked.stop, special_ids=self._special),
+            counts=(TokenCounts(self._sampler.vocab_size, checked.prompt, self._sampler.device)
+                    if checked.params.penalized else None),
         )
 
     # -- the loop -------------------------------------------------------------------
@@ -883,7 +894,8 @@ class Scheduler:
             self._apply_grammar(order, constrained, logits, ends)
 
         tokens, dead = self._sampler.sample(logits, [s.params for s in order], [s.gen for s in order],
-                                            [len(s.jump) for s in order])
+                                            [len(s.jump) for s in order],
+                                            [s.counts for s in order] if any(s.counts is not None for s in order) else None)
         outputs = jumped = 0
         for i, s in enumerate(order):
             if s.finished or s.refeed:
@@ -900,6 +912,8 @@ class Scheduler:
             s.generated += 1
             outputs += 1
             s.last_token = tok
+            if s.counts is not None:
+                s.counts.add((tok,))
             if tok in self._eos:
                 self._finish(s, "stop", ends)
                 continue
@@ -1030,6 +1044,8 @@ class Scheduler:
             self._finish(s, "error", ends, error=f"the grammar side dropped {count} tokens, "
                          f"{len(out or ())} generated and {s.committed} already streamed", status="INTERNAL")
             return
+        if s.counts is not None:
+            s.counts.add(out[keep:], -1.0)
         del out[keep:]
         s.generated -= count
         s.retries += 1
@@ -1044,6 +1060,8 @@ class Scheduler:
     def _take_jump(self, s: _Seq, ends: list[int]) -> int:
         """Append ``s.jump`` (forced, not sampled) to the output; returns the tokens taken."""
         toks = s.jump
+        if s.counts is not None:
+            s.counts.add(toks)
         if s.out is not None:
             s.out.extend(toks)
             s.generated += len(toks)

@@ -94,6 +94,7 @@ from .errors import (
 )
 from .grammar_hook import GrammarRows
 from .mask import ConstraintRequest, MaskProvider
+from .sampler import SamplingParams
 from .scheduler import (
     EventCallback,
     FinishEvent,
@@ -107,6 +108,7 @@ from .scheduler import (
 
 __all__ = [
     "TRTLLM_GRAMMAR_MODES",
+    "TRTLLM_SAMPLERS",
     "TRTLLM_VERSION",
     "TrtllmConfig",
     "TrtllmGenerator",
@@ -124,6 +126,8 @@ _log = logging.getLogger(__name__)
 #: so another version is refused at load (:func:`check_trtllm_api`).
 TRTLLM_VERSION: Final = "1.2.1"
 TRTLLM_GRAMMAR_MODES: Final = ("processor", "native")
+#: TensorRT-LLM's ``sampler_type`` values this engine takes (``auto`` is TorchSampler without beam search).
+TRTLLM_SAMPLERS: Final = ("TorchSampler", "TRTLLMSampler")
 #: What :func:`check_trtllm_api` requires of ``tensorrt_llm._torch.pyexecutor.guided_decoder``:
 #: each class, and the methods (with their parameters) or attributes the grammar decoder uses.
 TRTLLM_GUIDED_API: Final[dict[str, dict[str, tuple[str, ...] | None]]] = {
@@ -227,6 +231,13 @@ class TrtllmConfig:
         Longest wait for TensorRT-LLM's next output of a request; a request
         that gets none for this long is aborted and ends with an error (an
         executor that stopped answering never holds a stream forever).
+    sampler_type : str
+        One of :data:`TRTLLM_SAMPLERS`, TensorRT-LLM's ``sampler_type``.  Its
+        default ``TorchSampler`` (1.2.1) accepts ``repetition_penalty``,
+        ``frequency_penalty`` and ``presence_penalty`` in ``SamplingParams``
+        and ignores them (TensorRT-LLM PR 16485, 2026-07, added them later), so
+        under it a request with a penalty or ``min_p`` is refused by name;
+        ``TRTLLMSampler`` (the C++ sampler's penalty kernels) applies them.
     """
 
     model_dir: str
@@ -236,8 +247,11 @@ class TrtllmConfig:
     kv_cache_free_fraction: float = 0.85
     tensor_parallel_size: int = 1
     stall_timeout_s: float = 120.0
+    sampler_type: str = "TorchSampler"
 
     def __post_init__(self) -> None:
+        if self.sampler_type not in TRTLLM_SAMPLERS:
+            raise config_error("sampler_type", f"must be one of {', '.join(TRTLLM_SAMPLERS)}, got {self.sampler_type!r}")
         if self.grammar_mode not in TRTLLM_GRAMMAR_MODES:
             raise config_error("grammar_mode", f"engine tensorrt_llm takes {', '.join(TRTLLM_GRAMMAR_MODES)}, "
                                                f"got {self.grammar_mode!r}")
@@ -328,7 +342,8 @@ def native_guided_kwargs(constraint: ConstraintRequest) -> dict[str, Any]:
 
 
 def trtllm_sampling_kwargs(
-    max_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None, end_ids: Iterable[int]
+    max_tokens: int, temperature: float, top_k: int, top_p: float, seed: int | None, end_ids: Iterable[int],
+    *, penalties: SamplingParams | None = None, prompt_len: int = 0, sampler_type: str = "TorchSampler",
 ) -> dict[str, Any]:
     """``tensorrt_llm.SamplingParams`` keyword arguments for our validated sampling fields.
 
@@ -336,6 +351,19 @@ def trtllm_sampling_kwargs(
     (required without a TensorRT-LLM tokenizer) and the others are stop token ids.
     Detokenization and stop strings stay ours (:class:`IncrementalDetokenizer`),
     so every engine cuts text the same way.
+
+    ``penalties`` (the request's checked :class:`SamplingParams`) map to the
+    fields of the same names.  TensorRT-LLM counts the prompt for all three
+    penalties unless ``prompt_ignore_length`` says how many prompt tokens to
+    skip for frequency and presence (PR 8127, in 1.2): it is the prompt's
+    length, so those two count the output only, as the torch engine and
+    OpenAI's API do, and the repetition penalty still sees the prompt.
+
+    Raises
+    ------
+    RequestError
+        A penalty or ``min_p`` under ``TorchSampler``, which does not apply them
+        (see :attr:`TrtllmConfig.sampler_type`).
     """
     ends = sorted(end_ids)
     kwargs: dict[str, Any] = {
@@ -352,6 +380,18 @@ def trtllm_sampling_kwargs(
         kwargs.update(temperature=float(temperature), top_k=top_k or None, top_p=float(top_p))
     if seed is not None:
         kwargs["seed"] = seed
+    if penalties is not None:
+        asked = {name: getattr(penalties, name) for name, neutral in contract.PENALTY_FIELDS.items()
+                 if getattr(penalties, name) != neutral}
+        if asked and sampler_type == "TorchSampler":
+            name = next(iter(asked))
+            raise RequestError(name, "is not applied by TensorRT-LLM 1.2.1's TorchSampler; the server must be "
+                                     "rendered with TRTLLM_SAMPLER=TRTLLMSampler")
+        if temperature == 0:
+            asked.pop("min_p", None)  # no draw to narrow
+        kwargs.update(asked)
+        if "frequency_penalty" in asked or "presence_penalty" in asked:
+            kwargs["prompt_ignore_length"] = prompt_len
     return kwargs
 
 
@@ -452,6 +492,7 @@ class TrtllmGenerator:
             "tensor_parallel_size": config.tensor_parallel_size,
             "kv_cache_config": KvCacheConfig(free_gpu_memory_fraction=config.kv_cache_free_fraction),
             "guided_decoding_backend": "xgrammar",
+            "sampler_type": config.sampler_type,
         }
         self._rows: GrammarRows | None = None
         if config.grammar_mode == "processor":
@@ -496,7 +537,9 @@ class TrtllmGenerator:
             seq_id=secrets.randbits(64) or 1,
             prompt=checked.prompt,
             max_tokens=request.max_tokens,
-            sampling=trtllm_sampling_kwargs(request.max_tokens, p.temperature, p.top_k, p.top_p, p.seed, self._eos),
+            sampling=trtllm_sampling_kwargs(request.max_tokens, p.temperature, p.top_k, p.top_p, p.seed, self._eos,
+                                            penalties=p, prompt_len=int(checked.prompt.shape[0]),
+                                            sampler_type=self._cfg.sampler_type),
             constraint=checked.constraint,
             callback=callback,
             detok=IncrementalDetokenizer(self._tokenizer, stop=checked.stop, special_ids=self._special),

@@ -13,13 +13,13 @@ Fields of ``POST /v1/chat/completions`` (OpenAI's reference, 2026):
   system), ``user``, ``assistant`` (with ``tool_calls``), ``tool``; content
   a string or parts of type ``text``), ``max_tokens``,
   ``max_completion_tokens``, ``temperature``, ``top_p``, ``seed``, ``stop``,
-  ``stream``, ``stream_options.include_usage``, ``response_format``,
+  ``frequency_penalty``, ``presence_penalty`` (the output's tokens, after the
+  grammar mask: :data:`contract.PENALTY_FIELDS`), ``stream``, ``stream_options.include_usage``, ``response_format``,
   ``tools``, ``tool_choice``, ``parallel_tool_calls``; ``user``,
   ``safety_identifier`` and ``prompt_cache_key`` are opaque identifiers
   (checked as strings; the server keeps no per-user state);
 * accepted only at the value that asks for nothing (:data:`NEUTRAL`):
-  ``n`` 1, ``logprobs`` false, ``top_logprobs`` 0, ``frequency_penalty`` and
-  ``presence_penalty`` 0, ``logit_bias`` empty, ``modalities`` ``["text"]``,
+  ``n`` 1, ``logprobs`` false, ``top_logprobs`` 0, ``logit_bias`` empty, ``modalities`` ``["text"]``,
   ``store`` false, ``metadata`` empty, ``service_tier`` ``auto``/``default``;
   anything else is a 400 naming the field;
 * refused whenever set: ``audio``, ``prediction``, ``reasoning_effort``,
@@ -31,7 +31,8 @@ The extension key :data:`EXTENSION` (``extra_body={"constrained_llm": {...}}``
 in the ``openai`` client) takes the project's other constraint kinds and
 options: exactly one of ``regex``, ``choice``, ``ebnf`` (alias ``grammar``),
 ``lark``, ``structural_tag``; ``options`` (``contract.OPTION_NAMES``: applied
-to whichever constraint the request has); ``top_k``.
+to whichever constraint the request has); the sampling fields OpenAI lacks:
+``top_k``, ``repetition_penalty``, ``min_p`` (:data:`EXTENSION_SAMPLING`).
 """
 
 from __future__ import annotations
@@ -66,8 +67,6 @@ NEUTRAL: Final[Mapping[str, tuple[tuple[Any, ...], str]]] = {
     "n": ((1,), "only 1 choice per request is supported"),
     "logprobs": ((False,), "log probabilities are not returned by this server"),
     "top_logprobs": ((0,), "log probabilities are not returned by this server"),
-    "frequency_penalty": ((0, 0.0), "not supported by this server's sampler"),
-    "presence_penalty": ((0, 0.0), "not supported by this server's sampler"),
     "logit_bias": (({},), "not supported (the grammar mask decides which tokens are allowed)"),
     "modalities": ((["text"],), "only text output is supported"),
     "store": ((False,), "stored completions are not supported"),
@@ -89,23 +88,24 @@ REFUSED: Final[Mapping[str, str]] = {
     "function_call": "deprecated by OpenAI and not supported: use tool_choice",
 }
 _IDENTIFIERS: Final = ("user", "safety_identifier", "prompt_cache_key")
+_PENALTIES: Final = ("frequency_penalty", "presence_penalty")
 _CHAT_HONOURED: Final = ("model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-                         "seed", "stop", "stream", "stream_options", "response_format", "tools", "tool_choice",
+                         *_PENALTIES, "seed", "stop", "stream", "stream_options", "response_format", "tools", "tool_choice",
                          "parallel_tool_calls", *_IDENTIFIERS, EXTENSION)
-_CHAT_NEUTRAL: Final = ("n", "logprobs", "top_logprobs", "frequency_penalty", "presence_penalty", "logit_bias",
-                        "modalities", "store", "metadata", "service_tier")
+_CHAT_NEUTRAL: Final = ("n", "logprobs", "top_logprobs", "logit_bias", "modalities", "store", "metadata", "service_tier")
 #: Every field ``/v1/chat/completions`` knows (honoured, neutral-only, refused).
 CHAT_FIELDS: Final = frozenset((*_CHAT_HONOURED, *_CHAT_NEUTRAL, *REFUSED))
-_COMPLETION_HONOURED: Final = ("model", "prompt", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
-                               "stream_options", "user", EXTENSION)
-_COMPLETION_NEUTRAL: Final = ("n", "logprobs", "frequency_penalty", "presence_penalty", "logit_bias", "best_of",
-                              "echo", "suffix")
+_COMPLETION_HONOURED: Final = ("model", "prompt", "max_tokens", "temperature", "top_p", *_PENALTIES, "seed", "stop",
+                               "stream", "stream_options", "user", EXTENSION)
+_COMPLETION_NEUTRAL: Final = ("n", "logprobs", "logit_bias", "best_of", "echo", "suffix")
 #: Every field ``/v1/completions`` knows.
 COMPLETION_FIELDS: Final = frozenset((*_COMPLETION_HONOURED, *_COMPLETION_NEUTRAL))
 _EXTENSION_KINDS: Final[Mapping[str, str]] = {"regex": "regex", "choice": "choice", "ebnf": "ebnf",
                                              "grammar": "ebnf", "lark": "lark",
                                              "structural_tag": "structural_tag"}
-_EXTENSION_FIELDS: Final = (*_EXTENSION_KINDS, "options", "top_k")
+#: The SDK's sampling fields the extension takes (OpenAI has no such field), and their JSON type.
+EXTENSION_SAMPLING: Final[Mapping[str, type]] = {"top_k": int, "repetition_penalty": float, "min_p": float}
+_EXTENSION_FIELDS: Final = (*_EXTENSION_KINDS, "options", *EXTENSION_SAMPLING)
 # The SDK's names for a constraint's payload itself (its errors are about the field as a whole).
 _PAYLOAD_FIELDS: Final = ("grammar", "schema", "regex", "ebnf", "lark", "choices", "structural_tag")
 _SCHEMA_NAME: Final = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -259,11 +259,11 @@ def _number(body: dict[str, Any], name: str, default: float | None) -> float | N
     return float(value)
 
 
-def _extension(body: dict[str, Any]) -> tuple[Constraint | None, str | None, dict[str, Any], int | None]:
-    """The extension's constraint (and its param), options and ``top_k``."""
+def _extension(body: dict[str, Any]) -> tuple[Constraint | None, str | None, dict[str, Any], dict[str, Any]]:
+    """The extension's constraint (and its param), options and sampling fields (:data:`EXTENSION_SAMPLING`)."""
     raw = body.get(EXTENSION)
     if raw is None:
-        return None, None, {}, None
+        return None, None, {}, {}
     ext = _object(raw, EXTENSION)
     for name in ext:
         if name not in _EXTENSION_FIELDS:
@@ -272,11 +272,17 @@ def _extension(body: dict[str, Any]) -> tuple[Constraint | None, str | None, dic
     if len(kinds) > 1:
         raise BadRequest(f"{EXTENSION}.{kinds[1]}", f"give one constraint, not {' and '.join(kinds)}")
     options = _object(ext.get("options", {}), f"{EXTENSION}.options")
-    top_k = ext.get("top_k")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)):
-        raise BadRequest(f"{EXTENSION}.top_k", f"must be an integer, got {_type(top_k)}")
+    sampling: dict[str, Any] = {}
+    for name, want in EXTENSION_SAMPLING.items():
+        if ext.get(name) is None:
+            continue
+        value = ext[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float) if want is float else int):
+            raise BadRequest(f"{EXTENSION}.{name}", f"must be {'a number' if want is float else 'an integer'}, "
+                                                    f"got {_type(value)}")
+        sampling[name] = want(value)
     if not kinds:
-        return None, None, options, top_k
+        return None, None, options, sampling
     name = kinds[0]
     param = f"{EXTENSION}.{name}"
     value = ext[name]
@@ -292,7 +298,7 @@ def _extension(body: dict[str, Any]) -> tuple[Constraint | None, str | None, dic
             constraint = Constraint.ebnf(_string(value, param))
         else:
             constraint = Constraint.lark(_string(value, param))
-    return constraint, param, options, top_k
+    return constraint, param, options, sampling
 
 
 @contextmanager
@@ -511,7 +517,7 @@ def _with_options(constraint: Constraint | None, options: dict[str, Any], param:
 
 def _build(endpoint: Endpoint, body: dict[str, Any], *, prompt: str | None, messages: list[dict[str, str]] | None,
            constraint: Constraint | None, constraint_param: str | None, default_max_tokens: int,
-           top_k: int | None, tools: tuple[Tool, ...] = (), tool_mode: ToolMode | None = None) -> Plan:
+           sampling: Mapping[str, Any], tools: tuple[Tool, ...] = (), tool_mode: ToolMode | None = None) -> Plan:
     max_tokens, max_param = _max_tokens(body, default_max_tokens)
     stream, include_usage = _stream(body)
     seed = body.get("seed")
@@ -523,10 +529,12 @@ def _build(endpoint: Endpoint, body: dict[str, Any], *, prompt: str | None, mess
     try:
         inputs = build_inputs(prompt, messages=messages, constraint=constraint, max_tokens=max_tokens,
                               temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", None),
-                              top_k=top_k, seed=seed, stop=stop)
+                              seed=seed, stop=stop, frequency_penalty=_number(body, "frequency_penalty", None),
+                              presence_penalty=_number(body, "presence_penalty", None), top_k=sampling.get("top_k"),
+                              repetition_penalty=sampling.get("repetition_penalty"), min_p=sampling.get("min_p"))
     except InvalidRequest as err:
         field = err.field or "request"
-        where = {"max_tokens": max_param, "top_k": f"{EXTENSION}.top_k"}.get(field, field)
+        where = max_param if field == "max_tokens" else f"{EXTENSION}.{field}" if field in sampling else field
         raise BadRequest(where, err.reason) from err
     return Plan(endpoint=endpoint, model=_string(body.get("model"), "model"), inputs=inputs,
                 kind=None if constraint is None else constraint.kind, constraint_param=constraint_param,
@@ -559,7 +567,7 @@ def parse_chat(body: Any, default_max_tokens: int) -> Plan:
     if "model" not in body:
         raise BadRequest("model", "is required")
     fmt, fmt_param = _response_format(body)
-    ext, ext_param, options, top_k = _extension(body)
+    ext, ext_param, options, sampling = _extension(body)
     tools, mode, parallel = _tools(body)
     if fmt is not None and ext is not None:
         raise BadRequest(ext_param or EXTENSION, "give one constraint: response_format or the extension's, not both")
@@ -575,7 +583,7 @@ def parse_chat(body: Any, default_max_tokens: int) -> Plan:
     constraint = _with_options(constraint, options, param)
     messages = _messages(body.get("messages"), system_extra)
     return _build("chat", body, prompt=None, messages=messages, constraint=constraint, constraint_param=param,
-                  default_max_tokens=default_max_tokens, top_k=top_k, tools=tools, tool_mode=mode)
+                  default_max_tokens=default_max_tokens, sampling=sampling, tools=tools, tool_mode=mode)
 
 
 def parse_completion(body: Any) -> Plan:
@@ -597,10 +605,10 @@ def parse_completion(body: Any) -> Plan:
                                        "not supported)")
         prompt = prompt[0]
     prompt = _string(prompt, "prompt", empty=True)
-    constraint, param, options, top_k = _extension(body)
+    constraint, param, options, sampling = _extension(body)
     constraint = _with_options(constraint, options, param)
     return _build("completions", body, prompt=prompt, messages=None, constraint=constraint, constraint_param=param,
-                  default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS, top_k=top_k)
+                  default_max_tokens=COMPLETION_DEFAULT_MAX_TOKENS, sampling=sampling)
 
 
 def client_error_param(plan: Plan, err: ClientError) -> str | None:

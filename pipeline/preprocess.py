@@ -19,6 +19,10 @@ from grammar_backend.lru import Lru
 from grammar_backend.spec import ConstraintSpec, SpecLimits, parse_constraint
 
 _ROLES = ("system", "user", "assistant")
+#: How a request becomes prompt tokens: ``chat`` applies the tokenizer's chat template to MESSAGES (PROMPT is
+#: one user message); ``plain`` passes PROMPT through as text (with the tokenizer's own special tokens, e.g.
+#: BOS) and refuses MESSAGES: for base checkpoints, which have no template.
+PROMPT_FORMATS = ("chat", "plain")
 
 
 @dataclass(frozen=True)
@@ -26,10 +30,12 @@ class PreprocessConfig:
     """Parameters of the ``preprocessing`` model.
 
     ``tokenizer`` is the model folder (its tokenizer and chat template);
-    ``max_tokens_limit`` bounds MAX_TOKENS; ``default_max_tokens`` applies when absent.
+    ``max_tokens_limit`` bounds MAX_TOKENS; ``default_max_tokens`` applies when absent;
+    ``prompt_format`` is one of :data:`PROMPT_FORMATS`.
     """
 
     tokenizer: str
+    prompt_format: str = "chat"
     max_prompt_tokens: int = 4096
     max_tokens_limit: int = 2048
     default_max_tokens: int = 256
@@ -39,6 +45,9 @@ class PreprocessConfig:
     def __post_init__(self) -> None:
         if not 0 < self.default_max_tokens <= self.max_tokens_limit:
             raise ConfigError("preprocessing: need 0 < default_max_tokens <= max_tokens_limit")
+        if self.prompt_format not in PROMPT_FORMATS:
+            raise ConfigError(f"preprocessing: prompt_format must be one of {', '.join(PROMPT_FORMATS)}, "
+                              f"got {self.prompt_format!r}")
 
 
 @dataclass(frozen=True)
@@ -56,6 +65,10 @@ class RawRequest:
     top_k: int | None = None
     seed: int | None = None
     stop: tuple[bytes, ...] = ()
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    min_p: float | None = None
 
 
 @dataclass(frozen=True)
@@ -69,12 +82,17 @@ class GenerationParams:
     seed: int = 0
     stop: tuple[str, ...] = ()
     constraint: dict[str, str] | None = field(default=None)
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_p: float = 0.0
 
     def to_json(self) -> str:
         """Serialize for the REQUEST tensor."""
         return json.dumps(
             {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-             "top_k": self.top_k, "seed": self.seed, "stop": list(self.stop), "constraint": self.constraint},
+             "top_k": self.top_k, "seed": self.seed, "stop": list(self.stop), "constraint": self.constraint,
+             **{name: getattr(self, name) for name in contract.PENALTY_FIELDS}},
             ensure_ascii=False,
         )
 
@@ -94,6 +112,7 @@ class GenerationParams:
         return cls(
             max_tokens=int(doc["max_tokens"]), temperature=float(doc["temperature"]), top_p=float(doc["top_p"]),
             top_k=int(doc["top_k"]), seed=int(doc["seed"]), stop=tuple(doc["stop"]), constraint=doc["constraint"],
+            **{name: float(doc[name]) for name in contract.PENALTY_FIELDS},
         )
 
 
@@ -210,8 +229,11 @@ def parse_params(raw: RawRequest, config: PreprocessConfig) -> tuple[GenerationP
     if len(raw.stop) > contract.MAX_STOP_STRINGS:  # before decoding any of them
         raise InvalidArgument("stop", f"at most {contract.MAX_STOP_STRINGS} stop strings, got {len(raw.stop)}")
     stop = tuple(_text(f"stop[{i}]", s) for i, s in enumerate(raw.stop))
+    penalties = {name: neutral if getattr(raw, name) is None else getattr(raw, name)
+                 for name, neutral in contract.PENALTY_FIELDS.items()}
     try:
-        contract.check_sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=raw.seed, stop=stop)
+        contract.check_sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=raw.seed, stop=stop,
+                                **penalties)
     except contract.ContractError as err:
         raise InvalidArgument(err.field, err.reason) from err
     spec = None
@@ -227,22 +249,33 @@ def parse_params(raw: RawRequest, config: PreprocessConfig) -> tuple[GenerationP
         raise InvalidArgument("grammar_type", "is required when GRAMMAR or GRAMMAR_OPTIONS is given")
     params = GenerationParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-        seed=0 if raw.seed is None else raw.seed, stop=stop, constraint=constraint,
+        seed=0 if raw.seed is None else raw.seed, stop=stop, constraint=constraint, **penalties,
     )
     return params, spec
 
 
 class Preprocessor:
-    """Validates a request and tokenizes its prompt with the model's chat template.
+    """Validates a request and tokenizes its prompt (with the model's chat template, or as plain text).
 
     Parameters
     ----------
     config : PreprocessConfig
     tokenizer : transformers.PreTrainedTokenizerBase
-        The model's tokenizer (with its chat template).
+        The model's tokenizer (with its chat template unless ``config.prompt_format`` is ``plain``).
+
+    Raises
+    ------
+    ConfigError
+        ``prompt_format`` is ``chat`` and the tokenizer has no chat template: refused
+        at load, with what to add, rather than failing every request.
     """
 
     def __init__(self, config: PreprocessConfig, tokenizer: Any) -> None:
+        if config.prompt_format == "chat" and not getattr(tokenizer, "chat_template", None):
+            raise ConfigError(
+                f"preprocessing: the tokenizer of {config.tokenizer!r} has no chat template. Add one (a "
+                "chat_template.jinja file, or chat_template in tokenizer_config.json), or serve it as a base "
+                "model with PROMPT_FORMAT=plain (PROMPT is passed through as text; MESSAGES is refused)")
         self.config = config
         self.tokenizer = tokenizer
 
@@ -262,13 +295,19 @@ class Preprocessor:
             Naming the field and the reason.
         """
         messages = parse_messages(raw)
+        if self.config.prompt_format == "plain" and raw.messages is not None:
+            raise InvalidArgument("messages", "this model has no chat template (prompt format plain): send "
+                                              "PROMPT, which is passed through as text")
         params, _ = parse_params(raw, self.config)
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if self.config.prompt_format == "plain":
+            ids = self.tokenizer(messages[0]["content"], add_special_tokens=True)["input_ids"]
+            where = "as plain text"
+        else:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            where = "after the chat template"
         if hasattr(ids, "input_ids"):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
         ids = [int(t) for t in ids]
         if len(ids) > self.config.max_prompt_tokens:
-            raise InvalidArgument(
-                "prompt", f"is {len(ids)} tokens after the chat template; the limit is {self.config.max_prompt_tokens}"
-            )
+            raise InvalidArgument("prompt", f"is {len(ids)} tokens {where}; the limit is {self.config.max_prompt_tokens}")
         return ids, params

@@ -133,6 +133,19 @@ def test_value_checks_retry_a_repeated_item_over_grpc(client: Client, backend: s
     assert unchecked.json.violations[0].message.endswith("has non-unique elements")
 
 
+def test_penalties_reach_the_sampler_and_keep_outputs_valid(client: Client) -> None:
+    """Greedy output is reproducible, and penalties change it (the tensors reach the sampler); with a schema
+    the penalized output still validates."""
+    prompt = "Write the word hello thirty times, separated by spaces."
+    plain = [client.generate(prompt, max_tokens=40, require_complete=False).text for _ in range(2)]
+    penalized = client.generate(prompt, max_tokens=40, frequency_penalty=2.0, repetition_penalty=1.3,
+                                require_complete=False)
+    assert plain[0] == plain[1] != penalized.text, (plain, penalized.text)
+    checked = client.generate("Describe a person as JSON.", constraint=Constraint.json_schema(LETTERS_ONCE),
+                              max_tokens=40, presence_penalty=1.5, min_p=0.1, temperature=0.7, seed=3)
+    assert checked.complete and checked.json is not None and checked.json.valid, checked
+
+
 @pytest.mark.parametrize("at_least_one", [False, True])
 def test_structural_tag_tool_call(client: Client, at_least_one: bool) -> None:
     tool = _schema("tool_weather")

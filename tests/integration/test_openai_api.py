@@ -183,7 +183,7 @@ def test_auto_tool_choice_leaves_text_free(client: openai.OpenAI) -> None:
 @pytest.mark.parametrize(("extra", "param", "message"), [
     ({"n": 2}, "n", r"^n: only 1 choice per request is supported; got 2$"),
     ({"logprobs": True}, "logprobs", r"^logprobs: log probabilities are not returned"),
-    ({"presence_penalty": 0.5}, "presence_penalty", r"^presence_penalty: not supported"),
+    ({"presence_penalty": 2.5}, "presence_penalty", r"^presence_penalty: must be a number in -2\.\.2 \(0 = off\)"),
     ({"extra_body": {"best_effort": 1}}, "best_effort", r"^best_effort: unrecognized request argument$"),
     ({"max_tokens": 100_000}, "max_tokens", r"^max_tokens: must be in 1\.\.\d+, got 100000$"),
     ({"max_completion_tokens": 0}, "max_completion_tokens", r"^max_completion_tokens: must be"),

@@ -343,3 +343,18 @@ def test_path_bench_summary(monkeypatch: pytest.MonkeyPatch) -> None:
     assert u["ttft_s_p50"] == pytest.approx(0.06) and u["inter_delta_s_p50"] == pytest.approx(0.04)
     assert c["equal_work"] == {"free_step_s_p50": 0.002, "constrained_step_s_p50": 0.0025, "ratio": 0.8}
     assert c["tokens_per_s"] == 200.0 and "served_over_in_process" not in c
+
+
+def test_penalty_bench_figures(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import penalty_bench
+
+    outcomes = [{"outcome": "own", "valid": True, "tokens": 10, "loop": False},
+                {"outcome": "repeat", "valid": True, "tokens": 30, "loop": True},
+                {"outcome": "trunc", "valid": False, "tokens": 50, "loop": False},
+                {"outcome": "error: UNAVAILABLE", "tokens": 0, "loop": False}]
+    assert penalty_bench.figures(outcomes) == {
+        "n": 4, "own": 1, "repeat": 1, "budget": 0, "invalid": 0, "trunc": 1, "errors": ["error: UNAVAILABLE"],
+        "valid": 2, "loop": 1, "tokens": 22.5}
+    assert penalty_bench._LOOP.search('{"a":[' + '"type",' * 6 + '"x"]}') is not None
+    assert penalty_bench._LOOP.search('{"name":"Ada","age":36}') is None

@@ -7,6 +7,7 @@ and forced one by one), so these tests use the real Qwen3 BPE vocabulary.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -362,9 +363,9 @@ def test_the_first_completion_is_searched_once_per_constraint(
     searches: list[int] = []
     complete = closer.complete
 
-    def counted(matcher: Any) -> tuple[int, ...] | None:
+    def counted(matcher: Any, check: Any = None) -> tuple[int, ...] | None:
         searches.append(1)
-        return complete(matcher)
+        return complete(matcher, check)
 
     monkeypatch.setattr(closer, "complete", counted)
     spec = parse_constraint("json_schema", json.dumps(PERSON))
@@ -407,9 +408,9 @@ def test_calm_checks_thin_out_and_stay_cheap(
     calls = {"complete": 0, "resume": 0}
     complete, resume = closer.complete, closer.resume
 
-    def counted_complete(matcher: Any) -> tuple[int, ...] | None:
+    def counted_complete(matcher: Any, check: Any = None) -> tuple[int, ...] | None:
         calls["complete"] += 1
-        return complete(matcher)
+        return complete(matcher, check)
 
     def counted_resume(matcher: Any, tokens: tuple[int, ...]) -> tuple[int, ...] | None:
         calls["resume"] += 1
@@ -441,9 +442,9 @@ def test_a_check_inside_a_character_waits_for_its_end(
     stop = int(qwen_info.stop_token_ids[0])
     seq = _sequence(compiler, PERSON, 1000, {"on_repeat": "continue"})
 
-    def counted(matcher: Any) -> tuple[int, ...] | None:
+    def counted(matcher: Any, check: Any = None) -> tuple[int, ...] | None:
         searched_at.append(seq.tokens_accepted)
-        return complete(matcher)
+        return complete(matcher, check)
 
     monkeypatch.setattr(closer, "complete", counted)
     seq.accept(qwen_tokenizer.encode('{"name":"'))
@@ -463,3 +464,234 @@ def test_bitmask_allows(qwen_info: xgr.TokenizerInfo) -> None:
     buffer.fill([None])
     buffer.restrict(0, pack_tokens([5, 64], vocab), 100)
     assert [buffer.allows(0, t) for t in (5, 6, 64, 100, vocab - 1)] == [True, False, True, True, False]
+
+
+# --------------------------------------------------------------------------- misses where a completion fits
+# The issue's four misses (SmolLM2, large schemas, max_tokens 384), replayed through the real matcher with
+# SmolLM2's vocabulary: each digit is a token of its own there, and a large schema's required tail is
+# longer than the search's old 512-character bound, so no completion was ever found.
+SMOLLM2 = Path(__file__).resolve().parents[2] / "build" / "models" / "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def smol() -> Any:
+    if not (SMOLLM2 / "tokenizer.json").is_file():
+        pytest.skip(f"SmolLM2 not found at {SMOLLM2} (run `make model`)")
+    from grammar_backend.tokenizer import load_tokenizer
+
+    return load_tokenizer(str(SMOLLM2))
+
+
+@pytest.fixture(scope="module")
+def smol_compiler(smol: Any) -> xgr.GrammarCompiler:
+    return xgr.GrammarCompiler(smol.info, max_threads=1)
+
+
+@pytest.fixture(scope="module")
+def smol_closer(smol: Any) -> Closer:
+    return Closer(smol.info)
+
+
+def _wide(value: dict[str, Any], count: int = 40) -> dict[str, Any]:
+    """An object of ``count`` required properties with long names: its shortest instance is over 512 characters."""
+    names = [f"required_property_{i:02d}" for i in range(count)]
+    return {"type": "object", "properties": {n: value for n in names}, "required": names,
+            "additionalProperties": False}
+
+
+def _wide_text(value: str, count: int = 40) -> str:
+    return "{" + ",".join(f'"required_property_{i:02d}":{value}' for i in range(count)) + "}"
+
+
+@pytest.mark.parametrize(
+    ("value", "shortest"),
+    [
+        ({"type": "string"}, '""'),
+        ({"type": "integer"}, "0"),
+        ({"type": "string", "minLength": 1}, '"@"'),
+        ({"type": "array", "items": {"type": "boolean"}}, "[]"),
+    ],
+)
+def test_a_long_required_tail_is_found(
+    smol: Any, smol_compiler: xgr.GrammarCompiler, smol_closer: Closer, value: dict[str, Any], shortest: str
+) -> None:
+    schema = _wide(value)
+    assert len(_wide_text(shortest)) > 1000  # twice the old bound
+    matcher = xgr.GrammarMatcher(compile_spec(smol_compiler, parse_constraint("json_schema", json.dumps(schema))))
+    tokens = smol_closer.complete(matcher)
+    assert tokens is not None
+    assert smol.hf.decode(list(tokens)) == _wide_text(shortest)
+
+
+def _smol_sequence(smol_compiler: xgr.GrammarCompiler, schema: dict[str, Any], budget: int,
+                   options: dict[str, str] | None = None) -> GrammarSequence:
+    spec = parse_constraint("json_schema", json.dumps(schema), options or {})
+    return GrammarSequence(1, spec, xgr.GrammarMatcher(compile_spec(smol_compiler, spec)), "xgrammar", 0.0, budget,
+                           ClosingConfig())
+
+
+def _prose(count: int) -> str:
+    """``count`` words in a seeded random order: no short repeating unit."""
+    import random
+
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dogs", "while", "seven", "wizards", "judge", "boxing", "matches", "near", "ancient", "harbors", "filled", "with", "curious", "travelers", "carrying", "maps", "and", "lanterns"]
+    rng = random.Random(5)
+    return "".join(" " + rng.choice(words) for _ in range(count))
+
+
+#: 7**400: 339 digits with no period the repeat check sees (a counter's or a hash's digits).
+APERIODIC = str(7**400)
+
+
+@pytest.mark.parametrize(
+    ("value", "prefix", "runaway", "budget", "state", "most_runaway"),
+    [
+        # A digit run in a string: the period-10 one is a repeat (40 tokens, checked every 4), the
+        # aperiodic one a digit run (64 digits).  The budget leaves the repeat check time to see them.
+        ({"type": "string"}, '{"required_property_00":"', "1234567890", 1000, CloseState.REPETITION, 44),
+        ({"type": "string"}, '{"required_property_00":"', APERIODIC, 1000, CloseState.REPETITION, 68),
+        # 100000000... in a number.
+        ({"type": "integer"}, '{"required_property_00":1', "0", 1000, CloseState.REPETITION, 28),
+        ({"type": "number"}, '{"required_property_00":3.', APERIODIC, 1000, CloseState.REPETITION, 68),
+        # Within the issue's 384 tokens the 320-token tail leaves no time to see a repeat: the budget closes it.
+        ({"type": "string"}, '{"required_property_00":"', APERIODIC, 384, CloseState.BUDGET, 64),
+        # A long string with little repetition: not a runaway, closed at the budget.
+        ({"type": "string"}, '{"required_property_00":"', _prose(600), 1000, CloseState.BUDGET, 700),
+    ],
+)
+def test_a_runaway_value_in_a_large_schema_closes_validly(
+    smol: Any, smol_compiler: xgr.GrammarCompiler, smol_closer: Closer, value: dict[str, Any], prefix: str,
+    runaway: str, budget: int, state: CloseState, most_runaway: int,
+) -> None:
+    schema = _wide(value)
+    stop = int(smol.info.stop_token_ids[0])
+    seq = _smol_sequence(smol_compiler, schema, budget)
+    head = smol.hf.encode(prefix, add_special_tokens=False)
+    seq.accept(head)
+    taken, stopped = _run(seq, smol_closer, stop, smol.hf.encode(runaway, add_special_tokens=False), budget)
+    assert stopped and seq.close_state == state and seq.forced is not None
+    assert len(head) + len(taken) + 1 <= budget
+    assert len(taken) - len(seq.forced) <= most_runaway  # the runaway's tokens before the forced completion
+    text = smol.hf.decode(head + taken)
+    assert validate_output(schema, text).valid, text[-200:]
+
+
+@pytest.mark.parametrize(
+    ("digits", "repeating"),
+    [(63, False), (64, True), (0, False)],
+)
+def test_a_digit_run_is_a_runaway_from_max_digits(digits: int, repeating: bool) -> None:
+    detector = RepeatDetector(RepeatConfig())
+    for token in range(30):  # 30 distinct tokens: no period
+        detector.push(token)
+    assert detector.repeating(digits) is repeating
+
+
+@pytest.mark.parametrize(
+    ("pieces", "run"),
+    [
+        (["abc"], 0),
+        (["1", "2", "3"], 3),
+        (["x", "1", "2"], 2),
+        (["1", "2", "a", "3"], 1),
+        (['":"', "7"], 1),
+        (["9", '",'], 0),
+    ],
+)
+def test_digit_run_counts_the_digits_ending_the_output(smol: Any, smol_closer: Closer, pieces: list[str],
+                                                       run: int) -> None:
+    tokens = [smol_closer.spell(p.encode()) for p in pieces]
+    assert all(t is not None and len(t) == 1 for t in tokens)
+    assert smol_closer.digit_run(0, [t[0] for t in tokens if t]) == run
+
+
+#: An optional object of 30 required properties: opening it adds 182 SmolLM2 tokens to the completion at once.
+INNER = {f"field_{i:02d}": {"type": "string"} for i in range(30)}
+LATE = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "object", "properties": INNER,
+                                                                         "required": list(INNER)}},
+        "required": ["a"]}
+
+
+@pytest.mark.parametrize("slack", [0, 4, 12, 40])
+def test_the_budget_is_checked_right_after_a_container_opens(
+    smol: Any, smol_compiler: xgr.GrammarCompiler, smol_closer: Closer, slack: int
+) -> None:
+    """Checked at its spaced time only, the opened object's tail had outgrown the budget (given up, truncated)."""
+    stop = int(smol.info.stop_token_ids[0])
+    encode = smol.hf.encode
+    opened = encode('{"a":"hello","b":{', add_special_tokens=False)
+    probe = xgr.GrammarMatcher(compile_spec(smol_compiler, parse_constraint("json_schema", json.dumps(LATE))))
+    assert all(probe.accept_token(t) for t in opened)
+    tail = smol_closer.complete(probe)
+    assert tail is not None and len(tail) == 182
+    budget = len(opened) + len(tail) + 1 + slack  # the shortest completion fits exactly, plus the slack
+    seq = _smol_sequence(smol_compiler, LATE, budget)
+    head = encode('{"a":"hello"', add_special_tokens=False)
+    seq.accept(head)
+    runaway = encode(',"b":{"field_00":"' + _prose(300), add_special_tokens=False)
+    taken, stopped = _run(seq, smol_closer, stop, runaway, budget)
+    assert stopped and seq.close_state == CloseState.BUDGET
+    assert len(head) + len(taken) + 1 <= budget
+    assert validate_output(LATE, smol.hf.decode(head + taken)).valid
+
+
+@pytest.mark.parametrize(
+    ("schema", "prefix", "ending"),
+    [
+        # xgrammar leaves idn-email free: the first completion '"' ended the output invalid.
+        ({"type": "string", "format": "idn-email"}, '"abc', '@"'),
+        ({"type": "string", "format": "email"}, '"abc', '@0"'),  # enforced by the grammar: unchanged
+    ],
+)
+def test_a_budget_closed_top_level_string_passes_post_validation(
+    smol: Any, smol_compiler: xgr.GrammarCompiler, smol_closer: Closer, schema: dict[str, Any], prefix: str,
+    ending: str,
+) -> None:
+    stop = int(smol.info.stop_token_ids[0])
+    budget = 16
+    seq = _smol_sequence(smol_compiler, schema, budget, {"on_repeat": "continue"})
+    head = smol.hf.encode(prefix, add_special_tokens=False)
+    seq.accept(head)
+    taken, stopped = _run(seq, smol_closer, stop, smol.hf.encode("xyz", add_special_tokens=False), budget)
+    assert stopped and seq.close_state == CloseState.BUDGET
+    text = smol.hf.decode(head + taken)
+    assert text.endswith(ending) and validate_output(schema, text).valid, text
+
+
+def test_a_refused_completion_is_passed_over_within_the_node_bound(
+    smol: Any, smol_compiler: xgr.GrammarCompiler, smol_closer: Closer
+) -> None:
+    matcher = xgr.GrammarMatcher(compile_spec(smol_compiler, parse_constraint("json_schema", json.dumps(
+        {"type": "string"}))))
+    assert matcher.accept_string('"ab')
+    seen: list[bytes] = []
+
+    def check(completion: bytes) -> bool:
+        seen.append(completion)
+        return completion.endswith(b'.-"')
+
+    found = smol_closer.complete(matcher, check)
+    assert found is not None and smol.hf.decode(list(found)) == '@.-"'
+    assert seen == [b'"', b'@"', b'@."', b'@.-"']  # depth first: each refusal extends the string
+    # Nothing passes: the first complete text stands (it still ends the output parseable).
+    fallback = smol_closer.complete(matcher, lambda completion: False)
+    assert fallback is not None and smol.hf.decode(list(fallback)) == '"'
+
+
+@pytest.mark.parametrize("back", [0, 1, 3])
+def test_a_rollback_keeps_the_top_level_text_and_ends_the_digit_run(
+    smol: Any, smol_compiler: xgr.GrammarCompiler, smol_closer: Closer, back: int
+) -> None:
+    stop = int(smol.info.stop_token_ids[0])
+    seq = _smol_sequence(smol_compiler, {"type": "string", "format": "idn-email"}, 100)
+    tokens = smol.hf.encode('"ab12345', add_special_tokens=False)
+    for token in tokens:
+        seq.accept([token])
+        seq.plan(smol_closer, stop)
+    assert seq.digit_run == 5
+    seq.accept(smol.hf.encode("67", add_special_tokens=False))  # not planned yet: folded in by the rollback
+    seq.rollback(back)
+    seq.plan(smol_closer, stop)
+    assert seq.scalar_tokens is not None and len(seq.scalar_tokens) == seq.tokens_accepted
+    assert smol_closer.text(seq.scalar_tokens) == (b'"ab1234567'[: len('"ab1234567') - back])
+    assert seq.digit_run == (7 if back == 0 else 0)

@@ -9,6 +9,8 @@ and through the server (``parse_constraint``, preprocessing's
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +23,8 @@ from grammar_backend import closing, spec
 from grammar_backend.errors import ConstraintError, InvalidArgument
 from pipeline import postprocess
 from pipeline.preprocess import PreprocessConfig, RawRequest, parse_params
+
+REPO = Path(__file__).resolve().parents[2]
 
 PAYLOADS = {
     "json_schema": '{"type":"object"}',
@@ -93,9 +97,59 @@ def test_client_and_server_agree_on_sampling(fields: dict[str, Any]) -> None:
     client = _field_or_ok(lambda: build_inputs("hi", **fields), (InvalidRequest,))
     raw = RawRequest(prompt=b"hi", temperature=fields.get("temperature"), top_p=fields.get("top_p"),
                      top_k=fields.get("top_k"), seed=fields.get("seed"),
-                     stop=tuple(s.encode() for s in fields.get("stop", ())))
+                     stop=tuple(s.encode() for s in fields.get("stop", ())),
+                     **{name: fields.get(name) for name in contract.PENALTY_FIELDS})
     server = _field_or_ok(lambda: parse_params(raw, PreprocessConfig(tokenizer="unused")), (InvalidArgument,))
     assert client == server, fields
+
+
+# Each penalty field at its edges: (fields, the contract's verdict: None = accepted, else the exact message).
+PENALTY_CASES: list[tuple[dict[str, Any], str | None]] = [
+    ({"repetition_penalty": 1.0}, None),
+    ({"repetition_penalty": contract.MAX_REPETITION_PENALTY}, None),
+    ({"repetition_penalty": 0.01}, None),
+    ({"repetition_penalty": 0.0}, "repetition_penalty: must be a number in (0, 2] (1 = off), got 0.0"),
+    ({"repetition_penalty": 2.5}, "repetition_penalty: must be a number in (0, 2] (1 = off), got 2.5"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty: must be a number in (0, 2] (1 = off), got inf"),
+    ({"frequency_penalty": -contract.MAX_PENALTY}, None),
+    ({"frequency_penalty": contract.MAX_PENALTY}, None),
+    ({"frequency_penalty": 2.5}, "frequency_penalty: must be a number in -2..2 (0 = off), got 2.5"),
+    ({"presence_penalty": -2.5}, "presence_penalty: must be a number in -2..2 (0 = off), got -2.5"),
+    ({"presence_penalty": float("nan")}, "presence_penalty: must be a number in -2..2 (0 = off), got nan"),
+    ({"min_p": 0.0}, None),
+    ({"min_p": 1.0}, None),
+    ({"min_p": -0.1}, "min_p: must be a number in 0..1 (0 = off), got -0.1"),
+    ({"min_p": 1.5}, "min_p: must be a number in 0..1 (0 = off), got 1.5"),
+]
+SAMPLING_CASES.extend(fields for fields, _ in PENALTY_CASES)
+
+
+@pytest.mark.parametrize(("fields", "message"), PENALTY_CASES, ids=[str(f) for f, _ in PENALTY_CASES])
+def test_penalty_fields_verdicts(fields: dict[str, Any], message: str | None) -> None:
+    def check() -> None:
+        contract.check_sampling(temperature=0.7, top_p=1.0, top_k=0, seed=None, stop=(), **fields)
+
+    if message is None:
+        check()
+    else:
+        with pytest.raises(contract.ContractError, match=f"^{re.escape(message)}$"):
+            check()
+        with pytest.raises(InvalidRequest) as caught:  # the SDK says "must be finite" for inf and nan first
+            build_inputs("hi", **fields)
+        assert caught.value.field == next(iter(fields))
+
+
+def test_penalty_tensors_are_the_fields_in_capitals() -> None:
+    """The SDK sends each penalty as its field's name in capitals, FP32, and the ensemble declares each."""
+    inputs = build_inputs("hi", repetition_penalty=1.5, frequency_penalty=-0.5, presence_penalty=0.25, min_p=0.125)
+    got = {i.name(): i.datatype() for i in inputs}
+    ensemble = (REPO / "model_repository/constrained_llm/config.pbtxt.in").read_text()
+    pre = (REPO / "model_repository/preprocessing/config.pbtxt.in").read_text()
+    for name in contract.PENALTY_FIELDS:
+        line = f'{{ name: "{name.upper()}", data_type: TYPE_FP32, dims: [ 1 ], optional: true }}'
+        assert line in ensemble and line in pre, name
+        assert f'input_map {{ key: "{name.upper()}" value: "{name.upper()}" }}' in ensemble, name
+        assert got[name.upper()] == "FP32"
 
 
 def test_every_layer_reads_the_contract() -> None:

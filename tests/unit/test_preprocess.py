@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from grammar_backend.errors import ConstraintError, InvalidArgument
+from grammar_backend.errors import ConfigError, ConstraintError, InvalidArgument
 from pipeline.preprocess import (
     GenerationParams,
     PreprocessConfig,
@@ -89,8 +89,11 @@ def test_request_round_trip(pre: Preprocessor) -> None:
         messages=json.dumps([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Zoë?"}]).encode(),
         grammar_type=b"json_schema", grammar=b'{ "type": "object" }', grammar_options=b'{"strict": true}',
         max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, seed=3, stop=(b"\n\n",),
+        repetition_penalty=1.25, presence_penalty=-0.5, min_p=0.1,
     )
     _, params = pre(raw)
+    assert (params.repetition_penalty, params.frequency_penalty, params.presence_penalty, params.min_p) == (
+        1.25, 0.0, -0.5, 0.1)
     expected: dict[str, Any] = {"kind": "json_schema", "payload": '{"type":"object"}',
                                 "options": '{"strict":true,"whitespace":"compact","indent":null,"any_order":false,'
                                            '"on_budget":"close","on_repeat":"close","backend":"auto","jump_forward":true,'
@@ -138,3 +141,43 @@ def test_a_refused_constraint_is_refused_again_without_a_parse(pre: Preprocessor
     pre(RawRequest(prompt=b"hi", grammar_type=b"regex", grammar=b"[ab]+"))  # a good one still parses
     pre(RawRequest(prompt=b"hi", grammar_type=b"regex", grammar=b"[ab]+"))  # and is never cached as refused
     assert parses == ["json_schema", "regex", "regex"]
+
+
+# --------------------------------------------------------------------------- checkpoints without a chat template
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny checkpoint whose tokenizer has no chat template (as a base model's)."""
+    from llm_runtime.tiny_model import build_tiny_llama
+
+    info = build_tiny_llama(tmp_path_factory.mktemp("base") / "model")
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(str(info.path), local_files_only=True).chat_template is None
+    return info.path
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused_at_load_with_what_to_add(base_model: Path) -> None:
+    with pytest.raises(ConfigError, match=r"has no chat template\. Add one \(a chat_template\.jinja file, or "
+                                          r"chat_template in tokenizer_config\.json\), or serve it as a base model "
+                                          r"with PROMPT_FORMAT=plain"):
+        Preprocessor.from_config(PreprocessConfig(tokenizer=str(base_model)))
+
+
+def test_plain_prompt_format_passes_the_prompt_through(base_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    pre = Preprocessor.from_config(PreprocessConfig(tokenizer=str(base_model), prompt_format="plain",
+                                                    max_prompt_tokens=64))
+    tok = AutoTokenizer.from_pretrained(str(base_model), local_files_only=True)
+    ids, params = pre(RawRequest(prompt=b"The capital of France is", max_tokens=5))
+    assert ids == tok("The capital of France is", add_special_tokens=True)["input_ids"] and params.max_tokens == 5
+    with pytest.raises(InvalidArgument, match=r"^messages: this model has no chat template \(prompt format plain\): "
+                                              r"send PROMPT, which is passed through as text$"):
+        pre(RawRequest(messages=b'[{"role": "user", "content": "hi"}]'))
+    with pytest.raises(InvalidArgument, match=r"^prompt: is \d+ tokens as plain text; the limit is 64$"):
+        pre(RawRequest(prompt=b"word " * 100))
+
+
+def test_prompt_format_is_checked() -> None:
+    with pytest.raises(ConfigError, match=r"^preprocessing: prompt_format must be one of chat, plain, got 'raw'$"):
+        PreprocessConfig(tokenizer="unused", prompt_format="raw")

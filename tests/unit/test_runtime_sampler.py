@@ -10,7 +10,7 @@ import torch
 import xgrammar
 
 from llm_runtime.mask import bitmask_width
-from llm_runtime.sampler import Sampler, SamplingParams
+from llm_runtime.sampler import Sampler, SamplingParams, TokenCounts
 
 V = 70  # not a multiple of 32: the last bitmask word is partly padding
 
@@ -197,3 +197,99 @@ def test_apply_mask_rejects_wrong_bitmask() -> None:
     sampler = Sampler(V)
     with pytest.raises(ValueError, match=r"bitmask: expected int32 \[B, 3\]"):
         sampler.apply_mask(torch.zeros((1, V)), torch.zeros((1, 2), dtype=torch.int32), [0])
+
+
+# --------------------------------------------------------------------------- penalties and min_p
+def _counts(prompt: list[int], output: list[int]) -> TokenCounts:
+    tc = TokenCounts(V, np.asarray(prompt, dtype=np.int64), torch.device("cpu"))
+    if output:
+        tc.add(output)
+    return tc
+
+
+# (params, prompt, output, token: its expected logit from 2.0 (positive) / -2.0 (negative))
+PENALTY_TABLE = [
+    pytest.param(SamplingParams(temperature=0.0, repetition_penalty=2.0), [5], [], 5, (1.0, -4.0), id="rep-prompt"),
+    pytest.param(SamplingParams(temperature=0.0, repetition_penalty=2.0), [], [5, 5], 5, (1.0, -4.0), id="rep-output"),
+    pytest.param(SamplingParams(temperature=0.0, repetition_penalty=0.5), [], [5], 5, (4.0, -1.0), id="rep-below-1"),
+    pytest.param(SamplingParams(temperature=0.0, repetition_penalty=2.0), [6], [7], 5, (2.0, -2.0), id="rep-unseen"),
+    pytest.param(SamplingParams(temperature=0.0, frequency_penalty=0.5), [5, 5], [5, 5, 5], 5, (0.5, -3.5),
+                 id="freq-output-only"),
+    pytest.param(SamplingParams(temperature=0.0, presence_penalty=1.5), [5], [5, 5, 5], 5, (0.5, -3.5),
+                 id="presence-once"),
+    pytest.param(SamplingParams(temperature=0.0, presence_penalty=1.5), [5], [], 5, (2.0, -2.0),
+                 id="presence-not-prompt"),
+    pytest.param(SamplingParams(temperature=0.0, frequency_penalty=-1.0, presence_penalty=0.5), [], [5, 5], 5,
+                 (3.5, -0.5), id="negative-frequency"),
+]
+
+
+@pytest.mark.parametrize(("params", "prompt", "output", "token", "expected"), PENALTY_TABLE)
+def test_penalty_moves_the_logit_by_the_rule(params: SamplingParams, prompt: list[int], output: list[int],
+                                             token: int, expected: tuple[float, float]) -> None:
+    for start, want in zip((2.0, -2.0), expected, strict=True):
+        row = torch.zeros(V)
+        row[token] = start
+        before = row.clone()
+        _counts(prompt, output).apply(row, params)
+        assert float(row[token]) == want
+        others = torch.ones(V, dtype=torch.bool)
+        others[token] = False
+        moved = {*prompt, *output} - {token}
+        for t in moved:
+            others[t] = False
+        assert torch.equal(row[others], before[others])
+
+
+def test_penalties_keep_masked_tokens_masked_and_the_only_allowed_token_possible() -> None:
+    """After the mask: -inf stays -inf whatever the counts, and a token allowed alone is drawn however often it repeats."""
+    sampler = Sampler(V)
+    allowed = np.zeros((2, V), dtype=bool)
+    allowed[:, 9] = True
+    hot = [9] * 500 + list(range(V))  # every token seen, token 9 500 times
+    strong = [SamplingParams(temperature=0.0, repetition_penalty=2.0, frequency_penalty=2.0, presence_penalty=2.0),
+              SamplingParams(temperature=1.0, repetition_penalty=2.0, frequency_penalty=2.0, presence_penalty=2.0,
+                             min_p=1.0, seed=3)]
+    for _ in range(20):
+        logits = torch.randn(2, V) * 5
+        sampler.apply_mask(logits, torch.from_numpy(pack(allowed)), [0, 1])
+        counts = [_counts(hot, hot), _counts(hot, hot)]
+        tokens, dead = sampler.sample(logits, strong, [sampler.generator(0), sampler.generator(1)], None, counts)
+        assert tokens.tolist() == [9, 9] and not dead.any()
+        assert torch.isneginf(logits[:, :9]).all() and torch.isneginf(logits[:, 10:]).all()
+
+
+def test_greedy_with_a_penalty_takes_the_penalized_argmax_and_unpenalized_rows_stay() -> None:
+    sampler = Sampler(V)
+    logits = torch.zeros(2, V)
+    logits[:, 3], logits[:, 4] = 5.0, 4.0
+    p = SamplingParams(temperature=0.0, frequency_penalty=2.0)
+    tokens, _ = sampler.sample(logits, [p, p], [sampler.generator(0)] * 2, None, [_counts([], [3]), None])
+    assert tokens.tolist() == [4, 3]  # 5 - 2 < 4 on row 0; row 1 has no counts
+
+
+def test_counts_forget_dropped_tokens() -> None:
+    tc = _counts([], [3, 3, 4])
+    tc.add([3, 4], -1.0)
+    assert tc.counts[3].item() == 1.0 and tc.counts[4].item() == 0.0
+    tc.add((4,))
+    assert tc.counts[4].item() == 1.0
+
+
+def test_counts_length_checked() -> None:
+    sampler = Sampler(V)
+    with pytest.raises(ValueError, match=r"^sample: 2 logits rows, 2 params, 2 generators, 1 counts$"):
+        sampler.sample(torch.zeros(2, V), [SamplingParams()] * 2, [sampler.generator(0)] * 2, None, [None])
+
+
+@pytest.mark.parametrize("min_p", [0.05, 0.3, 0.9])
+def test_min_p_samples_only_tokens_near_the_best(min_p: float) -> None:
+    sampler = Sampler(V)
+    logits = torch.from_numpy(np.random.default_rng(1).normal(0, 2, size=(1, V)).astype(np.float32))
+    probs = torch.softmax(logits[0], -1)
+    keep = set(torch.nonzero(probs >= probs.max() * min_p).reshape(-1).tolist())
+    gen = sampler.generator(5)
+    p = SamplingParams(temperature=1.0, min_p=min_p)
+    seen = {int(sampler.sample(logits.clone(), [p], [gen])[0][0]) for _ in range(400)}
+    assert seen <= keep
+    assert len(seen) >= min(len(keep), 2)

@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -845,3 +846,69 @@ def test_processor_mode_gives_what_overlap_gives(engine: TorchEngine, tiny: Tiny
     assert processor == overlap
     assert all(reason in ("stop", "length") for reason, _, _, _ in overlap)
     assert jumped > 0 and jumped_after > 0  # the long keys were jumped over
+
+
+def _penalized_greedy(engine: TorchEngine, ids: list[int], n: int, rep: float, freq: float, pres: float) -> list[int]:
+    """The rule, written out on the engine's own logits (batch of one, as the scheduler runs a lone request)."""
+    seq = 987654
+    known = engine.tokenizer.get_vocab_size(with_added_tokens=True)  # the ids past it pad the output projection
+    row = engine.prefill_batch([seq], [np.asarray(ids)])[0].numpy().astype(np.float64)
+    out: list[int] = []
+    try:
+        for _ in range(n):
+            row[known:] = -np.inf
+            counts = np.bincount(np.asarray(out, dtype=np.int64), minlength=row.shape[0])[: row.shape[0]]
+            hit = (counts > 0) | np.isin(np.arange(row.shape[0]), ids)
+            row = np.where(hit, np.where(row > 0, row / rep, row * rep), row)
+            row = row - counts * freq - (counts > 0) * pres
+            tok = int(np.argmax(row))
+            if tok in engine.eos_token_ids:
+                break
+            out.append(tok)
+            row = engine.decode([seq], np.asarray([tok]))[0].numpy().astype(np.float64)
+    finally:
+        engine.release(seq)
+    return out
+
+
+@pytest.mark.parametrize(("rep", "freq", "pres"), [(1.0, 0.0, 1.5), (1.3, 0.0, 0.0), (1.0, 0.7, 0.0), (1.2, 0.4, 0.3)])
+def test_greedy_penalties_follow_the_rule(engine: TorchEngine, sched: Scheduler, rep: float, freq: float,
+                                          pres: float) -> None:
+    """Greedy with penalties gives exactly the tokens of the rule applied by hand (frequency and presence count
+    the output, repetition the prompt too), and fewer repeats than plain greedy on the looping tiny model."""
+    ids = prompt(engine, "the quick brown fox")
+    plain = submit(sched, GenerationRequest(ids, max_tokens=40, temperature=0.0))
+    plain.wait()
+    r = submit(sched, GenerationRequest(ids, max_tokens=40, temperature=0.0, repetition_penalty=rep,
+                                        frequency_penalty=freq, presence_penalty=pres))
+    r.wait()
+    assert r.token_ids == _penalized_greedy(engine, ids, 40, rep, freq, pres)
+    repeats = [len(t) - len(set(t)) for t in (plain.token_ids, r.token_ids)]
+    assert repeats[1] < repeats[0], repeats
+
+
+@pytest.mark.parametrize("fields", [{"presence_penalty": 2.0}, {"repetition_penalty": 2.0, "frequency_penalty": 2.0},
+                                    {"min_p": 0.9, "temperature": 1.0, "seed": 4}])
+def test_penalties_never_break_the_constraint(engine: TorchEngine, sched: Scheduler, fields: dict[str, Any]) -> None:
+    """Two allowed characters, twenty of them: penalties push against both, the mask still holds."""
+    c = ConstraintRequest("regex", "[ab]{20}", "")
+    r = submit(sched, GenerationRequest(prompt(engine, "hello"), constraint=c, max_tokens=40,
+                                        **{"temperature": 0.0, **fields}))
+    fin = r.wait()
+    assert fin.finish_reason == "stop" and re.fullmatch("[ab]{20}", fin.text), fin
+
+
+def test_penalties_ride_through_value_retries(engine: TorchEngine, tiny: TinyModelInfo) -> None:
+    """Dropped tokens are forgotten by the counts: with a frequency penalty every output is still a permutation."""
+    grammar = tiny_grammar(tiny)
+    try:
+        with Scheduler(engine, LocalMaskProvider(grammar), SchedulerConfig(max_batch_size=8)) as s:
+            results = [submit(s, GenerationRequest(prompt(engine, "x"), max_tokens=40, temperature=1.0, seed=i,
+                                                   frequency_penalty=1.0, repetition_penalty=1.3,
+                                                   constraint=ConstraintRequest("json_schema", PERMUTATION, "")))
+                       for i in range(4)]
+            finals = [r.wait() for r in results]
+        assert all(f.finish_reason == "stop" and sorted(json.loads(f.text)) == [0, 1, 2, 3] for f in finals), finals
+        assert grammar.active_count == 0 and engine.live_count == 0
+    finally:
+        grammar.close()

@@ -228,3 +228,16 @@ def test_listening_ports_of_missing_process() -> None:
     proc.wait()
     with pytest.raises(ProcessLookupError, match=rf"^no process {proc.pid}$"):
         listening_ports(proc.pid)
+
+
+@pytest.mark.parametrize(("log", "reasons"), [
+    (2 * ('E1203 backend_model.cc:692] "ERROR: Failed to create instance: ConfigError: preprocessing: no chat '
+          'template. Add one\\n\\nAt:\\n  /work/x.py(3)"\n')
+     + 'E1203 model_lifecycle.cc:654] "failed to load \'llm\': Failed to create instance: bad dtype"\n',
+     ["ConfigError: preprocessing: no chat template. Add one", "bad dtype"]),
+    ("I1203 server.cc] all models ready\n", []),
+])
+def test_load_failures_name_each_reason_once(log: str, reasons: list[str]) -> None:
+    from deploy.server import load_failures
+
+    assert load_failures(log) == reasons

@@ -76,6 +76,16 @@ def test_valid_constraints_are_canonical(kind: str, payload: str, expected_paylo
          r"^grammar#/format/tags/0/content/json_schema/type: not a valid JSON Schema"),
         ("structural_tag", '{"type": "structural_tag", "format": {"type": "nope"}}', None,
          r"^grammar#/format.*: invalid structural tag"),
+        # A schema that provably admits no instance (grammar_backend.satisfiable), refused before any compile.
+        ("json_schema", ('{"type": "object", "required": ["tags"], "properties": {"tags": {"type": "array", '
+                         '"items": {"enum": ["a", "b"]}, "minItems": 3, "uniqueItems": true}}}'), None,
+         (r"^grammar: schema admits no instance at /properties/tags: uniqueItems with minItems 3 but items allow "
+          r"only 2 values$")),
+        ("json_schema", '{"type": "integer", "minimum": 10, "maximum": 9}', None,
+         r"^grammar: schema admits no instance at the root: minimum 10 and maximum 9 leave no number$"),
+        # The meta-schema check comes first.
+        ("json_schema", '{"type": "integer", "minimum": "10", "maximum": 9}', None,
+         r"^grammar#/minimum: not a valid JSON Schema"),
     ],
 )
 def test_invalid_constraints_name_field_and_reason(

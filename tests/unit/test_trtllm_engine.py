@@ -9,6 +9,7 @@ tests/unit/test_grammar_hook.py drives with the real torch model everywhere.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.util
 import inspect
 import json
@@ -23,10 +24,11 @@ import pytest
 
 from grammar_backend.errors import ConfigError, InvalidArgument
 from grammar_backend.params import from_parameters
-from llm_runtime.errors import EngineStalled
+from llm_runtime.errors import EngineStalled, RequestError
 from llm_runtime.grammar_hook import GrammarRows
 from llm_runtime.mask import ConstraintRequest
 from llm_runtime.model_config import ENGINE_GRAMMAR_MODES, LlmModelConfig
+from llm_runtime.sampler import SamplingParams
 from llm_runtime.trtllm_engine import (
     TRTLLM_GUIDED_API,
     TRTLLM_VERSION,
@@ -64,6 +66,9 @@ def test_grammar_mode_defaults_per_engine(params: dict[str, str], mode: str) -> 
         ({"trtllm_backend": "tensorrt"}, "unknown parameter 'trtllm_backend'"),
         ({"kv_cache_free_fraction": "0.5"}, "kv_cache_free_fraction applies to engine 'tensorrt_llm' only"),
         ({"kv_cache": "1"}, "unknown parameter 'kv_cache'"),
+        ({"trtllm_sampler": "TRTLLMSampler"}, "trtllm_sampler applies to engine 'tensorrt_llm' only"),
+        ({"engine": "tensorrt_llm", "trtllm_sampler": "auto"},
+         "trtllm_sampler must be one of TorchSampler, TRTLLMSampler or empty, got 'auto'"),
     ],
 )
 def test_llm_config_refuses(params: dict[str, str], message: str) -> None:
@@ -155,6 +160,41 @@ def test_native_refuses_what_it_cannot_express(kind: str, payload: str, options:
 )
 def test_sampling_mapping(args: tuple[object, ...], expected: dict[str, object]) -> None:
     assert trtllm_sampling_kwargs(*args) == expected  # type: ignore[arg-type]
+
+
+_BASE = {"max_tokens": 8, "end_id": 2, "pad_id": 2, "stop_token_ids": None, "detokenize": False, "n": 1}
+
+
+@pytest.mark.parametrize(
+    ("params", "expected"),
+    [
+        pytest.param(SamplingParams(temperature=0.0), {"top_k": 1}, id="neutral-adds-nothing"),
+        pytest.param(SamplingParams(temperature=0.0, repetition_penalty=1.2, min_p=0.1),
+                     {"top_k": 1, "repetition_penalty": 1.2}, id="greedy-drops-min-p"),
+        pytest.param(SamplingParams(temperature=0.5, frequency_penalty=0.5, min_p=0.1),
+                     {"temperature": 0.5, "top_k": None, "top_p": 1.0, "frequency_penalty": 0.5, "min_p": 0.1,
+                      "prompt_ignore_length": 11}, id="frequency-skips-the-prompt"),
+        pytest.param(SamplingParams(temperature=0.0, presence_penalty=-1.0),
+                     {"top_k": 1, "presence_penalty": -1.0, "prompt_ignore_length": 11}, id="presence"),
+    ],
+)
+def test_penalty_mapping_under_trtllm_sampler(params: SamplingParams, expected: dict[str, object]) -> None:
+    got = trtllm_sampling_kwargs(8, params.temperature, 0, 1.0, None, {2}, penalties=params, prompt_len=11,
+                                 sampler_type="TRTLLMSampler")
+    assert got == {**_BASE, **expected}
+
+
+@pytest.mark.parametrize("field", ["repetition_penalty", "frequency_penalty", "presence_penalty", "min_p"])
+def test_torch_sampler_refuses_penalties_by_name(field: str) -> None:
+    params = dataclasses.replace(SamplingParams(temperature=0.7), **{field: 0.5})  # type: ignore[arg-type]
+    with pytest.raises(RequestError, match=f"^{field}: is not applied by TensorRT-LLM 1.2.1's TorchSampler; "):
+        trtllm_sampling_kwargs(8, 0.7, 0, 1.0, None, {2}, penalties=params, prompt_len=3)
+    assert "top_k" in trtllm_sampling_kwargs(8, 0.7, 0, 1.0, None, {2}, penalties=SamplingParams(temperature=0.7))
+
+
+def test_sampler_type_checked() -> None:
+    with pytest.raises(ConfigError, match="sampler_type"):
+        TrtllmConfig(model_dir="m", sampler_type="auto")
 
 
 @pytest.mark.parametrize(

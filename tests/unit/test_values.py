@@ -307,3 +307,128 @@ def test_a_violation_does_not_lose_the_structure_after_it(text: str, done: bool)
     assert (scanner._done, len(scanner._stack)) == (done, 0 if done else 1)
     scanner.rollback(0)  # the rescan, unchecked
     assert (scanner._done, len(scanner._stack), scanner.push(list(b" "))) == (done, 0 if done else 1, None)
+
+
+# -- a top-level scalar: its end is the end of the output ---------------------------------------------
+
+#: A byte vocabulary with a stop token (id 256) whose text must never be scanned as output.
+STOPPED = [*BYTES, b"<|im_end|>"]
+DIGIT = {"type": "integer", "minimum": 0, "maximum": 9, "not": {"enum": [0, 1, 2, 3, 4, 5, 6, 7, 8]}}
+
+
+@pytest.mark.parametrize(
+    ("schema", "text", "pending"),
+    [
+        (DIGIT, "1", (0, 1, 0, "should not be valid")),
+        (DIGIT, "9", None),
+        ({"type": "number", "not": {"const": 12}}, "12", (0, 2, 1, "should not be valid")),
+        ({"type": "number", "not": {"const": 12}}, "1", None),
+        ({"type": "number", "not": {"const": 1}}, "1.", None),  # no number yet: the grammar cannot end here
+        ({"type": "number", "not": {"const": 1}}, "-", None),
+        ({"type": "array", "items": {"not": {"const": 1}}}, "[1", None),  # not top-level
+    ],
+    ids=["digit", "digit-ok", "two-digits", "prefix-ok", "fraction-open", "sign", "inner"],
+)
+def test_a_top_level_number_is_checked_as_if_the_output_ended(schema: dict[str, Any], text: str,
+                                                               pending: tuple[int, int, int, str] | None) -> None:
+    scanner = ValueScanner(ValueRules(schema, [_u("/not"), _u("/items/not")]), STOPPED, frozenset({256}))
+    assert scanner.push(list(text.encode())) is None
+    found = scanner.pending()
+    if pending is None:
+        assert found is None
+    else:
+        assert found is not None
+        assert (found.start, found.end, found.last_byte, found.may_grow) == (*pending[:3], True)
+        assert pending[3] in found.message
+    # The stop token is no output: its text (`<` would end the number) is not scanned.
+    assert scanner.push([256]) is None
+    assert (scanner.tokens[-1], scanner.offsets[-1], scanner._bytes) == (256, len(text), len(text))
+    assert (scanner.pending() is None) is (pending is None)
+
+
+def test_a_top_level_string_and_literal_complete_on_their_last_byte() -> None:
+    for schema, text, end in [({"type": "string", "not": {"const": "ab"}}, '"ab"', 4),
+                              ({"type": "boolean", "not": {"const": True}}, "true", 4)]:
+        _, violation = _scan(schema, ["/not"], text)
+        assert violation is not None and (violation.start, violation.end) == (0, end)
+
+
+def _step(eng: GrammarEngine, ids: list[int]) -> tuple[bool, int, set[int]]:
+    """One step of sequence 1 fed ``ids``: (terminated, dropped, the next mask's tokens)."""
+    res = eng.step(np.array([1], np.uint64), np.array([ids or [0]], np.int32), np.array([len(ids)], np.int32))
+    assert res.errors[0] is None
+    return bool(res.terminated[0]), int(res.dropped[0]), set(allowed_tokens(res.bitmask[0], QWEN_VOCAB).tolist())
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+@pytest.mark.parametrize("together", [False, True], ids=["apart", "with-the-stop"])
+def test_a_top_level_number_that_breaks_the_schema_does_not_end_the_output(
+        engine: GrammarEngine, qwen_tokenizer: Any, qwen_info: xgr.TokenizerInfo, backend: str,
+        together: bool) -> None:
+    """The issue's digit: ``1`` then the stop.  After ``1`` only the stop is allowed, so the check drops ``1`` at
+    once and bans it; fed with the stop in one step, both go.  The retry takes ``9``, which ends the output."""
+    stop = int(qwen_info.stop_token_ids[0])
+    one, nine = (qwen_tokenizer.convert_tokens_to_ids(t) for t in ("1", "9"))
+    spec = parse_constraint("json_schema", json.dumps(DIGIT), {"backend": backend})
+    engine.start(1, spec, value_checks=True)
+    try:
+        done, dropped, allowed = _step(engine, [one, stop] if together else [one])
+        assert (done, dropped, engine.table.get(1).tokens_accepted) == (False, 2 if together else 1, 0)
+        assert one not in allowed and nine in allowed and stop not in allowed
+        assert _step(engine, [nine])[:2] == (False, 0)
+        assert _step(engine, [stop])[:2] == (True, 0)
+        assert engine.table.get(1).retries_left == spec.options.value_retries - 1
+    finally:
+        engine.end([1])
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_where_the_number_may_grow_its_end_is_refused(engine: GrammarEngine, qwen_tokenizer: Any,
+                                                      qwen_info: xgr.TokenizerInfo, backend: str) -> None:
+    """``1`` under ``maximum: 99, not: {const: 1}``: the stop is banned after ``1`` (a digit may follow); a stop
+    fed there anyway is refused and dropped alone; ``12`` then ends."""
+    stop = int(qwen_info.stop_token_ids[0])
+    one, two = (qwen_tokenizer.convert_tokens_to_ids(t) for t in ("1", "2"))
+    schema = {"type": "integer", "minimum": 0, "maximum": 99, "not": {"const": 1}}
+    engine.start(1, parse_constraint("json_schema", json.dumps(schema), {"backend": backend}), value_checks=True)
+    try:
+        done, dropped, allowed = _step(engine, [one])
+        assert (done, dropped, stop in allowed, two in allowed) == (False, 0, False, True)
+        done, dropped, allowed = _step(engine, [stop])
+        assert (done, dropped, engine.table.get(1).tokens_accepted, stop in allowed) == (False, 1, 1, False)
+        done, dropped, allowed = _step(engine, [two])
+        assert (done, dropped, stop in allowed) == (False, 0, True)
+        assert _step(engine, [stop])[:2] == (True, 0)
+    finally:
+        engine.end([1])
+
+
+@pytest.mark.parametrize(
+    ("schema", "text", "retries", "drops"),
+    [
+        (DIGIT, "9", 8, [0]),  # valid: it ends at once, no retry spent
+        (DIGIT, "1", 1, [1, 0]),  # the one retry drops it; the second `1` stands and ends the output
+        ({"type": "string", "not": {"const": "ab"}}, '"ab"', 8, None),  # checked at its closing quote
+        ({"type": "boolean", "not": {"const": True}}, "true", 8, None),
+    ],
+    ids=["valid", "budget-spent", "string", "literal"],
+)
+def test_top_level_scalars_end_or_retry(engine: GrammarEngine, qwen_tokenizer: Any, qwen_info: xgr.TokenizerInfo,
+                                        schema: dict[str, Any], text: str, retries: int,
+                                        drops: list[int] | None) -> None:
+    stop = int(qwen_info.stop_token_ids[0])
+    ids = qwen_tokenizer.encode(text, add_special_tokens=False)
+    engine.start(1, parse_constraint("json_schema", json.dumps(schema),
+                                     {"backend": "llguidance", "value_retries": retries}), value_checks=True)
+    try:
+        if drops is None:  # a string or literal: dropped before any stop, as it completes
+            seen = _feed(engine, [*ids, stop])
+            assert seen[-1][0] > 0 and len(seen) == len(ids)
+            return
+        got = [_step(engine, ids)[1]]
+        if got[0]:
+            got.append(_step(engine, ids)[1])
+        assert got == drops
+        assert _step(engine, [stop])[:2] == (True, 0)
+    finally:
+        engine.end([1])

@@ -77,6 +77,10 @@ def _to_request(request: Any) -> tuple[dict[str, str] | None, GenerationRequest]
         top_p=params.top_p,
         seed=params.seed,
         stop=params.stop,
+        repetition_penalty=params.repetition_penalty,
+        frequency_penalty=params.frequency_penalty,
+        presence_penalty=params.presence_penalty,
+        min_p=params.min_p,
     )
 
 

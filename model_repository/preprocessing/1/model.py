@@ -9,6 +9,7 @@ Inputs
     GRAMMAR          BYTES [1]   the constraint payload
     GRAMMAR_OPTIONS  BYTES [1]   JSON object: strict, whitespace, indent, any_order
     MAX_TOKENS INT32 [1], TEMPERATURE FP32 [1], TOP_P FP32 [1], TOP_K INT32 [1], SEED UINT64 [1]
+    REPETITION_PENALTY, FREQUENCY_PENALTY, PRESENCE_PENALTY, MIN_P   FP32 [1] (contract.PENALTY_FIELDS)
     STOP             BYTES [N]   stop strings
 Outputs
     INPUT_IDS        INT32 [T]   prompt token ids ([0] when the request is refused)
@@ -27,6 +28,7 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+import contract
 from contract.errors import ServingError
 from grammar_backend.params import from_parameters, parameter_values
 from grammar_backend.teardown import quiesce_for_exit
@@ -63,6 +65,7 @@ def _to_raw(request: Any) -> RawRequest:
         top_k=_first(request, "TOP_K"),
         seed=_first(request, "SEED"),
         stop=() if stop is None else tuple(bytes(s) for s in stop.as_numpy().reshape(-1)),
+        **{name: _first(request, name.upper()) for name in contract.PENALTY_FIELDS},
     )
 
 
