@@ -23,6 +23,9 @@ from tests.integration.served import MODEL_DIR, start_ensemble
 
 pytestmark = [pytest.mark.triton, pytest.mark.e2e]
 
+#: Every task of the locustfile, by the kind its entries are named after.
+KINDS = ("constrained", "unconstrained", "regex", "choice", "cold", "bad", "openai")
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
@@ -44,7 +47,7 @@ def test_loadtest_smoke(server: TritonServer, tmp_path: Path) -> None:
     assert run(server.grpc_url, server.metrics_url, tmp_path, cmd, exit_deadline("45s"), url) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     kinds = summary["kinds"]
-    assert kinds["constrained"]["requests"] > 0 and kinds["unconstrained"]["requests"] > 0
-    assert kinds["openai"]["requests"] > 0
+    # Each kind runs at least once, whatever the weighted draw gives (the first user queues them all).
+    assert {kind for kind, figures in kinds.items() if figures["requests"] > 0} == set(KINDS), kinds
     assert all(figures.get("failures", 0) == 0 for figures in kinds.values()), kinds
     assert (tmp_path / "report.html").is_file() and (tmp_path / "summary.png").stat().st_size > 0
