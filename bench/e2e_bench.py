@@ -366,8 +366,8 @@ def grammar_fill(model_dir: Path, texts: Sequence[str], reps: int) -> dict[str, 
     """
     from tokenizers import Tokenizer
 
-    from grammar_backend.service import GrammarModelConfig
     from grammar_backend.spec import parse_constraint
+    from triton_support.service import GrammarModelConfig
 
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     paths = [np.asarray(tok.encode(t, add_special_tokens=False).ids, dtype=np.int32) for t in texts]

@@ -27,7 +27,7 @@ one run, interleaved by round:
   round trip the decode loop waits on; ``bls tensor``: each step over BLS,
   the masks back as a BLS output tensor; ``channel``: each step over the
   grammar channel (:mod:`grammar_backend.channel`) with the masks in the
-  caller's shared-memory buffer (:mod:`grammar_backend.maskbuf`), what the
+  caller's shared-memory buffer (:mod:`triton_support.maskbuf`), what the
   ``llm`` model uses.
 
 Every figure is per step (all B rows).  The ratios ``bls / raw fill`` and

@@ -33,7 +33,7 @@ from typing import Final
 
 __all__ = ["LIVE_GAUGE", "Series", "drain", "main", "scrape", "value"]
 
-#: The gauge the drain waits on (declared in grammar_backend.metrics).
+#: The gauge the drain waits on (declared in triton_support.metrics).
 LIVE_GAUGE: Final = "llm_live_requests"
 
 Series = dict[tuple[str, tuple[tuple[str, str], ...]], float]

@@ -314,7 +314,7 @@ def server_environment(
         raise TritonNotFoundError(f"python_env {python_env}: no bin/python3, not a virtualenv")
     path = env.get("PATH", os.defpath)
     env["PATH"] = f"{python_bin}{os.pathsep}{path}" if path else str(python_bin)
-    # The models import grammar_backend and llm_runtime from this checkout.
+    # The models import the packages (grammar_backend, triton_support, llm_runtime...) from this checkout.
     repo_root = str(Path(__file__).resolve().parents[1])
     py_path = env.get("PYTHONPATH", "")
     env["PYTHONPATH"] = f"{repo_root}{os.pathsep}{py_path}" if py_path else repo_root

@@ -1,5 +1,7 @@
 """grammar_backend: constraints, compile cache, per-sequence matchers and batched bitmasks.
 
-Pure Python over xgrammar; never imports ``triton_python_backend_utils``.
-The ``grammar`` Triton model is a thin adapter over :class:`GrammarEngine`.
+Pure Python over xgrammar and llguidance; nothing here knows Triton.  What
+the Triton models share (parameters, metrics, teardown, the mask buffers and
+the ``grammar`` model's service over :class:`GrammarEngine`) is in
+:mod:`triton_support`.
 """

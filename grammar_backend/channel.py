@@ -17,7 +17,7 @@ at a time: the ``llm`` model steps (and ends sequences) on one connection,
 and each of its start threads starts on one of its own, so a slow compile
 holds only the thread that waits for it, as a BLS start would.  The masks
 still go through the caller's shared-memory mask buffer
-(:mod:`grammar_backend.maskbuf`), named when the connection opens; a message
+(:mod:`triton_support.maskbuf`), named when the connection opens; a message
 holds only the row ids, the new tokens and the small per-row answers.
 ``rollback`` and ``stats`` stay on BLS, and the ``grammar`` model keeps owning
 every matcher: the channel moves the same requests in and the same answers
@@ -106,7 +106,7 @@ DEFAULT_TIMEOUT_S: Final = 60.0
 
 @dataclass(frozen=True)
 class ChannelStep:
-    """A step as it crosses the channel (the fields of a ``step`` :class:`~grammar_backend.service.GrammarRequest`)."""
+    """A step as it crosses the channel (the fields of a ``step`` :class:`~triton_support.service.GrammarRequest`)."""
 
     seq_ids: np.ndarray
     tokens: np.ndarray
@@ -117,7 +117,7 @@ class ChannelStep:
 
 @dataclass(frozen=True)
 class ChannelStart:
-    """A start as it crosses the channel (the fields of a ``start`` :class:`~grammar_backend.service.GrammarRequest`)."""
+    """A start as it crosses the channel (the fields of a ``start`` :class:`~triton_support.service.GrammarRequest`)."""
 
     seq_id: int
     kind: str
@@ -130,7 +130,7 @@ class ChannelStart:
 
 @dataclass(frozen=True)
 class ChannelReply:
-    """The answer of a step: the step fields of a :class:`~grammar_backend.service.GrammarReply`,
+    """The answer of a step: the step fields of a :class:`~triton_support.service.GrammarReply`,
     None where that reply sends nothing (no row dropped, held or failed; no jump asked)."""
 
     active: int

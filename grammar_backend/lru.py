@@ -3,7 +3,7 @@
 Used where a process keeps a bounded number of things it derived and may
 derive again: schemas that passed the meta-schema check
 (:mod:`grammar_backend.spec`), post-validators (:mod:`grammar_backend.fidelity`),
-callers' mask buffers (:mod:`grammar_backend.maskbuf`) and jump-forward
+callers' mask buffers (:mod:`triton_support.maskbuf`) and jump-forward
 spellings (:mod:`grammar_backend.jump`).  The compile cache
 (:mod:`grammar_backend.cache`) is bounded by bytes and single-flight, a
 different job.

@@ -7,7 +7,7 @@ grammar model's channel (:mod:`grammar_backend.channel`), asked for once
 over BLS: the same requests and replies, without Triton's request path,
 which cost p50 2.5 ms per step at 16 rows against 0.3 ms over the channel
 (tiny stand-in checkpoint), and 2.1 ms of each start.  Steps take their
-masks through a shared-memory buffer (:mod:`grammar_backend.maskbuf`) whose
+masks through a shared-memory buffer (:mod:`triton_support.maskbuf`) whose
 width the first step (over BLS) gives.  Where the channel cannot be opened
 the calls go over BLS, said in the log: the ``grammar`` model is decoupled
 (starts compile on its worker threads), so each request yields exactly one
@@ -29,8 +29,8 @@ import numpy as np
 
 from grammar_backend.channel import ChannelClient
 from grammar_backend.errors import INTERNAL, UNAVAILABLE, GrammarError, RemoteGrammarError
-from grammar_backend.maskbuf import MaskBuffer
 from llm_runtime.mask import ConstraintRequest, MaskStep
+from triton_support.maskbuf import MaskBuffer
 
 _log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class BlsMaskProvider:
     max_rows : int
         Most rows of a step.  Positive: after the first step (whose
         ``BITMASK`` gives the mask width) the masks arrive through a
-        :class:`~grammar_backend.maskbuf.MaskBuffer` of this many rows
+        :class:`~triton_support.maskbuf.MaskBuffer` of this many rows
         instead of as a BLS tensor, and the steps go over the grammar
         channel.  0: always as a tensor, over BLS (starts and ends still
         take the channel).

@@ -8,7 +8,7 @@ from types import ModuleType
 from typing import Final, Protocol
 
 from grammar_backend.errors import ConfigError
-from grammar_backend.metrics import Snapshot
+from triton_support.metrics import Snapshot
 
 from .bls import BlsMaskProvider
 from .mask import MaskProvider
@@ -121,7 +121,7 @@ def bls_generator(config: LlmModelConfig, pb_utils: ModuleType,
     """The generator of the Triton model and its provider (close it after the generator).
 
     Masks come from ``config.grammar_model`` over BLS, through a shared-memory
-    mask buffer of ``max_batch`` rows (:mod:`grammar_backend.maskbuf`).
+    mask buffer of ``max_batch`` rows (:mod:`triton_support.maskbuf`).
     """
     provider = BlsMaskProvider(pb_utils, config.grammar_model, max_rows=config.max_batch)
     return config.build(provider, on_metrics), provider

@@ -65,7 +65,7 @@ import torch
 
 import contract
 from contract import CLOSE_STATE_REASONS, CloseState
-from grammar_backend.metrics import LatencyWindow, Snapshot
+from triton_support.metrics import LatencyWindow, Snapshot
 
 from .detok import IncrementalDetokenizer, special_token_ids
 from .errors import (
@@ -508,7 +508,7 @@ class Scheduler:
     config : SchedulerConfig
         Limits and knobs.
     on_metrics : callable, optional
-        Receives a :class:`grammar_backend.metrics.Snapshot` of the ``llm``
+        Receives a :class:`triton_support.metrics.Snapshot` of the ``llm``
         metrics on the loop thread, when a gauge changed or every
         ``metrics_interval_s`` while requests run.
 

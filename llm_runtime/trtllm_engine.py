@@ -78,8 +78,8 @@ from tokenizers import Tokenizer
 
 import contract
 from grammar_backend.errors import ConfigError, InvalidArgument
-from grammar_backend.metrics import Snapshot
 from grammar_backend.spec import ConstraintKind, ConstraintOptions, SpecLimits, constraint_spec
+from triton_support.metrics import Snapshot
 
 from .checkpoint import checkpoint_end_tokens
 from .detok import IncrementalDetokenizer, special_token_ids

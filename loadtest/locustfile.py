@@ -91,8 +91,8 @@ FAILURES: defaultdict[str, Counter[str]] = defaultdict(Counter)
 #: never reach ``on_stop``; a channel left open keeps grpc's gevent threads
 #: (and the locust process) alive at exit, so the last ones close at quitting.
 OPEN_CLIENTS: set[Any] = set()
-#: Names of the tasks some user has already queued for its first requests.
-COVERED: set[str] = set()
+#: The tasks (the class's functions) some user has already queued for its first requests.
+COVERED: set[Any] = set()
 
 
 class Failure(Exception):
@@ -200,10 +200,13 @@ class ConstrainedLlmUser(User):
         # first users queue, in declared order, each task no user has queued
         # yet, and the weighted draw starts after them.  Drawn alone, a 45 s CI
         # smoke of 13 requests got no openai task (weight 3 of 17: p = 0.08).
+        taskset = self._taskset_instance
+        if taskset is None:  # locust's User.run makes it before on_start
+            raise RuntimeError("on_start ran before locust made the user's task set")
         for fn in dict.fromkeys(self.tasks):
-            if fn.__name__ not in COVERED:
-                COVERED.add(fn.__name__)
-                self._taskset_instance.schedule_task(fn)
+            if fn not in COVERED:
+                COVERED.add(fn)
+                taskset.schedule_task(fn)
 
     def on_stop(self) -> None:
         for client in self.clients:

@@ -18,7 +18,7 @@ import pytest
 from client import Client, Constraint
 from deploy.drain import Series, drain, scrape, value
 from deploy.server import TritonServer
-from grammar_backend.metrics import METRICS, QUANTILES, metric_names
+from triton_support.metrics import METRICS, QUANTILES, metric_names
 
 pytestmark = [pytest.mark.triton, pytest.mark.e2e]
 

@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 
 from grammar_backend.errors import RemoteGrammarError
-from grammar_backend.maskbuf import SHM_DIR
-from grammar_backend.service import GrammarRequest, GrammarService
 from llm_runtime import bls
 from llm_runtime.bls import BlsMaskProvider
 from llm_runtime.mask import ConstraintRequest
 from tests.unit.conftest import TINY_VOCAB_SIZE
+from triton_support.maskbuf import SHM_DIR
+from triton_support.service import GrammarRequest, GrammarService
 
 pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm on this machine")
 

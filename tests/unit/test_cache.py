@@ -35,10 +35,10 @@ from grammar_backend.cache import (
 )
 from grammar_backend.compile import compile_spec
 from grammar_backend.errors import CompileError, CompileTimeout, ConfigError
-from grammar_backend.params import from_parameters
-from grammar_backend.service import GrammarModelConfig
 from grammar_backend.spec import parse_constraint
 from tests.unit.conftest import TINY_STOP, load_schema, tiny_encode
+from triton_support.params import from_parameters
+from triton_support.service import GrammarModelConfig
 
 
 @pytest.fixture()

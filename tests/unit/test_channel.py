@@ -1,6 +1,6 @@
 """The grammar channel: starts, steps and ends between processes, the same answers as over BLS.
 
-A real :class:`~grammar_backend.service.GrammarService` (xgrammar over the tiny
+A real :class:`~triton_support.service.GrammarService` (xgrammar over the tiny
 byte vocabulary) serves a real socket; the clients are the ones the ``llm``
 model uses.  Steps over the channel must equal steps through
 :meth:`GrammarService.handle` (what BLS carries) row for row and bit for bit;
@@ -22,9 +22,9 @@ import pytest
 
 from grammar_backend.channel import _PREFIX, HELLO_MAGIC, ChannelClient
 from grammar_backend.errors import RemoteGrammarError
-from grammar_backend.maskbuf import SHM_DIR, MaskBuffer
-from grammar_backend.service import GrammarRequest, GrammarService
 from tests.unit.conftest import TINY_VOCAB_SIZE
+from triton_support.maskbuf import SHM_DIR, MaskBuffer
+from triton_support.service import GrammarRequest, GrammarService
 
 pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm on this machine")
 

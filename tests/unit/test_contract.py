@@ -169,7 +169,7 @@ def test_every_layer_reads_the_contract() -> None:
 
 def test_every_layer_takes_the_contract_payload_limits() -> None:
     from client import constraints
-    from grammar_backend.service import GrammarModelConfig
+    from triton_support.service import GrammarModelConfig
 
     pre = PreprocessConfig(tokenizer="unused")
     gram = GrammarModelConfig(tokenizer="unused")

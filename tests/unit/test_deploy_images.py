@@ -19,8 +19,8 @@ from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2
 
 from deploy.image_check import TRTLLM_OWNED, pinned_requirements
-from grammar_backend.params import from_parameters, parameter_values
 from llm_runtime.model_config import LlmModelConfig
+from triton_support.params import from_parameters, parameter_values
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILES = sorted((REPO / "deploy" / "docker").glob("Dockerfile*"))
@@ -162,7 +162,7 @@ def test_entrypoint_renders_a_valid_repository(tmp_path: Path, env: dict[str, st
 def test_entrypoint_passes_the_store_bound_to_the_grammar_model(tmp_path: Path, env: dict[str, str],
                                                                 expected: int | None) -> None:
     """GRAMMAR_STORE_MAX_BYTES (set by deploy/k8s) reaches the grammar model; unset, its default applies."""
-    from grammar_backend.service import GrammarModelConfig
+    from triton_support.service import GrammarModelConfig
 
     repo = render_gpu_repository(tmp_path, **env)
     parsed = text_format.Parse((repo / "grammar" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from grammar_backend.metrics import METRICS
+from triton_support.metrics import METRICS
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"

@@ -16,9 +16,9 @@ from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
 from grammar_backend.errors import BackendFailed, CompileError, TokenRejected
 from grammar_backend.llg import LlgBackend, json_compile_options, refusal
 from grammar_backend.llg import unenforced_keywords as llg_unenforced
-from grammar_backend.service import GrammarService
 from grammar_backend.spec import ConstraintOptions, parse_constraint
 from tests.unit.conftest import load_schema
+from triton_support.service import GrammarService
 
 QWEN_VOCAB = 151_936
 #: ``\p{L}``: xgrammar 0.2.9 refuses it ("Unicode character class escape sequence is not supported yet").

@@ -15,9 +15,9 @@ import xgrammar as xgr
 from grammar_backend.bitmask import bitmask_width
 from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
 from grammar_backend.errors import ConstraintError
-from grammar_backend.maskbuf import SHM_DIR, Attached, MaskBuffer
-from grammar_backend.service import GrammarRequest, GrammarService
 from tests.unit.conftest import TINY_VOCAB_SIZE, tiny_encode
+from triton_support.maskbuf import SHM_DIR, Attached, MaskBuffer
+from triton_support.service import GrammarRequest, GrammarService
 
 pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm on this machine")
 

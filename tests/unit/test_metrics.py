@@ -1,4 +1,4 @@
-"""grammar_backend.metrics: the catalog, the publishing rule, the latency windows; and the scheduler's snapshots."""
+"""triton_support.metrics: the catalog, the publishing rule, the latency windows; and the scheduler's snapshots."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from grammar_backend.metrics import (
+from triton_support.metrics import (
     METRICS,
     QUANTILES,
     LatencyWindow,
@@ -38,7 +38,7 @@ def test_every_model_that_exports_metrics_builds_them_from_the_catalog() -> None
     for model in ("grammar", "llm", "postprocessing"):
         source = (REPO / "model_repository" / model / "1" / "model.py").read_text()
         assert f'TritonMetrics(pb_utils, "{model}")' in source
-        assert "MetricFamily(" not in source, f"{model} declares a metric outside grammar_backend.metrics"
+        assert "MetricFamily(" not in source, f"{model} declares a metric outside triton_support.metrics"
 
 
 @pytest.mark.parametrize(
@@ -175,7 +175,7 @@ def test_latency_window_quantiles_reset_per_publication_sums_do_not() -> None:
         ("llm_step_seconds", (("quantile", q),)) for q in QUANTILES}
 
 
-#: The compile-cache series of grammar_backend.service.GrammarService.metrics_snapshot, one per backend.
+#: The compile-cache series of triton_support.service.GrammarService.metrics_snapshot, one per backend.
 CACHE_SERIES = ("grammar_cache_hits_total", "grammar_cache_misses_total", "grammar_compiles_total",
                 "grammar_compile_failures_total", "grammar_compile_timeouts_total", "grammar_cache_evictions_total",
                 "grammar_cache_entries", "grammar_cache_bytes", "grammar_compiles_in_flight")
@@ -189,8 +189,8 @@ def test_cache_metrics_count_every_backend(qwen_tokenizer: Any, qwen_info: Any) 
     """llguidance starts move the llguidance-labelled cache series (they read 0 unlabelled before); xgrammar's stay 0."""
     from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
     from grammar_backend.llg import LlgBackend
-    from grammar_backend.service import GrammarService
     from grammar_backend.spec import parse_constraint
+    from triton_support.service import GrammarService
 
     stops = [int(t) for t in qwen_info.stop_token_ids]
     llg = LlgBackend(qwen_tokenizer, 151_936, stops)
@@ -226,8 +226,8 @@ def test_store_metrics_report_a_failing_store(tmp_path: Path, tiny_info: Any) ->
 
     from grammar_backend.cache import CacheConfig
     from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
-    from grammar_backend.service import GrammarService
     from grammar_backend.spec import parse_constraint
+    from triton_support.service import GrammarService
 
     root = tmp_path / "store"
     eng = GrammarEngine(tiny_info, "fp", GrammarEngineConfig(max_batch=2, cache=CacheConfig(store_dir=str(root))))

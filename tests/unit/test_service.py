@@ -23,15 +23,15 @@ from grammar_backend.errors import (
     DuplicateSequence,
     GrammarError,
 )
-from grammar_backend.params import from_parameters, parameter_values
-from grammar_backend.service import (
+from grammar_backend.spec import parse_constraint
+from tests.unit.conftest import TINY_STOP, TINY_VOCAB_SIZE, tiny_encode
+from triton_support.params import from_parameters, parameter_values
+from triton_support.service import (
     GrammarModelConfig,
     GrammarReply,
     GrammarRequest,
     GrammarService,
 )
-from grammar_backend.spec import parse_constraint
-from tests.unit.conftest import TINY_STOP, TINY_VOCAB_SIZE, tiny_encode
 
 
 @dataclass(frozen=True)
@@ -227,7 +227,7 @@ def test_a_tokenizer_llguidance_cannot_take_leaves_it_off(monkeypatch: pytest.Mo
     def slow_only(*args: object, **kwargs: object) -> None:
         raise ValueError("Only fast tokenizers are supported")
 
-    monkeypatch.setattr("grammar_backend.service.LlgBackend", slow_only)
+    monkeypatch.setattr("triton_support.service.LlgBackend", slow_only)
     engine = GrammarModelConfig(tokenizer=str(folder)).build_engine()
     try:
         assert engine.llg is None

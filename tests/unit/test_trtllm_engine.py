@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 
 from grammar_backend.errors import ConfigError, InvalidArgument
-from grammar_backend.params import from_parameters
 from llm_runtime.errors import EngineStalled, RequestError
 from llm_runtime.grammar_hook import GrammarRows
 from llm_runtime.mask import ConstraintRequest
@@ -39,6 +38,7 @@ from llm_runtime.trtllm_engine import (
     occupancy,
     trtllm_sampling_kwargs,
 )
+from triton_support.params import from_parameters
 
 HAVE_TRTLLM = importlib.util.find_spec("tensorrt_llm") is not None
 

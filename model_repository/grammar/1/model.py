@@ -15,7 +15,7 @@ Inputs
                                     (optional; absent: validated here)
     JUMP_FORWARD     BOOL [1]       step: also return forced tokens (optional)
     BITMASK_BUFFER   BYTES [1]      step: name of the caller's mask buffer in /dev/shm
-                                    (grammar_backend.maskbuf): the rows go there, not to BITMASK
+                                    (triton_support.maskbuf): the rows go there, not to BITMASK
                                     (optional)
     MAX_TOKENS       INT32 [1]      start: the request's token budget, for budget closing
                                     (optional; absent or 0: none)
@@ -71,15 +71,15 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from contract.errors import ServingError, triton_code_name
-from grammar_backend.metrics import TritonMetrics
-from grammar_backend.params import from_parameters, parameter_values
-from grammar_backend.service import (
+from triton_support.metrics import TritonMetrics
+from triton_support.params import from_parameters, parameter_values
+from triton_support.service import (
     GrammarModelConfig,
     GrammarReply,
     GrammarRequest,
     GrammarService,
 )
-from grammar_backend.teardown import quiesce_for_exit
+from triton_support.teardown import quiesce_for_exit
 
 
 def _array(request: Any, name: str) -> np.ndarray | None:
@@ -169,7 +169,7 @@ class TritonPythonModel:
         # in worker processes and answer through a callback, so a slow
         # compile holds none of these threads.
         self.starts = ThreadPoolExecutor(8, thread_name_prefix="grammar-start")
-        # The grammar metrics of grammar_backend.metrics on Triton's endpoint:
+        # The grammar metrics of triton_support.metrics on Triton's endpoint:
         # after every start and end (gauges that move), at most once a second after steps.
         self.metrics = TritonMetrics(pb_utils, "grammar")
         self.service.open_channel(on_served=self._after_channel_op)

@@ -41,9 +41,6 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from contract.errors import InvalidArgument, ServingError
-from grammar_backend.metrics import TritonMetrics
-from grammar_backend.params import from_parameters, parameter_values
-from grammar_backend.teardown import quiesce_for_exit
 from llm_runtime.errors import CANCELLED
 from llm_runtime.mask import ConstraintRequest
 from llm_runtime.model_config import LlmModelConfig, bls_generator
@@ -51,6 +48,9 @@ from llm_runtime.scheduler import FinishEvent, GenerationRequest, TokenEvent
 from llm_runtime.streaming import DeltaCoalescer, Outbox
 from pipeline.finish import FinalState, finish_json
 from pipeline.preprocess import GenerationParams
+from triton_support.metrics import TritonMetrics
+from triton_support.params import from_parameters, parameter_values
+from triton_support.teardown import quiesce_for_exit
 
 _EMPTY = np.array([b""], np.object_)
 CANCEL_POLL_EVERY = 16
@@ -168,7 +168,7 @@ class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         config = from_parameters(LlmModelConfig, parameter_values(json.loads(args["model_config"])), "llm")
         self.stream_interval_s = config.stream_interval_ms / 1000.0
-        # The llm metrics of grammar_backend.metrics on Triton's endpoint; the
+        # The llm metrics of triton_support.metrics on Triton's endpoint; the
         # generator hands snapshots over when a gauge moves (or each second).
         self.metrics = TritonMetrics(pb_utils, "llm")
         # Every response is sent from this one thread, never from the decode loop (llm_runtime.streaming).

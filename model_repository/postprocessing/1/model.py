@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from grammar_backend.metrics import Snapshot, TritonMetrics
-from grammar_backend.teardown import quiesce_for_exit
 from pipeline.postprocess import FinishedOutput, result_of_finish
+from triton_support.metrics import Snapshot, TritonMetrics
+from triton_support.teardown import quiesce_for_exit
 
 _EMPTY = np.array([b""], np.object_)
 
@@ -35,7 +35,7 @@ class TritonPythonModel:
     """Adapter: one llm response in, one ensemble response out."""
 
     def initialize(self, args: dict[str, str]) -> None:
-        # Cumulative output counters (grammar_backend.metrics), published after each finished output.
+        # Cumulative output counters (triton_support.metrics), published after each finished output.
         self.metrics = TritonMetrics(pb_utils, "postprocessing")
         self.counts = Snapshot()
 

@@ -30,14 +30,14 @@ import triton_python_backend_utils as pb_utils
 
 import contract
 from contract.errors import ServingError
-from grammar_backend.params import from_parameters, parameter_values
-from grammar_backend.teardown import quiesce_for_exit
 from pipeline.preprocess import (
     PreprocessConfig,
     Preprocessor,
     RawRequest,
     rejection_json,
 )
+from triton_support.params import from_parameters, parameter_values
+from triton_support.teardown import quiesce_for_exit
 
 
 def _first(request: Any, name: str) -> Any:

@@ -23,12 +23,12 @@ from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
 from grammar_backend.errors import ConstraintError, GrammarError
 from grammar_backend.jump import pack_forced
 from grammar_backend.llg import LlgBackend
-from grammar_backend.maskbuf import Attached
-from grammar_backend.metrics import LatencyWindow, Snapshot
 from grammar_backend.sequences import TableConfig
 from grammar_backend.spec import ConstraintSpec, SpecLimits, constraint_spec
 from grammar_backend.tokenizer import load_tokenizer
 from grammar_backend.workers import WorkerConfig
+from triton_support.maskbuf import Attached
+from triton_support.metrics import LatencyWindow, Snapshot
 
 OPS = ("start", "step", "rollback", "end", "stats", "channel")
 
@@ -233,7 +233,7 @@ class GrammarService:
         return self.handle(GrammarRequest(op="end", seq_ids=np.asarray(seq_ids, np.uint64))).active
 
     def metrics_snapshot(self) -> Snapshot:
-        """The ``grammar`` metrics of :mod:`grammar_backend.metrics`, now."""
+        """The ``grammar`` metrics of :mod:`triton_support.metrics`, now."""
         eng = self.engine
         snap = Snapshot()
         snap.put("grammar_active_sequences", eng.active_count)
