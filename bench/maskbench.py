@@ -934,7 +934,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"p99 {fmt(bc['p99'])}; step us p50 {fmt(bs['p50'], '.1f')} p99 {fmt(bs['p99'], '.1f')}")
     print(f"wall {wall:.0f} s, worker respawns {respawns}{', INTERRUPTED' if interrupted else ''}")
     print(f"\nanchors (full MaskBench, {ANCHOR_TOTAL} schemas, Llama-3.1 tokenizer; this run is "
-          f"{len(files)} files of the dev quarter): " + ", ".join(f"{n} {p} ({100 * p / ANCHOR_TOTAL:.1f}%)"
+          f"{len(files)} of its files): " + ", ".join(f"{n} {p} ({100 * p / ANCHOR_TOTAL:.1f}%)"
                                                                for n, p in ANCHOR_PASSES))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

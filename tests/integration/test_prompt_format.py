@@ -15,7 +15,7 @@ import pytest
 
 from client import Client, Constraint, InvalidConstraint
 from deploy.server import ServerStartError
-from llm_runtime.tiny_model import build_tiny_llama
+from bench.tiny_model import build_tiny_llama
 from tests.integration.served import start_ensemble
 
 pytestmark = pytest.mark.triton

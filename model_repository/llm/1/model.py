@@ -12,7 +12,7 @@ Inputs
     CANCEL      BYTES [1]   alone: cancel the in-flight request whose Triton request id this is
                             (answered with an empty final response). Triton 2.51 does not pass a
                             client's stream cancellation into ensemble steps (server#6739), so
-                            the client SDK sends this when a stream is closed early.
+                            the gateway sends this when its client closes a stream early.
 Outputs (streamed; the last response carries the FINAL flag)
     TEXT_DELTA  BYTES [1]   UTF-8 text of the tokens since the previous response (the first
                             goes out at once, then one at most every stream_interval_ms:
