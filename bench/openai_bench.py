@@ -10,7 +10,7 @@ Usage (from the repository root, after ``make venv model``)::
 The default model is the embedded SmolLM2-135M (``build/models/smollm2-135m-instruct``,
 ``make model``; 40-80 ms a decode step here), as in ``e2e_bench.py``.
 ``--tiny`` serves the tiny random Llama of ``path_bench.py`` instead
-(``bench.tiny_model``, built once under ``build/models/tiny-llama``,
+(``tests.support.tiny_model``, built once under ``build/models/tiny-llama``,
 one torch thread): a few-ms forward, a GPU step's stand-in, behind which
 no serving cost hides.
 

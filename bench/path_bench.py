@@ -6,7 +6,7 @@ Usage (from the repository root, after ``make venv``)::
     .venv/bin/python bench/path_bench.py --quick --json /tmp/path.json --plot /tmp/path.png
     .venv/bin/python bench/path_bench.py --model-dir build/models/smollm2-135m-instruct --quick
 
-The default model is a tiny random Llama (``bench.tiny_model``: hidden
+The default model is a tiny random Llama (``tests.support.tiny_model``: hidden
 64, 2 layers, a ChatML template; built once under ``build/models/tiny-llama``)
 whose forward takes a few milliseconds on this CPU: a stand-in for a GPU
 step, behind which no serving cost hides.  It runs on one torch thread
@@ -106,7 +106,7 @@ def tiny_checkpoint(path: Path = TINY_DIR) -> Path:
     """The tiny stand-in checkpoint, built once (``build_tiny_llama`` with a ChatML template)."""
     if (path / TINY_MARKER).is_file():
         return path
-    from bench.tiny_model import CHATML, build_tiny_llama
+    from tests.support.tiny_model import CHATML, build_tiny_llama
 
     # The llm model's context is 2,048 tokens (llm_runtime.model_config): the
     # checkpoint must take as many positions.

@@ -33,7 +33,7 @@ from llm_runtime.errors import EngineError
 from llm_runtime.grammar_hook import GrammarRows, RowOutcome
 from llm_runtime.local_mask import LocalMaskProvider
 from llm_runtime.mask import ConstraintRequest, MaskStep
-from bench.tiny_model import TinyModelInfo, build_tiny_llama
+from tests.support.tiny_model import TinyModelInfo, build_tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

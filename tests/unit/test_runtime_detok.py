@@ -10,7 +10,7 @@ from tokenizers import Tokenizer
 
 from llm_runtime.detok import IncrementalDetokenizer
 from llm_runtime.errors import RequestError
-from bench.tiny_model import build_tiny_llama
+from tests.support.tiny_model import build_tiny_llama
 
 REPO = Path(__file__).resolve().parents[2]
 QWEN_CANDIDATES = (

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from grammar_backend.errors import ConfigError
 from llm_runtime.engine import TorchEngine, TorchEngineConfig
 from llm_runtime.errors import EngineError, RequestError
-from bench.tiny_model import TinyModelInfo, build_tiny_llama
+from tests.support.tiny_model import TinyModelInfo, build_tiny_llama
 
 REPO = Path(__file__).resolve().parents[2]
 SMOLLM2_DIR = Path(os.environ.get("SMOLLM2_DIR", REPO / "build" / "models" / "smollm2-135m-instruct"))

@@ -42,7 +42,7 @@ from llm_runtime.scheduler import (
     SchedulerConfig,
     TokenEvent,
 )
-from bench.tiny_model import TinyModelInfo, build_tiny_llama
+from tests.support.tiny_model import TinyModelInfo, build_tiny_llama
 
 TIMEOUT = 60.0
 

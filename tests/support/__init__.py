@@ -1,0 +1,1 @@
+"""Support shared by the tests and the benchmarks (never imported by the product)."""
