@@ -15,7 +15,7 @@ from client.errors import (
     ServerUnavailable,
     TruncatedOutput,
 )
-from client.sdk import Chunk, Client, JsonReport, Result, Unenforced, Usage, Violation
+from client.sdk import Chunk, Client, GenerateRequest, JsonReport, Result, Unenforced, Usage, Violation
 
 __all__ = [
     "Chunk",
@@ -24,6 +24,7 @@ __all__ = [
     "ClosedEarly",
     "Constraint",
     "DeadlineExceeded",
+    "GenerateRequest",
     "GenerationError",
     "InvalidConstraint",
     "InvalidRequest",

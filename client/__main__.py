@@ -41,12 +41,14 @@ from client.sdk import (
     DEFAULT_MODEL,
     DEFAULT_TIMEOUT_S,
     DEFAULT_URL,
+    REQUEST_FIELDS,
     Client,
+    GenerateRequest,
     Result,
 )
 
-__all__ = ["EXIT_CLOSED", "EXIT_INVALID", "EXIT_OK", "EXIT_OTHER", "EXIT_TRUNCATED", "EXIT_UNAVAILABLE", "build_parser",
-           "constraint_from_args", "main"]
+__all__ = ["EXIT_CLOSED", "EXIT_INVALID", "EXIT_OK", "EXIT_OTHER", "EXIT_TRUNCATED", "EXIT_UNAVAILABLE", "FLAG_FIELDS",
+           "build_parser", "constraint_from_args", "main", "request_from_args"]
 
 EXIT_OK: Final = 0
 EXIT_OTHER: Final = 1
@@ -55,6 +57,13 @@ EXIT_TRUNCATED: Final = 3
 EXIT_UNAVAILABLE: Final = 4
 EXIT_CLOSED: Final = 5
 EXIT_INTERRUPTED: Final = 130
+#: Request fields the CLI does not take as a same-named flag: the prompt
+#: (PROMPT, --messages), the constraint (its own flags) and require_complete
+#: (--allow-incomplete).  Every other GenerateRequest field is the flag's dest
+#: (--max-tokens -> max_tokens), read by name in :func:`request_from_args`.
+_DERIVED_FIELDS: Final = frozenset({"prompt", "messages", "constraint", "require_complete"})
+#: The request fields read straight from the parsed flags of the same name.
+FLAG_FIELDS: Final = tuple(name for name in REQUEST_FIELDS if name not in _DERIVED_FIELDS)
 
 
 def _whitespace(text: str) -> Whitespace:
@@ -259,6 +268,33 @@ def _constraint_kind(args: argparse.Namespace) -> Constraint | None:
     return None
 
 
+def request_from_args(args: argparse.Namespace, stdin: TextIO) -> GenerateRequest:
+    """Build the :class:`GenerateRequest` of parsed arguments.
+
+    Parameters
+    ----------
+    args : argparse.Namespace
+        The result of :func:`build_parser` ``.parse_args``.
+    stdin : TextIO
+        Read for the prompt ``-``.
+
+    Returns
+    -------
+    GenerateRequest
+
+    Raises
+    ------
+    InvalidRequest
+        A field is rejected (:class:`InvalidConstraint` for the constraint flags).
+    """
+    constraint = constraint_from_args(args)
+    prompt = stdin.read() if args.prompt == "-" else args.prompt
+    messages = None if args.messages is None else _load_json_file(args.messages, "--messages")
+    flags = {name: getattr(args, name) for name in FLAG_FIELDS}
+    return GenerateRequest(prompt=prompt, messages=messages, constraint=constraint,
+                           require_complete=not args.allow_incomplete, **flags)
+
+
 def _print_result(result: Result | None, out: TextIO) -> None:
     if result is not None:
         out.write(json.dumps(dict(result.raw), ensure_ascii=False) + "\n")
@@ -291,27 +327,10 @@ def main(argv: Sequence[str] | None = None, *, stdin: TextIO | None = None, stdo
     text_ended_with_newline = True
     result: Result | None = None
     try:
-        constraint = constraint_from_args(args)
-        prompt = stdin.read() if args.prompt == "-" else args.prompt
-        messages = None if args.messages is None else _load_json_file(args.messages, "--messages")
+        request = request_from_args(args, stdin)
         with Client(args.url, args.model, timeout_s=args.timeout, tls=args.tls, ca_file=args.ca_file,
                     cert_file=args.cert_file, key_file=args.key_file, api_key=args.api_key) as llm:
-            chunks = llm.stream(
-                prompt,
-                messages=messages,
-                constraint=constraint,
-                max_tokens=args.max_tokens,
-                temperature=args.temperature,
-                top_p=args.top_p,
-                top_k=args.top_k,
-                seed=args.seed,
-                stop=args.stop,
-                repetition_penalty=args.repetition_penalty,
-                frequency_penalty=args.frequency_penalty,
-                presence_penalty=args.presence_penalty,
-                min_p=args.min_p,
-                require_complete=not args.allow_incomplete,
-            )
+            chunks = llm.stream(request)
             for chunk in chunks:
                 if chunk.text:
                     stdout.write(chunk.text)

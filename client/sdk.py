@@ -33,7 +33,7 @@ import uuid
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Final, Self
+from typing import Any, Final, Self, TypedDict, Unpack
 
 import numpy as np
 import tritonclient.grpc as grpcclient
@@ -59,13 +59,17 @@ __all__ = [
     "DEFAULT_MODEL",
     "DEFAULT_TIMEOUT_S",
     "DEFAULT_URL",
+    "REQUEST_FIELDS",
     "Chunk",
     "Client",
+    "GenerateRequest",
     "JsonReport",
+    "RequestFields",
     "Result",
     "Unenforced",
     "Usage",
     "Violation",
+    "as_request",
     "build_inputs",
     "parse_result",
 ]
@@ -379,27 +383,6 @@ def parse_result(text: str, kind: str | None) -> Result:
 
 
 # --------------------------------------------------------------------------- requests
-def _bytes_input(name: str, values: Sequence[str]) -> grpcclient.InferInput:
-    encoded = []
-    for i, value in enumerate(values):
-        try:
-            encoded.append(value.encode("utf-8"))
-        except UnicodeEncodeError as err:
-            where = name.lower() if len(values) == 1 else f"{name.lower()}[{i}]"
-            raise InvalidRequest(
-                where, f"is not valid Unicode: {err.reason} at character {err.start} ({value[err.start]!r})"
-            ) from err
-    tensor = grpcclient.InferInput(name, [len(values)], "BYTES")
-    tensor.set_data_from_numpy(np.array(encoded, dtype=np.object_))
-    return tensor
-
-
-def _scalar_input(name: str, datatype: str, dtype: type[np.generic], value: float) -> grpcclient.InferInput:
-    tensor = grpcclient.InferInput(name, [1], datatype)
-    tensor.set_data_from_numpy(np.array([value], dtype=dtype))
-    return tensor
-
-
 def _check_int(value: object, field_name: str, low: int, high: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise InvalidRequest(field_name, f"must be an integer, got {type(value).__name__}")
@@ -458,31 +441,60 @@ def _stop_list(stop: object) -> list[str]:
     return list(stop)
 
 
-def build_inputs(
-    prompt: str | None = None,
-    *,
-    messages: Sequence[Mapping[str, str]] | None = None,
-    constraint: Constraint | None = None,
-    max_tokens: int = DEFAULT_MAX_TOKENS,
-    temperature: float = 0.0,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    seed: int | None = None,
-    stop: str | Sequence[str] | None = None,
-    repetition_penalty: float | None = None,
-    frequency_penalty: float | None = None,
-    presence_penalty: float | None = None,
-    min_p: float | None = None,
-) -> list[grpcclient.InferInput]:
-    """Build and validate the input tensors of one request.
+class RequestFields(TypedDict, total=False):
+    """The fields of :class:`GenerateRequest`, as keyword arguments (for ``**fields`` typing).
 
-    Tensors, in this order (``[1]`` shapes unless said; optional ones only when set):
-    ``PROMPT`` or ``MESSAGES`` (BYTES); ``GRAMMAR_TYPE``, ``GRAMMAR`` (BYTES,
-    when a constraint is given; ``GRAMMAR`` is empty for ``json_object``);
-    ``GRAMMAR_OPTIONS`` (BYTES, when the constraint sets options);
-    ``MAX_TOKENS`` (INT32); ``TEMPERATURE`` (FP32); ``TOP_P`` (FP32);
-    ``TOP_K`` (INT32); ``SEED`` (UINT64); ``REPETITION_PENALTY``,
-    ``FREQUENCY_PENALTY``, ``PRESENCE_PENALTY``, ``MIN_P`` (FP32); ``STOP`` (BYTES ``[n]``).
+    One list: ``tests/unit/test_client_sdk.py`` checks that these keys and
+    types are exactly the dataclass's fields.
+    """
+
+    prompt: str | None
+    messages: Sequence[Mapping[str, str]] | None
+    constraint: Constraint | None
+    max_tokens: int
+    temperature: float
+    top_p: float | None
+    top_k: int | None
+    seed: int | None
+    stop: str | Sequence[str] | None
+    repetition_penalty: float | None
+    frequency_penalty: float | None
+    presence_penalty: float | None
+    min_p: float | None
+    require_complete: bool
+
+
+# A request tensor before it becomes an InferInput: (name, datatype, values).
+# Kept as plain immutable values so a request can be sent any number of times,
+# from any thread, each call getting fresh InferInput objects.
+_Wire = tuple[str, str, tuple[bytes, ...] | tuple[int, ...] | tuple[float, ...]]
+_DTYPES: Final[Mapping[str, type[np.generic]]] = MappingProxyType(
+    {"BYTES": np.object_, "INT32": np.int32, "FP32": np.float32, "UINT64": np.uint64})
+
+
+def _utf8(name: str, values: Sequence[str]) -> _Wire:
+    encoded = []
+    for i, value in enumerate(values):
+        try:
+            encoded.append(value.encode("utf-8"))
+        except UnicodeEncodeError as err:
+            where = name.lower() if len(values) == 1 else f"{name.lower()}[{i}]"
+            raise InvalidRequest(
+                where, f"is not valid Unicode: {err.reason} at character {err.start} ({value[err.start]!r})"
+            ) from err
+    return name, "BYTES", tuple(encoded)
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One generation request, validated once when it is made.
+
+    The single list of request fields: :meth:`Client.generate`,
+    :meth:`Client.stream`, :func:`build_inputs` and the CLI all take these
+    fields (as a ``GenerateRequest`` or as keyword arguments, typed by
+    :class:`RequestFields`).  Construction checks every field with the
+    server's own rules (``contract.check_sampling``), so a request that
+    exists is one the server takes; :func:`dataclasses.replace` checks again.
 
     Parameters
     ----------
@@ -514,63 +526,178 @@ def build_inputs(
     min_p : float, optional
         In [0, 1]; 0 is off.  Sample only tokens at least ``min_p`` times as
         likely as the most likely one.
+    require_complete : bool
+        Raise :class:`TruncatedOutput` (:class:`ClosedEarly`) when the output
+        is incomplete (not sent to the server; the client checks the result).
 
-    All four apply after the grammar mask (see :data:`contract.PENALTY_FIELDS`).
+    All four penalties apply after the grammar mask (see :data:`contract.PENALTY_FIELDS`).
+
+    Raises
+    ------
+    InvalidRequest
+        A field has the wrong type or is out of range (the message names it).
+
+    Examples
+    --------
+    >>> request = GenerateRequest("Name a colour.", constraint=Constraint.choice(["red", "blue"]), max_tokens=8)
+    >>> [tensor.name() for tensor in request.inputs()]
+    ['PROMPT', 'GRAMMAR_TYPE', 'GRAMMAR', 'MAX_TOKENS', 'TEMPERATURE']
+    """
+
+    prompt: str | None = None
+    messages: Sequence[Mapping[str, str]] | None = None
+    constraint: Constraint | None = None
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = 0.0
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | Sequence[str] | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    min_p: float | None = None
+    require_complete: bool = True
+    # The checked tensors, computed once by __post_init__ (not a request field).
+    _wire: tuple[_Wire, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_wire", tuple(self._check()))
+
+    def _check(self) -> list[_Wire]:
+        # The order of the checks is the order of the tensors, so the first
+        # bad field (in that order) is the one reported.
+        prompt, messages, constraint = self.prompt, self.messages, self.constraint
+        if (prompt is None) == (messages is None):
+            raise InvalidRequest("prompt", "exactly one of prompt and messages is required")
+        wire: list[_Wire] = []
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise InvalidRequest("prompt", f"must be a string, got {type(prompt).__name__}")
+            wire.append(_utf8("PROMPT", [prompt]))
+        else:
+            wire.append(_utf8("MESSAGES", [_messages_json(messages)]))
+        if constraint is not None:
+            if not isinstance(constraint, Constraint):
+                raise InvalidRequest("constraint", f"must be a Constraint, got {type(constraint).__name__}")
+            wire.append(_utf8("GRAMMAR_TYPE", [constraint.kind]))
+            wire.append(_utf8("GRAMMAR", [constraint.payload]))
+            if constraint.options:
+                wire.append(_utf8("GRAMMAR_OPTIONS", [constraint.options_json]))
+        wire.append(("MAX_TOKENS", "INT32", (_check_int(self.max_tokens, "max_tokens", 1, contract.MAX_MAX_TOKENS),)))
+        temp = _check_float(self.temperature, "temperature")
+        mass = None if self.top_p is None else _check_float(self.top_p, "top_p")
+        k = None if self.top_k is None else _check_int(self.top_k, "top_k", 0, contract.MAX_TOP_K)
+        s = None if self.seed is None else _check_int(self.seed, "seed", 0, contract.SEED_LIMIT - 1)
+        stops = _stop_list(self.stop)
+        given = {name: getattr(self, name) for name in contract.PENALTY_FIELDS if getattr(self, name) is not None}
+        penalties = {name: _check_float(value, name) for name, value in given.items()}
+        try:  # the server's own rule (contract), so a request the client sends is one the server takes
+            contract.check_sampling(temperature=temp, top_p=1.0 if mass is None else mass, top_k=k or 0, seed=s,
+                                    stop=stops, **penalties)
+        except contract.ContractError as err:
+            raise InvalidRequest(err.field, err.reason) from err
+        wire.append(("TEMPERATURE", "FP32", (temp,)))
+        if mass is not None:
+            wire.append(("TOP_P", "FP32", (mass,)))
+        if k is not None:
+            wire.append(("TOP_K", "INT32", (k,)))
+        if s is not None:
+            wire.append(("SEED", "UINT64", (s,)))
+        for name in contract.PENALTY_FIELDS:  # the tensor is the field's name in capitals
+            if name in penalties:
+                wire.append((name.upper(), "FP32", (penalties[name],)))
+        if stops:
+            wire.append(_utf8("STOP", stops))
+        return wire
+
+    @property
+    def kind(self) -> str | None:
+        """The constraint's kind (``None`` without a constraint)."""
+        return None if self.constraint is None else self.constraint.kind
+
+    def inputs(self) -> list[grpcclient.InferInput]:
+        """Build the input tensors of this request (fresh objects on every call).
+
+        Tensors, in this order (``[1]`` shapes unless said; optional ones only when set):
+        ``PROMPT`` or ``MESSAGES`` (BYTES); ``GRAMMAR_TYPE``, ``GRAMMAR`` (BYTES,
+        when a constraint is given; ``GRAMMAR`` is empty for ``json_object``);
+        ``GRAMMAR_OPTIONS`` (BYTES, when the constraint sets options);
+        ``MAX_TOKENS`` (INT32); ``TEMPERATURE`` (FP32); ``TOP_P`` (FP32);
+        ``TOP_K`` (INT32); ``SEED`` (UINT64); ``REPETITION_PENALTY``,
+        ``FREQUENCY_PENALTY``, ``PRESENCE_PENALTY``, ``MIN_P`` (FP32); ``STOP`` (BYTES ``[n]``).
+
+        Returns
+        -------
+        list of tritonclient.grpc.InferInput
+        """
+        out = []
+        for name, datatype, values in self._wire:
+            tensor = grpcclient.InferInput(name, [len(values)], datatype)
+            tensor.set_data_from_numpy(np.array(values, dtype=_DTYPES[datatype]))
+            out.append(tensor)
+        return out
+
+
+#: The names of :class:`GenerateRequest`'s fields, in order (the keys of :class:`RequestFields`).
+REQUEST_FIELDS: Final[tuple[str, ...]] = tuple(f.name for f in dataclasses.fields(GenerateRequest) if f.init)
+
+
+def as_request(request: GenerateRequest | str | None = None, /, **fields: Unpack[RequestFields]) -> GenerateRequest:
+    """Make a :class:`GenerateRequest` from what :meth:`Client.generate` accepts.
+
+    Parameters
+    ----------
+    request : GenerateRequest or str, optional
+        A ready request (``fields`` then replace some of its fields, checked
+        again), or the prompt.
+    **fields
+        The request's fields (:class:`RequestFields`).
+
+    Returns
+    -------
+    GenerateRequest
+
+    Raises
+    ------
+    InvalidRequest
+        A field is rejected.
+    TypeError
+        A field is unknown, or the prompt is given both positionally and as ``prompt``.
+    """
+    if isinstance(request, GenerateRequest):
+        return dataclasses.replace(request, **fields) if fields else request
+    if request is not None:
+        if "prompt" in fields:
+            raise TypeError("prompt given twice: positionally and as prompt=")
+        fields["prompt"] = request  # a fresh dict of this call's keyword arguments
+    return GenerateRequest(**fields)
+
+
+def build_inputs(prompt: str | None = None, /, **fields: Unpack[RequestFields]) -> list[grpcclient.InferInput]:
+    """Build and validate the input tensors of one request.
+
+    Shorthand for ``GenerateRequest(prompt, **fields).inputs()``; kept for
+    callers that need tensors only (``openai_api``).
+
+    Parameters
+    ----------
+    prompt : str, optional
+        As for :class:`GenerateRequest`.
+    **fields
+        The other fields of :class:`GenerateRequest` (:class:`RequestFields`).
 
     Returns
     -------
     list of tritonclient.grpc.InferInput
+        As :meth:`GenerateRequest.inputs`.
 
     Raises
     ------
     InvalidRequest
         A parameter has the wrong type or is out of range (the message names it).
     """
-    if (prompt is None) == (messages is None):
-        raise InvalidRequest("prompt", "exactly one of prompt and messages is required")
-    inputs: list[grpcclient.InferInput] = []
-    if prompt is not None:
-        if not isinstance(prompt, str):
-            raise InvalidRequest("prompt", f"must be a string, got {type(prompt).__name__}")
-        inputs.append(_bytes_input("PROMPT", [prompt]))
-    else:
-        inputs.append(_bytes_input("MESSAGES", [_messages_json(messages)]))
-    if constraint is not None:
-        if not isinstance(constraint, Constraint):
-            raise InvalidRequest("constraint", f"must be a Constraint, got {type(constraint).__name__}")
-        inputs.append(_bytes_input("GRAMMAR_TYPE", [constraint.kind]))
-        inputs.append(_bytes_input("GRAMMAR", [constraint.payload]))
-        if constraint.options:
-            inputs.append(_bytes_input("GRAMMAR_OPTIONS", [constraint.options_json]))
-    inputs.append(_scalar_input("MAX_TOKENS", "INT32", np.int32, _check_int(max_tokens, "max_tokens", 1, contract.MAX_MAX_TOKENS)))
-    temp = _check_float(temperature, "temperature")
-    mass = None if top_p is None else _check_float(top_p, "top_p")
-    k = None if top_k is None else _check_int(top_k, "top_k", 0, contract.MAX_TOP_K)
-    s = None if seed is None else _check_int(seed, "seed", 0, contract.SEED_LIMIT - 1)
-    stops = _stop_list(stop)
-    given = {name: value for name, value in (("repetition_penalty", repetition_penalty),
-                                              ("frequency_penalty", frequency_penalty),
-                                              ("presence_penalty", presence_penalty), ("min_p", min_p))
-             if value is not None}
-    penalties = {name: _check_float(value, name) for name, value in given.items()}
-    try:  # the server's own rule (contract), so a request the client sends is one the server takes
-        contract.check_sampling(temperature=temp, top_p=1.0 if mass is None else mass, top_k=k or 0, seed=s,
-                                stop=stops, **penalties)
-    except contract.ContractError as err:
-        raise InvalidRequest(err.field, err.reason) from err
-    inputs.append(_scalar_input("TEMPERATURE", "FP32", np.float32, temp))
-    if mass is not None:
-        inputs.append(_scalar_input("TOP_P", "FP32", np.float32, mass))
-    if k is not None:
-        inputs.append(_scalar_input("TOP_K", "INT32", np.int32, k))
-    if s is not None:
-        inputs.append(_scalar_input("SEED", "UINT64", np.uint64, s))
-    for name in contract.PENALTY_FIELDS:  # the tensor is the field's name in capitals
-        if name in penalties:
-            inputs.append(_scalar_input(name.upper(), "FP32", np.float32, penalties[name]))
-    if stops:
-        inputs.append(_bytes_input("STOP", stops))
-    return inputs
+    return as_request(prompt, **fields).inputs()
 
 
 # --------------------------------------------------------------------------- responses
@@ -856,33 +983,21 @@ class Client:
         finally:
             self._release(conn, healthy=healthy)
 
-    def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: Sequence[Mapping[str, str]] | None = None,
-        constraint: Constraint | None = None,
-        max_tokens: int = DEFAULT_MAX_TOKENS,
-        temperature: float = 0.0,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        repetition_penalty: float | None = None,
-        frequency_penalty: float | None = None,
-        presence_penalty: float | None = None,
-        min_p: float | None = None,
-        require_complete: bool = True,
-    ) -> Result:
+    def generate(self, request: GenerateRequest | str | None = None, /, **fields: Unpack[RequestFields]) -> Result:
         """Generate a whole response.
 
         Parameters
         ----------
-        prompt, messages, constraint, max_tokens, temperature, top_p, top_k, seed, stop
-        repetition_penalty, frequency_penalty, presence_penalty, min_p
-            As for :func:`build_inputs`.
-        require_complete : bool
-            Raise :class:`TruncatedOutput` when the output is incomplete.
+        request : GenerateRequest or str, optional
+            A ready :class:`GenerateRequest` (``fields`` then replace some of
+            its fields), or the prompt.
+        **fields
+            The fields of :class:`GenerateRequest` (:class:`RequestFields`):
+            ``prompt``, ``messages``, ``constraint``, ``max_tokens``,
+            ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``,
+            ``repetition_penalty``, ``frequency_penalty``, ``presence_penalty``,
+            ``min_p``, and ``require_complete`` (raise :class:`TruncatedOutput`
+            when the output is incomplete).
 
         Returns
         -------
@@ -899,22 +1014,7 @@ class Client:
         ServerUnavailable, DeadlineExceeded, GenerationError
             Transport or server failures.
         """
-        chunks = self.stream(
-            prompt,
-            messages=messages,
-            constraint=constraint,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            stop=stop,
-            repetition_penalty=repetition_penalty,
-            frequency_penalty=frequency_penalty,
-            presence_penalty=presence_penalty,
-            min_p=min_p,
-            require_complete=require_complete,
-        )
+        chunks = self.stream(as_request(request, **fields))
         result: Result | None = None
         # The stream raises (truncation, error) on the step after the final
         # chunk, so a loop that ends normally has seen a successful result.
@@ -926,22 +1026,7 @@ class Client:
         return result
 
     def stream(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: Sequence[Mapping[str, str]] | None = None,
-        constraint: Constraint | None = None,
-        max_tokens: int = DEFAULT_MAX_TOKENS,
-        temperature: float = 0.0,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        repetition_penalty: float | None = None,
-        frequency_penalty: float | None = None,
-        presence_penalty: float | None = None,
-        min_p: float | None = None,
-        require_complete: bool = True,
+        self, request: GenerateRequest | str | None = None, /, **fields: Unpack[RequestFields]
     ) -> Generator[Chunk, None, None]:
         """Stream a response as text deltas.
 
@@ -955,11 +1040,11 @@ class Client:
 
         Parameters
         ----------
-        prompt, messages, constraint, max_tokens, temperature, top_p, top_k, seed, stop
-        repetition_penalty, frequency_penalty, presence_penalty, min_p
-            As for :func:`build_inputs`.
-        require_complete : bool
-            Raise :class:`TruncatedOutput` after the final chunk of an incomplete output.
+        request : GenerateRequest or str, optional
+            As for :meth:`generate`.
+        **fields
+            As for :meth:`generate`; with ``require_complete``, the error is
+            raised after the final chunk of an incomplete output.
 
         Returns
         -------
@@ -972,22 +1057,8 @@ class Client:
         InvalidConstraint, TruncatedOutput, ServerUnavailable, DeadlineExceeded, GenerationError
             While iterating, as for :meth:`generate`.
         """
-        inputs = build_inputs(
-            prompt,
-            messages=messages,
-            constraint=constraint,
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            stop=stop,
-            repetition_penalty=repetition_penalty,
-            frequency_penalty=frequency_penalty,
-            presence_penalty=presence_penalty,
-            min_p=min_p,
-        )
-        return self._run(inputs, None if constraint is None else constraint.kind, require_complete)
+        req = as_request(request, **fields)
+        return self._run(req.inputs(), req.kind, req.require_complete)
 
     def _run(
         self, inputs: list[grpcclient.InferInput], kind: str | None, require_complete: bool

@@ -130,7 +130,9 @@ MAX_PENALTY: Final = 2.0
 PENALTY_FIELDS: Final[Mapping[str, float]] = {
     "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "min_p": 0.0}
 MAX_TOP_K: Final = 2**31 - 1
-#: ``MAX_TOKENS`` is INT32; the model's context bounds it further, server-side.
+#: ``MAX_TOKENS`` is INT32: the wire bound, which the SDK checks.  The serving bound is one
+#: value, ``MAX_TOKENS_LIMIT`` (deploy/values.json), rendered into preprocessing's ``max_tokens_limit``:
+#: preprocessing refuses above it and later stages trust it (the engine checks only its context).
 MAX_MAX_TOKENS: Final = 2**31 - 1
 #: Seeds are in ``[0, SEED_LIMIT)`` (uint64).
 SEED_LIMIT: Final = 2**64

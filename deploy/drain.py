@@ -54,6 +54,16 @@ def scrape(metrics_url: str, timeout_s: float = 10.0) -> Series:
     ------
     OSError
         When the endpoint cannot be read (``urllib.error.URLError`` included).
+
+    Notes
+    -----
+    A parser of its own, not ``prometheus_client.parser.text_string_to_metric_families``:
+    prometheus_client is in none of the project's environments (not pinned in
+    requirements*.txt, not installed in the venv or the images, where this runs
+    as the preStop hook), and its parser differs where callers rely on this one:
+    it raises ``ValueError`` on a line it cannot read, where a drain must go on
+    reading the gauge (such lines are skipped here), and it unescapes label
+    values (``a\\"b`` becomes ``a"b``; here they are kept as exposed).
     """
     with _DIRECT.open(metrics_url, timeout=timeout_s) as resp:
         text = resp.read().decode("utf-8", "replace")

@@ -30,12 +30,10 @@ Usage::
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import ctypes.util
 import filecmp
 import importlib.util
-import logging
 import os
 import re
 import shutil
@@ -53,6 +51,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Final, Literal, Self, TextIO
 
+import psutil
+
 from deploy.gateway import (
     GRPC_SECRET_METADATA,
     Gateway,
@@ -62,7 +62,7 @@ from deploy.gateway import (
     new_secret,
     restriction_args,
 )
-from openai_api.server import OpenAIConfig, OpenAIServer, OpenAIServerError, try_lines
+from openai_api.server import OpenAIConfig, OpenAIServer, OpenAIServerError
 
 __all__ = [
     "ServerConfig",
@@ -76,7 +76,6 @@ __all__ = [
     "find_free_port",
     "listening_ports",
     "locate_tritonserver",
-    "main",
     "server_environment",
 ]
 
@@ -105,9 +104,6 @@ _LOG_MEMORY_BYTES: Final = 1 << 20
 # Prefix of Triton's lines (and its stubs') on the launcher's stdout, next to
 # the launcher's own ``server: `` lines, so one ``kubectl logs`` shows both.
 LOG_TAG: Final = "triton: "
-# How long the launcher waits for the supervisor thread at shutdown (it may be in
-# the middle of a restart); part of the pod's stop budget (deploy/k8s deployment).
-SUPERVISOR_JOIN_S: Final = 60.0
 # How many times start() picks fresh ports when the server could not bind an
 # automatically chosen one (another process took it between our probe and the
 # server's bind).  Explicitly given ports are never retried.
@@ -115,7 +111,6 @@ _BIND_RETRIES: Final = 3
 # Triton 2.51 logs e.g. `failed to start HTTP service: Unavailable - Socket
 # '127.0.0.1:48551' already in use` and exits.
 _BIND_FAILURE_MARKER: Final = "already in use"
-_TCP_LISTEN: Final = "0A"  # TCP_LISTEN in /proc/net/tcp's `st` column
 _PR_SET_PDEATHSIG: Final = 1
 # tritonserver's gRPC endpoint behind the gateway: never reachable from outside the host.
 _INTERNAL_HOST: Final = "127.0.0.1"
@@ -338,41 +333,27 @@ def find_free_port(host: str = DEFAULT_HOST) -> int:
 
 
 def listening_ports(pid: int) -> set[int]:
-    """TCP ports on which process ``pid`` holds a listening socket (Linux).
+    """TCP ports on which process ``pid`` holds a listening socket (IPv4 and IPv6).
 
-    Read from ``/proc``: the socket inodes among ``/proc/<pid>/fd`` matched with
-    the LISTEN rows of ``/proc/net/tcp{,6}``.  Cost: ~1 ms for a server with a
-    few hundred fds.  Threads share the fd table, so the main pid suffices.
+    From :meth:`psutil.Process.net_connections` (on Linux: the socket inodes
+    among ``/proc/<pid>/fd`` matched with ``/proc/net/tcp{,6}``; ~1 ms for a
+    server with a few hundred fds).  Threads share the fd table, so the main
+    pid suffices.
 
     Raises
     ------
     ProcessLookupError
         If the process does not exist.
+    PermissionError
+        If the process's fds may not be read (another user's process).
     """
-    fd_dir = Path(f"/proc/{pid}/fd")
-    inodes: set[str] = set()
     try:
-        fds = list(fd_dir.iterdir())
-    except FileNotFoundError as err:
+        connections = psutil.Process(pid).net_connections(kind="tcp")
+    except psutil.NoSuchProcess as err:
         raise ProcessLookupError(f"no process {pid}") from err
-    for fd in fds:
-        try:
-            target = os.readlink(fd)
-        except FileNotFoundError:
-            continue  # the fd was closed while we listed the directory
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:[") : -1])
-    ports: set[int] = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text(encoding="ascii").splitlines()[1:]
-        except FileNotFoundError:
-            continue  # no IPv6 in this kernel
-        for line in lines:
-            cols = line.split()
-            if cols[3] == _TCP_LISTEN and cols[9] in inodes:
-                ports.add(int(cols[1].rsplit(":", 1)[1], 16))
-    return ports
+    except psutil.AccessDenied as err:
+        raise PermissionError(f"cannot read the sockets of process {pid}: {err}") from err
+    return {conn.laddr.port for conn in connections if conn.status == psutil.CONN_LISTEN}
 
 
 def _validate_port(name: str, port: int) -> None:
@@ -944,186 +925,11 @@ class TritonServer:
         self.stop()
 
 
-# ---------------------------------------------------------------------- CLI
-#: ``(flag, environment variable, help)`` of the gateway's security options.
-_GATEWAY_SECURITY_FLAGS: Final = (
-    ("--tls-cert", "GATEWAY_TLS_CERT", "PEM certificate chain: serve TLS (needs --tls-key)"),
-    ("--tls-key", "GATEWAY_TLS_KEY", "PEM private key of --tls-cert"),
-    ("--tls-client-ca", "GATEWAY_TLS_CLIENT_CA", "PEM CA bundle: require client certificates it signed (mutual TLS)"),
-    ("--api-keys-file", "GATEWAY_API_KEYS_FILE",
-     "JSON file of API key hashes (deploy/gateway.py parse_keys); reloaded when it changes"),
-)
-
-
-def _env_path(name: str) -> Path | None:
-    value = os.environ.get(name, "")
-    return Path(value) if value else None
-
-
-def gateway_security(args: argparse.Namespace) -> GatewaySecurity:
-    """The gateway's :class:`GatewaySecurity` from parsed launcher flags.
-
-    Raises
-    ------
-    GatewayError
-        Certificate and key not given together, or a client CA without them.
-    """
-    return GatewaySecurity(tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
-                           api_keys_file=args.api_keys_file)
-
-
-def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m deploy.server",
-        description="Run the tritonserver bundled in nvidia-pytriton in the foreground.",
-    )
-    parser.add_argument("--model-repository", type=Path, required=True)
-    parser.add_argument("--host", default=DEFAULT_HOST, help="address of every endpoint (default %(default)s)")
-    parser.add_argument("--grpc-port", type=int, default=0, help="0 = a free port")
-    parser.add_argument("--http-port", type=int, default=0, help="0 = a free port")
-    parser.add_argument("--metrics-port", type=int, default=0, help="0 = a free port")
-    parser.add_argument("--model", dest="models", action="append", default=[], help="wait for this model (repeat)")
-    parser.add_argument("--python-env", type=Path, default=Path(sys.prefix),
-                        help="the environment whose packages stubs without an EXECUTION_ENV_PATH see "
-                             "(default: this interpreter's, %(default)s)")
-    parser.add_argument("--log-file", type=Path, default=None,
-                        help="also write tritonserver's log to this file (appended across restarts); "
-                             "its lines always go to stdout, prefixed 'triton: '")
-    parser.add_argument("--log-verbose", type=int, default=0)
-    parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds (default %(default)s)")
-    parser.add_argument("--stop-grace", type=float, default=30.0, help="seconds from SIGTERM to SIGKILL")
-    parser.add_argument("--client-hint", default=None, help="command line printed once ready")
-    parser.add_argument("--openai-port", type=int, default=0,
-                        help="serve the OpenAI-compatible API (/v1/chat/completions) here; 0 = off")
-    parser.add_argument("--health-port", type=int, default=None,
-                        help="serve /v2/health/live and /v2/health/ready for probes here (deploy/health.py)")
-    # The gateway's TLS and API keys; each flag falls back to its environment
-    # variable (what deploy/k8s sets from mounted Secrets); an empty value is unset.
-    # None of them: plaintext and keyless (`make serve` on loopback).
-    security = parser.add_argument_group("gateway TLS and API keys (public gRPC port)")
-    for flag, env, what in _GATEWAY_SECURITY_FLAGS:
-        security.add_argument(flag, type=Path, default=_env_path(env), metavar="FILE",
-                              help=f"{what} (env {env})")
-    parser.add_argument("extra", nargs="*", help="extra tritonserver arguments, after --")
-    return parser.parse_args(argv)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run a server in the foreground until Ctrl-C/SIGTERM; returns the exit status."""
-    args = _parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="server: %(message)s", stream=sys.stderr)
-    try:
-        config = ServerConfig(
-            model_repository=args.model_repository,
-            host=args.host,
-            grpc_port=args.grpc_port,
-            http_port=args.http_port,
-            metrics_port=args.metrics_port,
-            models=tuple(args.models),
-            log_file=args.log_file,
-            # The launcher is a container's process 1 and `make serve`'s
-            # foreground job: Triton's lines belong on its stdout, next to its own.
-            log_stdout=True,
-            log_verbose=args.log_verbose,
-            ready_timeout_s=args.ready_timeout,
-            stop_grace_s=args.stop_grace,
-            exit_timeout_s=max(0, min(20, int(args.stop_grace) - 1)),
-            extra_args=tuple(args.extra),
-            python_env=args.python_env,
-            gateway_security=gateway_security(args),
-            openai_port=args.openai_port or None,
-        )
-    except (ValueError, GatewayError) as err:
-        print(f"server: error: {err}", file=sys.stderr)
-        return 2
-
-    stop_requested = threading.Event()
-    ready = threading.Event()
-
-    def on_signal(signum: int, _frame: object) -> None:
-        stop_requested.set()
-        if not ready.is_set():
-            # Still starting (model loads can take minutes): abort the wait.
-            raise KeyboardInterrupt(signal.Signals(signum).name)
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-
-    server = TritonServer(config)
-    try:
-        server.start()
-        where = f"stdout ('{LOG_TAG.strip()}' lines)" + (f" and {server.log_path}" if server.log_path else "")
-        print(f"server: starting tritonserver (pid {server.pid}), log to {where}", flush=True)
-        server.wait_ready()
-        ready.set()
-    except ServerError as err:
-        server.stop()
-        print(f"server: error: {err}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        code = server.stop()
-        print(f"server: interrupted before ready; stopped (tritonserver exit status {code})", file=sys.stderr)
-        return 130
-    cfg = server.config
-    print(
-        f"server: ready: grpc={server.grpc_url} http={server.http_url} metrics={server.metrics_url} "
-        f"models={','.join(cfg.models) or '-'} pid={server.pid}",
-        flush=True,
-    )
-    if server.openai is not None:
-        print(f"server: openai: {server.openai.url}", flush=True)
-        for line in try_lines(server.openai.url, cfg.public_models[0], keys=cfg.gateway_security.api_keys_file
-                              is not None):
-            print(f"server: try: {line}", flush=True)
-    if args.client_hint:
-        print(f"server: try: {args.client_hint}", flush=True)
-    print("server: Ctrl-C to stop", flush=True)
-    # Supervision: a dead tritonserver, or one whose grammar/llm stub died, is
-    # restarted with backoff while the gateway reports not ready (deploy/supervisor.py).
-    from deploy.supervisor import Supervisor, default_probes
-
-    repo = config.model_repository
-    probes = tuple(p for p in default_probes() if (repo / p.model).is_dir())
-    supervisor = Supervisor(server, probes)
-    watcher = threading.Thread(target=supervisor.run, name="supervisor", daemon=True)
-    watcher.start()
-    health = None
-    if args.health_port is not None:
-        from deploy.health import HealthServer
-
-        def ready_now() -> tuple[bool, str]:
-            gateway = server.gateway
-            if gateway is None or not server.is_running():
-                return False, "tritonserver is not running"
-            return gateway.health
-
-        def gateway_metrics() -> str:
-            gateway, front = server.gateway, server.openai
-            return ("" if gateway is None else gateway.metrics_text()) + ("" if front is None else front.metrics_text())
-
-        def begin_drain() -> None:
-            # The preStop drain (deploy/drain.py): GOAWAY now, streams in flight finish.
-            gateway = server.gateway
-            if gateway is not None:
-                gateway.begin_drain()
-
-        health = HealthServer(cfg.host, args.health_port, ready_now, metrics=gateway_metrics, on_drain=begin_drain)
-        health.start()
-        print(f"server: health: http://{cfg.host}:{health.port}/v2/health/ready", flush=True)
-    while not stop_requested.wait(0.5):
-        pass
-    if health is not None:
-        health.stop()
-    supervisor.stop()
-    watcher.join(SUPERVISOR_JOIN_S)
-    code = server.stop()
-    print(f"server: stopped (tritonserver exit status {code})", flush=True)
-    return 0
-
-
 if __name__ == "__main__":
-    # Through the package, not this `__main__` copy: deploy.supervisor catches
-    # deploy.server.ServerError, which a class defined in `__main__` is not.
-    from deploy.server import main as package_main
+    # `python -m deploy.server` runs the launcher of deploy/launch.py.  This file
+    # runs here as `__main__`, a module apart from the `deploy.server` that
+    # deploy.launch and deploy.supervisor import (so deploy.supervisor catches
+    # that module's ServerError, and no import goes round in a circle).
+    from deploy.launch import main
 
-    sys.exit(package_main())
+    sys.exit(main())

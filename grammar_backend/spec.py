@@ -13,15 +13,12 @@ import dataclasses
 import enum
 import hashlib
 import json
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
-import jsonschema.validators
-from jsonschema import Draft202012Validator
-from jsonschema.exceptions import SchemaError
-
 import contract
+from contract import schema_check
 from grammar_backend.errors import ConfigError, ConstraintError
 from grammar_backend.lru import Lru
 from grammar_backend.satisfiable import check_satisfiable
@@ -429,9 +426,10 @@ def json_depth(text: str) -> int:
 def check_schema(schema: Any, field_name: str, *, allow_bool: bool = False) -> None:
     """Check ``schema`` against its draft's meta-schema (``$schema``; Draft 2020-12 by default).
 
-    The one meta-schema check of the project (the request's constraint, the
-    schemas of a structural tag, post-validation).  ``allow_bool``: ``true``
-    and ``false`` are schemas too (post-validation takes them; a constraint
+    The server's side of :func:`contract.schema_check.check_schema` (the
+    client's check too), for the request's constraint, the schemas of a
+    structural tag and post-validation.  ``allow_bool``: ``true`` and
+    ``false`` are schemas too (post-validation takes them; a constraint
     payload must be an object).
 
     Raises
@@ -439,22 +437,17 @@ def check_schema(schema: Any, field_name: str, *, allow_bool: bool = False) -> N
     ConstraintError
         Naming ``<field>#<JSON pointer>`` of the offending keyword.
     """
-    if not (isinstance(schema, Mapping) or (allow_bool and isinstance(schema, bool))):
-        kinds = "an object or a boolean" if allow_bool else "an object"
-        raise ConstraintError(field_name, f"a JSON schema must be {kinds}, got {type(schema).__name__}")
     try:
-        # The schema's own draft when it names one ($schema), else Draft 2020-12.
-        jsonschema.validators.validator_for(schema, default=Draft202012Validator).check_schema(schema)
-    except SchemaError as err:
-        pointer = json_pointer(err.absolute_path)
-        # ``field_name`` may already be a pointer (a schema embedded in a structural tag).
-        at = f"{field_name}{pointer}" if "#" in field_name else f"{field_name}#{pointer}"
-        raise ConstraintError(at, f"not a valid JSON Schema: {cut_message(err.message)}") from err
+        schema_check.check_schema(schema, field_name, allow_bool=allow_bool)
+    except contract.ContractError as err:
+        raise ConstraintError(err.field, err.reason) from err
 
 
-def json_pointer(parts: Iterable[str | int]) -> str:
-    """The RFC 6901 pointer of a path (``""`` for the root)."""
-    return "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in parts)
+#: The RFC 6901 pointer of a path, and jsonschema's message cut short: the contract's
+#: (:mod:`contract.schema_check`, shared with the client).
+json_pointer: Final = schema_check.json_pointer
+cut_message: Final = schema_check.cut_message
+MAX_MESSAGE_CHARS: Final = schema_check.MAX_MESSAGE_CHARS
 
 
 #: Keywords whose values are data, never schemas (not walked).
@@ -487,15 +480,6 @@ def keyword_sites(schema: Any) -> Iterator[tuple[str, str, Any]]:
                 stack.extend((sub, at + json_pointer([name])) for name, sub in value.items())
             elif key not in DATA_KEYWORDS:
                 stack.append((value, at))
-
-
-#: Longest message quoted from jsonschema (a 10,000-value enum is quoted whole otherwise).
-MAX_MESSAGE_CHARS: Final = 512
-
-
-def cut_message(message: str) -> str:
-    """``message``, cut to :data:`MAX_MESSAGE_CHARS` with an ellipsis."""
-    return message if len(message) <= MAX_MESSAGE_CHARS else message[: MAX_MESSAGE_CHARS - 1] + "\u2026"
 
 
 def _decode(field_name: str, value: str | bytes) -> str:

@@ -58,13 +58,14 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, Literal, Self
+from typing import TYPE_CHECKING, Final, Self
 
 import numpy as np
 import torch
 
 import contract
 from contract import CLOSE_STATE_REASONS, CloseState
+from contract.finish import FinishEvent, FinishReason
 from triton_support.metrics import LatencyWindow, Snapshot
 
 from .detok import IncrementalDetokenizer, special_token_ids
@@ -101,8 +102,6 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
-FinishReason = Literal["stop", "length", "error"]
-
 #: How the scheduler consumes the grammar side (see ``SchedulerConfig.grammar_mode``).
 SCHEDULER_GRAMMAR_MODES: Final = ("overlap", "processor")
 #: Upper bound of ``SchedulerConfig.max_jump_tokens``.
@@ -130,8 +129,6 @@ class SchedulerConfig:
     ----------
     max_batch_size : int or None
         Most sequences per step; ``None`` = the engine's slot count (the maximum).
-    max_tokens_cap : int
-        Largest ``max_tokens`` a request may ask for.
     max_queued : int
         Most requests held at once (starting + waiting + in the batch); more are
         refused with :class:`llm_runtime.errors.Overloaded`.
@@ -168,7 +165,6 @@ class SchedulerConfig:
     """
 
     max_batch_size: int | None = None
-    max_tokens_cap: int = 4096
     max_queued: int = 1024
     idle_wait_s: float = 0.05
     start_threads: int = 64
@@ -185,7 +181,7 @@ class SchedulerConfig:
 
         if self.max_batch_size is not None:
             positive_int("max_batch_size", self.max_batch_size)
-        for name in ("max_tokens_cap", "max_queued", "start_threads", "stats_capacity"):
+        for name in ("max_queued", "start_threads", "stats_capacity"):
             positive_int(name, getattr(self, name))
         j = self.max_jump_tokens
         if isinstance(j, bool) or not isinstance(j, int) or not 0 <= j <= MAX_JUMP_TOKENS:
@@ -249,39 +245,6 @@ class TokenEvent:
 
     text_delta: str
     token_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class FinishEvent:
-    """The last event of a request.
-
-    ``finish_reason``: ``"stop"`` (end token, grammar terminated, or stop string),
-    ``"length"`` (``max_tokens``) or ``"error"`` (``error`` says why,
-    ``error_status`` is a gRPC status name; ``"CANCELLED"`` after :meth:`Scheduler.cancel`).
-    ``completion_tokens`` counts every sampled token, the end token included.
-    ``close_reason``: the grammar side forced a completion that ended the
-    output (``"budget"``: ``finish_reason`` is then ``"length"``;
-    ``"repetition"``: ``"stop"``), see :mod:`grammar_backend.closing`.
-    ``stop_string``: the output ended at one of the request's stop strings.
-    ``backend``: the grammar backend that served the constraint (None: no
-    constraint, or it failed to start).
-    ``value_retries``: times a completed value broke the schema and its tokens
-    were dropped and generated again (:mod:`grammar_backend.values`);
-    ``value_dropped_tokens``: how many tokens that dropped in all (sampled,
-    so spent, but not in ``completion_tokens``).
-    """
-
-    finish_reason: FinishReason
-    text: str
-    prompt_tokens: int
-    completion_tokens: int
-    error: str | None = None
-    error_status: str | None = None
-    close_reason: str | None = None
-    stop_string: bool = False
-    backend: str | None = None
-    value_retries: int = 0
-    value_dropped_tokens: int = 0
 
 
 EventCallback = Callable[[TokenEvent | FinishEvent], None]
@@ -471,8 +434,10 @@ def check_request(
     if lo < 0 or hi >= vocab_size:
         raise RequestError("prompt_token_ids", f"ids must be in [0, {vocab_size}), got [{lo}, {hi}]")
     mt = req.max_tokens
-    if isinstance(mt, bool) or not isinstance(mt, int) or not 1 <= mt <= cfg.max_tokens_cap:
-        raise RequestError("max_tokens", f"must be an integer in [1, {cfg.max_tokens_cap}], got {mt!r}")
+    # No cap of its own: the serving bound is preprocessing's max_tokens_limit (one value, rendered
+    # from MAX_TOKENS_LIMIT); here only the engine's context bounds it.
+    if isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
+        raise RequestError("max_tokens", f"must be a positive integer, got {mt!r}")
     if n + mt > context_len:
         raise RequestError(
             "max_tokens", f"prompt ({n} tokens) + max_tokens ({mt}) exceed the context length {context_len}"
@@ -682,7 +647,7 @@ class Scheduler:
         """Cancel a request at the next step boundary; thread-safe.
 
         The request gets a last :class:`FinishEvent` with ``finish_reason="error"``
-        and ``error_status="CANCELLED"``; its grammar state is ended.
+        and ``status="CANCELLED"``; its grammar state is ended.
 
         Returns
         -------
@@ -1161,7 +1126,7 @@ class Scheduler:
                 prompt_tokens=int(seq.prompt.shape[0]),
                 completion_tokens=seq.generated,
                 error=error,
-                error_status=status,
+                status=status,
                 close_reason=close_reason,
                 stop_string=stop_string,
                 backend=seq.backend,

@@ -51,7 +51,8 @@ tensorrt_llm 1.2.1 for its pins.
 ``grammar_mode: native`` forwards the validated constraint as
 ``GuidedDecodingParams`` to TensorRT-LLM's own xgrammar matchers; the
 ``grammar`` model still validates and compiles it once (errors, fidelity
-report) and postprocessing still validates the output, but budget closing,
+report) and postprocessing still validates the output, but budget closing
+(every ``on_budget`` acts as ``truncate``: see :func:`native_guided_kwargs`),
 runaway closing and the shared compile cache do not apply.
 """
 
@@ -77,6 +78,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 import contract
+from contract.finish import FinishEvent, FinishReason
 from grammar_backend.errors import ConfigError, InvalidArgument
 from grammar_backend.spec import ConstraintKind, ConstraintOptions, SpecLimits, constraint_spec
 from triton_support.metrics import Snapshot
@@ -97,8 +99,6 @@ from .mask import ConstraintRequest, MaskProvider
 from .sampler import SamplingParams
 from .scheduler import (
     EventCallback,
-    FinishEvent,
-    FinishReason,
     GenerationRequest,
     SchedulerConfig,
     TokenEvent,
@@ -222,7 +222,8 @@ class TrtllmConfig:
     grammar_mode : str
         One of :data:`TRTLLM_GRAMMAR_MODES`.
     max_batch, max_seq_len : int
-        TensorRT-LLM's ``max_batch_size`` and ``max_seq_len``.
+        TensorRT-LLM's ``max_batch_size`` and ``max_seq_len`` (required; the
+        defaults are :class:`~llm_runtime.model_config.LlmModelConfig`'s).
     kv_cache_free_fraction : float
         ``KvCacheConfig.free_gpu_memory_fraction``.
     tensor_parallel_size : int
@@ -241,9 +242,10 @@ class TrtllmConfig:
     """
 
     model_dir: str
+    # No defaults: LlmModelConfig (max_batch, max_seq_len) holds the one default of each.
+    max_batch: int
+    max_seq_len: int
     grammar_mode: str = "processor"
-    max_batch: int = 64
-    max_seq_len: int = 4096
     kv_cache_free_fraction: float = 0.85
     tensor_parallel_size: int = 1
     stall_timeout_s: float = 120.0
@@ -305,7 +307,10 @@ def native_guided_kwargs(constraint: ConstraintRequest) -> dict[str, Any]:
     TensorRT-LLM's decoder takes the constraint text only, with its own JSON
     formatting defaults, so a request whose grammar-shaping options differ
     from the defaults, or a Lark grammar, is refused rather than served with
-    another meaning.
+    another meaning.  Its decoder cannot close an output before
+    ``max_tokens`` runs out: every ``on_budget`` is served as ``truncate``
+    (finish reason ``length``, RESULT not complete).  Refusing ``close``
+    would refuse every default request, so the mode is documented instead.
 
     Raises
     ------
@@ -447,8 +452,9 @@ class TrtllmGenerator:
     provider : MaskProvider
         The grammar side (the grammar channel to the ``grammar`` model).
     limits : SchedulerConfig
-        Request limits shared with the torch scheduler (``max_tokens_cap``,
-        ``max_queued``, stop strings, start threads).
+        Request limits shared with the torch scheduler (``max_queued``, stop
+        strings, start threads; ``max_tokens`` is bounded by preprocessing and
+        by ``max_seq_len``).
     on_metrics : callable, optional
         Receives the ``llm`` gauges (live and waiting requests) whenever they
         change; TensorRT-LLM's own iteration stats hold the per-step figures.
@@ -713,8 +719,9 @@ class TrtllmGenerator:
         try:
             if tail:
                 req.callback(TokenEvent(tail, ()))
-            req.callback(FinishEvent(reason, req.detok.text, int(req.prompt.shape[0]), req.generated,
-                                     error=error, error_status=status, close_reason=close_reason,
+            req.callback(FinishEvent(finish_reason=reason, text=req.detok.text,
+                                     prompt_tokens=int(req.prompt.shape[0]), completion_tokens=req.generated,
+                                     error=error, status=status, close_reason=close_reason,
                                      stop_string=stop_string, backend=req.backend))
         except Exception:  # noqa: BLE001 -- a caller's bug must not stop the loop; logged
             _log.exception("event callback of request %s raised", req.rid)

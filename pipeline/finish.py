@@ -4,17 +4,19 @@ Its own module because the ``llm`` model writes it and ``postprocessing``
 reads it, and the ``llm`` model must import nothing of the grammar engines:
 on the GPU image it runs in TensorRT-LLM's Python environment, which keeps
 TensorRT-LLM's own xgrammar and llguidance (deploy/docker/Dockerfile).
+The document is a generator's :class:`contract.finish.FinishEvent`, one key
+per field, plus the request's constraint.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from typing import Any
 
-from grammar_backend.errors import status_of
+from contract.finish import FinishEvent
 
-__all__ = ["MAX_ERROR_CHARS", "FinalState", "cut_error", "finish_json"]
+__all__ = ["MAX_ERROR_CHARS", "cut_error", "finish_json", "read_finish"]
 
 #: Longest ``RESULT.error`` sent to a client: messages that quote a value (an
 #: unknown kind, a bad option) must never echo a megabyte payload back.
@@ -28,28 +30,23 @@ def cut_error(message: str | None) -> str | None:
     return f"{message[:MAX_ERROR_CHARS]}... ({len(message)} characters)"
 
 
-@dataclass(frozen=True)
-class FinalState:
-    """What ``llm`` reports on its last response."""
-
-    finish_reason: str
-    text: str
-    prompt_tokens: int
-    completion_tokens: int
-    error: str | None = None
-    status: str | None = None
-    close_reason: str | None = None
-    stop_string: bool = False
-    backend: str | None = None
-    value_retries: int = 0
-    value_dropped_tokens: int = 0
-
-    @classmethod
-    def rejected(cls, err: BaseException) -> FinalState:
-        """The final state of a request refused before generation (no tokens)."""
-        return cls("error", "", 0, 0, error=str(err), status=status_of(err))
-
-
-def finish_json(final: FinalState, constraint: dict[str, str] | None) -> str:
+def finish_json(final: FinishEvent, constraint: dict[str, str] | None) -> str:
     """The ``FINISH`` tensor of ``llm``'s last response: the final state plus the constraint."""
     return json.dumps({**dataclasses.asdict(final), "constraint": constraint}, ensure_ascii=False)
+
+
+def read_finish(finish: bytes | str) -> tuple[FinishEvent, dict[str, str] | None]:
+    """The final state and constraint of a ``FINISH`` document (the inverse of :func:`finish_json`).
+
+    Raises
+    ------
+    ValueError
+        ``finish`` is not JSON (:class:`json.JSONDecodeError`).
+    KeyError
+        It has no ``constraint``.
+    TypeError
+        Its other keys are not :class:`FinishEvent`'s fields.
+    """
+    doc: dict[str, Any] = json.loads(finish)
+    constraint: dict[str, str] | None = doc.pop("constraint")
+    return FinishEvent(**doc), constraint

@@ -24,11 +24,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import contract
+from contract.finish import FinishEvent
 from grammar_backend.errors import INTERNAL
 from grammar_backend.fidelity import result_json, validator_for
 from grammar_backend.spec import validated_constraint
 from grammar_backend.values import unenforced_for
-from pipeline.finish import FinalState, cut_error
+from pipeline.finish import cut_error, read_finish
 
 FINISH_REASONS = contract.FINISH_REASONS
 
@@ -48,7 +49,7 @@ def json_report(constraint: dict[str, str], text: str, backend: str | None = "xg
     return result_json(validator_for(schema, checked=True).validate_text(text), unenforced_for(spec, backend))
 
 
-def build_result(final: FinalState, constraint: dict[str, str] | None) -> dict[str, Any]:
+def build_result(final: FinishEvent, constraint: dict[str, str] | None) -> dict[str, Any]:
     """The RESULT object of the ensemble's last response (see the client contract)."""
     if final.finish_reason not in FINISH_REASONS:
         raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {final.finish_reason!r}")
@@ -113,13 +114,11 @@ def result_of_finish(finish: bytes) -> FinishedOutput:
     """
     constraint: dict[str, str] | None = None
     try:
-        doc = json.loads(finish)
-        constraint = doc.pop("constraint")
-        final = FinalState(**doc)
+        final, constraint = read_finish(finish)
         result = build_result(final, constraint)
     except Exception as err:  # noqa: BLE001 - turned into an INTERNAL result, see above
         _log.exception("postprocessing: cannot build RESULT")
-        final = FinalState("error", "", 0, 0, error=f"internal error in postprocessing: {err!r}", status=INTERNAL)
+        final = FinishEvent("error", "", 0, 0, error=f"internal error in postprocessing: {err!r}", status=INTERNAL)
         result = build_result(final, None)
         constraint = None
     report = result["json"]

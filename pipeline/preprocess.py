@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import contract
 from contract.errors import ConfigError, InvalidArgument, ServingError, status_of
@@ -23,6 +23,10 @@ _ROLES = ("system", "user", "assistant")
 #: one user message); ``plain`` passes PROMPT through as text (with the tokenizer's own special tokens, e.g.
 #: BOS) and refuses MESSAGES: for base checkpoints, which have no template.
 PROMPT_FORMATS = ("chat", "plain")
+#: The largest MAX_TOKENS a request may ask for, unless configured: the serving bound has this one home.
+#: The served value is ``MAX_TOKENS_LIMIT`` (deploy/values.json, rendered into ``max_tokens_limit``);
+#: ``llm`` trusts it and checks only the engine's context (prompt + max_tokens <= max_seq_len).
+DEFAULT_MAX_TOKENS_LIMIT: Final = 1024
 
 
 @dataclass(frozen=True)
@@ -30,14 +34,15 @@ class PreprocessConfig:
     """Parameters of the ``preprocessing`` model.
 
     ``tokenizer`` is the model folder (its tokenizer and chat template);
-    ``max_tokens_limit`` bounds MAX_TOKENS; ``default_max_tokens`` applies when absent;
+    ``max_tokens_limit`` bounds MAX_TOKENS (the one serving bound, :data:`DEFAULT_MAX_TOKENS_LIMIT`);
+    ``default_max_tokens`` applies when absent;
     ``prompt_format`` is one of :data:`PROMPT_FORMATS`.
     """
 
     tokenizer: str
     prompt_format: str = "chat"
     max_prompt_tokens: int = 4096
-    max_tokens_limit: int = 2048
+    max_tokens_limit: int = DEFAULT_MAX_TOKENS_LIMIT
     default_max_tokens: int = 256
     max_payload_bytes: int = contract.MAX_CONSTRAINT_BYTES
     max_depth: int = contract.MAX_CONSTRAINT_DEPTH

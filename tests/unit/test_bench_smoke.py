@@ -127,7 +127,8 @@ def test_pool_survives_segfault_hang_and_exception(monkeypatch: pytest.MonkeyPat
     assert outcomes["segfault"].detail.startswith("killed by SIGSEGV")
     assert outcomes["segfault"].record == {"seen": "segfault"}  # the phase info survives the crash
     assert outcomes["hang"].detail == "work did not finish within 2 s"
-    assert 2.0 <= outcomes["hang"].elapsed_s < 10.0
+    # Not before its timeout; the upper bound only tells a kill from the task's own end (120 s), not speed.
+    assert 2.0 <= outcomes["hang"].elapsed_s < 60.0, outcomes["hang"].elapsed_s
     assert outcomes["raise"].detail.startswith("ValueError: bad task\n")
     assert outcomes["a"].record["pid"] != outcomes["b"].record["pid"]  # a fresh worker after the kills
     assert respawns == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import socket
@@ -12,14 +13,17 @@ from typing import Any
 
 import pytest
 
-from client import Constraint, InvalidConstraint
+from client import Constraint, GenerateRequest, InvalidConstraint
 from client.__main__ import (
     EXIT_INVALID,
     EXIT_UNAVAILABLE,
+    FLAG_FIELDS,
     build_parser,
     constraint_from_args,
     main,
+    request_from_args,
 )
+from client.sdk import REQUEST_FIELDS
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
@@ -142,6 +146,36 @@ def test_sampling_flags_parse() -> None:
     assert (args.max_tokens, args.temperature, args.top_p, args.top_k, args.seed, args.stop) == (
         9, 0.5, 0.8, 5, 7, ["\n", "END"])
     assert (args.print_result, args.url, args.model, args.timeout, args.prompt) == (True, "h:1", "m", 3.0, "p")
+
+
+def test_cli_flags_are_the_request_fields() -> None:
+    # One list: every GenerateRequest field is a flag of the same dest with the
+    # dataclass's default, except the four the CLI derives (prompt sources,
+    # the constraint flags, --allow-incomplete).
+    dests = {action.dest: action.default for action in build_parser()._actions}
+    defaults = {f.name: f.default for f in dataclasses.fields(GenerateRequest) if f.init}
+    assert set(REQUEST_FIELDS) - set(FLAG_FIELDS) == {"prompt", "messages", "constraint", "require_complete"}
+    assert {name: dests[name] for name in FLAG_FIELDS} == {name: defaults[name] for name in FLAG_FIELDS}
+    assert {"prompt", "messages", "allow_incomplete"} <= set(dests)
+
+
+@pytest.mark.parametrize(
+    ("argv", "stdin", "expected"),
+    [
+        (["p"], "", GenerateRequest("p")),
+        (["-"], "from stdin", GenerateRequest("from stdin")),
+        (["--messages", "@messages.json"], "", GenerateRequest(messages=[{"role": "user", "content": "hi"}])),
+        (["--max-tokens", "9", "--temperature", "0.5", "--top-p", "0.8", "--top-k", "5", "--seed", "7", "--stop",
+          "\n", "--stop", "END", "--repetition-penalty", "1.2", "--frequency-penalty", "0.5", "--presence-penalty",
+          "-0.5", "--min-p", "0.1", "--allow-incomplete", "--regex", "[a-z]+", "p"], "",
+         GenerateRequest("p", constraint=Constraint.regex("[a-z]+"), max_tokens=9, temperature=0.5, top_p=0.8,
+                         top_k=5, seed=7, stop=["\n", "END"], repetition_penalty=1.2, frequency_penalty=0.5,
+                         presence_penalty=-0.5, min_p=0.1, require_complete=False)),
+    ],
+)
+def test_request_from_args(argv: list[str], stdin: str, expected: GenerateRequest, files: dict[str, str]) -> None:
+    argv = [files.get(a[1:], a) if a.startswith("@") else a for a in argv]
+    assert request_from_args(build_parser().parse_args(argv), io.StringIO(stdin)) == expected
 
 
 def _closed_port() -> int:

@@ -82,8 +82,10 @@ def _nested(depth: int) -> dict[str, Any]:
         ('{"a": }', r"^schema: invalid JSON at line 1 column 7: Expecting value$"),
         ("no/such/file.json", r"^schema: is neither JSON object text nor an existing file: 'no/such/file.json'$"),
         (NotAModel, r"^schema: class NotAModel is not a pydantic BaseModel subclass$"),
-        ({"type": "strin"}, r"^schema#/type: 'strin' is not valid under any of the given schemas$"),
-        ({"properties": {"a": {"minLength": -1}}}, r"^schema#/properties/a/minLength: -1 is less than the minimum of 0$"),
+        ({"type": "strin"},
+         r"^schema#/type: not a valid JSON Schema: 'strin' is not valid under any of the given schemas$"),
+        ({"properties": {"a": {"minLength": -1}}},
+         r"^schema#/properties/a/minLength: not a valid JSON Schema: -1 is less than the minimum of 0$"),
         ({"const": float("nan")}, r"^schema: is not JSON-serialisable: Out of range float values"),
         ({"const": object()}, r"^schema: is not JSON-serialisable: Object of type object"),
         (_nested(100_000), r"^schema: is nested too deeply$"),
@@ -284,7 +286,8 @@ GOOD_TAG = {"begin": "<tool>", "schema": WEATHER, "end": "</tool>"}
         (["<tool>"], [{**GOOD_TAG, "begin": ""}], r"^tags\[0\]\.begin: must not be empty$"),
         (["<tool>"], [{**GOOD_TAG, "end": None}], r"^tags\[0\]\.end: must be a string, got NoneType$"),
         (["<tool>"], [{**GOOD_TAG, "schema": "[1]"}], r"^tags\[0\]\.schema: must be a JSON object, got list$"),
-        (["<tool>"], [GOOD_TAG, {**GOOD_TAG, "schema": {"type": 3}}], r"^tags\[1\]\.schema#/type: 3 is not valid"),
+        (["<tool>"], [GOOD_TAG, {**GOOD_TAG, "schema": {"type": 3}}],
+         r"^tags\[1\]\.schema#/type: not a valid JSON Schema: 3 is not valid"),
     ],
 )
 def test_structural_tag_rejects(triggers: Any, tags: Any, message: str) -> None:
@@ -439,20 +442,20 @@ def test_lone_surrogates_are_invalid_requests(call: dict[str, Any], message: str
 
 
 def test_a_schema_that_passed_its_meta_check_is_not_checked_again() -> None:
-    from client import constraints
+    from contract import schema_check
 
     schema = {"type": "object", "properties": {"cache_probe": {"type": "integer"}}, "required": ["cache_probe"]}
-    constraints._check_text.cache_clear()
+    schema_check._check_text.cache_clear()
     Constraint.json_schema(schema)
     Constraint.json_schema(dict(reversed(list(schema.items()))))  # the same schema, keys in another order
-    info = constraints._check_text.cache_info()
+    info = schema_check._check_text.cache_info()
     assert (info.misses, info.hits, info.currsize) == (1, 1, 1)
     bad = {"type": "object", "properties": {"a": {"type": 5}}}
     for _ in range(2):  # a refusal is never remembered: refused, with its pointer, every time
-        with pytest.raises(InvalidConstraint, match=r"^schema#/properties/a/type: 5 is not valid under any"):
+        with pytest.raises(InvalidConstraint, match=r"^schema#/properties/a/type: not a valid JSON Schema: 5 is not"):
             Constraint.json_schema(bad)
-    assert constraints._check_text.cache_info().currsize == 1
+    assert schema_check._check_text.cache_info().currsize == 1
     # Over the size bound: checked every time, never kept.
-    big = {"type": "object", "description": "x" * constraints._CHECKED_MAX_CHARS}
+    big = {"type": "object", "description": "x" * schema_check.CHECKED_MAX_CHARS}
     Constraint.json_schema(big)
-    assert constraints._check_text.cache_info().currsize == 1
+    assert schema_check._check_text.cache_info().currsize == 1

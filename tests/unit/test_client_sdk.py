@@ -9,12 +9,14 @@ integration tests; here only an unreachable port is used.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import shutil
 import socket
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 import numpy as np
 import pytest
@@ -29,6 +31,7 @@ from client import (
     ClosedEarly,
     Constraint,
     DeadlineExceeded,
+    GenerateRequest,
     GenerationError,
     InvalidConstraint,
     InvalidRequest,
@@ -43,7 +46,10 @@ from client import (
 from client.sdk import (
     API_KEY_ENV,
     DEFAULT_MAX_TOKENS,
+    REQUEST_FIELDS,
+    RequestFields,
     StreamAssembler,
+    as_request,
     build_inputs,
     check_result,
     parse_result,
@@ -166,9 +172,8 @@ def test_build_inputs_tensors(kwargs: dict[str, Any], expected: list[tuple[str, 
     assert tensors(build_inputs(**kwargs)) == expected
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
+#: (fields, exact InvalidRequest message): the same for build_inputs and GenerateRequest.
+REJECT_CASES: list[tuple[dict[str, Any], str]] = [
         ({}, r"^prompt: exactly one of prompt and messages is required$"),
         ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, r"^prompt: exactly one of prompt and"),
         ({"prompt": 5}, r"^prompt: must be a string, got int$"),
@@ -198,11 +203,109 @@ def test_build_inputs_tensors(kwargs: dict[str, Any], expected: list[tuple[str, 
         ({"prompt": "a", "stop": [""]}, r"^stop\[0\]: must not be empty$"),
         ({"prompt": "a", "stop": ["x", 1]}, r"^stop\[1\]: must be a string, got int$"),
         ({"prompt": "a", "stop": 5}, r"^stop: must be a string or a list of strings, got int$"),
-    ],
-)
+        ({"prompt": "a\ud800"}, r"^prompt: is not valid Unicode: surrogates not allowed at character 1 \('\\ud800'\)$"),
+        ({"prompt": "a", "stop": ["x", "\udfff"]},
+         r"^stop\[1\]: is not valid Unicode: surrogates not allowed at character 0 \('\\udfff'\)$"),
+        ({"prompt": "a", "repetition_penalty": 0.0},
+         r"^repetition_penalty: must be a number in \(0, 2\] \(1 = off\), got 0\.0$"),
+        ({"prompt": "a", "min_p": "0.1"}, r"^min_p: must be a number, got str$"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), REJECT_CASES)
 def test_build_inputs_rejects(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(InvalidRequest, match=message):
         build_inputs(**kwargs)
+
+
+# ----------------------------------------------------------------------------- GenerateRequest
+@pytest.mark.parametrize(("kwargs", "expected"), [case[1:] for case in BUILD_CASES], ids=[c[0] for c in BUILD_CASES])
+def test_generate_request_inputs(kwargs: dict[str, Any], expected: list[tuple[str, str, list[int], list[Any]]]) -> None:
+    request = GenerateRequest(**kwargs)
+    assert tensors(request.inputs()) == expected
+    assert tensors(request.inputs()) == expected  # a request can be sent again
+
+
+@pytest.mark.parametrize(("kwargs", "message"), REJECT_CASES)
+def test_generate_request_rejects_once_at_construction(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(InvalidRequest, match=message):
+        GenerateRequest(**kwargs)
+
+
+def test_request_fields_are_the_dataclass_fields() -> None:
+    # RequestFields (the **fields typing) and GenerateRequest are one list: same names, order and types.
+    fields = [f for f in dataclasses.fields(GenerateRequest) if f.init]
+    assert REQUEST_FIELDS == tuple(f.name for f in fields)
+    assert REQUEST_FIELDS == tuple(RequestFields.__annotations__)
+    hints = get_type_hints(GenerateRequest)
+    assert get_type_hints(RequestFields) == {f.name: hints[f.name] for f in fields}
+    assert RequestFields.__required_keys__ == frozenset()
+    assert REQUEST_FIELDS == ("prompt", "messages", "constraint", "max_tokens", "temperature", "top_p", "top_k",
+                              "seed", "stop", "repetition_penalty", "frequency_penalty", "presence_penalty",
+                              "min_p", "require_complete")
+
+
+def test_build_inputs_takes_the_request_fields() -> None:
+    params = list(inspect.signature(build_inputs).parameters.values())
+    assert [(p.name, p.kind) for p in params] == [("prompt", inspect.Parameter.POSITIONAL_ONLY),
+                                                  ("fields", inspect.Parameter.VAR_KEYWORD)]
+    every: dict[str, Any] = {"constraint": Constraint.regex("[a-z]+"), "max_tokens": 9, "temperature": 0.5,
+                             "top_p": 0.9, "top_k": 3, "seed": 1, "stop": ["\n"], "repetition_penalty": 1.1,
+                             "frequency_penalty": 0.5, "presence_penalty": -0.5, "min_p": 0.1,
+                             "require_complete": False}
+    assert set(every) | {"prompt", "messages"} == set(REQUEST_FIELDS)
+    expected = tensors(GenerateRequest("hi", **every).inputs())
+    assert tensors(build_inputs("hi", **every)) == expected
+    assert tensors(build_inputs(prompt="hi", **every)) == expected
+    assert len(expected) == 13  # every optional tensor is there
+
+
+def test_generate_request_is_frozen_and_replace_checks_again() -> None:
+    request = GenerateRequest("hi", constraint=Constraint.choice(["a", "b"]), max_tokens=4)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        request.max_tokens = 5  # type: ignore[misc]
+    assert (request.kind, GenerateRequest("hi").kind) == ("choice", None)
+    assert dataclasses.replace(request, seed=3) == GenerateRequest("hi", constraint=request.constraint, max_tokens=4,
+                                                                   seed=3)
+    with pytest.raises(InvalidRequest, match=r"^max_tokens: must be in \[1, 2147483647\], got 0$"):
+        dataclasses.replace(request, max_tokens=0)
+    assert "_wire" not in repr(request)
+    assert request.inputs()[0] is not request.inputs()[0]  # fresh tensors per call
+
+
+@pytest.mark.parametrize(
+    ("args", "fields", "expected"),
+    [
+        (("hi",), {}, GenerateRequest(prompt="hi")),
+        ((), {"prompt": "hi", "max_tokens": 3}, GenerateRequest(prompt="hi", max_tokens=3)),
+        ((None,), {"messages": [{"role": "user", "content": "x"}]},
+         GenerateRequest(messages=[{"role": "user", "content": "x"}])),
+        ((GenerateRequest("hi", seed=1),), {}, GenerateRequest("hi", seed=1)),
+        ((GenerateRequest("hi", seed=1),), {"seed": 2, "require_complete": False},
+         GenerateRequest("hi", seed=2, require_complete=False)),
+    ],
+)
+def test_as_request(args: tuple[Any, ...], fields: dict[str, Any], expected: GenerateRequest) -> None:
+    assert as_request(*args, **fields) == expected
+
+
+def test_as_request_keeps_a_ready_request() -> None:
+    request = GenerateRequest("hi")
+    assert as_request(request) is request
+
+
+@pytest.mark.parametrize(
+    ("args", "fields", "error", "message"),
+    [
+        (("hi",), {"prompt": "again"}, TypeError, r"^prompt given twice: positionally and as prompt=$"),
+        (("hi",), {"max_token": 3}, TypeError, r"unexpected keyword argument 'max_token'"),
+        ((GenerateRequest("hi"),), {"top_k": -1}, InvalidRequest, r"^top_k: must be in \[0, 2147483647\], got -1$"),
+        ((5,), {}, InvalidRequest, r"^prompt: must be a string, got int$"),
+    ],
+)
+def test_as_request_rejects(args: tuple[Any, ...], fields: dict[str, Any], error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        as_request(*args, **fields)
 
 
 # ----------------------------------------------------------------------------- RESULT parsing
@@ -538,6 +641,8 @@ def test_client_rejects_bad_settings(kwargs: dict[str, Any], message: str) -> No
 def test_stream_validates_before_any_network_call() -> None:
     with Client(f"127.0.0.1:{_closed_port()}") as llm, pytest.raises(InvalidRequest, match=r"^max_tokens: must be"):
         llm.stream("hi", max_tokens=0)  # raised by the call itself, not on iteration
+    with Client(f"127.0.0.1:{_closed_port()}") as llm, pytest.raises(InvalidRequest, match=r"^seed: must be"):
+        llm.stream(GenerateRequest("hi"), seed=-1)  # fields given beside a request are checked too
 
 
 def test_unreachable_server() -> None:
@@ -548,6 +653,11 @@ def test_unreachable_server() -> None:
         assert info.value.status == "UNAVAILABLE"
         with pytest.raises(ServerUnavailable):
             list(llm.stream("hi"))
+        for request in (GenerateRequest("hi", max_tokens=4), GenerateRequest(messages=[{"role": "user", "content": "hi"}])):
+            with pytest.raises(ServerUnavailable):
+                llm.generate(request)
+            with pytest.raises(ServerUnavailable):
+                list(llm.stream(request))
 
 
 def test_closed_client_refuses_calls() -> None:

@@ -532,7 +532,7 @@ def test_drain_logs_a_gateway_that_cannot_be_asked() -> None:
 )
 def test_launcher_gateway_flags_and_env(argv: list[str], env: dict[str, str], expected: GatewaySecurity,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    from deploy.server import _parse_args, gateway_security
+    from deploy.launch import _parse_args, gateway_security
 
     for name in ("GATEWAY_TLS_CERT", "GATEWAY_TLS_KEY", "GATEWAY_TLS_CLIENT_CA", "GATEWAY_API_KEYS_FILE"):
         monkeypatch.delenv(name, raising=False)
@@ -543,7 +543,7 @@ def test_launcher_gateway_flags_and_env(argv: list[str], env: dict[str, str], ex
 
 def test_launcher_refuses_a_certificate_without_its_key(monkeypatch: pytest.MonkeyPatch,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
-    from deploy.server import main
+    from deploy.launch import main
 
     monkeypatch.delenv("GATEWAY_TLS_KEY", raising=False)
     assert main(["--model-repository", "r", "--tls-cert", "c"]) == 2

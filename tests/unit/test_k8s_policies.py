@@ -393,22 +393,22 @@ def test_rollout_strategy_fits_the_hardware(overlay: str) -> None:
 
 def _stop_budget_s() -> dict[str, float]:
     """The launcher's stop steps after preStop, each at its limit, from deploy/ itself."""
-    from deploy import drain, gateway, server
+    from deploy import drain, gateway, launch
 
     scrape_timeout = inspect.signature(drain.scrape).parameters["timeout_s"].default
     return {
         "drain last scrape": float(scrape_timeout),
         "drain poll": float(inspect.signature(drain.drain).parameters["poll_s"].default),
-        "supervisor join": server.SUPERVISOR_JOIN_S,
+        "supervisor join": launch.SUPERVISOR_JOIN_S,
         "gateway stop": inspect.signature(gateway.Gateway.stop).parameters["grace_s"].default
         + gateway.STOP_JOIN_SLACK_S,
-        "tritonserver stop grace": server._parse_args(["--model-repository", "x"]).stop_grace,
+        "tritonserver stop grace": launch._parse_args(["--model-repository", "x"]).stop_grace,
     }
 
 
 @pytest.mark.parametrize(("overlay", "grace"), [("cpu", 570), ("gpu", 300), ("cpu-store-per-pod", 570)])
 def test_grace_period_covers_the_worst_case_stop(overlay: str, grace: int) -> None:
-    """terminationGracePeriodSeconds >= preStop drain timeout + every stop step of deploy/server.py."""
+    """terminationGracePeriodSeconds >= preStop drain timeout + every stop step of deploy/launch.py."""
     spec = objects(overlay)[("Deployment", NS)]["spec"]["template"]["spec"]
     (container,) = spec["containers"]
     command = container["lifecycle"]["preStop"]["exec"]["command"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -264,3 +265,51 @@ def test_module_entry_point_exits_non_zero(src: Path, tmp_path: Path) -> None:
     )
     assert proc.returncode == 2
     assert proc.stderr.startswith("render: error: llm/config.pbtxt.in: unfilled placeholder(s) ${MODEL_DIR}, ${ENGINE}")
+
+
+_PARAMETER = re.compile(r'^parameters \{ key: "(\w+)" value: \{ string_value: "([^"]*)" \} \}$', re.MULTILINE)
+
+
+def _rendered_parameters(repo: Path, model: str) -> dict[str, str]:
+    return dict(_PARAMETER.findall((repo / model / "config.pbtxt").read_text(encoding="utf-8")))
+
+
+@pytest.fixture(scope="module")
+def shipped(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shipped model repository, rendered with deploy/values.json."""
+    values = {**load_values(REPO_ROOT / "deploy" / "values.json"), "MODEL_DIR": "/models/m"}
+    return render_repository(REPO_ROOT / "model_repository", tmp_path_factory.mktemp("shipped") / "repo", values).dst
+
+
+def test_one_max_tokens_bound_across_the_served_path(shipped: Path) -> None:
+    """The rendered bound == what preprocessing refuses above == what the engine's checks accept."""
+    from contract.errors import InvalidArgument
+    from llm_runtime.model_config import LlmModelConfig
+    from llm_runtime.scheduler import GenerationRequest, SchedulerConfig, check_request
+    from pipeline.preprocess import DEFAULT_MAX_TOKENS_LIMIT, PreprocessConfig, RawRequest, parse_params
+    from triton_support.params import from_parameters
+
+    pre = from_parameters(PreprocessConfig, _rendered_parameters(shipped, "preprocessing"), "preprocessing")
+    llm = from_parameters(LlmModelConfig, _rendered_parameters(shipped, "llm"), "llm")
+    limit = pre.max_tokens_limit
+    assert limit == int(load_values(REPO_ROOT / "deploy" / "values.json")["MAX_TOKENS_LIMIT"]) == DEFAULT_MAX_TOKENS_LIMIT
+    assert parse_params(RawRequest(prompt=b"x", max_tokens=limit), pre)[0].max_tokens == limit
+    with pytest.raises(InvalidArgument, match=rf"^max_tokens: must be in 1\.\.{limit}, got {limit + 1}$"):
+        parse_params(RawRequest(prompt=b"x", max_tokens=limit + 1), pre)
+    # llm has no cap of its own: a one-token prompt with the bound fits its context (torch and TensorRT-LLM alike).
+    checked = check_request(GenerationRequest([0], max_tokens=limit), lambda _: None, SchedulerConfig(),
+                            vocab_size=1, context_len=llm.max_seq_len)
+    assert checked.prompt.tolist() == [0]
+
+
+def test_engine_sizes_render_from_one_value(shipped: Path) -> None:
+    """MAX_BATCH reaches grammar and llm alike; llm's max_seq_len is its config's one default."""
+    from llm_runtime.model_config import LlmModelConfig
+    from triton_support.params import from_parameters
+
+    values = load_values(REPO_ROOT / "deploy" / "values.json")
+    llm = from_parameters(LlmModelConfig, _rendered_parameters(shipped, "llm"), "llm")
+    grammar = _rendered_parameters(shipped, "grammar")
+    assert (llm.max_batch, int(grammar["max_batch"])) == (int(values["MAX_BATCH"]),) * 2
+    assert "max_seq_len" not in _rendered_parameters(shipped, "llm")
+    assert llm.max_seq_len == LlmModelConfig.max_seq_len

@@ -42,6 +42,7 @@ from llm_runtime.scheduler import (
     SchedulerConfig,
     TokenEvent,
 )
+from pipeline.finish import finish_json, read_finish
 from tests.support.tiny_model import TinyModelInfo, build_tiny_llama
 
 TIMEOUT = 60.0
@@ -209,7 +210,7 @@ def provider(compiler: xgr.GrammarCompiler, tiny: TinyModelInfo) -> Iterator[XGr
 
 @pytest.fixture
 def sched(engine: TorchEngine, provider: XGrammarMaskProvider) -> Iterator[Scheduler]:
-    s = Scheduler(engine, provider, SchedulerConfig(max_tokens_cap=256))
+    s = Scheduler(engine, provider, SchedulerConfig())
     yield s
     s.close()
     assert engine.live_count == 0
@@ -326,6 +327,15 @@ def test_stop_string_cuts_the_output(engine: TorchEngine, sched: Scheduler, star
     assert fin.completion_tokens == len(r.token_ids) < 24
 
 
+def test_finish_event_reaches_postprocessing_unchanged(engine: TorchEngine, sched: Scheduler) -> None:
+    # The scheduler's FinishEvent, serialized as the llm model does, is what postprocessing reads back.
+    constraint = {"kind": "regex", "payload": "[a-z]+", "options": ""}
+    c = ConstraintRequest(constraint["kind"], constraint["payload"], constraint["options"])
+    fin = submit(sched, GenerationRequest(prompt(engine, "hello"), constraint=c, max_tokens=3, temperature=0.0)).wait()
+    assert (fin.finish_reason, fin.completion_tokens) == ("length", 3)
+    assert read_finish(finish_json(fin, constraint).encode()) == (fin, constraint)
+
+
 def test_start_error_only_affects_its_request(
     engine: TorchEngine, sched: Scheduler, provider: XGrammarMaskProvider
 ) -> None:
@@ -337,11 +347,11 @@ def test_start_error_only_affects_its_request(
                                            max_tokens=8))
     free = submit(sched, GenerationRequest(prompt(engine, "c"), max_tokens=8, temperature=0.0))
     fin = bad.wait()
-    assert (fin.finish_reason, fin.error_status, fin.completion_tokens, fin.text) == ("error", "INVALID_ARGUMENT", 0, "")
+    assert (fin.finish_reason, fin.status, fin.completion_tokens, fin.text) == ("error", "INVALID_ARGUMENT", 0, "")
     assert fin.error is not None and fin.error.startswith("grammar: ")
     assert fin.error.endswith("Regex parsing error at position 4: The parenthesis is not closed.")
     fin = unsupported.wait()
-    assert (fin.finish_reason, fin.error_status, fin.error) == (
+    assert (fin.finish_reason, fin.status, fin.error) == (
         "error", "INVALID_ARGUMENT", "grammar_type: unsupported kind 'lark'")
     assert good.wait().finish_reason == "stop"
     assert free.wait().finish_reason == "length"
@@ -358,7 +368,7 @@ def test_row_error_only_affects_its_sequence(engine: TorchEngine, compiler: xgr.
         other = submit(s, GenerationRequest(prompt(engine, "y"), constraint=c, max_tokens=40))
         free = submit(s, GenerationRequest(prompt(engine, "z"), max_tokens=10, temperature=0.0))
         fin = victim.wait()
-        assert (fin.finish_reason, fin.error, fin.error_status) == ("error", "injected row failure", "INTERNAL")
+        assert (fin.finish_reason, fin.error, fin.status) == ("error", "injected row failure", "INTERNAL")
         assert fin.completion_tokens == 2  # two tokens were accepted before its third step failed
         fin = other.wait()
         assert fin.finish_reason == "stop" and re.fullmatch("[a-z]{30}", fin.text)
@@ -402,14 +412,14 @@ def test_cancel_frees_the_grammar_sequence(
         assert s.cancel(rid)
         gate.set()
         fin = victim.wait()
-        assert (fin.finish_reason, fin.error_status, fin.error) == ("error", "CANCELLED", "request cancelled")
+        assert (fin.finish_reason, fin.status, fin.error) == ("error", "CANCELLED", "request cancelled")
         assert fin.completion_tokens < 250
         assert not s.cancel(rid)  # no longer in flight
         if provider.start_gate is not None:
             provider.start_gate.set()  # the compile finishes after the cancel: its state is freed then
         if blocker_rid:
             assert s.cancel(blocker_rid)
-            assert blocker.wait().error_status == "CANCELLED"
+            assert blocker.wait().status == "CANCELLED"
         deadline = time.monotonic() + TIMEOUT
         while not provider.ended and time.monotonic() < deadline:
             time.sleep(0.005)
@@ -464,7 +474,7 @@ def test_callback_error_cancels_only_that_request(engine: TorchEngine, sched: Sc
     while sched.live_count and time.monotonic() < deadline:
         time.sleep(0.005)
     fin = calls[-1]
-    assert isinstance(fin, FinishEvent) and fin.error_status == "CANCELLED"
+    assert isinstance(fin, FinishEvent) and fin.status == "CANCELLED"
     assert len(calls) <= 3
     assert "event callback of request" in caplog.text
 
@@ -472,8 +482,11 @@ def test_callback_error_cancels_only_that_request(engine: TorchEngine, sched: Sc
 @pytest.mark.parametrize(
     ("changes", "error", "match"),
     [
-        ({"max_tokens": 0}, RequestError, r"max_tokens: must be an integer in \[1, 256\], got 0"),
-        ({"max_tokens": 257}, RequestError, r"max_tokens: must be an integer in \[1, 256\], got 257"),
+        ({"max_tokens": 0}, RequestError, r"max_tokens: must be a positive integer, got 0"),
+        ({"max_tokens": True}, RequestError, r"max_tokens: must be a positive integer, got True"),
+        # No cap of its own (preprocessing's max_tokens_limit is the bound): only the context limits it.
+        ({"max_tokens": 319}, RequestError,
+         r"max_tokens: prompt \(2 tokens\) \+ max_tokens \(319\) exceed the context length 320"),
         ({"max_tokens": 250, "prompt_token_ids": [5] * 100}, RequestError,
          r"max_tokens: prompt \(100 tokens\) \+ max_tokens \(250\) exceed the context length 320"),
         ({"prompt_token_ids": []}, RequestError, "prompt_token_ids: must not be empty"),
@@ -530,7 +543,7 @@ def test_close_fails_what_is_left(engine: TorchEngine, provider: XGrammarMaskPro
     s.close()
     for r in (compiling, running):
         fin = r.wait()
-        assert (fin.finish_reason, fin.error_status) == ("error", "UNAVAILABLE")
+        assert (fin.finish_reason, fin.status) == ("error", "UNAVAILABLE")
     with pytest.raises(SchedulerClosed, match="the scheduler is closed"):
         s.submit(GenerationRequest([5], max_tokens=4), Result())
     assert engine.live_count == 0

@@ -95,7 +95,7 @@ def test_engine_grammar_modes_are_the_engines_own() -> None:
 )
 def test_trtllm_config_refuses(fields: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        TrtllmConfig(model_dir="m", **fields)  # type: ignore[arg-type]
+        TrtllmConfig(**{"model_dir": "m", "max_batch": 8, "max_seq_len": 1024, **fields})  # type: ignore[arg-type]
 
 
 @pytest.mark.skipif(HAVE_TRTLLM, reason="tensorrt_llm is installed here")
@@ -106,18 +106,20 @@ def test_tensorrt_llm_is_refused_with_the_reason_where_it_is_missing(tmp_path: P
 
 
 SCHEMA = '{"type":"object","properties":{"a":{"type":"integer"}}}'
+#: Native mode cuts the output at max_tokens: what every on_budget does there.
+TRUNCATE = '{"on_budget": "truncate"}'
 
 
 @pytest.mark.parametrize(
     ("kind", "payload", "options", "expected"),
     [
-        ("json_schema", SCHEMA, "", {"json": SCHEMA}),
-        ("json_object", "", "", {"json": "{\"type\":\"object\"}"}),
-        ("regex", "[a-z]+", "", {"regex": "[a-z]+"}),
-        ("ebnf", 'root ::= "x"', "", {"grammar": 'root ::= "x"'}),
-        ("choice", '["a b", "c\\"d"]', "", {"grammar": 'root ::= "a b" | "c\\"d"'}),
-        # Decoding policies are ours; native mode ignores them rather than refusing.
-        ("regex", "x", '{"on_budget": "truncate"}', {"regex": "x"}),
+        ("json_schema", SCHEMA, TRUNCATE, {"json": SCHEMA}),
+        ("json_object", "", TRUNCATE, {"json": "{\"type\":\"object\"}"}),
+        ("regex", "[a-z]+", TRUNCATE, {"regex": "[a-z]+"}),
+        ("ebnf", 'root ::= "x"', TRUNCATE, {"grammar": 'root ::= "x"'}),
+        ("choice", '["a b", "c\\"d"]', TRUNCATE, {"grammar": 'root ::= "a b" | "c\\"d"'}),
+        # The other decoding policies are ours; native mode does not refuse them.
+        ("regex", "x", '{"on_budget": "truncate", "on_repeat": "continue"}', {"regex": "x"}),
     ],
 )
 def test_native_guided_kwargs(kind: str, payload: str, options: str, expected: dict[str, object]) -> None:
@@ -126,14 +128,14 @@ def test_native_guided_kwargs(kind: str, payload: str, options: str, expected: d
 
 def test_native_guided_structural_tag() -> None:
     tag = {"type": "structural_tag", "format": {"type": "const_string", "value": "hi"}}
-    out = native_guided_kwargs(ConstraintRequest("structural_tag", json.dumps(tag), ""))
+    out = native_guided_kwargs(ConstraintRequest("structural_tag", json.dumps(tag), TRUNCATE))
     assert json.loads(out["structural_tag"]) == tag
 
 
 @pytest.mark.parametrize(
     ("kind", "payload", "options", "field"),
     [
-        ("lark", 'start: "x"', "", "grammar_type"),
+        ("lark", 'start: "x"', TRUNCATE, "grammar_type"),
         ("json_schema", SCHEMA, '{"whitespace": "any"}', "options"),
         ("json_schema", SCHEMA, '{"strict": true}', "options"),
         ("json_object", "", '{"indent": 2}', "options"),
@@ -142,6 +144,12 @@ def test_native_guided_structural_tag() -> None:
 def test_native_refuses_what_it_cannot_express(kind: str, payload: str, options: str, field: str) -> None:
     with pytest.raises(InvalidArgument, match=f"^{field}: .*native grammar mode"):
         native_guided_kwargs(ConstraintRequest(kind, payload, options))
+
+
+@pytest.mark.parametrize("options", ["", '{"on_budget": "close"}', TRUNCATE])
+def test_native_serves_every_on_budget_as_truncate(options: str) -> None:
+    """TensorRT-LLM's decoder cannot close before max_tokens: the default ``close`` is served (as truncate), as documented."""
+    assert native_guided_kwargs(ConstraintRequest("regex", "x", options)) == {"regex": "x"}
 
 
 @pytest.mark.parametrize(
@@ -194,7 +202,7 @@ def test_torch_sampler_refuses_penalties_by_name(field: str) -> None:
 
 def test_sampler_type_checked() -> None:
     with pytest.raises(ConfigError, match="sampler_type"):
-        TrtllmConfig(model_dir="m", sampler_type="auto")
+        TrtllmConfig(model_dir="m", max_batch=8, max_seq_len=1024, sampler_type="auto")
 
 
 @pytest.mark.parametrize(
@@ -259,7 +267,7 @@ def test_trtllm_engine_decodes_a_schema_through_the_grammar_decoder() -> None:
     ("kwargs", "guided"),
     [
         (trtllm_sampling_kwargs(16, 0.0, 0, 1.0, None, {7, 3}), {"regex": GrammarRows.guide(2**64 - 1)}),
-        (trtllm_sampling_kwargs(8, 0.7, 40, 0.9, 5, {2}), native_guided_kwargs(ConstraintRequest("json_schema", SCHEMA, ""))),
+        (trtllm_sampling_kwargs(8, 0.7, 40, 0.9, 5, {2}), native_guided_kwargs(ConstraintRequest("json_schema", SCHEMA, TRUNCATE))),
     ],
     ids=["processor", "native"],
 )

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import xgrammar as xgr
 
+from contract.finish import FinishEvent
 from grammar_backend.bitmask import allowed_tokens
 from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
 from grammar_backend.fidelity import UnenforcedKeyword
@@ -17,7 +18,6 @@ from grammar_backend.llg import LlgBackend
 from grammar_backend.llg import unenforced_keywords as llg_unenforced
 from grammar_backend.spec import parse_constraint
 from grammar_backend.values import ValueRules, ValueScanner, rules_for
-from pipeline.finish import FinalState
 from pipeline.postprocess import build_result
 
 QWEN_VOCAB = 151_936
@@ -183,7 +183,7 @@ def test_rules_are_cached_and_only_for_json() -> None:
 
 
 def test_result_reports_the_retries() -> None:
-    result = build_result(FinalState("stop", "[1]", 1, 4, value_retries=3, value_dropped_tokens=9), None)
+    result = build_result(FinishEvent("stop", "[1]", 1, 4, value_retries=3, value_dropped_tokens=9), None)
     assert (result["value_retries"], result["value_dropped_tokens"]) == (3, 9)
 
 

@@ -17,9 +17,10 @@ Outputs (streamed; the last response carries the FINAL flag)
     TEXT_DELTA  BYTES [1]   UTF-8 text of the tokens since the previous response (the first
                             goes out at once, then one at most every stream_interval_ms:
                             llm_runtime.streaming; the last one carries what is left)
-    FINISH      BYTES [1]   "" until the last response; then a JSON object {finish_reason, text,
-                            prompt_tokens, completion_tokens, error, status, close_reason,
-                            stop_string, constraint} (the
+    FINISH      BYTES [1]   "" until the last response; then a JSON object: the generator's
+                            contract.finish.FinishEvent {finish_reason, text, prompt_tokens,
+                            completion_tokens, error, status, close_reason, stop_string, backend,
+                            value_retries, value_dropped_tokens} plus constraint (the
                             constraint rides on the last response only, so postprocessing can
                             validate without a copy of the schema on every streamed token)
 
@@ -41,12 +42,13 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from contract.errors import InvalidArgument, ServingError
+from contract.finish import FinishEvent
 from llm_runtime.errors import CANCELLED
 from llm_runtime.mask import ConstraintRequest
 from llm_runtime.model_config import LlmModelConfig, bls_generator
-from llm_runtime.scheduler import FinishEvent, GenerationRequest, TokenEvent
+from llm_runtime.scheduler import GenerationRequest, TokenEvent
 from llm_runtime.streaming import DeltaCoalescer, Outbox
-from pipeline.finish import FinalState, finish_json
+from pipeline.finish import finish_json
 from pipeline.preprocess import GenerationParams
 from triton_support.metrics import TritonMetrics
 from triton_support.params import from_parameters, parameter_values
@@ -111,16 +113,13 @@ class _Stream:
             if text is not None:
                 self.outbox.put(functools.partial(self._send_delta, text))
             return
-        if event.error_status == CANCELLED:
+        if event.status == CANCELLED:
             # Cancelled through CANCEL: the client has left, an empty final response ends the request.
             self.outbox.put(self._send_cancelled)
             return
-        final = FinalState(event.finish_reason, event.text, event.prompt_tokens, event.completion_tokens,
-                           event.error, event.error_status, event.close_reason, event.stop_string, event.backend,
-                           event.value_retries, event.value_dropped_tokens)
-        self.finish(final)
+        self.finish(event)
 
-    def finish(self, final: FinalState) -> None:
+    def finish(self, final: FinishEvent) -> None:
         """Queue the last response (with any text not sent yet)."""
         self.outbox.put(functools.partial(self._send_final, final, self.coalescer.take()))
 
@@ -142,7 +141,7 @@ class _Stream:
     def _send_cancelled(self) -> None:
         self._send(None, pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
-    def _send_final(self, final: FinalState, text: str) -> None:
+    def _send_final(self, final: FinishEvent, text: str) -> None:
         # Errors are data in FINISH (pipeline.postprocess), never an error response.
         finish = finish_json(final, self.constraint)
         self._send(pb_utils.InferenceResponse(output_tensors=[
@@ -190,10 +189,10 @@ class TritonPythonModel:
                 stream.constraint, gen_request = _to_request(request)
                 stream.rid = self.scheduler.submit(gen_request, stream)
             except ServingError as err:
-                stream.finish(FinalState.rejected(err))
+                stream.finish(FinishEvent.rejected(err))
             except Exception as err:  # noqa: BLE001 - a bug: INTERNAL as data, never an error response
                 pb_utils.Logger.log_error(f"llm: request failed: {err!r}")
-                stream.finish(FinalState.rejected(err))
+                stream.finish(FinishEvent.rejected(err))
 
     def finalize(self) -> None:
         # One line per process lifetime: the per-step figures the benchmarks read.
