@@ -4,6 +4,13 @@ Triton hands a Python model its parameters as
 ``{"name": {"string_value": "..."}}``.  Every field of the target dataclass
 may be set; a parameter that names no field, a value left as an unrendered
 ``${PLACEHOLDER}``, or a value of the wrong type fails model loading loudly.
+
+Written here rather than with pydantic (which the project pins): every value
+arrives as a string, so pydantic would have to run in lax mode, and its lax
+``bool`` takes ``yes``/``on``/``t`` and its lax ``int`` takes ``"1.0"``;
+the placeholder check, the unknown-name message that lists the known names
+and the ``str | None`` from an empty string would still be ours.  The target
+configs stay plain frozen dataclasses that the engines use without this module.
 """
 
 from __future__ import annotations
