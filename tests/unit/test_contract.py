@@ -3,12 +3,15 @@
 Every option of every constraint kind and every sampling field, at its bounds
 and just past them, goes through the client (``Constraint``, ``build_inputs``)
 and through the server (``parse_constraint``, preprocessing's
-``parse_params``): both accept, or both refuse naming the same field.
+``parse_params``) and gets the table's verdict from each: accepted, or
+refused with the exact message (the same field on both sides), so a check
+that stops refusing fails here, not only one that the two sides disagree on.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -36,71 +39,125 @@ PAYLOADS = {
     "structural_tag": '{"triggers":["<f"],"tags":[{"begin":"<f>","schema":{"type":"object"},"end":"</f>"}]}',
 }
 
-OPTION_CASES: list[tuple[str, Any]] = [
-    ("strict", True), ("strict", False), ("strict", "yes"), ("strict", 1),
-    ("any_order", True), ("any_order", None),
-    ("whitespace", "compact"), ("whitespace", "any"), ("whitespace", "tabs"), ("whitespace", 0),
-    ("whitespace", contract.MAX_WHITESPACE_RUN), ("whitespace", contract.MAX_WHITESPACE_RUN + 1),
-    ("whitespace", -1), ("whitespace", True),
-    ("indent", None), ("indent", 0), ("indent", contract.MAX_INDENT), ("indent", contract.MAX_INDENT + 1),
-    ("indent", -1), ("indent", 1.5),
-    ("on_budget", "close"), ("on_budget", "truncate"), ("on_budget", "stop"),
-    ("on_repeat", "close"), ("on_repeat", "continue"), ("on_repeat", None),
-    ("jump_forward", True), ("jump_forward", False), ("jump_forward", "on"), ("jump_forward", 0),
-    ("backend", "auto"), ("backend", "xgrammar"), ("backend", "llguidance"), ("backend", "outlines"),
-    ("value_retries", 0), ("value_retries", contract.MAX_VALUE_RETRIES), ("value_retries", contract.MAX_VALUE_RETRIES + 1),
-    ("value_retries", -1), ("value_retries", True), ("value_retries", 2.0),
-    ("colour", "red"),
+#: Accepted by the JSON kinds; any other kind refuses it as ``"grammar_options.<name>: only applies to
+#: json_schema and json_object, not <kind>"`` (a JSON option at a value other than its default).
+JSON_ONLY = "json only"
+_WS = 'grammar_options.whitespace: must be "compact", "any" or an integer 0..64, got '
+_UNKNOWN = ("grammar_options.colour: unknown option; expected one of strict, whitespace, indent, any_order, "
+            "on_budget, on_repeat, backend, jump_forward, value_retries")
+
+# (option, value, verdict): None = every kind accepts it, JSON_ONLY, or the exact message every kind refuses it with.
+OPTION_CASES: list[tuple[str, Any, str | None]] = [
+    ("strict", True, JSON_ONLY), ("strict", False, None),
+    ("strict", "yes", "grammar_options.strict: must be a boolean, got 'yes'"),
+    ("strict", 1, "grammar_options.strict: must be a boolean, got 1"),
+    ("any_order", True, JSON_ONLY), ("any_order", None, "grammar_options.any_order: must be a boolean, got None"),
+    ("whitespace", "compact", None), ("whitespace", "any", JSON_ONLY), ("whitespace", "tabs", _WS + "'tabs'"),
+    ("whitespace", 0, JSON_ONLY), ("whitespace", contract.MAX_WHITESPACE_RUN, JSON_ONLY),
+    ("whitespace", contract.MAX_WHITESPACE_RUN + 1, _WS + "65"), ("whitespace", -1, _WS + "-1"),
+    ("whitespace", True, _WS + "True"),
+    ("indent", None, None), ("indent", 0, JSON_ONLY), ("indent", contract.MAX_INDENT, JSON_ONLY),
+    ("indent", contract.MAX_INDENT + 1, "grammar_options.indent: must be null or an integer 0..16, got 17"),
+    ("indent", -1, "grammar_options.indent: must be null or an integer 0..16, got -1"),
+    ("indent", 1.5, "grammar_options.indent: must be null or an integer 0..16, got 1.5"),
+    ("on_budget", "close", None), ("on_budget", "truncate", None),
+    ("on_budget", "stop", "grammar_options.on_budget: must be one of 'close', 'truncate', got 'stop'"),
+    ("on_repeat", "close", None), ("on_repeat", "continue", None),
+    ("on_repeat", None, "grammar_options.on_repeat: must be one of 'close', 'continue', got None"),
+    ("jump_forward", True, None), ("jump_forward", False, None),
+    ("jump_forward", "on", "grammar_options.jump_forward: must be a boolean, got 'on'"),
+    ("jump_forward", 0, "grammar_options.jump_forward: must be a boolean, got 0"),
+    ("backend", "auto", None), ("backend", "xgrammar", None), ("backend", "llguidance", None),
+    ("backend", "outlines",
+     "grammar_options.backend: must be one of 'auto', 'xgrammar', 'llguidance', got 'outlines'"),
+    ("value_retries", 0, JSON_ONLY), ("value_retries", contract.MAX_VALUE_RETRIES, JSON_ONLY),
+    ("value_retries", contract.MAX_VALUE_RETRIES + 1, "grammar_options.value_retries: must be an integer 0..64, got 65"),
+    ("value_retries", -1, "grammar_options.value_retries: must be an integer 0..64, got -1"),
+    ("value_retries", True, "grammar_options.value_retries: must be an integer 0..64, got True"),
+    ("value_retries", 2.0, "grammar_options.value_retries: must be an integer 0..64, got 2.0"),
+    ("colour", "red", _UNKNOWN),
 ]
 
 
-def _field_or_ok(call: Any, errors: tuple[type[Exception], ...]) -> str:
+def _message_or_none(call: Any, errors: tuple[type[Exception], ...]) -> str | None:
+    """The message of the error ``call`` raises (one of ``errors``), or ``None`` when it accepts."""
     try:
         call()
     except errors as err:
-        return str(err).split(":", 1)[0]
-    return "ok"
+        return str(err)
+    return None
 
 
 @pytest.mark.parametrize("kind", contract.CONSTRAINT_KINDS)
-@pytest.mark.parametrize(("name", "value"), OPTION_CASES)
-def test_client_and_server_agree_on_every_option(kind: str, name: str, value: Any) -> None:
+@pytest.mark.parametrize(("name", "value", "verdict"), OPTION_CASES,
+                         ids=[f"{name}={value!r}" for name, value, _ in OPTION_CASES])
+def test_client_and_server_give_every_option_its_verdict(kind: str, name: str, value: Any, verdict: str | None) -> None:
     options = {name: value}
-    client = _field_or_ok(lambda: Constraint(kind, PAYLOADS[kind], options), (InvalidConstraint,))
-    server = _field_or_ok(lambda: spec.parse_constraint(kind, PAYLOADS[kind], options), (ConstraintError,))
-    assert client == server, (kind, options)
+    expected = verdict
+    if verdict is JSON_ONLY:
+        expected = None if kind in contract.JSON_OPTION_KINDS else (
+            f"grammar_options.{name}: only applies to json_schema and json_object, not {kind}")
+    client = _message_or_none(lambda: Constraint(kind, PAYLOADS[kind], options), (InvalidConstraint,))
+    server = _message_or_none(lambda: spec.parse_constraint(kind, PAYLOADS[kind], options), (ConstraintError,))
+    assert (client, server) == (expected, expected), (kind, options)
 
 
 def test_the_option_table_covers_every_option() -> None:
-    assert {name for name, _ in OPTION_CASES} == {*contract.OPTION_NAMES, "colour"}
+    assert {name for name, _, _ in OPTION_CASES} == {*contract.OPTION_NAMES, "colour"}
 
 
 def test_json_options_apply_to_the_json_kinds_only() -> None:
     for kind in contract.CONSTRAINT_KINDS:
-        outcome = _field_or_ok(lambda k=kind: spec.parse_constraint(k, PAYLOADS[k], {"strict": True}), (ConstraintError,))
-        assert (outcome == "ok") == (kind in contract.JSON_OPTION_KINDS), kind
+        outcome = _message_or_none(lambda k=kind: spec.parse_constraint(k, PAYLOADS[k], {"strict": True}),
+                                   (ConstraintError,))
+        assert (outcome is None) == (kind in contract.JSON_OPTION_KINDS), kind
 
 
-SAMPLING_CASES: list[dict[str, Any]] = [
-    {"temperature": 0.0}, {"temperature": contract.MAX_TEMPERATURE}, {"temperature": contract.MAX_TEMPERATURE + 0.5},
-    {"temperature": -0.1}, {"temperature": float("nan")},
-    {"top_p": 1.0}, {"top_p": 0.01}, {"top_p": 0.0}, {"top_p": 1.01},
-    {"top_k": 0}, {"top_k": 1}, {"top_k": contract.MAX_TOP_K}, {"top_k": -1},
-    {"seed": 0}, {"seed": contract.SEED_LIMIT - 1},
-    {"stop": ["a"] * contract.MAX_STOP_STRINGS}, {"stop": ["a"] * (contract.MAX_STOP_STRINGS + 1)},
-    {"stop": ["x" * contract.MAX_STOP_CHARS]}, {"stop": ["x" * (contract.MAX_STOP_CHARS + 1)]}, {"stop": [""]},
+def _same(fields: dict[str, Any], message: str) -> tuple[dict[str, Any], str | None, str | None]:
+    """A sampling case both sides refuse with the same message."""
+    return fields, message, message
+
+
+# (fields, the server's verdict, the client's): None = accepted, else the exact message.  The two differ in
+# reason, never in field, where the SDK checks first on its own (finite, an integer in range, non-empty).
+SAMPLING_CASES: list[tuple[dict[str, Any], str | None, str | None]] = [
+    ({"temperature": 0.0}, None, None), ({"temperature": contract.MAX_TEMPERATURE}, None, None),
+    _same({"temperature": contract.MAX_TEMPERATURE + 0.5}, "temperature: must be a number in 0..2, got 2.5"),
+    _same({"temperature": -0.1}, "temperature: must be a number in 0..2, got -0.1"),
+    ({"temperature": float("nan")}, "temperature: must be a number in 0..2, got nan", "temperature: must be finite, got nan"),
+    ({"top_p": 1.0}, None, None), ({"top_p": 0.01}, None, None),
+    _same({"top_p": 0.0}, "top_p: must be a number in (0, 1], got 0.0"),
+    _same({"top_p": 1.01}, "top_p: must be a number in (0, 1], got 1.01"),
+    ({"top_k": 0}, None, None), ({"top_k": 1}, None, None), ({"top_k": contract.MAX_TOP_K}, None, None),
+    ({"top_k": -1}, "top_k: must be an integer in 0..2147483647 (0 = off), got -1",
+     "top_k: must be in [0, 2147483647], got -1"),
+    ({"seed": 0}, None, None), ({"seed": contract.SEED_LIMIT - 1}, None, None),
+    ({"stop": ["a"] * contract.MAX_STOP_STRINGS}, None, None),
+    _same({"stop": ["a"] * (contract.MAX_STOP_STRINGS + 1)}, "stop: at most 8 stop strings, got 9"),
+    ({"stop": ["x" * contract.MAX_STOP_CHARS]}, None, None),
+    _same({"stop": ["x" * (contract.MAX_STOP_CHARS + 1)]}, "stop[0]: is 257 characters; at most 256"),
+    ({"stop": [""]}, "stop[0]: must be a non-empty string", "stop[0]: must not be empty"),
 ]
 
 
-@pytest.mark.parametrize("fields", SAMPLING_CASES, ids=lambda f: ",".join(f"{k}={str(v)[:12]}" for k, v in f.items()))
-def test_client_and_server_agree_on_sampling(fields: dict[str, Any]) -> None:
-    client = _field_or_ok(lambda: build_inputs("hi", **fields), (InvalidRequest,))
+def _sampling_id(value: dict[str, Any] | str | None) -> str:
+    """A sampling case's id: its fields, then each verdict as ``ok`` or ``refused`` (not the whole message)."""
+    if isinstance(value, dict):
+        return ",".join(f"{k}={str(v)[:12]}" for k, v in value.items())
+    return "ok" if value is None else "refused"
+
+
+@pytest.mark.parametrize(("fields", "server_verdict", "client_verdict"), SAMPLING_CASES,
+                         ids=_sampling_id)
+def test_client_and_server_give_every_sampling_field_its_verdict(
+        fields: dict[str, Any], server_verdict: str | None, client_verdict: str | None) -> None:
+    client = _message_or_none(lambda: build_inputs("hi", **fields), (InvalidRequest,))
     raw = RawRequest(prompt=b"hi", temperature=fields.get("temperature"), top_p=fields.get("top_p"),
                      top_k=fields.get("top_k"), seed=fields.get("seed"),
                      stop=tuple(s.encode() for s in fields.get("stop", ())),
                      **{name: fields.get(name) for name in contract.PENALTY_FIELDS})
-    server = _field_or_ok(lambda: parse_params(raw, PreprocessConfig(tokenizer="unused")), (InvalidArgument,))
-    assert client == server, fields
+    server = _message_or_none(lambda: parse_params(raw, PreprocessConfig(tokenizer="unused")), (InvalidArgument,))
+    assert (client, server) == (client_verdict, server_verdict), fields
 
 
 # Each penalty field at its edges: (fields, the contract's verdict: None = accepted, else the exact message).
@@ -121,7 +178,15 @@ PENALTY_CASES: list[tuple[dict[str, Any], str | None]] = [
     ({"min_p": -0.1}, "min_p: must be a number in 0..1 (0 = off), got -0.1"),
     ({"min_p": 1.5}, "min_p: must be a number in 0..1 (0 = off), got 1.5"),
 ]
-SAMPLING_CASES.extend(fields for fields, _ in PENALTY_CASES)
+
+
+def _sdk_verdict(fields: dict[str, Any], message: str | None) -> str | None:
+    """The SDK's verdict on one penalty field: it refuses inf and nan itself, before the contract's range check."""
+    ((name, value),) = fields.items()
+    return f"{name}: must be finite, got {value}" if message is not None and not math.isfinite(value) else message
+
+
+SAMPLING_CASES.extend((fields, message, _sdk_verdict(fields, message)) for fields, message in PENALTY_CASES)
 
 
 @pytest.mark.parametrize(("fields", "message"), PENALTY_CASES, ids=[str(f) for f, _ in PENALTY_CASES])

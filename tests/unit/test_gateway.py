@@ -1,14 +1,18 @@
 """The gateway's configuration, the tritonserver restrictions it relies on, and its own checks over
-real gRPC (keys, per-key limits, message bounds, health, drain, TLS); the forwarded traffic is tested
-against a real tritonserver in tests/integration/test_abuse.py and test_gateway_tls.py."""
+real gRPC (keys, per-key limits, message bounds, health, drain, TLS; against an in-process gRPC upstream:
+request-id renaming, the in-flight cap, the refusal of the internal models); the forwarded traffic is
+tested against a real tritonserver in tests/integration/test_abuse.py and test_gateway_tls.py."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import queue
+import re
+import threading
 import time
 from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -56,12 +60,23 @@ def test_config_rejects(fields: dict[str, object], match: str) -> None:
         GatewayConfig(**{**base, **fields})  # type: ignore[arg-type]
 
 
+def _restricted(flag: str, option: str) -> tuple[set[str], str]:
+    """The API groups and the ``header=value`` of one tritonserver restriction flag (``--<option>=<apis>:<h>=<v>``)."""
+    name, _, value = flag.partition("=")
+    assert name == f"--{option}"
+    apis, _, header = value.partition(":")
+    return set(apis.split(",")), header
+
+
 def test_restrictions_cover_inference_and_control_but_not_health() -> None:
     grpc_flag, http_flag = restriction_args(SECRET)
-    apis = "inference,model-repository,shared-memory,trace,logging,statistics,model-config"
-    assert grpc_flag == f"--grpc-restricted-protocol={apis}:{SECRET_HEADER}={SECRET}"
-    assert http_flag == f"--http-restricted-api={apis}:{SECRET_HEADER}={SECRET}"
-    assert "health" not in apis and "metadata" not in apis
+    restricted = {"inference", "model-repository", "shared-memory", "trace", "logging", "statistics", "model-config"}
+    # Read back from the flags themselves: health and metadata stay open (the launcher's readiness loop and
+    # probes have no secret); every other group tritonserver can restrict needs the header.
+    for flag, option in ((grpc_flag, "grpc-restricted-protocol"), (http_flag, "http-restricted-api")):
+        apis, header = _restricted(flag, option)
+        assert (apis, header) == (restricted, f"{SECRET_HEADER}={SECRET}")
+        assert not apis & {"health", "metadata"}
     # Triton 2.51 reads the gRPC key with this prefix (measured: "expecting header 'triton-grpc-protocol-...'").
     assert GRPC_SECRET_METADATA == f"triton-grpc-protocol-{SECRET_HEADER}"
 
@@ -447,6 +462,166 @@ def test_oversize_message_is_refused_and_the_gateway_stays_up(keyed: tuple[Gatew
     received = int(next(line.split()[1] for line in text.splitlines() if line.startswith("gateway_received_bytes")))
     sent = int(next(line.split()[1] for line in text.splitlines() if line.startswith("gateway_sent_bytes")))
     assert received == small.ByteSize() and sent == responses[0].ByteSize()
+
+
+# ---------------------------------------------------------------------- forwarding (a real gRPC upstream)
+# The part under test is the gateway, so its upstream is an in-process gRPC server that implements the two
+# GRPCInferenceService methods the gateway calls for a stream (ModelConfig, ModelStreamInfer): it records
+# every request and its metadata as received, and answers each with one FINAL response that echoes the id it
+# saw, after ``release`` is set (cleared: requests stay in flight).
+
+PUBLIC = "constrained_llm"
+INTERNAL_MODELS = ("grammar", "llm", "preprocessing", "postprocessing")
+
+
+class _Upstream:
+    """A KServe GRPCInferenceService on a free loopback port: ModelConfig and a decoupled ModelStreamInfer."""
+
+    def __init__(self) -> None:
+        self.seen: queue.SimpleQueue[tuple[pb.ModelInferRequest, dict[str, str]]] = queue.SimpleQueue()
+        self.release = threading.Event()
+        self.release.set()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        handlers = {
+            "ModelConfig": grpc.unary_unary_rpc_method_handler(
+                self._model_config, request_deserializer=pb.ModelConfigRequest.FromString,
+                response_serializer=pb.ModelConfigResponse.SerializeToString),
+            "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(
+                self._stream, request_deserializer=pb.ModelInferRequest.FromString,
+                response_serializer=pb.ModelStreamInferResponse.SerializeToString),
+        }
+        self.server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, handlers)])
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    def _model_config(self, request: pb.ModelConfigRequest, context: grpc.ServicerContext) -> pb.ModelConfigResponse:
+        from tritonclient.grpc.model_config_pb2 import DataType, ModelConfig, ModelInput
+
+        return pb.ModelConfigResponse(config=ModelConfig(name=request.name, input=[
+            ModelInput(name="TEXT", data_type=DataType.TYPE_STRING, dims=[1])]))
+
+    def _stream(self, requests: Iterator[pb.ModelInferRequest],
+                context: grpc.ServicerContext) -> Iterator[pb.ModelStreamInferResponse]:
+        metadata = dict(context.invocation_metadata())
+        out: queue.SimpleQueue[pb.ModelStreamInferResponse | None] = queue.SimpleQueue()
+
+        def answer(request: pb.ModelInferRequest) -> None:
+            self.release.wait(30)
+            response = pb.ModelStreamInferResponse()
+            infer = response.infer_response
+            infer.model_name, infer.id = request.model_name, request.id
+            infer.outputs.add(name="SEEN_ID", datatype="BYTES", shape=[1])
+            infer.raw_output_contents.append(len(request.id).to_bytes(4, "little") + request.id.encode())
+            infer.parameters["triton_final_response"].bool_param = True
+            out.put(response)
+
+        def read() -> None:
+            answering = []
+            for request in requests:
+                self.seen.put((request, metadata))
+                answering.append(threading.Thread(target=answer, args=(request,)))
+                answering[-1].start()
+            for thread in answering:
+                thread.join()
+            out.put(None)
+
+        threading.Thread(target=read, daemon=True).start()
+        yield from iter(out.get, None)
+
+    def stop(self) -> None:
+        self.release.set()
+        self.server.stop(0)
+
+
+@pytest.fixture
+def forwarding() -> Iterator[tuple[Gateway, _Upstream]]:
+    upstream = _Upstream()
+    gateway = Gateway(GatewayConfig(upstream=f"127.0.0.1:{upstream.port}", secret=SECRET, max_in_flight_per_stream=2))
+    gateway.start()
+    try:
+        yield gateway, upstream
+    finally:
+        gateway.stop()
+        upstream.stop()
+
+
+def _infer(request_id: str, model: str = PUBLIC) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name=model, id=request_id)
+    request.inputs.add(name="TEXT", datatype="BYTES", shape=[1])
+    request.raw_input_contents.append(len(b"hi").to_bytes(4, "little") + b"hi")
+    return request
+
+
+def _seen_id(response: pb.ModelStreamInferResponse) -> str:
+    """The request id the upstream received, as it echoed it (one BYTES element: 4-byte length + bytes)."""
+    raw = response.infer_response.raw_output_contents[0]
+    return raw[4:4 + int.from_bytes(raw[:4], "little")].decode()
+
+
+def test_request_ids_are_renamed_upstream_and_restored_for_the_client(forwarding: tuple[Gateway, _Upstream]) -> None:
+    gateway, upstream = forwarding
+    with grpc.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+        stream = _OpenStream(channel, ())
+        for _ in range(2):  # a client may reuse its own id (two requests in flight as "req-1")
+            stream.send(_infer("req-1"))
+        assert stream.close() == grpc.StatusCode.OK
+    seen = [upstream.seen.get(timeout=5) for _ in range(2)]
+    internal = [request.id for request, _ in seen]
+    assert all(re.fullmatch(r"[0-9a-f]{32}", rid) for rid in internal), internal  # 128 random bits
+    assert len(set(internal)) == 2 and "req-1" not in internal
+    # The gateway holds the secret and presents it upstream; the client never sent it.
+    assert [metadata.get(GRPC_SECRET_METADATA) for _, metadata in seen] == [SECRET] * 2
+    responses = stream.responses
+    assert [r.infer_response.id for r in responses] == ["req-1", "req-1"]
+    assert {_seen_id(r) for r in responses} == set(internal)  # each answer is the renamed request's
+    assert all(r.error_message == "" for r in responses)
+    # The client asked for no empty FINAL response, so the gateway's own FINAL marker is taken off again.
+    assert all("triton_final_response" not in r.infer_response.parameters for r in responses)
+
+
+def test_requests_beyond_the_in_flight_cap_are_refused_in_band(forwarding: tuple[Gateway, _Upstream]) -> None:
+    gateway, upstream = forwarding
+    upstream.release.clear()  # the upstream holds every answer: both first requests stay in flight
+    with grpc.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+        stream = _OpenStream(channel, ())
+        for rid in ("a", "b", "c"):
+            stream.send(_infer(rid))
+        refusal = next(stream.call)
+        assert refusal.error_message == "RESOURCE_EXHAUSTED: 2 requests already in flight on this stream (limit 2)"
+        assert (refusal.infer_response.id, refusal.infer_response.model_name) == ("c", PUBLIC)
+        held = [upstream.seen.get(timeout=5)[0].id for _ in range(2)]  # a and b, renamed, in flight upstream
+        assert len(held) == 2 and not set(held) & {"a", "b", "c"}
+        assert upstream.seen.empty()  # the refused request never reached the upstream
+        upstream.release.set()
+        answered = [next(stream.call), next(stream.call)]
+        assert sorted(r.infer_response.id for r in answered) == ["a", "b"]
+        stream.send(_infer("d"))  # the cap counts requests in flight, not requests sent: a slot is free again
+        assert stream.close() == grpc.StatusCode.OK
+    assert [r.infer_response.id for r in stream.responses] == ["d"]
+    assert stream.responses[0].error_message == ""
+    assert 'gateway_refusals_total{code="RESOURCE_EXHAUSTED"} 1\n' in gateway.metrics_text()
+
+
+@pytest.mark.parametrize("model", INTERNAL_MODELS)
+def test_each_internal_model_is_refused_by_name(forwarding: tuple[Gateway, _Upstream], model: str) -> None:
+    gateway, upstream = forwarding
+    with grpc.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+        stream = _OpenStream(channel, ())
+        stream.send(_infer("x", model))
+        stream.send(_infer("y"))  # the stream goes on: the refusal is in-band, for that request only
+        assert stream.close() == grpc.StatusCode.OK
+        with pytest.raises(grpc.RpcError) as info:
+            channel.unary_unary(f"/{SERVICE}/ModelConfig", request_serializer=pb.ModelConfigRequest.SerializeToString,
+                                response_deserializer=pb.ModelConfigResponse.FromString)(
+                pb.ModelConfigRequest(name=model), timeout=10)
+    refusal, answer = stream.responses
+    assert refusal.error_message == f"PERMISSION_DENIED: model {model!r} is not served to clients; call {PUBLIC}"
+    assert (refusal.infer_response.id, refusal.infer_response.model_name) == ("x", model)
+    assert (answer.infer_response.id, answer.error_message) == ("y", "")
+    assert (info.value.code(), info.value.details()) == (
+        grpc.StatusCode.PERMISSION_DENIED, f"model {model!r} is not served to clients")
+    assert [upstream.seen.get(timeout=5)[0].model_name] == [PUBLIC] and upstream.seen.empty()
+    assert 'gateway_refusals_total{code="PERMISSION_DENIED"} 2\n' in gateway.metrics_text()
 
 
 @pytest.mark.skipif(openssl_missing(), reason="no openssl binary to make a test CA")

@@ -306,4 +306,14 @@ def test_scheduler_snapshots_show_the_present(tmp_path: Path) -> None:
     last = snaps[-1]
     assert (last["llm_live_requests"], last["llm_batch_size"], last["llm_waiting_requests"]) == (0, 0, 0)
     assert last["llm_steps_total"] == last["llm_step_seconds_count"] >= 40
-    assert json.dumps(last)  # plain numbers
+    assert 0.0 < last["llm_step_seconds_sum"] < 60.0
+    # Every other unlabelled series reads exactly 0 once idle: nothing was constrained, so no grammar round trip.
+    timed = {"llm_steps_total", "llm_step_seconds_sum", "llm_step_seconds_count"}
+    assert {name: v for name, v in last.items() if name not in timed} == {
+        "llm_live_requests": 0.0, "llm_batch_size": 0.0, "llm_waiting_requests": 0.0, "llm_constrained_sequences": 0.0,
+        "llm_grammar_roundtrip_seconds_sum": 0.0, "llm_grammar_roundtrip_seconds_count": 0.0,
+        "llm_mask_wait_seconds_sum": 0.0, "llm_mask_wait_seconds_count": 0.0,
+    }
+    # Plain finite floats (no numpy scalars, no nan): JSON gives back exactly what went in.
+    assert {type(v) for v in last.values()} == {float}
+    assert json.loads(json.dumps(last, allow_nan=False)) == last
