@@ -427,6 +427,9 @@ class Closer:
     @staticmethod
     def accepts(matcher: Matcher, tokens: tuple[int, ...]) -> bool:
         """Whether ``tokens`` are accepted and leave the grammar complete; the matcher is left as it was."""
+        completes = getattr(matcher, "completes", None)
+        if completes is not None:  # llguidance: one native call (LlgMatcher.completes)
+            return bool(completes(tokens))
         done = 0
         try:
             for token in tokens:

@@ -172,6 +172,32 @@ class BlsMaskProvider:
             raise RemoteGrammarError(f"{self._model}: start answered without BACKEND", INTERNAL)
         return bytes(backend.as_numpy().reshape(-1)[0]).decode()
 
+    def send_step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray,
+                  jump_forward: bool = False) -> _ChannelPending | None:
+        """Send the step over the grammar channel; ``None`` where it goes over BLS (no channel or mask
+        buffer yet): :meth:`step` then makes the whole call.
+
+        Raises
+        ------
+        RemoteGrammarError
+            The channel failed as the step was sent (the next calls ask for it again).
+        """
+        rows = len(seq_ids)
+        buffer = self._buffer if self._buffer is not None and rows <= self._buffer.array.shape[0] else None
+        if buffer is None:
+            return None
+        if self._channel is None or self._channel.closed:
+            self._channel = self._connect(buffer.name)
+        channel = self._channel
+        if channel is None:
+            return None
+        try:
+            channel.send_step(seq_ids, tokens, counts, jump_forward)
+        except RemoteGrammarError as err:
+            self._channel_failed(channel, err)
+            raise
+        return _ChannelPending(self, channel, buffer, rows)
+
     def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray,
              jump_forward: bool = False) -> MaskStep:
         """Accept each row's new tokens and return the masks of the next tokens.
@@ -179,13 +205,12 @@ class BlsMaskProvider:
         With a mask buffer the returned bitmask is a view of it: valid until
         the next step (the decode loop consumes it before asking again).
         """
+        pending = self.send_step(seq_ids, tokens, counts, jump_forward)
+        if pending is not None:
+            return pending.result()[0]
         pb = self._pb
         rows = len(seq_ids)
         buffer = self._buffer if self._buffer is not None and rows <= self._buffer.array.shape[0] else None
-        if buffer is not None and (self._channel is None or self._channel.closed):
-            self._channel = self._connect(buffer.name)
-        if buffer is not None and self._channel is not None:
-            return self._channel_step(self._channel, buffer, seq_ids, tokens, counts, jump_forward)
         inputs = [
             self._op(b"step"),
             pb.Tensor("SEQUENCE_ID", np.ascontiguousarray(seq_ids, np.uint64)),
@@ -226,31 +251,13 @@ class BlsMaskProvider:
             hold=output("HOLD"),
         )
 
-    def _channel_step(self, channel: ChannelClient, buffer: MaskBuffer, seq_ids: np.ndarray,
-                      tokens: np.ndarray, counts: np.ndarray, jump_forward: bool) -> MaskStep:
-        try:
-            reply = channel.step(seq_ids, tokens, counts, jump_forward)
-        except RemoteGrammarError as err:
-            if channel.closed:
-                # The channel is gone (the grammar stub died or the two sides
-                # disagree): this step's rows fail with the error, as over BLS,
-                # and the next calls ask for the channel again.
-                _log.error("%s; the next calls ask for the channel again", err)
-                self._forget_path()
-            raise
-        rows = len(seq_ids)
-        return MaskStep(
-            bitmask=buffer.array[:rows],
-            terminated=reply.terminated,
-            errors=tuple(e or None for e in reply.row_errors) or (None,) * rows,
-            closing=reply.closing,
-            forced_tokens=reply.forced_tokens,
-            forced_counts=reply.forced_counts,
-            forced_safe=reply.forced_safe,
-            dropped=reply.dropped,
-            hold=reply.hold,
-            grammar_s=reply.seconds,
-        )
+    def _channel_failed(self, channel: ChannelClient, err: RemoteGrammarError) -> None:
+        if channel.closed:
+            # The channel is gone (the grammar stub died or the two sides
+            # disagree): this step's rows fail with the error, as over BLS,
+            # and the next calls ask for the channel again.
+            _log.error("%s; the next calls ask for the channel again", err)
+            self._forget_path()
 
     def _channel_path(self) -> str | None:
         """The grammar channel's socket, asked for over BLS (None: not available now)."""
@@ -340,3 +347,36 @@ class BlsMaskProvider:
             [self._op(b"end"), self._pb.Tensor("SEQUENCE_ID", np.array(list(seq_ids), np.uint64))],
             _CONTROL_OUTPUTS,
         )
+
+
+class _ChannelPending:
+    """A step sent over the grammar channel (:meth:`BlsMaskProvider.send_step`), answered by :meth:`result`."""
+
+    __slots__ = ("_buffer", "_channel", "_provider", "_rows")
+
+    def __init__(self, provider: BlsMaskProvider, channel: ChannelClient, buffer: MaskBuffer, rows: int) -> None:
+        self._provider = provider
+        self._channel = channel
+        self._buffer = buffer
+        self._rows = rows
+
+    def result(self) -> tuple[MaskStep, float]:
+        """The grammar model's answer (the bitmask a view of the mask buffer) and the round trip."""
+        try:
+            reply, round_trip = self._channel.receive_step()
+        except RemoteGrammarError as err:
+            self._provider._channel_failed(self._channel, err)
+            raise
+        rows = self._rows
+        return MaskStep(
+            bitmask=self._buffer.array[:rows],
+            terminated=reply.terminated,
+            errors=tuple(e or None for e in reply.row_errors) or (None,) * rows,
+            closing=reply.closing,
+            forced_tokens=reply.forced_tokens,
+            forced_counts=reply.forced_counts,
+            forced_safe=reply.forced_safe,
+            dropped=reply.dropped,
+            hold=reply.hold,
+            grammar_s=reply.seconds,
+        ), round_trip

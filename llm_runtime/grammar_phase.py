@@ -6,10 +6,13 @@ a row that joins or is fed again after a drop), issues it, times it and
 hands back the answer.  The two modes differ only in *when* the request
 runs:
 
-* ``overlap`` (the default): :meth:`GrammarPhase.launch` submits it to a
-  worker thread before the forward, :meth:`GrammarPhase.collect` waits for
-  it after; the mask of step ``t`` depends only on tokens up to ``t - 1``,
-  as the forward does, so the two run side by side;
+* ``overlap`` (the default): :meth:`GrammarPhase.launch` sends it before
+  the forward, :meth:`GrammarPhase.collect` takes the answer after; the
+  mask of step ``t`` depends only on tokens up to ``t - 1``, as the forward
+  does, so the two run side by side.  A provider that can send a step and
+  answer it later (:class:`~llm_runtime.mask.StepSender`: the grammar
+  channel) is called on the loop's thread; another is called on a worker
+  thread;
 * ``processor``: the request runs in :meth:`GrammarPhase.collect`, after the
   forward, as an engine's logits processor would call it.
 
@@ -42,7 +45,7 @@ from typing import Final, Protocol
 import numpy as np
 
 from .errors import config_error
-from .mask import MaskProvider, MaskStep
+from .mask import MaskProvider, MaskStep, PendingStep, StepSender
 
 __all__ = ["GrammarPhase", "JumpPolicy", "PhaseRow"]
 
@@ -146,7 +149,8 @@ class GrammarPhase:
         Why the last request failed (an exception, or a malformed answer).
     wait_s, call_s, grammar_s : float
         Seconds the loop waited for the answer after its forward (all of the
-        call in processor mode), the call itself, and the part of it the
+        call in processor mode), the call itself (a sent step's: until its
+        answer arrived, :meth:`PendingStep.result`), and the part of it the
         grammar side reported as its own work (NaN where not reported).
     requests : int
         Grammar requests issued.
@@ -160,8 +164,10 @@ class GrammarPhase:
         self._ids = np.zeros(max_rows, dtype=np.uint64)
         self._tokens = np.zeros((max_rows, max(1, max_jump_tokens)), dtype=np.int32)
         self._counts = np.zeros(max_rows, dtype=np.int32)
+        self._sender: StepSender | None = provider if overlap and isinstance(provider, StepSender) else None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="llm-grammar-step") if overlap else None
         self._future: Future[tuple[MaskStep, float]] | None = None
+        self._sent: PendingStep | BaseException | None = None  # sent over a StepSender, or why not
         self._pending: tuple[int, int] | None = None  # processor mode: (rows, token width) to run at collect
         self._rows = 0
         self.step: MaskStep | None = None
@@ -188,11 +194,19 @@ class GrammarPhase:
         self.step, self.error = None, None
         self.wait_s = self.call_s = self.grammar_s = math.nan
         self.requests += 1
-        self._rows = len(rows)
+        self._rows = n = len(rows)
+        if self._sender is not None:
+            try:
+                self._sent = self._sender.send_step(self._ids[:n], self._tokens[:n, :width], self._counts[:n],
+                                                    jump_forward=self._jump_forward)
+            except Exception as err:  # noqa: BLE001 -- reported by collect, as a failed answer
+                self._sent = err
+            if self._sent is not None:
+                return
         if self._pool is not None:
-            self._future = self._pool.submit(self._call, len(rows), width)
+            self._future = self._pool.submit(self._call, n, width)
         else:
-            self._pending = (len(rows), width)
+            self._pending = (n, width)
 
     def collect(self, width: int) -> None:
         """Get the answer (overlap: wait for it; processor: run the request now) and check its shape.
@@ -203,7 +217,12 @@ class GrammarPhase:
         """
         t0 = time.perf_counter()
         try:
-            if self._future is not None:
+            if self._sent is not None:
+                sent, self._sent = self._sent, None
+                if isinstance(sent, BaseException):
+                    raise sent
+                self.step, self.call_s = sent.result()
+            elif self._future is not None:
                 future, self._future = self._future, None
                 self.step, self.call_s = future.result()
             elif self._pending is not None:

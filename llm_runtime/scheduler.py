@@ -6,7 +6,8 @@ step ``t`` the loop
 
 1. launches the grammar step (the tokens sampled at ``t-1`` for every constrained
    row, or an empty list for a row that joins now) through its
-   :class:`~llm_runtime.grammar_phase.GrammarPhase`, on a worker thread,
+   :class:`~llm_runtime.grammar_phase.GrammarPhase` (sent over the grammar
+   channel, or on a worker thread for an in-process provider),
 2. runs ONE batched forward for the rows already in the engine, plus ONE prefill
    forward for all the rows that join now (left-padded), while the grammar step runs,
 3. waits for the mask (the wait AFTER the forward is what the overlap did not
@@ -66,7 +67,7 @@ import torch
 import contract
 from contract import CLOSE_STATE_REASONS, CloseState
 from contract.finish import FinishEvent, FinishReason
-from triton_support.metrics import LatencyWindow, Snapshot
+from triton_support.metrics import PUBLISH_MIN_GAP_S, LatencyWindow, Snapshot
 
 from .detok import IncrementalDetokenizer, special_token_ids
 from .errors import (
@@ -136,11 +137,20 @@ class SchedulerConfig:
         How long the idle loop sleeps between checks (submit/cancel wake it at once).
     start_threads : int
         Most threads waiting on ``MaskProvider.start`` at once (created on demand).
+    start_wait_s : float
+        How long a step may wait for the grammar starts of the constrained
+        requests that arrived since the last step (at most half the last
+        step's time).  A start with a cached grammar takes about 0.3 ms over
+        the grammar channel; without the wait it ended during the step and
+        its request joined the batch one step after an unconstrained one
+        would have (a step of TTFT: 50-100 ms for SmolLM2 under load).  A
+        start that is still compiling joins a later step.  0: no wait.
     stats_capacity : int
         Steps kept in the per-step counters (a ring buffer).
     metrics_interval_s : float
         Most seconds between two metric snapshots while requests run (a gauge
-        change publishes at once).
+        change publishes sooner, once ``triton_support.metrics.PUBLISH_MIN_GAP_S``
+        has passed since the last one).
     grammar_mode : str
         ``"overlap"`` (default): the grammar step of step ``t`` runs on a worker
         thread while the forward of step ``t`` runs.  ``"processor"``: after the
@@ -168,6 +178,7 @@ class SchedulerConfig:
     max_queued: int = 1024
     idle_wait_s: float = 0.05
     start_threads: int = 64
+    start_wait_s: float = 0.005
     stats_capacity: int = 65536
     grammar_mode: str = "overlap"
     metrics_interval_s: float = 1.0
@@ -198,6 +209,9 @@ class SchedulerConfig:
         wait = self.idle_wait_s
         if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not 0 < wait <= 10:
             raise config_error("scheduler.idle_wait_s", f"must be in (0, 10] seconds, got {wait!r}")
+        sw = self.start_wait_s
+        if isinstance(sw, bool) or not isinstance(sw, (int, float)) or not 0 <= sw <= 1:
+            raise config_error("scheduler.start_wait_s", f"must be in [0, 1] seconds, got {sw!r}")
 
 
 @dataclass(frozen=True)
@@ -474,7 +488,8 @@ class Scheduler:
         Limits and knobs.
     on_metrics : callable, optional
         Receives a :class:`triton_support.metrics.Snapshot` of the ``llm``
-        metrics on the loop thread, when a gauge changed or every
+        metrics on the loop thread, when a gauge changed (at most once per
+        ``triton_support.metrics.PUBLISH_MIN_GAP_S``) or every
         ``metrics_interval_s`` while requests run.
 
     Raises
@@ -523,6 +538,8 @@ class Scheduler:
         self._closing = False
 
         self._starting: dict[str, _Seq] = {}
+        self._fresh: set[str] = set()  # starts submitted at the last boundary, not yet returned (guarded by _lock)
+        self._last_step_s = 0.0
         self._ready: deque[_Seq] = deque()
         self._active: list[_Seq] = []
         self._stats = _Stats(cfg.stats_capacity)
@@ -733,6 +750,7 @@ class Scheduler:
                     return
                 self._boundary(inbox, cancels, started)
                 if self._active:
+                    self._await_starts()
                     self._step()
                 self._publish_metrics()
             except Exception as err:  # noqa: BLE001 -- a loop bug: fail every request in flight, keep serving
@@ -741,6 +759,10 @@ class Scheduler:
 
     def _boundary(self, inbox: list[_Seq], cancels: list[str], started: list[tuple[_Seq, BaseException | None]]) -> None:
         ends: list[int] = []
+        if inbox:
+            fresh = {seq.rid for seq in inbox if seq.constraint is not None}
+            with self._lock:  # before the starts are submitted: each removes its own id when it returns
+                self._fresh = fresh
         for seq in inbox:
             if seq.constraint is None:
                 self._ready.append(seq)
@@ -773,6 +795,21 @@ class Scheduler:
             self._active.append(self._ready.popleft())
         self._end(ends)
 
+    def _await_starts(self) -> None:
+        """Give the starts submitted at this boundary a moment to finish, so their requests join this step."""
+        with self._cond:
+            fresh = self._fresh
+            if not fresh:
+                return
+            wait = min(self._cfg.start_wait_s, self._last_step_s / 2)
+            if wait > 0 and len(self._active) < self._max_batch:
+                self._cond.wait_for(lambda: not fresh, wait)
+            self._fresh = set()
+            started = list(self._started_q)
+            self._started_q.clear()
+        if started:
+            self._boundary([], [], started)
+
     def _run_start(self, seq: _Seq, constraint: ConstraintRequest) -> None:
         err: BaseException | None = None
         try:
@@ -783,6 +820,7 @@ class Scheduler:
                 _log.exception("MaskProvider.start failed for request %s", seq.rid)
         with self._cond:
             self._started_q.append((seq, err))
+            self._fresh.discard(seq.rid)
             self._cond.notify()
 
     def _step(self) -> None:
@@ -905,6 +943,7 @@ class Scheduler:
     def _record(self, t_step: float, fwd_s: float, phase: GrammarPhase | None, b: int, c: int, joined: int,
                 outputs: int, jumped: int) -> float:
         step_s = time.perf_counter() - t_step
+        self._last_step_s = step_s
         self._lat_step.add(step_s)
         self._stats.record(step_s, fwd_s, phase, b, c, joined, outputs, jumped)
         return step_s
@@ -927,14 +966,15 @@ class Scheduler:
             return
         sel: list[int] = []
         masked: list[int] = []
+        rows = mstep.rows()
         for j, i in enumerate(constrained):
             s = order[i]
             s.refeed = False
             if s.finished:
                 continue
-            s.close_state = mstep.close_state(j)
-            s.held = mstep.held(j)
-            kind = mstep.row_kind(j)
+            s.close_state = rows.close[j]
+            s.held = rows.held[j]
+            kind = rows.kind[j]
             if kind == ROW_ERROR:
                 # The grammar side reports row errors as text only; after
                 # admission they are server-side failures.
@@ -947,8 +987,9 @@ class Scheduler:
                 sel.append(j)
                 masked.append(i)
                 # Room for the stop token stays: a jump never ends the output at max_tokens.
-                s.jump = mstep.forced(j, min(self._cfg.max_jump_tokens, s.max_tokens - s.generated - 1))
-                s.jump_safe = mstep.forced_safe_of(j)
+                s.jump = mstep.forced(j, min(self._cfg.max_jump_tokens, s.max_tokens - s.generated - 1),
+                                      rows.forced[j]) if rows.forced[j] >= 2 else ()
+                s.jump_safe = rows.forced_safe[j]
         self._fit_jumps(order)
         if masked:
             self._bitmask_np[masked] = mstep.bitmask[sel]
@@ -1063,8 +1104,10 @@ class Scheduler:
         gauges = (live, len(active), len(self._starting) + len(self._ready),
                   sum(1 for s in active if s.constraint is not None))
         now = time.monotonic()
-        if gauges == self._gauges_published and (
-            now - self._published_at < self._cfg.metrics_interval_s or not active
+        since = now - self._published_at
+        # Never within the gap (a moved gauge waits it out: the loop comes back within idle_wait_s).
+        if since < PUBLISH_MIN_GAP_S or (
+            gauges == self._gauges_published and (since < self._cfg.metrics_interval_s or not active)
         ):
             return
         snap = Snapshot()

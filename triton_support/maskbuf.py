@@ -68,7 +68,10 @@ class MaskBuffer:
     def __init__(self, path: Path, rows: int, vocab_size: int) -> None:
         self.path = path
         self.name = path.name
-        self.array = np.memmap(path, dtype=np.int32, mode="r+", shape=(rows, bitmask_width(vocab_size)))
+        # A plain ndarray over the mapping (it keeps the memmap alive as its base): np.memmap's
+        # Python-level __getitem__ and __array_finalize__ cost each step's slices 1-2 us more.
+        self.array: np.ndarray = np.memmap(path, dtype=np.int32, mode="r+",
+                                           shape=(rows, bitmask_width(vocab_size))).view(np.ndarray)
 
     @classmethod
     def create(cls, rows: int, vocab_size: int, directory: Path = SHM_DIR) -> MaskBuffer:
@@ -114,7 +117,7 @@ class Attached:
     def __init__(self, width: int, capacity: int = 64, directory: Path = SHM_DIR) -> None:
         self.width = width
         self.directory = directory
-        self._open: Lru[str, np.memmap] = Lru(capacity)
+        self._open: Lru[str, np.ndarray] = Lru(capacity)
 
     def rows(self, name: str, count: int) -> np.ndarray:
         """Rows ``0..count`` of the buffer ``name``, to copy a step's mask into.
@@ -132,7 +135,7 @@ class Attached:
             raise ConstraintError("BITMASK_BUFFER", f"{name} holds {buf.shape[0]} rows, the step has {count}")
         return buf[:count]
 
-    def _attach(self, name: str) -> np.memmap:
+    def _attach(self, name: str) -> np.ndarray:
         if NAME_RE.fullmatch(name) is None:
             raise ConstraintError("BITMASK_BUFFER", f"{name!r} is not a mask buffer name")
         path = self.directory / name
@@ -141,7 +144,7 @@ class Attached:
             row_bytes = self.width * 4
             if size < row_bytes or size % row_bytes:
                 raise ConstraintError("BITMASK_BUFFER", f"{name} is {size} bytes, not whole rows of {row_bytes}")
-            buf = np.memmap(path, dtype=np.int32, mode="r+", shape=(size // row_bytes, self.width))
+            buf = np.memmap(path, dtype=np.int32, mode="r+", shape=(size // row_bytes, self.width)).view(np.ndarray)
         except OSError as err:
             raise ConstraintError("BITMASK_BUFFER", f"cannot open {name}: {err.strerror}") from err
         return self._open.put(name, buf)

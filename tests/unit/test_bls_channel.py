@@ -9,6 +9,8 @@ channel goes away and its return to it are checked step by step.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -147,4 +149,39 @@ def test_calls_go_over_bls_while_the_channel_is_gone_and_come_back(channel_servi
         assert pb.ops == ["step", "channel"] and provider.channel_open  # asked again, and back on the channel
         provider.end([1])
     finally:
+        provider.close()
+
+
+def test_overlap_sends_over_the_channel_from_the_loops_thread(channel_service: GrammarService) -> None:
+    """GrammarPhase sends each step over the channel as it launches it and takes the answer at collect:
+    no worker thread; the first step (over BLS, to learn the mask width) runs on the worker thread."""
+    from llm_runtime.grammar_phase import GrammarPhase
+
+    pb = FakePb(channel_service)
+    provider = BlsMaskProvider(pb, max_rows=4)  # type: ignore[arg-type]
+    phase = GrammarPhase(provider, max_rows=4, max_jump_tokens=0, overlap=True)
+
+    class Row:
+        def __init__(self, token: int) -> None:
+            self.seq_id, self.jump, self.refeed = 1, (), False
+            self.in_engine, self.last_token = token >= 0, token
+
+    width = (TINY_VOCAB_SIZE + 31) // 32
+    try:
+        provider.start(1, REGEX)
+        phase.launch([Row(-1)])
+        phase.collect(width)
+        assert pb.ops == ["channel", "step"] and phase.step is not None  # the start's channel, then a BLS step
+        for token in (ord("a"), ord("b")):
+            served = channel_service.step_latency.count
+            phase.launch([Row(token)])
+            while channel_service.step_latency.count == served:  # answered before collect is called
+                time.sleep(0.001)
+            phase.collect(width)
+            assert phase.error is None and phase.step is not None and 0 < phase.call_s <= phase.wait_s + 1
+        assert pb.ops == ["channel", "step"] and provider.channel_open  # no more BLS
+        assert [t.name for t in threading.enumerate()].count("llm-grammar-step_0") == 1  # the BLS step's, once
+        provider.end([1])
+    finally:
+        phase.close()
         provider.close()

@@ -233,3 +233,47 @@ def test_steps_and_ends_of_two_callers_never_overlap(channel_service: GrammarSer
     finally:
         for b in bufs:
             b.close()
+
+
+def test_a_step_sent_now_is_received_later(channel_service: GrammarService, buffer: MaskBuffer) -> None:
+    """send_step returns at once; the grammar model answers while the caller does other work (its forward);
+    the round trip counts until the reply arrived (the kernel's stamp), not until receive_step was called."""
+    client = ChannelClient(_path(channel_service), buffer.name)
+    _start(client, 1)
+    ids, tokens, counts = np.array([1], np.uint64), np.zeros((1, 1), np.int32), np.zeros(1, np.int32)
+    served = channel_service.step_latency.count
+    t0 = time.monotonic()
+    client.send_step(ids, tokens, counts, False)
+    while channel_service.step_latency.count == served:  # answered with no receive_step yet
+        time.sleep(0.001)
+    time.sleep(0.5)
+    reply, round_trip = client.receive_step()
+    waited = time.monotonic() - t0
+    assert reply.terminated.tolist() == [False] and reply.active == 1
+    assert 0 < round_trip < waited - 0.4
+    client.end([1])
+
+
+@pytest.mark.parametrize(
+    ("calls", "match"),
+    [
+        (("send", "send"), r"a step is already in flight"),
+        (("receive",), r"no step is in flight"),
+        (("send", "end"), r"a step is in flight"),
+    ],
+)
+def test_one_step_in_flight_at_a_time(channel_service: GrammarService, buffer: MaskBuffer, calls: tuple[str, ...],
+                                      match: str) -> None:
+    client = ChannelClient(_path(channel_service), buffer.name)
+    _start(client, 1)
+    ids, tokens, counts = np.array([1], np.uint64), np.zeros((1, 1), np.int32), np.zeros(1, np.int32)
+    ops = {"send": lambda: client.send_step(ids, tokens, counts, False), "receive": client.receive_step,
+           "end": lambda: client.end([1])}
+    for op in calls[:-1]:
+        ops[op]()
+    with pytest.raises(RemoteGrammarError, match=match) as info:
+        ops[calls[-1]]()
+    assert info.value.status == "INTERNAL" and not client.closed
+    if calls[0] == "send":
+        assert client.receive_step()[0].active == 1  # the step in flight is still answered
+    client.end([1])

@@ -14,7 +14,7 @@ from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
 from grammar_backend.spec import parse_constraint
 from llm_runtime.grammar_phase import GrammarPhase
 from llm_runtime.local_mask import LocalMaskProvider
-from llm_runtime.mask import ROW_ERROR, ROW_MASK, ROW_STOP, MaskStep
+from llm_runtime.mask import ROW_DROP, ROW_ERROR, ROW_MASK, ROW_STOP, MaskStep
 from tests.unit.conftest import TINY_STOP, TINY_VOCAB_SIZE, tiny_encode
 
 WIDTH = (TINY_VOCAB_SIZE + 31) // 32
@@ -125,3 +125,33 @@ def test_a_failed_or_malformed_answer_is_the_steps_error(provider: Recording, ov
         assert phase.step is None and error == "bitmask must be int32 [1, 10], got int32 (2, 10)"
     finally:
         phase.close()
+
+
+def _i32(*values: int) -> np.ndarray:
+    return np.array(values, np.int32)
+
+
+@pytest.mark.parametrize(
+    "step",
+    [
+        MaskStep(np.zeros((3, WIDTH), np.int32), np.array([False, True, False]), (None, None, "bad row")),
+        MaskStep(np.zeros((4, WIDTH), np.int32), np.array([True, False, False, False]), (None,) * 4,
+                 closing=np.array([1, 0, 2, 0], np.int8), dropped=_i32(3, 2, 0, 0), hold=_i32(0, 1, 4, 0),
+                 forced_tokens=np.array([[5, 6, 7], [8, 0, 0], [0, 0, 0], [9, 10, 0]], np.int32),
+                 forced_counts=_i32(3, 1, 0, 2), forced_safe=_i32(2, 0, 0, 1)),
+        MaskStep(np.zeros((0, WIDTH), np.int32), np.zeros(0, bool), ()),
+    ],
+    ids=["errors-and-stops", "every-column", "empty"],
+)
+def test_rows_read_what_the_row_methods_read(step: MaskStep) -> None:
+    """The decode loop reads a step's rows at once (MaskStep.rows); each entry is the per-row reading."""
+    n = len(step.errors)
+    rows = step.rows()
+    assert rows.kind == [step.row_kind(j) for j in range(n)]
+    assert rows.close == [step.close_state(j) for j in range(n)]
+    assert rows.held == [step.held(j) for j in range(n)]
+    assert rows.forced_safe == [step.forced_safe_of(j) for j in range(n)]
+    assert [step.forced(j, 16, rows.forced[j]) for j in range(n)] == [step.forced(j, 16) for j in range(n)]
+    if n == 4:
+        assert rows.kind == [ROW_STOP, ROW_DROP, ROW_MASK, ROW_MASK]
+        assert [step.forced(j, 2) for j in range(n)] == [(5, 6), (), (), (9, 10)]

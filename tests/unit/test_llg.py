@@ -361,3 +361,55 @@ def test_a_broken_grammar_is_the_clients_error_on_every_backend(engine: GrammarE
         engine.start(16, parse_constraint(kind, payload, {"backend": backend}))
     assert info.value.field == "grammar"
     assert 16 not in engine.table
+
+
+@pytest.mark.parametrize(
+    ("prefix", "tail", "expected"),
+    [
+        ('{"city":"Paris","unit":"', 'celsius"}', True),  # accepted, and the object is complete
+        ('{"city":"Paris","unit":"', 'celsius"', False),  # accepted, still open
+        ('{"city":"Paris","unit":"', "kelvin\"}", False),  # not in the enum: rejected at its first token
+        ('{"city":"Paris","unit":"celsius"}', "", True),  # nothing more: complete as it is
+        ('{"city":"Paris"', "", False),
+    ],
+)
+def test_completes_is_the_closers_token_loop_in_one_call(engine: GrammarEngine, qwen_tokenizer: Any, prefix: str,
+                                                          tail: str, expected: bool) -> None:
+    """LlgMatcher.completes answers what accepting the tail token by token, then asking is_completed, answers,
+    and leaves the matcher where it was (its next mask unchanged)."""
+    from grammar_backend.closing import Closer
+    from grammar_backend.llg import LlgMatcher
+
+    spec = parse_constraint("json_schema", json.dumps(load_schema("tool_weather")), {"backend": "llguidance"})
+    engine.start(41, spec)
+    try:
+        matcher = engine.table.get(41).matcher
+        assert isinstance(matcher, LlgMatcher)
+        for token in qwen_tokenizer.encode(prefix, add_special_tokens=False):
+            assert matcher.accept_token(token)
+        ids = tuple(qwen_tokenizer.encode(tail, add_special_tokens=False))
+        before = np.zeros((1, (QWEN_VOCAB + 31) // 32), np.int32)
+        matcher.fill_next_token_bitmask(before, 0)
+        slow = Closer.accepts(_TokenByToken(matcher), ids)
+        assert matcher.completes(ids) is expected and slow is expected
+        after = np.zeros_like(before)
+        matcher.fill_next_token_bitmask(after, 0)
+        assert np.array_equal(before, after)
+    finally:
+        engine.end([41])
+
+
+class _TokenByToken:
+    """A matcher seen without its ``completes`` (Closer.accepts then accepts and rolls back token by token)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def accept_token(self, token: int) -> bool:
+        return bool(self._inner.accept_token(token))
+
+    def rollback(self, steps: int) -> None:
+        self._inner.rollback(steps)
+
+    def is_completed(self) -> bool:
+        return bool(self._inner.is_completed())

@@ -5,15 +5,19 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from triton_support.metrics import (
     METRICS,
+    PUBLISH_MIN_GAP_S,
     QUANTILES,
     LatencyWindow,
+    MetricsPump,
     Publisher,
     Snapshot,
     TritonMetrics,
@@ -270,8 +274,11 @@ def test_scheduler_snapshots_show_the_present(tmp_path: Path) -> None:
     snaps: list[dict[str, float]] = []
     lock = threading.Lock()
 
+    published: list[float] = []
+
     def on_metrics(snap: Snapshot) -> None:
         with lock:
+            published.append(time.monotonic())
             snaps.append({name: v for (name, labels), v in snap.values.items() if not labels})
 
     done = threading.Semaphore(0)
@@ -301,6 +308,8 @@ def test_scheduler_snapshots_show_the_present(tmp_path: Path) -> None:
     # Equal-work figures: steps at the full batch of 3 free rows, none constrained.
     assert summary["steps_b3_free"] >= 30 and summary["step_s_p50_b3_free"] > 0
     assert "step_s_p50_b3_constrained" not in summary
+    # Publications keep the gap (their snapshots take a few microseconds after the loop's clock read).
+    assert min(np.diff(published)) >= PUBLISH_MIN_GAP_S - 0.01
     assert max(s["llm_live_requests"] for s in snaps) == 3
     assert max(s["llm_batch_size"] for s in snaps) == 3
     last = snaps[-1]
@@ -317,3 +326,50 @@ def test_scheduler_snapshots_show_the_present(tmp_path: Path) -> None:
     # Plain finite floats (no numpy scalars, no nan): JSON gives back exactly what went in.
     assert {type(v) for v in last.values()} == {float}
     assert json.loads(json.dumps(last, allow_nan=False)) == last
+
+
+def test_the_pump_publishes_a_burst_of_changes_once_and_each_interval() -> None:
+    """MetricsPump: changed() costs an event; bursts publish once per gap; with no change, once per interval."""
+    metrics = TritonMetrics(_Pb, "grammar")  # type: ignore[arg-type]
+    taken: list[float] = []
+    published = threading.Semaphore(0)
+
+    def snapshot() -> Snapshot:
+        taken.append(time.monotonic())
+        published.release()
+        return Snapshot({("grammar_active_sequences", ()): float(len(taken))})
+
+    pump = MetricsPump(metrics, snapshot, interval_s=30.0, min_gap_s=0.2)
+    try:
+        for _ in range(100):  # a burst of starts and ends
+            pump.changed()
+        assert published.acquire(timeout=30)
+        for _ in range(100):  # within the gap: one more publication after it, not a hundred
+            pump.changed()
+        assert published.acquire(timeout=30)
+        assert len(taken) == 2 and taken[1] - taken[0] >= 0.2
+        assert metrics._series[("grammar_active_sequences", ())].value == 2.0
+    finally:
+        pump.close()
+    assert not pump._thread.is_alive()
+    pump.changed()  # after close: no publication
+    assert not published.acquire(timeout=0.3) and len(taken) == 2
+    metrics.close()
+
+
+def test_the_pump_publishes_each_interval_without_a_change() -> None:
+    metrics = TritonMetrics(_Pb, "grammar")  # type: ignore[arg-type]
+    published = threading.Semaphore(0)
+
+    def snapshot() -> Snapshot:
+        published.release()
+        return Snapshot({("grammar_active_sequences", ()): 0.0})
+
+    pump = MetricsPump(metrics, snapshot, interval_s=0.05, min_gap_s=0.01)
+    try:
+        for _ in range(3):  # nobody calls changed()
+            assert published.acquire(timeout=30)
+    finally:
+        pump.close()
+    metrics.close()
+

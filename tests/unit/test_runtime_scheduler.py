@@ -440,6 +440,45 @@ def test_compile_never_stalls_the_batch(engine: TorchEngine, sched: Scheduler, p
     assert (fin.finish_reason, fin.text) == ("stop", "ok")
 
 
+class SlowSteps(XGrammarMaskProvider):
+    """The real provider, with steps as slow as a large model's (the wait for starts is bounded by half a step)."""
+
+    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray,
+             jump_forward: bool = False) -> MaskStep:
+        time.sleep(0.2)
+        return super().step(seq_ids, tokens, counts)
+
+
+@pytest.mark.parametrize(("start_wait_s", "gated", "joins"), [
+    (1.0, False, [2]),  # the cached start ends within the wait: both requests join the same step
+    (0.0, False, [1, 1]),  # no wait: the constrained one joins a step later
+    (1.0, True, [1, 1]),  # a start still running does not hold the step past the wait (half a step)
+], ids=["waited", "no-wait", "compiling"])
+def test_a_fast_start_joins_the_step_its_request_arrived_for(engine: TorchEngine, compiler: xgr.GrammarCompiler,
+                                                             tiny: TinyModelInfo, start_wait_s: float, gated: bool,
+                                                             joins: list[int]) -> None:
+    provider = SlowSteps(compiler, tiny.vocab_size)
+    regex = ConstraintRequest("regex", "[ab]{40}", "")
+    with Scheduler(engine, provider, SchedulerConfig(start_wait_s=start_wait_s)) as s:
+        submit(s, GenerationRequest(prompt(engine, "warm"), constraint=regex, max_tokens=2)).wait()  # compiled once
+        running = submit(s, GenerationRequest(prompt(engine, "x"), constraint=regex, max_tokens=12))
+        assert running.first_token.wait(TIMEOUT)
+        before = s.stats().steps
+        provider.start_gate = threading.Event() if gated else None
+        # Both arrive during one 0.2 s step, so at the same boundary.
+        late = submit(s, GenerationRequest(prompt(engine, "y"), constraint=regex, max_tokens=3))
+        free = submit(s, GenerationRequest(prompt(engine, "z"), max_tokens=3, temperature=0.0))
+        assert free.wait().finish_reason == "length"
+        if provider.start_gate is not None:
+            provider.start_gate.set()
+        assert late.wait().completion_tokens == 3
+        running.wait()
+        stats = s.stats()
+    prefill = stats.prefill_rows[before:]
+    assert prefill[prefill > 0].tolist() == joins
+    provider.assert_no_leak()
+
+
 def test_seed_reproduces_whatever_the_batch(engine: TorchEngine, sched: Scheduler) -> None:
     req = GenerationRequest(prompt(engine, "hello world"), max_tokens=16, temperature=1.0, seed=1234)
     alone = submit(sched, req)

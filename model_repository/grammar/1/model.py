@@ -71,7 +71,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from contract.errors import ServingError, triton_code_name
-from triton_support.metrics import TritonMetrics
+from triton_support.metrics import MetricsPump, TritonMetrics
 from triton_support.params import from_parameters, parameter_values
 from triton_support.service import (
     GrammarModelConfig,
@@ -169,15 +169,15 @@ class TritonPythonModel:
         # in worker processes and answer through a callback, so a slow
         # compile holds none of these threads.
         self.starts = ThreadPoolExecutor(8, thread_name_prefix="grammar-start")
-        # The grammar metrics of triton_support.metrics on Triton's endpoint:
-        # after every start and end (gauges that move), at most once a second after steps.
+        # The grammar metrics of triton_support.metrics on Triton's endpoint, published by a
+        # thread of their own: soon after starts and ends (gauges that move), and each second.
         self.metrics = TritonMetrics(pb_utils, "grammar")
-        self.service.open_channel(on_served=self._after_channel_op)
+        self.pump = MetricsPump(self.metrics, self.service.metrics_snapshot)
+        self.service.open_channel(on_served=self._after_op)
 
-    def _after_channel_op(self, op: str) -> None:
-        # As over BLS (_send): gauges move on start and end; steps publish at most once a second.
-        if op != "step" or self.metrics.due():
-            self.metrics.publish(self.service.metrics_snapshot, force=True)
+    def _after_op(self, op: str) -> None:
+        if op != "step":
+            self.pump.changed()
 
     def _serve(self, request: Any, req: GrammarRequest, errors_as_data: bool) -> None:
         try:
@@ -203,8 +203,7 @@ class TritonPythonModel:
                 error=pb_utils.TritonError(f"grammar: internal error in {op}: {outcome!r}", pb_utils.TritonError.INTERNAL)
             )
         request.get_response_sender().send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        if op != "step" or self.metrics.due():
-            self.metrics.publish(self.service.metrics_snapshot, force=True)
+        self._after_op(op)
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
@@ -220,5 +219,6 @@ class TritonPythonModel:
         self.starts.shutdown(wait=False, cancel_futures=True)
         self.service.engine.close()
         # pb_utils objects are freed while the stub is still up (see the llm model).
+        self.pump.close()
         self.metrics.close()
         quiesce_for_exit()
