@@ -28,11 +28,9 @@ from llm_runtime.grammar_hook import GrammarRows
 from llm_runtime.mask import ConstraintRequest
 from llm_runtime.model_config import ENGINE_GRAMMAR_MODES, LlmModelConfig
 from llm_runtime.sampler import SamplingParams
+from llm_runtime.trtllm_api import TRTLLM_GUIDED_API, TRTLLM_VERSION, check_trtllm_api
 from llm_runtime.trtllm_engine import (
-    TRTLLM_GUIDED_API,
-    TRTLLM_VERSION,
     TrtllmConfig,
-    check_trtllm_api,
     native_guided_kwargs,
     next_output,
     occupancy,
