@@ -15,19 +15,23 @@ from deploy.drain import scrape
 from deploy.render import load_values, render_repository
 from deploy.server import ServerConfig, TritonServer
 from loadtest.run import ready
+from tests.support import assets
 
 REPO = Path(__file__).resolve().parents[2]
-MODEL_DIR = REPO / "build" / "models" / "smollm2-135m-instruct"
 
 
 def start_ensemble(tmp: Path, values: dict[str, str] | None = None, **fields: Any) -> TritonServer:
     """Render the repository for the default model and start a ready server (gateway included).
 
     ``values`` override entries of ``deploy/values.json``; ``fields`` go to :class:`ServerConfig`.
+    Without a ``MODEL_DIR`` among ``values`` it serves SmolLM2 (:func:`tests.support.assets.smollm2_dir`:
+    the calling test skips where it is missing, or fails under ``REQUIRE_ASSETS=1``).
     """
     rendered = load_values(REPO / "deploy" / "values.json")
-    rendered["MODEL_DIR"] = str(MODEL_DIR)
-    rendered.update(values or {})
+    values = values or {}
+    if "MODEL_DIR" not in values:
+        rendered["MODEL_DIR"] = str(assets.smollm2_dir())
+    rendered.update(values)
     render_repository(REPO / "model_repository", tmp / "repo", rendered)
     fields.setdefault("log_file", tmp / "tritonserver.log")
     server = TritonServer(ServerConfig(model_repository=tmp / "repo", models=("constrained_llm", "grammar"),

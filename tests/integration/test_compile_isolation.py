@@ -18,7 +18,6 @@ from client import Client, Constraint
 from client.errors import ClientError, InvalidConstraint, ServerBusy
 from deploy.server import TritonServer
 from tests.integration.served import (
-    MODEL_DIR,
     gateway_ready,
     grammar_stats,
     start_ensemble,
@@ -43,8 +42,6 @@ def _slow(n: int) -> Constraint:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
-    if not (MODEL_DIR / "config.json").is_file():
-        pytest.skip(f"{MODEL_DIR} missing (run `make model`)")
     srv = start_ensemble(tmp_path_factory.mktemp("isolation"), values=LIMITS)
     try:
         yield srv

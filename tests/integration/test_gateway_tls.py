@@ -24,7 +24,7 @@ from client.__main__ import main as client_main
 from client.sdk import API_KEY_ENV
 from deploy.gateway import GatewaySecurity
 from deploy.server import TritonServer
-from tests.integration.served import MODEL_DIR, start_ensemble
+from tests.integration.served import start_ensemble
 from tests.tls_certs import Pki, make_pki, openssl_missing
 
 pytestmark = [pytest.mark.triton, pytest.mark.e2e]
@@ -43,8 +43,6 @@ def _write_keys(path: Path, keys: dict[str, tuple[str, int | None]]) -> None:
 
 @pytest.fixture(scope="module")
 def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TritonServer, Pki, Pki, Path]]:
-    if not (MODEL_DIR / "config.json").is_file():
-        pytest.skip(f"{MODEL_DIR} missing (run `make model`)")
     if openssl_missing():
         pytest.skip("no openssl binary to make a test CA")
     tmp = tmp_path_factory.mktemp("tls")

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import xgrammar as xgr
+
+from tests.support import assets
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMAS = REPO / "tests" / "fixtures" / "schemas"
@@ -63,16 +64,10 @@ def channel_service(tiny_info: xgr.TokenizerInfo) -> Iterator[Any]:
     svc.engine.close()
 
 
-def qwen_dir() -> Path:
-    return Path(os.environ.get("QWEN_TOKENIZER_DIR", REPO / "build" / "tokenizers" / "qwen3"))
-
-
 @pytest.fixture(scope="session")
 def qwen_tokenizer() -> Any:
     """The Qwen3 BPE tokenizer (151,669 tokens), from `make tokenizers`."""
-    path = qwen_dir()
-    if not (path / "tokenizer.json").is_file():
-        pytest.skip(f"Qwen3 tokenizer not found at {path} (run `make tokenizers` or set QWEN_TOKENIZER_DIR)")
+    path = assets.qwen3_dir()
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
