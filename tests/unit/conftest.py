@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import xgrammar as xgr
 
 from tests.support import assets
+
+if TYPE_CHECKING:
+    from tests.support.tiny_model import TinyModelInfo
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMAS = REPO / "tests" / "fixtures" / "schemas"
@@ -38,6 +41,18 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModelInfo:
+    """The tiny random Llama checkpoint (:func:`tests.support.tiny_model.build_tiny_llama`, seed 0), built once.
+
+    Read-only: every test that loads it shares the folder.
+    """
+    # Imported here: torch and transformers cost seconds, and most unit tests need neither.
+    from tests.support.tiny_model import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
 
 
 @pytest.fixture(scope="session")

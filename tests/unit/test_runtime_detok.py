@@ -11,7 +11,7 @@ from tokenizers import Tokenizer
 from llm_runtime.detok import IncrementalDetokenizer
 from llm_runtime.errors import RequestError
 from tests.support import assets
-from tests.support.tiny_model import build_tiny_llama
+from tests.support.tiny_model import TinyModelInfo
 
 TEXTS = (
     "hello world",
@@ -24,9 +24,8 @@ TEXTS = (
 
 
 @pytest.fixture(scope="module")
-def tiny_tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    info = build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
-    return Tokenizer.from_file(str(info.path / "tokenizer.json"))
+def tiny_tok(tiny: TinyModelInfo) -> Tokenizer:
+    return Tokenizer.from_file(str(tiny.path / "tokenizer.json"))
 
 
 @functools.cache

@@ -14,17 +14,12 @@ from grammar_backend.errors import ConfigError
 from llm_runtime.engine import TorchEngine, TorchEngineConfig
 from llm_runtime.errors import EngineError, RequestError
 from tests.support import assets
-from tests.support.tiny_model import TinyModelInfo, build_tiny_llama
+from tests.support.tiny_model import TinyModelInfo
 
 PROMPTS = ("hello world", "yes no maybe true false null, the quick brown fox", "caf\u00e9 \U0001f600")
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModelInfo:
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
 
 
 @pytest.fixture(scope="module")

@@ -185,11 +185,6 @@ class Result:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModelInfo:
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
-
-
-@pytest.fixture(scope="module")
 def engine(tiny: TinyModelInfo) -> TorchEngine:
     return TorchEngine(tiny.path, TorchEngineConfig(max_batch_size=8, max_seq_len=320))
 
