@@ -22,6 +22,7 @@ from grammar_backend.workers import (
     WorkerStats,
     worker_python,
 )
+from tests.support.procs import alive
 from tests.unit.conftest import (
     REPO,
     TINY_STOP,
@@ -166,17 +167,9 @@ def test_a_worker_dies_with_its_parent() -> None:
     os.kill(parent.pid, signal.SIGKILL)  # no cleanup runs in the parent, as when a stub is killed
     parent.wait(timeout=10)
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and _alive(pid):
+    while time.monotonic() < deadline and alive(pid):
         time.sleep(0.05)
-    assert not _alive(pid)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
-            return fh.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
+    assert not alive(pid)
 
 
 @pytest.mark.parametrize(
