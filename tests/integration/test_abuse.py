@@ -33,8 +33,17 @@ from tritonclient.utils import InferenceServerException
 from client import Client, Constraint
 from client.errors import InvalidConstraint
 from deploy.server import TritonServer
-from tests.integration.served import REPO, gateway_ready, grammar_active
-from tests.support.poll import NEVER_ENDS, OUTPUTS, assert_cancelled, counter_sum, sequences_freed, wait_for
+from tests.integration.served import (
+    NEVER_ENDS,
+    OUTPUTS,
+    REPO,
+    assert_cancelled,
+    counter_sum,
+    gateway_ready,
+    grammar_active,
+    sequences_freed,
+)
+from tests.support.poll import wait_for
 from tests.support.procs import group_processes
 
 pytestmark = [pytest.mark.triton, pytest.mark.e2e]

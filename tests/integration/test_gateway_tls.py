@@ -25,6 +25,7 @@ from client.sdk import API_KEY_ENV
 from deploy.gateway import GatewaySecurity
 from deploy.server import TritonServer
 from tests.integration.served import start_ensemble
+from tests.support.poll import wait_for
 from tests.tls_certs import Pki, make_pki, openssl_missing
 
 pytestmark = [pytest.mark.triton, pytest.mark.e2e]
@@ -125,10 +126,7 @@ def test_tls_key_over_its_stream_limit_is_resource_exhausted(tls_server: tuple[T
     finally:
         stream.close()  # cancels the request inside the server
         holder.close()
-    deadline = time.monotonic() + 30
-    while gateway.streams_open:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_for(lambda: not gateway.streams_open, 30, "the gateway's streams closed", interval_s=0.05)
     with _client(server, pki.ca, "key-one") as llm:  # the slot is free again
         assert llm.generate("Name a colour.", constraint=Constraint.choice(CHOICES), max_tokens=8).text in CHOICES
 

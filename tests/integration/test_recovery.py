@@ -19,8 +19,8 @@ from client import Client, Constraint
 from client.errors import ServerUnavailable
 from deploy.server import TritonServer
 from deploy.supervisor import Supervisor, SupervisorConfig, default_probes
-from tests.integration.served import gateway_ready
-from tests.support.poll import NEVER_ENDS, wait_for
+from tests.integration.served import NEVER_ENDS, gateway_ready
+from tests.support.poll import wait_for
 from tests.support.procs import group_processes
 
 pytestmark = [pytest.mark.triton, pytest.mark.e2e, pytest.mark.slow]

@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 
 from tests.support import assets
+from tests.support.poll import poll
 
 REPO = Path(__file__).resolve().parents[2]
 QWEN_PADDED = 151_936
@@ -304,13 +305,9 @@ def test_path_bench_reads_the_processes_it_serves(monkeypatch: pytest.MonkeyPatc
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "llm_0_0"])
     try:
-        deadline = time.monotonic() + 10
-        labels: dict[int, str] = {}
-        while time.monotonic() < deadline:  # until the child has exec'd (its cmdline is empty before)
-            labels = {p.pid: p.label for p in path_bench.server_processes(os.getpid())}
-            if not labels.get(child.pid, "?").startswith("?"):
-                break
-            time.sleep(0.05)
+        # Until the child has exec'd (its cmdline is empty before).
+        labels = poll(lambda: {p.pid: p.label for p in path_bench.server_processes(os.getpid())},
+                      lambda found: not found.get(child.pid, "?").startswith("?"), 10, interval_s=0.05)
         assert labels[os.getpid()] == "launcher + gateway"
         assert labels[child.pid].startswith(Path(sys.executable).name)  # not a stub: no stub executable
         assert path_bench.cpu_seconds(os.getpid()) > 0 and path_bench.cpu_seconds(2**22 + 7) == 0.0

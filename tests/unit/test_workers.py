@@ -22,6 +22,7 @@ from grammar_backend.workers import (
     WorkerStats,
     worker_python,
 )
+from tests.support.poll import poll
 from tests.support.procs import alive
 from tests.unit.conftest import (
     REPO,
@@ -166,10 +167,7 @@ def test_a_worker_dies_with_its_parent() -> None:
     pid = int(parent.stdout.readline())
     os.kill(parent.pid, signal.SIGKILL)  # no cleanup runs in the parent, as when a stub is killed
     parent.wait(timeout=10)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and alive(pid):
-        time.sleep(0.05)
-    assert not alive(pid)
+    assert not poll(lambda: alive(pid), lambda running: not running, 10, interval_s=0.05)
 
 
 @pytest.mark.parametrize(
