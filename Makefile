@@ -140,14 +140,20 @@ serve: venv model render
 
 # --------------------------------------------------------------------- test
 # pytest orders unit tests before integration tests (tests/conftest.py).
+# REQUIRE_ASSETS=1 (tests/support/assets.py): a test whose part is missing
+# (tritonserver, the model, the tokenizer) fails instead of skipping; the
+# prerequisites build them, so here a missing one is a broken build. The GPU
+# tests are test-gpu's.
 test: venv model tokenizers k8s-tools
-	$(PY) -m pytest tests -q
+	REQUIRE_ASSETS=1 $(PY) -m pytest tests -q -m "not gpu and not trtllm"
 
 # Inside the GPU image (deploy/docker/Dockerfile): its system python3 has
 # tensorrt_llm and CUDA torch; TRTLLM_TEST_MODEL names a Hugging Face folder.
+# REQUIRE_ASSETS=1: no CUDA, no tensorrt_llm or no TRTLLM_TEST_MODEL is an
+# error, not a run of skips.
 GPU_PY ?= python3
 test-gpu:
-	$(GPU_PY) -m pytest tests -q -m "gpu or trtllm" -rs
+	REQUIRE_ASSETS=1 $(GPU_PY) -m pytest tests -q -m "gpu or trtllm" -rs
 
 # --------------------------------------------------------------------- lint
 # Settings in pyproject.toml (mypy strict on the packages). tests/ is a run of

@@ -42,6 +42,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
+import psutil
+
 REPO: Final = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
@@ -171,18 +173,15 @@ class PeakRss:
     def _run(self) -> None:
         while not self._stop.wait(0.5):
             sums = {"grammar stub": 0, "compile workers": 0}
-            for proc in Path("/proc").iterdir():
-                if not proc.name.isdigit():
-                    continue
+            for proc in psutil.process_iter():
                 try:
-                    cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ")
-                    rss = next(int(line.split()[1]) for line in (proc / "status").read_text().splitlines()
-                               if line.startswith("VmRSS:"))
-                except (OSError, StopIteration, ValueError):
-                    continue
-                if b"triton_python_backend_stub" in cmd and b"grammar_0" in cmd:
+                    cmd = " ".join(proc.cmdline())
+                    rss = int(proc.memory_info().rss) // 1024  # KiB, as the report prints it
+                except psutil.NoSuchProcess:
+                    continue  # exited since the listing (or a zombie)
+                if "triton_python_backend_stub" in cmd and "grammar_0" in cmd:
                     sums["grammar stub"] += rss
-                elif b"grammar_backend.compile_worker" in cmd:
+                elif "grammar_backend.compile_worker" in cmd:
                     sums["compile workers"] += rss
             for key, value in sums.items():
                 self.peak[key] = max(self.peak[key], value)

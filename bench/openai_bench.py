@@ -47,7 +47,7 @@ What it does, in one run on one server:
    each batch at 8), time to first token (first non-empty content delta)
    p50/p99, CPU seconds per 1,000 tokens of the launcher process (gateway +
    OpenAI endpoint), of every server process, and of this client (read from
-   ``/proc/<pid>/stat`` around each batch, ``path_bench.CpuMeter``); and the
+   psutil CPU times around each batch, ``path_bench.CpuMeter``); and the
    ratios openai/grpc.
 5. Checks every output: each constrained one must parse and validate
    (``jsonschema``, Draft 2020-12) on both sides; failures are counted and

@@ -29,7 +29,7 @@ What it does, in one run:
    Per request: time to first token (first non-empty text delta), the gaps
    between text deltas (what a reader sees as inter-token latency; with
    coalescing one delta carries several tokens) and the tokens.
-3. Around every batch, reads ``/proc/<pid>/stat`` of every server process
+3. Around every batch, reads the CPU times (psutil) of every server process
    (the launcher with the gateway, tritonserver, each Python-backend stub
    and the grammar model's compile workers): CPU seconds per 1,000 streamed
    tokens, per process, mode and concurrency; and this process's own (the
@@ -68,6 +68,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import numpy as np
+import psutil
 
 REPO: Final = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -94,7 +95,6 @@ TINY_DIR: Final = REPO / "build" / "models" / "tiny-llama"
 TINY_MARKER: Final = "tiny_model.json"
 CONCURRENCIES: Final = (1, 8, 16, 32)
 READY_TIMEOUT_S: Final = 300.0
-_CLK_TCK: Final = os.sysconf("SC_CLK_TCK")
 #: This benchmark's own CPU (the client's streams) in the CPU table: not the server's, but on this
 #: machine it takes the same cores.
 CLIENT_LABEL: Final = "(client: this benchmark)"
@@ -124,17 +124,14 @@ class Proc:
 
 
 def _children(pid: int) -> list[int]:
-    kids: list[int] = []
     try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            kids.extend(int(k) for k in Path(f"/proc/{pid}/task/{task}/children").read_text().split())
-    except OSError:
-        pass
-    return kids
+        return [int(kid.pid) for kid in psutil.Process(pid).children()]
+    except psutil.NoSuchProcess:
+        return []
 
 
 def _label(pid: int, parent: str) -> str:
-    argv = [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
+    argv: list[str] = [a for a in psutil.Process(pid).cmdline() if a]
     exe = Path(argv[0]).name if argv else "?"
     if "triton_python_backend_stub" in exe:
         for arg in argv:
@@ -157,7 +154,7 @@ def server_processes(launcher: int) -> list[Proc]:
         pid, parent = todo.pop()
         try:
             label = _label(pid, parent)
-        except OSError:
+        except psutil.NoSuchProcess:
             continue  # exited meanwhile
         out.append(Proc(label, pid))
         todo.extend((k, label) for k in _children(pid))
@@ -167,11 +164,10 @@ def server_processes(launcher: int) -> list[Proc]:
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of ``pid`` (its threads included); 0 once it is gone."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        times = psutil.Process(pid).cpu_times()
+    except psutil.NoSuchProcess:
         return 0.0
-    fields = stat.rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    return float(times.user + times.system)
 
 
 class CpuMeter:

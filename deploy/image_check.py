@@ -16,7 +16,7 @@ pass fails in ``make test``, not on a build host::
     xgrammar 0.2.9 has no ``__version__``).
 ``llm``
     TensorRT-LLM's environment, where the ``llm`` model runs: tensorrt_llm is
-    installed at :data:`llm_runtime.trtllm_engine.TRTLLM_VERSION` (its
+    installed at :data:`llm_runtime.trtllm_api.TRTLLM_VERSION` (its
     metadata only: importing it needs a GPU driver), every requirement it
     declares is still satisfied (nothing installed here replaced one of its
     pins), the additions file pins none of the packages TensorRT-LLM owns, and
@@ -187,7 +187,7 @@ def check_grammar(requirements: Path) -> list[str]:
 def check_llm(additions: Path) -> list[str]:
     """The ``llm`` role (see the module docstring); returns what was found."""
     imported = check_llm_imports()  # first: nothing of llm_runtime may be imported before the block
-    from llm_runtime.trtllm_engine import TRTLLM_VERSION
+    from llm_runtime.trtllm_api import TRTLLM_VERSION
 
     owned = sorted(_canonical(r.name) for r in _requirements(additions) if _canonical(r.name) in TRTLLM_OWNED)
     if owned:

@@ -42,6 +42,16 @@ def json_format_kwargs(options: ConstraintOptions) -> dict[str, object]:
     return kwargs
 
 
+def compile_json(compiler: xgr.GrammarCompiler, schema: str, options: ConstraintOptions) -> xgr.CompiledGrammar:
+    """Compile the JSON Schema text ``schema`` as every JSON kind is compiled (:func:`json_format_kwargs`).
+
+    xgrammar's own errors propagate (:func:`compile_spec` turns them into a
+    :class:`CompileError`); the fidelity tests compile through here too, so
+    what they measure is what is served.
+    """
+    return compiler.compile_json_schema(schema, **json_format_kwargs(options))  # type: ignore[arg-type]
+
+
 def choice_ebnf(choices: list[str]) -> str:
     """An EBNF grammar whose language is exactly the given strings."""
     return "root ::= " + " | ".join(_ebnf_literal(c) for c in choices)
@@ -80,11 +90,11 @@ def compile_spec(compiler: xgr.GrammarCompiler, spec: ConstraintSpec) -> xgr.Com
     try:
         kind = spec.kind
         if kind is ConstraintKind.JSON_SCHEMA:
-            return compiler.compile_json_schema(spec.payload, **json_format_kwargs(spec.options))  # type: ignore[arg-type]
+            return compile_json(compiler, spec.payload, spec.options)
         if kind is ConstraintKind.JSON_OBJECT:
             # Any object, through the schema compiler: unlike the builtin JSON
             # grammar it honours the whitespace policy.
-            return compiler.compile_json_schema(contract.JSON_OBJECT_SCHEMA, **json_format_kwargs(spec.options))  # type: ignore[arg-type]
+            return compile_json(compiler, contract.JSON_OBJECT_SCHEMA, spec.options)
         if kind is ConstraintKind.REGEX:
             return compiler.compile_regex(spec.payload)
         if kind is ConstraintKind.EBNF:

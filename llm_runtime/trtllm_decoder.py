@@ -3,7 +3,7 @@
 NOT RUN where this project is built and tested (no tensorrt_llm, no GPU).
 :class:`GrammarModelDecoder` subclasses TensorRT-LLM's private
 ``GuidedDecoder`` (``tensorrt_llm/_torch/pyexecutor/guided_decoder.py``,
-version :data:`llm_runtime.trtllm_engine.TRTLLM_VERSION`) and overrides one
+version :data:`llm_runtime.trtllm_api.TRTLLM_VERSION`) and overrides one
 method: ``_build(requests)``, the host-side loop that fills
 ``bitmask_host``/``token_mask_host`` for a step.  Everything else is
 TensorRT-LLM's: ``add_batch`` (called again after ``_update_requests`` under
@@ -37,7 +37,7 @@ from tensorrt_llm._torch.pyexecutor import (  # type: ignore[import-not-found,un
 from grammar_backend.errors import ConfigError
 
 from .grammar_hook import GrammarRows
-from .trtllm_engine import check_trtllm_api
+from .trtllm_api import check_trtllm_api
 
 __all__ = ["GrammarModelDecoder", "check_installed", "installed"]
 

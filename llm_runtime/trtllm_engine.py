@@ -2,14 +2,15 @@
 
 NOT RUN where this project is built and tested: ``tensorrt_llm`` has no
 wheel these machines can install and CI has no GPU.  Pinned to TensorRT-LLM
-:data:`TRTLLM_VERSION` (the NGC ``26.07-trtllm-python-py3`` image) and its
-PyTorch backend, the one backend TensorRT-LLM keeps (the TensorRT engine
-backend and its ``batched_logits_processor`` were removed after
-v1.3.0rc20).  What runs here: the grammar rows (:mod:`llm_runtime.grammar_hook`,
-driven in TensorRT-LLM's per-step order by ``tests/unit/test_grammar_hook.py``),
-the API check (:func:`check_trtllm_api`), :func:`native_guided_kwargs`, the
-sampling mapping, the bounded wait (:func:`next_output`) and the refusal when
-the package is missing.
+:data:`llm_runtime.trtllm_api.TRTLLM_VERSION` (the NGC
+``26.07-trtllm-python-py3`` image) and its PyTorch backend, the one backend
+TensorRT-LLM keeps (the TensorRT engine backend and its
+``batched_logits_processor`` were removed after v1.3.0rc20).  What runs
+here: the grammar rows (:mod:`llm_runtime.grammar_hook`, driven in
+TensorRT-LLM's per-step order by ``tests/unit/test_grammar_hook.py``), the
+API check (:func:`llm_runtime.trtllm_api.check_trtllm_api`),
+:func:`native_guided_kwargs`, the sampling mapping, the bounded wait
+(:func:`next_output`) and the refusal when the package is missing.
 
 How the bitmask reaches TensorRT-LLM (``grammar_mode: processor``)
 -----------------------------------------------------------------
@@ -37,7 +38,8 @@ Nothing this engine hands TensorRT-LLM holds more than strings and numbers
 
 Sources read (the project's search tool; the TensorRT-LLM repository itself
 is too large to mirror here, so these are the stored versions of each file,
-checked at load by :func:`check_trtllm_api` against the installed package):
+checked at load by :func:`llm_runtime.trtllm_api.check_trtllm_api` against
+the installed package):
 ``tensorrt_llm/_torch/pyexecutor/guided_decoder.py`` (commits 07dacbbc, 40bb912b,
 and the later version whose ``_build``/``execute`` return failed requests),
 ``py_executor.py`` (``_executor_loop``, ``_executor_loop_overlap``: ``add_batch``
@@ -61,7 +63,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import inspect
 import json
 import logging
 import os
@@ -71,7 +72,6 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Final, TypeVar
 
 import numpy as np
@@ -79,7 +79,7 @@ from tokenizers import Tokenizer
 
 import contract
 from contract.finish import FinishEvent, FinishReason
-from grammar_backend.errors import ConfigError, InvalidArgument
+from grammar_backend.errors import InvalidArgument
 from grammar_backend.spec import ConstraintKind, ConstraintOptions, SpecLimits, constraint_spec
 from triton_support.metrics import Snapshot
 
@@ -105,15 +105,13 @@ from .scheduler import (
     check_request,
     closed_finish,
 )
+from .trtllm_api import import_tensorrt_llm
 
 __all__ = [
     "TRTLLM_GRAMMAR_MODES",
     "TRTLLM_SAMPLERS",
-    "TRTLLM_VERSION",
     "TrtllmConfig",
     "TrtllmGenerator",
-    "check_trtllm_api",
-    "import_tensorrt_llm",
     "native_guided_kwargs",
     "next_output",
     "trtllm_sampling_kwargs",
@@ -121,92 +119,9 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
-#: The TensorRT-LLM release this engine is written against (NGC tritonserver
-#: 26.04-26.07 trtllm-python-py3).  The grammar decoder subclasses private API,
-#: so another version is refused at load (:func:`check_trtllm_api`).
-TRTLLM_VERSION: Final = "1.2.1"
 TRTLLM_GRAMMAR_MODES: Final = ("processor", "native")
 #: TensorRT-LLM's ``sampler_type`` values this engine takes (``auto`` is TorchSampler without beam search).
 TRTLLM_SAMPLERS: Final = ("TorchSampler", "TRTLLMSampler")
-#: What :func:`check_trtllm_api` requires of ``tensorrt_llm._torch.pyexecutor.guided_decoder``:
-#: each class, and the methods (with their parameters) or attributes the grammar decoder uses.
-TRTLLM_GUIDED_API: Final[dict[str, dict[str, tuple[str, ...] | None]]] = {
-    "GuidedDecoder": {"add_batch": None, "build": ("self",), "_build": ("self", "requests"), "execute": None},
-    "GuidedRequests": {"valid_requests_with_offsets": ("self",), "num_bitmask_tokens": None},
-    "GuidedRequest": {"require_matcher_init": ("self",), "require_matcher_advance": ("self",),
-                      "from_llm_request": None, "guided_decoding_params": None, "request_id": None,
-                      "seq_slot": None, "new_token": None, "is_draft": None, "draft_tokens": None},
-}
-
-
-def import_tensorrt_llm() -> ModuleType:
-    """Import ``tensorrt_llm``, or fail with the reason and the remedy.
-
-    Raises
-    ------
-    grammar_backend.errors.ConfigError
-        When the package is missing (anywhere but the NGC ``trtllm-python-py3``
-        image), is not :data:`TRTLLM_VERSION`, or no CUDA device is visible.
-    """
-    try:
-        import tensorrt_llm  # type: ignore[import-not-found,unused-ignore]
-    except ImportError as err:
-        raise ConfigError(
-            "llm: engine 'tensorrt_llm' needs the tensorrt_llm package and a CUDA GPU "
-            f"(the NGC tritonserver trtllm-python-py3 image, see deploy/gpu/README.md): {err}; "
-            "use engine 'torch' elsewhere"
-        ) from err
-    version = getattr(tensorrt_llm, "__version__", None)
-    if version != TRTLLM_VERSION:
-        raise ConfigError(f"llm: engine 'tensorrt_llm' is written against TensorRT-LLM {TRTLLM_VERSION} "
-                          f"(private guided-decoder API), found {version!r}; use the image of deploy/docker/Dockerfile")
-    import torch
-
-    if not torch.cuda.is_available():
-        raise ConfigError("llm: engine 'tensorrt_llm' needs a CUDA GPU (torch.cuda.is_available() is False)")
-    return tensorrt_llm  # type: ignore[no-any-return]
-
-
-def check_trtllm_api(guided_decoder: ModuleType, creator: ModuleType) -> None:
-    """Refuse, naming what differs, a TensorRT-LLM whose guided-decoder API is not the one read.
-
-    Parameters
-    ----------
-    guided_decoder : module
-        ``tensorrt_llm._torch.pyexecutor.guided_decoder``.
-    creator : module
-        ``tensorrt_llm._torch.pyexecutor.py_executor_creator``, which must
-        build the decoder by the global name ``GuidedDecoder`` (replaced while
-        ``LLM(...)`` runs, :func:`llm_runtime.trtllm_decoder.installed`).
-
-    Raises
-    ------
-    grammar_backend.errors.ConfigError
-        Every difference at once, with the version the engine expects.
-    """
-    problems: list[str] = []
-    for cls_name, members in TRTLLM_GUIDED_API.items():
-        cls = getattr(guided_decoder, cls_name, None)
-        if not isinstance(cls, type):
-            problems.append(f"{cls_name} is missing")
-            continue
-        fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
-        for name, params in members.items():
-            member = getattr(cls, name, None)
-            if member is None and name not in fields:
-                problems.append(f"{cls_name}.{name} is missing")
-            elif params is not None:
-                if not callable(member):
-                    problems.append(f"{cls_name}.{name} is not a method")
-                    continue
-                found = tuple(inspect.signature(member).parameters)
-                if found != params:
-                    problems.append(f"{cls_name}.{name} takes ({', '.join(found)}), expected ({', '.join(params)})")
-    if getattr(creator, "GuidedDecoder", None) is not getattr(guided_decoder, "GuidedDecoder", None):
-        problems.append("py_executor_creator does not build GuidedDecoder by that name")
-    if problems:
-        raise ConfigError(f"llm: TensorRT-LLM's guided decoder is not the {TRTLLM_VERSION} API this engine hooks: "
-                          + "; ".join(problems))
 
 
 @dataclass(frozen=True)

@@ -3,16 +3,18 @@
 Markers
 -------
 ``triton``
-    Needs the ``tritonserver`` bundled in ``nvidia-pytriton``; skipped, with the
-    reason, when it cannot be found (an error instead when ``REQUIRE_TRITON=1``,
-    as in CI).
+    Needs the ``tritonserver`` bundled in ``nvidia-pytriton``.
 ``gpu``
-    Needs CUDA; skipped when ``torch.cuda.is_available()`` is false.
+    Needs CUDA (``torch.cuda.is_available()``).
 ``trtllm``
-    Needs the ``tensorrt_llm`` package (the NGC ``trtllm-python-py3`` image);
-    skipped when it cannot be imported.
+    Needs the ``tensorrt_llm`` package (the NGC ``trtllm-python-py3`` image).
 ``slow``
     Takes more than a few seconds; deselect with ``-m "not slow"``.
+
+A selected test whose marker's part is missing is skipped with the reason, or,
+under ``REQUIRE_ASSETS=1`` (``make test``, ``make test-gpu``), the run stops
+with a usage error naming every missing part: see :mod:`tests.support.assets`,
+the one home of what the tests need and of that switch.
 
 Unit tests (``tests/unit``) run before integration tests so that a broken
 building block fails fast, before minutes of server start-ups.
@@ -20,24 +22,18 @@ building block fails fast, before minutes of server start-ups.
 
 from __future__ import annotations
 
-import functools
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from deploy.server import (
-    ServerConfig,
-    TritonNotFoundError,
-    TritonServer,
-    locate_tritonserver,
-)
+from deploy.server import ServerConfig, TritonServer
+from tests.support import assets
 
 _MARKERS = {
-    "triton": "needs the tritonserver bundled in nvidia-pytriton (skipped when it cannot be found)",
-    "gpu": "needs a CUDA device (skipped when torch.cuda.is_available() is false)",
-    "trtllm": "needs the tensorrt_llm package (skipped when it cannot be imported)",
+    "triton": "needs the tritonserver bundled in nvidia-pytriton (skipped when missing; REQUIRE_ASSETS=1: an error)",
+    "gpu": "needs a CUDA device (skipped when missing; REQUIRE_ASSETS=1: an error)",
+    "trtllm": "needs the tensorrt_llm package (skipped when missing; REQUIRE_ASSETS=1: an error)",
     "slow": "takes more than a few seconds (deselect with -m 'not slow')",
     "e2e": "the full ensemble on the real model over gRPC (select with -m e2e)",
 }
@@ -48,50 +44,22 @@ _UNIT_DIR = Path(__file__).parent / "unit"
 def pytest_configure(config: pytest.Config) -> None:
     for name, help_text in _MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {help_text}")
+    assets.required()  # a malformed REQUIRE_ASSETS stops the run before collection
 
 
-@functools.cache
-def _triton_missing_reason() -> str | None:
-    try:
-        locate_tritonserver()
-    except TritonNotFoundError as err:
-        return f"bundled tritonserver unavailable: {err}"
-    return None
-
-
-@functools.cache
-def _gpu_missing_reason() -> str | None:
-    # Imported only when a gpu test is collected: `import torch` costs ~1.5 s.
-    import torch
-
-    if torch.cuda.is_available():
-        return None
-    return "CUDA is not available (torch.cuda.is_available() is False)"
-
-
-@functools.cache
-def _trtllm_missing_reason() -> str | None:
-    import importlib.util
-
-    if importlib.util.find_spec("tensorrt_llm") is None:
-        return "tensorrt_llm is not installed (the NGC trtllm-python-py3 image has it; see deploy/gpu/README.md)"
-    return None
-
-
+# trylast: after `-m` has deselected what this run leaves out, so `make test` (no GPU tests) never
+# asks for CUDA and `make test-gpu` never for tritonserver.
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    missing: dict[str, None] = {}  # an ordered set of the reasons
     for item in items:
-        if item.get_closest_marker("triton") is not None:
-            reason = _triton_missing_reason()
-            if reason is not None:
-                if os.environ.get("REQUIRE_TRITON") == "1":
-                    # CI sets this: there a missing server is a broken install.
-                    raise pytest.UsageError(f"REQUIRE_TRITON=1 but {reason}")
-                item.add_marker(pytest.mark.skip(reason=reason))
-        for marker, missing in (("trtllm", _trtllm_missing_reason), ("gpu", _gpu_missing_reason)):
-            if item.get_closest_marker(marker) is not None:
-                reason = missing()
-                if reason is not None:
-                    item.add_marker(pytest.mark.skip(reason=reason))
+        reasons = assets.marker_missing_reasons(item)
+        if reasons:
+            missing.update(dict.fromkeys(reasons))
+            item.add_marker(pytest.mark.skip(reason="; ".join(reasons)))
+    if missing and assets.required():
+        # There a missing part is a broken install, not a reason to skip.
+        raise pytest.UsageError(f"{assets.SWITCH}=1 but " + "; ".join(missing))
     # Stable sort: unit tests first, every other test keeps its relative order.
     items.sort(key=lambda item: 0 if item.path.is_relative_to(_UNIT_DIR) else 1)
 

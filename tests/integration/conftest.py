@@ -8,13 +8,11 @@ import pytest
 
 from client import Client
 from deploy.server import TritonServer
-from tests.integration.served import MODEL_DIR, start_ensemble
+from tests.integration.served import start_ensemble
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
-    if not (MODEL_DIR / "config.json").is_file():
-        pytest.skip(f"{MODEL_DIR} missing (run `make model`)")
     srv = start_ensemble(tmp_path_factory.mktemp("served"))
     try:
         yield srv

@@ -4,30 +4,35 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import tritonclient.grpc as grpcclient
 
+from client import Client, Constraint
 from deploy.drain import scrape
 from deploy.render import load_values, render_repository
 from deploy.server import ServerConfig, TritonServer
 from loadtest.run import ready
+from tests.support import assets
+from tests.support.poll import poll, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
-MODEL_DIR = REPO / "build" / "models" / "smollm2-135m-instruct"
 
 
 def start_ensemble(tmp: Path, values: dict[str, str] | None = None, **fields: Any) -> TritonServer:
     """Render the repository for the default model and start a ready server (gateway included).
 
     ``values`` override entries of ``deploy/values.json``; ``fields`` go to :class:`ServerConfig`.
+    Without a ``MODEL_DIR`` among ``values`` it serves SmolLM2 (:func:`tests.support.assets.smollm2_dir`:
+    the calling test skips where it is missing, or fails under ``REQUIRE_ASSETS=1``).
     """
     rendered = load_values(REPO / "deploy" / "values.json")
-    rendered["MODEL_DIR"] = str(MODEL_DIR)
-    rendered.update(values or {})
+    values = values or {}
+    if "MODEL_DIR" not in values:
+        rendered["MODEL_DIR"] = str(assets.smollm2_dir())
+    rendered.update(values)
     render_repository(REPO / "model_repository", tmp / "repo", rendered)
     fields.setdefault("log_file", tmp / "tritonserver.log")
     server = TritonServer(ServerConfig(model_repository=tmp / "repo", models=("constrained_llm", "grammar"),
@@ -83,21 +88,46 @@ def metric(server: TritonServer, name: str) -> float:
 
 def wait_freed(server: TritonServer, timeout_s: float = 20.0) -> tuple[int, float]:
     """``grammar_active_sequences`` and ``llm_live_requests`` once both are 0, or as they are after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        active, live = grammar_active(server), metric(server, "llm_live_requests")
-        if (active == 0 and live == 0) or time.monotonic() > deadline:
-            return active, live
-        time.sleep(0.2)
+    return poll(lambda: (grammar_active(server), metric(server, "llm_live_requests")), lambda v: v == (0, 0.0),
+                timeout_s)
 
 
 def wait_active_zero(server: TritonServer, timeout_s: float = 60) -> int:
-    deadline = time.monotonic() + timeout_s
-    active = grammar_active(server)
-    while active and time.monotonic() < deadline:
-        time.sleep(0.2)
-        active = grammar_active(server)
-    return active
+    """The grammar model's active-sequence count once it is 0, or as it is after ``timeout_s``."""
+    return poll(lambda: grammar_active(server), lambda active: active == 0, timeout_s)
+
+
+#: Outputs that reached postprocessing, whatever their finish reason (a cancelled request never does).
+OUTPUTS = "constrained_llm_outputs_total"
+#: A regex SmolLM2-135M cannot finish within 1,000 tokens: no token of its vocabulary holds both a
+#: letter and a newline, so 600 "letter, newline" pairs take 1,200 tokens.  Use it with
+#: on_repeat "continue" (a loop on one letter is not closed either): only a cancel ends it early.
+NEVER_ENDS = r"([a-z]\n){600}"
+
+
+def counter_sum(metrics_url: str, name: str) -> float:
+    """The sum of every series of ``name`` (all label sets) on a Prometheus endpoint; 0 when none is exported."""
+    return sum(v for (n, _), v in scrape(metrics_url).items() if n == name)
+
+
+def sequences_freed(server: TritonServer) -> bool:
+    """No sequence left: the grammar model's own count and both per-sequence gauges read 0."""
+    return (grammar_active(server), metric(server, "grammar_active_sequences"),
+            metric(server, "llm_live_requests")) == (0, 0.0, 0.0)
+
+
+def assert_cancelled(server: TritonServer, outputs_before: float) -> None:
+    """A departed request was cancelled inside the server, not decoded to its end.
+
+    ``outputs_before`` is :data:`OUTPUTS` read before the request started.  Once
+    every sequence is freed, one short request runs to its end: the counter
+    grows by exactly that one (a request that ended by itself, even at
+    max_tokens, was counted before its sequence was freed, so before this one).
+    """
+    wait_for(lambda: sequences_freed(server), 120, "sequences freed after the client left")
+    with Client(server.grpc_url) as sdk:
+        assert sdk.generate("Pick one.", constraint=Constraint.choice(["yes", "no"]), max_tokens=5).complete
+    assert counter_sum(server.metrics_url, OUTPUTS) == outputs_before + 1
 
 
 def gateway_ready(server: TritonServer) -> bool:

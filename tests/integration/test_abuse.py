@@ -10,6 +10,7 @@ slot must be freed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -21,10 +22,10 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
@@ -32,8 +33,18 @@ from tritonclient.utils import InferenceServerException
 from client import Client, Constraint
 from client.errors import InvalidConstraint
 from deploy.server import TritonServer
-from tests.integration.served import REPO, gateway_ready, grammar_active
-from tests.support.poll import NEVER_ENDS, OUTPUTS, assert_cancelled, counter_sum, sequences_freed, wait_for
+from tests.integration.served import (
+    NEVER_ENDS,
+    OUTPUTS,
+    REPO,
+    assert_cancelled,
+    counter_sum,
+    gateway_ready,
+    grammar_active,
+    sequences_freed,
+)
+from tests.support.poll import wait_for
+from tests.support.procs import group_processes
 
 pytestmark = [pytest.mark.triton, pytest.mark.e2e]
 
@@ -294,15 +305,10 @@ def test_every_way_of_leaving_frees_the_sequence(server: TritonServer, mode: str
 # ------------------------------------------------------------------ the mix
 def _group_rss_mib(pgid: int) -> float:
     total = 0
-    for status in Path("/proc").glob("[0-9]*/status"):
-        try:
-            if os.getpgid(int(status.parent.name)) != pgid:
-                continue
-            fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        total += int(fields.get("VmRSS", "0 kB").split()[0])
-    return total / 1024
+    for proc in group_processes(pgid):
+        with contextlib.suppress(psutil.NoSuchProcess):  # exited since the listing
+            total += proc.memory_info().rss
+    return total / 2**20
 
 
 def _early_close(url: str) -> str:

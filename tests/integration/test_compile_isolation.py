@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -18,12 +17,12 @@ from client import Client, Constraint
 from client.errors import ClientError, InvalidConstraint, ServerBusy
 from deploy.server import TritonServer
 from tests.integration.served import (
-    MODEL_DIR,
     gateway_ready,
     grammar_stats,
     start_ensemble,
     wait_active_zero,
 )
+from tests.support.poll import wait_for
 
 pytestmark = [pytest.mark.triton, pytest.mark.e2e, pytest.mark.slow]
 
@@ -43,8 +42,6 @@ def _slow(n: int) -> Constraint:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
-    if not (MODEL_DIR / "config.json").is_file():
-        pytest.skip(f"{MODEL_DIR} missing (run `make model`)")
     srv = start_ensemble(tmp_path_factory.mktemp("isolation"), values=LIMITS)
     try:
         yield srv
@@ -53,10 +50,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
 
 
 def _wait_in_flight(server: TritonServer, count: int, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while grammar_stats(server)["in_flight"] < count:
-        assert time.monotonic() < deadline, f"fewer than {count} compiles in flight after {timeout_s} s"
-        time.sleep(0.2)
+    wait_for(lambda: grammar_stats(server)["in_flight"] >= count, timeout_s, f"{count} compiles in flight")
 
 
 def test_slow_compiles_are_bounded_and_others_go_on(server: TritonServer) -> None:

@@ -22,8 +22,17 @@ from client.__main__ import EXIT_CLOSED, EXIT_TRUNCATED
 from client.__main__ import main as client_main
 from client.errors import ClosedEarly, InvalidConstraint, TruncatedOutput
 from deploy.server import TritonServer
-from tests.integration.served import grammar_active, metric, wait_active_zero
-from tests.support.poll import NEVER_ENDS, OUTPUTS, assert_cancelled, counter_sum, sequences_freed, wait_for
+from tests.integration.served import (
+    NEVER_ENDS,
+    OUTPUTS,
+    assert_cancelled,
+    counter_sum,
+    grammar_active,
+    metric,
+    sequences_freed,
+    wait_active_zero,
+)
+from tests.support.poll import wait_for
 
 SCHEMAS = Path(__file__).resolve().parents[1] / "fixtures" / "schemas"
 

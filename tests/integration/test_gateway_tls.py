@@ -24,7 +24,8 @@ from client.__main__ import main as client_main
 from client.sdk import API_KEY_ENV
 from deploy.gateway import GatewaySecurity
 from deploy.server import TritonServer
-from tests.integration.served import MODEL_DIR, start_ensemble
+from tests.integration.served import start_ensemble
+from tests.support.poll import wait_for
 from tests.tls_certs import Pki, make_pki, openssl_missing
 
 pytestmark = [pytest.mark.triton, pytest.mark.e2e]
@@ -43,8 +44,6 @@ def _write_keys(path: Path, keys: dict[str, tuple[str, int | None]]) -> None:
 
 @pytest.fixture(scope="module")
 def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TritonServer, Pki, Pki, Path]]:
-    if not (MODEL_DIR / "config.json").is_file():
-        pytest.skip(f"{MODEL_DIR} missing (run `make model`)")
     if openssl_missing():
         pytest.skip("no openssl binary to make a test CA")
     tmp = tmp_path_factory.mktemp("tls")
@@ -127,10 +126,7 @@ def test_tls_key_over_its_stream_limit_is_resource_exhausted(tls_server: tuple[T
     finally:
         stream.close()  # cancels the request inside the server
         holder.close()
-    deadline = time.monotonic() + 30
-    while gateway.streams_open:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_for(lambda: not gateway.streams_open, 30, "the gateway's streams closed", interval_s=0.05)
     with _client(server, pki.ca, "key-one") as llm:  # the slot is free again
         assert llm.generate("Name a colour.", constraint=Constraint.choice(CHOICES), max_tokens=8).text in CHOICES
 

@@ -22,7 +22,8 @@ import pytest
 
 from deploy.drain import drain
 from deploy.render import load_values, render_repository
-from tests.integration.served import MODEL_DIR, REPO
+from tests.integration.served import REPO
+from tests.support import assets
 
 pytestmark = [pytest.mark.triton, pytest.mark.e2e]
 
@@ -36,10 +37,8 @@ def status(url: str) -> int:
 
 
 def test_launcher_serves_probes_drains_and_stops_on_sigterm(tmp_path: Path) -> None:
-    if not (MODEL_DIR / "config.json").is_file():
-        pytest.skip(f"{MODEL_DIR} missing (run `make model`)")
     values = load_values(REPO / "deploy" / "values.json")
-    values["MODEL_DIR"] = str(MODEL_DIR)
+    values["MODEL_DIR"] = str(assets.smollm2_dir())
     render_repository(REPO / "model_repository", tmp_path / "repo", values)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     proc = subprocess.Popen(

@@ -28,7 +28,7 @@ import pytest
 from bench.e2e_bench import parse_step_stats
 from client import Client, Constraint
 from deploy.server import TritonServer
-from tests.integration.served import MODEL_DIR, start_ensemble, wait_active_zero
+from tests.integration.served import start_ensemble, wait_active_zero
 
 pytestmark = [pytest.mark.triton, pytest.mark.e2e]
 
@@ -40,8 +40,6 @@ RECORD = {"type": "object", "properties": {"code": {"type": "string", "pattern":
 
 @pytest.fixture(scope="module")
 def two_instances(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TritonServer, Path]]:
-    if not (MODEL_DIR / "config.json").is_file():
-        pytest.skip(f"{MODEL_DIR} missing (run `make model`)")
     tmp = tmp_path_factory.mktemp("instances")
     srv = start_ensemble(tmp, values={"LLM_INSTANCES": "2", "TORCH_THREADS": "1",
                                       "STREAM_INTERVAL_MS": str(INTERVAL_MS)})

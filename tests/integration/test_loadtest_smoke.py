@@ -19,7 +19,7 @@ import pytest
 
 from deploy.server import TritonServer
 from loadtest.run import exit_deadline, locust_command, run
-from tests.integration.served import MODEL_DIR, start_ensemble
+from tests.integration.served import start_ensemble
 
 pytestmark = [pytest.mark.triton, pytest.mark.e2e]
 
@@ -30,8 +30,6 @@ KINDS = ("constrained", "unconstrained", "regex", "choice", "cold", "bad", "open
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
     """The served ensemble with its OpenAI-compatible endpoint on a free port."""
-    if not (MODEL_DIR / "config.json").is_file():
-        pytest.skip(f"{MODEL_DIR} missing (run `make model`)")
     srv = start_ensemble(tmp_path_factory.mktemp("served"), openai_port=0)
     try:
         yield srv

@@ -10,7 +10,7 @@ grown by exactly what ran.
 from __future__ import annotations
 
 import threading
-import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -18,17 +18,15 @@ import pytest
 from client import Client, Constraint
 from deploy.drain import Series, drain, scrape, value
 from deploy.server import TritonServer
+from tests.support.poll import poll
 from triton_support.metrics import METRICS, QUANTILES, metric_names
 
 pytestmark = [pytest.mark.triton, pytest.mark.e2e]
 
-def wait_for(server: TritonServer, check: Any, timeout_s: float = 20.0) -> Series:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        series = scrape(server.metrics_url)
-        if check(series) or time.monotonic() > deadline:
-            return series
-        time.sleep(0.1)
+
+def scrape_until(server: TritonServer, check: Callable[[Series], bool], timeout_s: float = 20.0) -> Series:
+    """The metrics once ``check`` accepts them, or as they are after ``timeout_s``."""
+    return poll(lambda: scrape(server.metrics_url), check, timeout_s, interval_s=0.1)
 
 
 GAUGES = ("llm_live_requests", "llm_batch_size", "llm_waiting_requests", "llm_constrained_sequences",
@@ -45,7 +43,7 @@ def idle(series: Series) -> bool:
 def test_metrics_move_with_the_load_and_return_to_idle(server: TritonServer) -> None:
     with Client(server.grpc_url) as c:  # warm: compile once, every model has published
         c.generate("Hi.", constraint=Constraint.regex("[a-z]{2}"), max_tokens=8, require_complete=False)
-    before = wait_for(server, idle)
+    before = scrape_until(server, idle)
     assert [g for g in GAUGES if value(before, g) != 0] == []
 
     never_done = Constraint.regex("[a-z]{300}").with_policies(on_budget="truncate")
@@ -69,7 +67,7 @@ def test_metrics_move_with_the_load_and_return_to_idle(server: TritonServer) -> 
     first.wait(60)  # every stream has its first token: all eight are live
     # One publication is several updates (an IPC each): wait until a scrape sees all of them.
     live_gauges = ("llm_live_requests", "llm_batch_size", "llm_constrained_sequences", "grammar_active_sequences")
-    during = wait_for(server, lambda s: all(value(s, g) == 8 for g in live_gauges))
+    during = scrape_until(server, lambda s: all(value(s, g) == 8 for g in live_gauges))
     release.set()
     for t in threads:
         t.join(120)
@@ -77,7 +75,7 @@ def test_metrics_move_with_the_load_and_return_to_idle(server: TritonServer) -> 
     assert value(during, "llm_waiting_requests") == 0
     assert len(results) == 8
 
-    after = wait_for(server, idle)
+    after = scrape_until(server, idle)
     assert {g: value(after, g) for g in GAUGES} == dict.fromkeys(GAUGES, 0.0)
     grew = {name: value(after, name) - value(before, name) for name in (
         "llm_steps_total", "llm_step_seconds_count", "grammar_step_seconds_count")}

@@ -24,7 +24,7 @@ import pytest
 from bench.e2e_bench import parse_step_stats
 from client import Client, Constraint
 from deploy.server import TritonServer
-from tests.integration.served import MODEL_DIR, start_ensemble, wait_active_zero
+from tests.integration.served import start_ensemble, wait_active_zero
 
 pytestmark = [pytest.mark.triton, pytest.mark.e2e]
 
@@ -35,8 +35,6 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 @pytest.fixture(scope="module")
 def processor_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TritonServer, Path]]:
-    if not (MODEL_DIR / "config.json").is_file():
-        pytest.skip(f"{MODEL_DIR} missing (run `make model`)")
     tmp = tmp_path_factory.mktemp("processor")
     srv = start_ensemble(tmp, values={"GRAMMAR_MODE": "processor"})
     try:

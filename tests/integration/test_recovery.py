@@ -11,16 +11,17 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
+import psutil
 import pytest
 
 from client import Client, Constraint
 from client.errors import ServerUnavailable
 from deploy.server import TritonServer
 from deploy.supervisor import Supervisor, SupervisorConfig, default_probes
-from tests.integration.served import gateway_ready
-from tests.support.poll import NEVER_ENDS, wait_for
+from tests.integration.served import NEVER_ENDS, gateway_ready
+from tests.support.poll import wait_for
+from tests.support.procs import group_processes
 
 pytestmark = [pytest.mark.triton, pytest.mark.e2e, pytest.mark.slow]
 
@@ -40,14 +41,14 @@ def supervised(server: TritonServer) -> Iterator[Supervisor]:
 
 def _stub_pid(server: TritonServer, model: str) -> int:
     """The Python-backend stub of ``model`` (its command line names the model's model.py)."""
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+    assert server.pid is not None
+    for proc in group_processes(server.pid):
         try:
-            args = cmdline.read_bytes().split(b"\0")
-            pgid = os.getpgid(int(cmdline.parent.name))
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if pgid == server.pid and any(arg.endswith(f"/{model}/1/model.py".encode()) for arg in args):
-            return int(cmdline.parent.name)
+            args = proc.cmdline()
+        except psutil.NoSuchProcess:
+            continue  # exited since the listing
+        if any(arg.endswith(f"/{model}/1/model.py") for arg in args):
+            return int(proc.pid)
     raise LookupError(f"no stub for {model}")
 
 

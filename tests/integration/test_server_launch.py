@@ -26,6 +26,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from deploy.server import ServerStartError, TritonServer, listening_ports
+from tests.support.procs import group_processes
 
 pytestmark = pytest.mark.triton
 
@@ -130,15 +131,7 @@ def stream(url: str, names: list[str], timeout_s: float = 120.0) -> list[Respons
 
 def process_group(pgid: int) -> set[int]:
     """Pids whose process group is ``pgid`` (the server and its Python stubs)."""
-    pids = set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):
-            continue  # exited while we scanned
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            pids.add(int(stat.parent.name))
-    return pids
+    return {proc.pid for proc in group_processes(pgid)}
 
 
 def port_is_free(port: int) -> bool:

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import xgrammar as xgr
+
+from tests.support import assets
+
+if TYPE_CHECKING:
+    from tests.support.tiny_model import TinyModelInfo
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMAS = REPO / "tests" / "fixtures" / "schemas"
@@ -40,6 +44,18 @@ def one_torch_thread() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModelInfo:
+    """The tiny random Llama checkpoint (:func:`tests.support.tiny_model.build_tiny_llama`, seed 0), built once.
+
+    Read-only: every test that loads it shares the folder.
+    """
+    # Imported here: torch and transformers cost seconds, and most unit tests need neither.
+    from tests.support.tiny_model import build_tiny_llama
+
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
 def tiny_info() -> xgr.TokenizerInfo:
     return xgr.TokenizerInfo(TINY_VOCAB, vocab_size=TINY_VOCAB_SIZE, stop_token_ids=[TINY_STOP])
 
@@ -63,16 +79,10 @@ def channel_service(tiny_info: xgr.TokenizerInfo) -> Iterator[Any]:
     svc.engine.close()
 
 
-def qwen_dir() -> Path:
-    return Path(os.environ.get("QWEN_TOKENIZER_DIR", REPO / "build" / "tokenizers" / "qwen3"))
-
-
 @pytest.fixture(scope="session")
 def qwen_tokenizer() -> Any:
     """The Qwen3 BPE tokenizer (151,669 tokens), from `make tokenizers`."""
-    path = qwen_dir()
-    if not (path / "tokenizer.json").is_file():
-        pytest.skip(f"Qwen3 tokenizer not found at {path} (run `make tokenizers` or set QWEN_TOKENIZER_DIR)")
+    path = assets.qwen3_dir()
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))

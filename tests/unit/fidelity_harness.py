@@ -7,6 +7,9 @@ from typing import Any
 
 import xgrammar as xgr
 
+from grammar_backend.compile import compile_json
+from grammar_backend.spec import ConstraintOptions
+
 STOP = 256
 
 
@@ -18,16 +21,11 @@ def byte_compiler() -> xgr.GrammarCompiler:
 
 
 def compile_schema(compiler: xgr.GrammarCompiler, schema: Any, strict: bool) -> xgr.CompiledGrammar:
-    """Compile exactly as the grammar engine does (compact JSON, schema key order)."""
-    return compiler.compile_json_schema(
-        json.dumps(schema),
-        any_whitespace=False,
-        separators=(",", ":"),
-        strict_mode=strict,
-        max_whitespace_cnt=None,
-        indent=None,
-        any_order=False,
-    )
+    """Compile through the engine's own call (:func:`grammar_backend.compile.compile_json`), default options but ``strict``.
+
+    The defaults are what the engine serves: compact JSON, the schema's key order.
+    """
+    return compile_json(compiler, json.dumps(schema), ConstraintOptions(strict=strict))
 
 
 def decodes(compiled: xgr.CompiledGrammar, text: str) -> bool:
@@ -37,7 +35,6 @@ def decodes(compiled: xgr.CompiledGrammar, text: str) -> bool:
         if not matcher.accept_token(byte):
             return False
     return matcher.accept_token(STOP) and matcher.is_terminated()
-
 
 
 INT = {"type": "integer"}

@@ -10,9 +10,9 @@ compile that runs past the time limit (a 20,000-fold bounded repetition: about
 worker pool's crash / timeout / error handling is checked directly with tasks
 that segfault, hang and raise.
 
-Data: the Qwen3 tokenizer at ``$QWEN_TOKENIZER_DIR`` or ``build/tokenizers/qwen3``;
-the script tests skip with the reason when it is absent.  Measured on 2 shared
-cores: pool test ~5 s, maskbench ~15 s, grammar_bench ~20 s.
+Data: the Qwen3 tokenizer (:mod:`tests.support.assets`); the script tests skip
+with the reason when it is absent, or fail under ``REQUIRE_ASSETS=1``.
+Measured on 2 shared cores: pool test ~5 s, maskbench ~15 s, grammar_bench ~20 s.
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.support import assets
+from tests.support.poll import poll
 
 REPO = Path(__file__).resolve().parents[2]
 QWEN_PADDED = 151_936
@@ -71,13 +74,6 @@ def _write_cases(folder: Path, cases: dict[str, tuple[Any, list[tuple[bool, Any]
                "tests": [{"description": f"case {i}", "valid": v, "data": d} for i, (v, d) in enumerate(tests)]}
         (folder / name).write_text(json.dumps(doc), encoding="utf-8")
     return folder
-
-
-def _qwen_dir() -> Path:
-    path = Path(os.environ.get("QWEN_TOKENIZER_DIR", REPO / "build" / "tokenizers" / "qwen3"))
-    if not (path / "tokenizer.json").is_file():
-        pytest.skip(f"Qwen3 tokenizer not found at {path} (run `make tokenizers` or set QWEN_TOKENIZER_DIR)")
-    return path
 
 
 def _run(script: str, args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
@@ -150,7 +146,7 @@ def test_subset_of(monkeypatch: pytest.MonkeyPatch, name: str, subset: str) -> N
 
 
 def test_maskbench_outcomes(tmp_path: Path) -> None:
-    qwen = _qwen_dir()
+    qwen = assets.qwen3_dir()
     data = _write_cases(tmp_path / "data", {**CASES, SLOW[0]: SLOW[1]})
     out = tmp_path / "maskbench.json"
     proc = _run("maskbench.py", [str(data), "--tokenizer", str(qwen), "--vocab-size", str(QWEN_PADDED),
@@ -203,7 +199,7 @@ def test_maskbench_outcomes(tmp_path: Path) -> None:
 def test_maskbench_backends(tmp_path: Path, backend: str) -> None:
     """auto serves JSON with llguidance first and tries xgrammar where llguidance refuses; the reason is the first
     backend's, naming the second's."""
-    qwen = _qwen_dir()
+    qwen = assets.qwen3_dir()
     names = ("Handwritten---closed.json", "Handwritten---lookbehind.json")
     data = _write_cases(tmp_path / "data", {name: CASES[name] for name in names})
     out = tmp_path / "maskbench.json"
@@ -227,7 +223,7 @@ def test_maskbench_value_checks(tmp_path: Path, backend: str) -> None:
     name = "Synthesized_1.json"
     data = _write_cases(tmp_path / "data", {name: CASES[name]})
     out = tmp_path / "maskbench.json"
-    proc = _run("maskbench.py", [str(data), "--tokenizer", str(_qwen_dir()), "--vocab-size", str(QWEN_PADDED),
+    proc = _run("maskbench.py", [str(data), "--tokenizer", str(assets.qwen3_dir()), "--vocab-size", str(QWEN_PADDED),
                                  "--workers", "1", "--backend", backend, "--json", str(out), "--quiet"], timeout=120)
     (rec,) = json.loads(out.read_text())["schemas"]
     assert (rec["passed"], rec["value_checked"], rec["invalid_accepted"], rec["valid_rejected"]) == (True, [1], [], [])
@@ -238,7 +234,7 @@ def test_maskbench_value_checks(tmp_path: Path, backend: str) -> None:
 
 
 def test_grammar_bench_outcomes(tmp_path: Path) -> None:
-    qwen = _qwen_dir()
+    qwen = assets.qwen3_dir()
     data = _write_cases(tmp_path / "data", CASES)
     out = tmp_path / "bench.json"
     proc = _run("grammar_bench.py", [str(data), "--quick", "--tokenizer", str(qwen), "--vocab-size",
@@ -277,9 +273,7 @@ def test_grammar_bench_outcomes(tmp_path: Path) -> None:
 
 def test_processor_bench_compares_the_three_modes(tmp_path: Path) -> None:
     """bench/processor_bench.py on the real default model: every mode measured at the full batch."""
-    model = Path(__file__).resolve().parents[2] / "build" / "models" / "smollm2-135m-instruct"
-    if not (model / "config.json").is_file():
-        pytest.skip(f"{model} missing (run `make model`)")
+    model = assets.smollm2_dir()
     out = tmp_path / "processor.json"
     proc = _run("processor_bench.py", [str(model), "--batch", "2", "--tokens", "6", "--rounds", "1",
                                        "--json", str(out)], timeout=300)
@@ -311,13 +305,9 @@ def test_path_bench_reads_the_processes_it_serves(monkeypatch: pytest.MonkeyPatc
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "llm_0_0"])
     try:
-        deadline = time.monotonic() + 10
-        labels: dict[int, str] = {}
-        while time.monotonic() < deadline:  # until the child has exec'd (its cmdline is empty before)
-            labels = {p.pid: p.label for p in path_bench.server_processes(os.getpid())}
-            if not labels.get(child.pid, "?").startswith("?"):
-                break
-            time.sleep(0.05)
+        # Until the child has exec'd (its cmdline is empty before).
+        labels = poll(lambda: {p.pid: p.label for p in path_bench.server_processes(os.getpid())},
+                      lambda found: not found.get(child.pid, "?").startswith("?"), 10, interval_s=0.05)
         assert labels[os.getpid()] == "launcher + gateway"
         assert labels[child.pid].startswith(Path(sys.executable).name)  # not a stub: no stub executable
         assert path_bench.cpu_seconds(os.getpid()) > 0 and path_bench.cpu_seconds(2**22 + 7) == 0.0

@@ -7,7 +7,6 @@ and forced one by one), so these tests use the real Qwen3 BPE vocabulary.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -29,6 +28,7 @@ from grammar_backend.errors import ConfigError
 from grammar_backend.fidelity import validate_output
 from grammar_backend.sequences import FREE, GrammarSequence
 from grammar_backend.spec import parse_constraint
+from tests.support import assets
 
 PERSON = {
     "type": "object",
@@ -470,16 +470,11 @@ def test_bitmask_allows(qwen_info: xgr.TokenizerInfo) -> None:
 # The issue's four misses (SmolLM2, large schemas, max_tokens 384), replayed through the real matcher with
 # SmolLM2's vocabulary: each digit is a token of its own there, and a large schema's required tail is
 # longer than the search's old 512-character bound, so no completion was ever found.
-SMOLLM2 = Path(__file__).resolve().parents[2] / "build" / "models" / "smollm2-135m-instruct"
-
-
 @pytest.fixture(scope="module")
 def smol() -> Any:
-    if not (SMOLLM2 / "tokenizer.json").is_file():
-        pytest.skip(f"SmolLM2 not found at {SMOLLM2} (run `make model`)")
     from grammar_backend.tokenizer import load_tokenizer
 
-    return load_tokenizer(str(SMOLLM2))
+    return load_tokenizer(str(assets.smollm2_dir()))
 
 
 @pytest.fixture(scope="module")

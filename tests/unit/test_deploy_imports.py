@@ -18,7 +18,6 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Final
 
 import pytest
 
@@ -27,12 +26,6 @@ PACKAGES = ("contract", "grammar_backend", "triton_support", "pipeline", "llm_ru
             "deploy")
 
 Graph = dict[str, set[str]]
-
-#: Import edges of circles known and left for their own change, as ``(importer, imported)``: each
-#: edge is checked to exist (remove it here once its circle is gone) and then dropped from the graph.
-#: llm_runtime.trtllm_engine imports trtllm_decoder lazily (grammar_mode processor), which imports
-#: trtllm_engine's check_trtllm_api at the top.
-KNOWN_CIRCLE_EDGES: Final = frozenset({("llm_runtime.trtllm_engine", "llm_runtime.trtllm_decoder")})
 
 
 def module_files(root: Path, packages: tuple[str, ...]) -> dict[str, Path]:
@@ -149,9 +142,11 @@ def test_product_packages_import_without_a_circle() -> None:
     assert {"deploy.server", "deploy.supervisor", "deploy.health"} <= graph["deploy.launch"]
     assert "deploy.server" in graph["deploy.supervisor"]
     assert not {"deploy.launch", "deploy.supervisor"} & graph["deploy.server"]
-    for importer, imported in sorted(KNOWN_CIRCLE_EDGES):
-        assert imported in graph[importer], f"{importer} -> {imported} is gone: remove it from KNOWN_CIRCLE_EDGES"
-        graph[importer].discard(imported)
+    # The TensorRT-LLM engine imports its decoder lazily (grammar_mode processor); both take the
+    # version pin and the API check from llm_runtime.trtllm_api, which imports neither.
+    assert "llm_runtime.trtllm_decoder" in graph["llm_runtime.trtllm_engine"]
+    assert "llm_runtime.trtllm_api" in graph["llm_runtime.trtllm_decoder"]
+    assert not {"llm_runtime.trtllm_engine", "llm_runtime.trtllm_decoder"} & graph["llm_runtime.trtllm_api"]
     cycle = find_cycle(graph)
     assert cycle is None, "import circle: " + " -> ".join(cycle or [])
 

@@ -11,7 +11,7 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
 
@@ -38,6 +38,7 @@ from deploy.gateway import (
     parse_keys,
     restriction_args,
 )
+from tests.support.poll import wait_for
 from tests.tls_certs import make_pki, openssl_missing
 
 SECRET = "s" * 32
@@ -347,11 +348,8 @@ class _OpenStream:
         return self.call.code()  # type: ignore[no-any-return]
 
 
-def _wait(predicate: object, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
+def _wait(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    wait_for(predicate, timeout_s, "condition not reached", interval_s=0.02)
 
 
 @pytest.mark.parametrize(

@@ -33,7 +33,7 @@ from llm_runtime.errors import EngineError
 from llm_runtime.grammar_hook import GrammarRows, RowOutcome
 from llm_runtime.local_mask import LocalMaskProvider
 from llm_runtime.mask import ConstraintRequest, MaskStep
-from tests.support.tiny_model import TinyModelInfo, build_tiny_llama
+from tests.support.tiny_model import TinyModelInfo
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -60,11 +60,6 @@ class CountingProvider(LocalMaskProvider):
         if self.fail_steps:
             raise RuntimeError("grammar model unreachable")
         return super().step(seq_ids, tokens, counts)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModelInfo:
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
 
 
 @pytest.fixture(scope="module")

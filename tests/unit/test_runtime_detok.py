@@ -10,13 +10,8 @@ from tokenizers import Tokenizer
 
 from llm_runtime.detok import IncrementalDetokenizer
 from llm_runtime.errors import RequestError
-from tests.support.tiny_model import build_tiny_llama
-
-REPO = Path(__file__).resolve().parents[2]
-QWEN_CANDIDATES = (
-    REPO / "build" / "tokenizers" / "qwen3" / "tokenizer.json",
-    Path("/tmp/qwen/package/models/tokenizer.json"),
-)
+from tests.support import assets
+from tests.support.tiny_model import TinyModelInfo
 
 TEXTS = (
     "hello world",
@@ -29,27 +24,20 @@ TEXTS = (
 
 
 @pytest.fixture(scope="module")
-def tiny_tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    info = build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
-    return Tokenizer.from_file(str(info.path / "tokenizer.json"))
+def tiny_tok(tiny: TinyModelInfo) -> Tokenizer:
+    return Tokenizer.from_file(str(tiny.path / "tokenizer.json"))
 
 
 @functools.cache
-def _qwen() -> Tokenizer | None:
-    for p in QWEN_CANDIDATES:
-        if p.is_file():
-            return Tokenizer.from_file(str(p))
-    return None
+def _qwen(folder: Path) -> Tokenizer:
+    return Tokenizer.from_file(str(folder / "tokenizer.json"))
 
 
 @pytest.fixture(params=["tiny", "qwen3"])
 def tok(request: pytest.FixtureRequest, tiny_tok: Tokenizer) -> Tokenizer:
     if request.param == "tiny":
         return tiny_tok
-    qwen = _qwen()
-    if qwen is None:
-        pytest.skip(f"Qwen3 tokenizer.json not found at {[str(p) for p in QWEN_CANDIDATES]} (make tokenizers)")
-    return qwen
+    return _qwen(assets.qwen3_dir())
 
 
 def stream(tok: Tokenizer, ids: list[int], stop: tuple[str, ...] = ()) -> tuple[list[str], IncrementalDetokenizer]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,20 +13,13 @@ from transformers import AutoModelForCausalLM
 from grammar_backend.errors import ConfigError
 from llm_runtime.engine import TorchEngine, TorchEngineConfig
 from llm_runtime.errors import EngineError, RequestError
-from tests.support.tiny_model import TinyModelInfo, build_tiny_llama
-
-REPO = Path(__file__).resolve().parents[2]
-SMOLLM2_DIR = Path(os.environ.get("SMOLLM2_DIR", REPO / "build" / "models" / "smollm2-135m-instruct"))
+from tests.support import assets
+from tests.support.tiny_model import TinyModelInfo
 
 PROMPTS = ("hello world", "yes no maybe true false null, the quick brown fox", "caf\u00e9 \U0001f600")
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModelInfo:
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
 
 
 @pytest.fixture(scope="module")
@@ -318,13 +310,8 @@ def test_engine_rejects_bad_folders(tiny: TinyModelInfo, tmp_path: Path) -> None
         TorchEngine(tiny.path, TorchEngineConfig(max_seq_len=2048))
 
 
-@pytest.mark.skipif(
-    not (SMOLLM2_DIR / "config.json").is_file(),
-    reason=f"SmolLM2 checkpoint not found at {SMOLLM2_DIR} (built by `make model` / deploy/prepare_model.py; "
-    "or set SMOLLM2_DIR)",
-)
 def test_smollm2_batched_equals_alone() -> None:
-    engine = TorchEngine(SMOLLM2_DIR, TorchEngineConfig(max_batch_size=3, max_seq_len=256, initial_cache_len=32))
+    engine = TorchEngine(assets.smollm2_dir(), TorchEngineConfig(max_batch_size=3, max_seq_len=256, initial_cache_len=32))
     assert engine.vocab_size == 49152
     assert 2 in engine.eos_token_ids
     tok = engine.tokenizer

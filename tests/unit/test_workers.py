@@ -22,6 +22,8 @@ from grammar_backend.workers import (
     WorkerStats,
     worker_python,
 )
+from tests.support.poll import poll
+from tests.support.procs import alive
 from tests.unit.conftest import (
     REPO,
     TINY_STOP,
@@ -165,18 +167,7 @@ def test_a_worker_dies_with_its_parent() -> None:
     pid = int(parent.stdout.readline())
     os.kill(parent.pid, signal.SIGKILL)  # no cleanup runs in the parent, as when a stub is killed
     parent.wait(timeout=10)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and _alive(pid):
-        time.sleep(0.05)
-    assert not _alive(pid)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
-            return fh.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
+    assert not poll(lambda: alive(pid), lambda running: not running, 10, interval_s=0.05)
 
 
 @pytest.mark.parametrize(
