@@ -12,6 +12,7 @@ import json
 import math
 import re
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
