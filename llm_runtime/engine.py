@@ -91,10 +91,11 @@ class TorchEngineConfig:
         worker thread.  Measure on the target machine.
     """
 
+    # No defaults: LlmModelConfig (max_batch, max_seq_len) holds the one default of each.
+    max_batch_size: int
+    max_seq_len: int
     device: str = "cpu"
     dtype: str = "float32"
-    max_batch_size: int = 16
-    max_seq_len: int = 2048
     initial_cache_len: int = 256
     num_threads: int | None = None
 
@@ -271,8 +272,8 @@ class TorchEngine:
     Not thread-safe: one thread (the scheduler loop) drives it.
     """
 
-    def __init__(self, model_dir: str | Path, config: TorchEngineConfig | None = None) -> None:
-        cfg = config if config is not None else TorchEngineConfig()
+    def __init__(self, model_dir: str | Path, config: TorchEngineConfig) -> None:
+        cfg = config
         self._config = cfg
         path = Path(model_dir)
         if not path.is_dir():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -161,15 +162,18 @@ def test_overlap_sends_over_the_channel_from_the_loops_thread(channel_service: G
     provider = BlsMaskProvider(pb, max_rows=4)  # type: ignore[arg-type]
     phase = GrammarPhase(provider, max_rows=4, max_jump_tokens=0, overlap=True)
 
-    class Row:
-        def __init__(self, token: int) -> None:
-            self.seq_id, self.jump, self.refeed = 1, (), False
-            self.in_engine, self.last_token = token >= 0, token
+    @dataclass
+    class Row:  # the scheduler's sequence state, as GrammarPhase reads it (PhaseRow)
+        last_token: int
+        in_engine: bool = True
+        seq_id: int = 1
+        jump: tuple[int, ...] = ()
+        refeed: bool = False
 
     width = (TINY_VOCAB_SIZE + 31) // 32
     try:
         provider.start(1, REGEX)
-        phase.launch([Row(-1)])
+        phase.launch([Row(-1, in_engine=False)])
         phase.collect(width)
         assert pb.ops == ["channel", "step"] and phase.step is not None  # the start's channel, then a BLS step
         for token in (ord("a"), ord("b")):

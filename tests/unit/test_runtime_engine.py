@@ -298,16 +298,16 @@ def test_engine_misuse(tiny: TinyModelInfo, action: str, error: type[Exception],
 )
 def test_engine_config_rejects(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
-        TorchEngineConfig(**kwargs)  # type: ignore[arg-type]
+        TorchEngineConfig(**{"max_batch_size": 4, "max_seq_len": 256, **kwargs})  # type: ignore[arg-type]
 
 
 def test_engine_rejects_bad_folders(tiny: TinyModelInfo, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="model_dir: .* is not a directory"):
-        TorchEngine(tmp_path / "missing")
+        TorchEngine(tmp_path / "missing", TorchEngineConfig(max_batch_size=2, max_seq_len=256))
     with pytest.raises(ConfigError, match="model_dir: .* has no tokenizer.json"):
-        TorchEngine(tmp_path)
+        TorchEngine(tmp_path, TorchEngineConfig(max_batch_size=2, max_seq_len=256))
     with pytest.raises(ConfigError, match="engine.max_seq_len: 2048 exceeds the model's max_position_embeddings 1024"):
-        TorchEngine(tiny.path, TorchEngineConfig(max_seq_len=2048))
+        TorchEngine(tiny.path, TorchEngineConfig(max_batch_size=2, max_seq_len=2048))
 
 
 def test_smollm2_batched_equals_alone() -> None:
