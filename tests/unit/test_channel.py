@@ -10,6 +10,7 @@ only, and the connection stays; a peer that goes away is UNAVAILABLE at once.
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import threading
@@ -276,4 +277,14 @@ def test_one_step_in_flight_at_a_time(channel_service: GrammarService, buffer: M
     assert info.value.status == "INTERNAL" and not client.closed
     if calls[0] == "send":
         assert client.receive_step()[0].active == 1  # the step in flight is still answered
+    client.end([1])
+
+
+def test_connection_threads_never_preempt_the_caller(channel_service: GrammarService, buffer: MaskBuffer) -> None:
+    """Each connection is served under SCHED_BATCH: a step's request does not preempt the decode loop that sent it."""
+    client = ChannelClient(_path(channel_service), buffer.name)
+    _start(client, 1)  # the connection is served by now
+    served = [t for t in threading.enumerate() if t.name == "grammar-channel" and t.native_id is not None]
+    assert served and {os.sched_getscheduler(t.native_id or 0) for t in served} == {os.SCHED_BATCH}
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's own policy is untouched
     client.end([1])
