@@ -821,7 +821,7 @@ class StreamAssembler:
         raw_text = _first_str(response, "TEXT")
         raw_result = _first_str(response, "RESULT")
         raw_finish = _first_str(response, "FINISH_REASON")
-        raw_thinking = _first_str(response, "REASONING")  # sent only when the thinking has a delta
+        raw_thinking = _first_str(response, "REASONING_TEXT")  # sent only when the thinking has a delta
         try:
             delta = self._decoder.decode(raw_text or b"", final=final)
         except UnicodeDecodeError as err:
@@ -829,7 +829,7 @@ class StreamAssembler:
         try:
             thinking = self._thinking_decoder.decode(raw_thinking or b"", final=final)
         except UnicodeDecodeError as err:
-            raise GenerationError(f"malformed response from server: REASONING is not UTF-8: {err}") from err
+            raise GenerationError(f"malformed response from server: REASONING_TEXT is not UTF-8: {err}") from err
         if raw_finish:
             self._finish_reason = raw_finish.decode("utf-8", errors="replace")
         if raw_result:

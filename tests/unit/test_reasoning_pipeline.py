@@ -53,8 +53,8 @@ def thinking() -> Preprocessor:
 )
 def test_reasoning_preprocessing_without_server_markers(plain: Preprocessor, reasoning: bytes | None,
                                                         constrained: bool, expected: Reasoning | None) -> None:
-    raw = RawRequest(prompt=b"hi", reasoning=reasoning, **(
-        {"grammar_type": b"json_schema", "grammar": SCHEMA} if constrained else {}))
+    raw = RawRequest(prompt=b"hi", reasoning=reasoning, grammar_type=b"json_schema" if constrained else None,
+                     grammar=SCHEMA if constrained else None)
     _, params = plain(raw)
     assert params.reasoning == expected
     if constrained:
@@ -64,8 +64,8 @@ def test_reasoning_preprocessing_without_server_markers(plain: Preprocessor, rea
             assert "reasoning" not in options  # the wire form of a request without thinking is as it was
         else:
             assert Reasoning(**options["reasoning"]) == expected
-            spec = validated_constraint(**{"kind": params.constraint["kind"], "payload": params.constraint["payload"],
-                                           "options_json": params.constraint["options"]})
+            spec = validated_constraint(params.constraint["kind"], params.constraint["payload"],
+                                        params.constraint["options"])
             assert spec.options.reasoning == expected
     # REQUEST carries it only when set, and reads back the same
     assert ("reasoning" in json.loads(params.to_json())) is (expected is not None)

@@ -9,7 +9,7 @@ Inputs
                               {finish_reason, text, prompt_tokens, completion_tokens, error, constraint}
 Outputs
     TEXT           BYTES [1]  the text delta, passed through
-    REASONING      BYTES [1]  the thinking delta, passed through; sent only when not empty, so the
+    REASONING_TEXT BYTES [1]  the thinking delta, passed through; sent only when not empty, so the
                               responses of a request without a thinking section are as they were
     FINISH_REASON  BYTES [1]  "" or stop | length | error
     RESULT         BYTES [1]  "" or the final result JSON (see README, "Responses"); errors are
@@ -57,7 +57,7 @@ class TritonPythonModel:
             thinking = _bytes(request, "REASONING_DELTA")
             parts = [text]
             if thinking:
-                parts.append(pb_utils.Tensor("REASONING", np.array([thinking], np.object_)))
+                parts.append(pb_utils.Tensor("REASONING_TEXT", np.array([thinking], np.object_)))
             finish = _bytes(request, "FINISH")
             if not finish:
                 responses.append(pb_utils.InferenceResponse(output_tensors=[
