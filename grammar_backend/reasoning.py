@@ -305,12 +305,12 @@ class Thinking:
             return self.table.calm_row()
         return self.table.row(self.state)
 
-    def due(self, budget: int, config: ReasoningConfig, answer: Callable[[], int]) -> tuple[int, ...] | None:
+    def due(self, budget: int, config: ReasoningConfig) -> tuple[int, ...] | None:
         """The end marker's rest to force now, or None (the thinking goes on).
 
         ``budget``: the request's ``max_tokens`` under ``on_budget: close``
-        (0: no reserve for the answer); ``answer``: the shortest answer's length
-        (asked once, when the reserve is first needed).
+        (0: no reserve for the answer); the reserve needs :attr:`answer`, the
+        shortest answer's length, set by the caller before.
         """
         rest = self.table.rest(self.state)
         if rest is None:
@@ -318,9 +318,7 @@ class Thinking:
         if self.limit and (self.tokens + len(rest) >= self.limit or (self.state and self.near_limit())):
             return rest  # a marker begun near the limit is finished while it still fits
         if budget and config.reserve_answer:
-            if self.answer < 0:
-                self.answer = answer()
             # The longest rest, not this one: a marker begun after this check still leaves the answer its room.
-            if budget - self.tokens <= config.reserve(self.table.worst, self.answer):
+            if budget - self.tokens <= config.reserve(self.table.worst, max(self.answer, 0)):
                 return rest
         return None

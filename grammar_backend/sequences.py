@@ -183,7 +183,9 @@ class GrammarSequence:
         forced = thinking.forced
         if forced is not None and thinking.forced_at < len(forced):
             return forced[thinking.forced_at]
-        rest = thinking.due(self.budget, self.reasoning, lambda: self._answer_length(closer))
+        if thinking.answer < 0 and self.budget and self.reasoning.reserve_answer:
+            thinking.answer = self._answer_length(closer)  # once: the start state's, cached per constraint
+        rest = thinking.due(self.budget, self.reasoning)
         if rest is None:
             return FREE
         thinking.forced, thinking.forced_at, thinking.cut = rest, 0, True
