@@ -116,9 +116,9 @@ class Runner:
 
     def prompt(self, schema: dict[str, Any]) -> list[int]:
         text = PROMPT.format(schema=json.dumps(schema, separators=(",", ":")))
-        ids = self.bundle.hf.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                 tokenize=True)
-        if hasattr(ids, "input_ids"):
+        ids: Any = self.bundle.hf.apply_chat_template([{"role": "user", "content": text}],
+                                                      add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "input_ids"):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
         return [int(t) for t in ids]
 
@@ -135,7 +135,8 @@ class Runner:
                     schema, spec, max_tokens, _ = jobs[i]
                     wire = spec.wire()
 
-                    def on_event(event: TokenEvent | FinishEvent, i: int = i) -> None:
+                    def on_event(event: TokenEvent | FinishEvent, i: int = i,
+                                 done: threading.Semaphore = done) -> None:
                         if isinstance(event, FinishEvent):
                             out[i] = event
                             done.release()
@@ -166,7 +167,7 @@ class Runner:
 
 
 def outcome(schema: dict[str, Any], final: FinishEvent) -> dict[str, Any]:
-    thinking, answer, ended = split_reasoning(final.text, THINK)
+    _, answer, ended = split_reasoning(final.text, THINK)
     report = validator_for(schema).validate_text(answer) if ended else None
     return {"valid": bool(report is not None and report.valid), "ended": ended, "cut": final.reasoning_cut,
             "reasoning_tokens": final.reasoning_tokens, "tokens": final.completion_tokens,

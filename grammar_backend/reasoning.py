@@ -317,8 +317,8 @@ class Thinking:
             return None  # wait for a state whose rest the vocabulary spells (byte-level vocabularies always do)
         if self.limit and (self.tokens + len(rest) >= self.limit or (self.state and self.near_limit())):
             return rest  # a marker begun near the limit is finished while it still fits
-        if budget and config.reserve_answer:
-            # The longest rest, not this one: a marker begun after this check still leaves the answer its room.
-            if budget - self.tokens <= config.reserve(self.table.worst, max(self.answer, 0)):
-                return rest
+        # The longest rest, not this one: a marker begun after this check still leaves the answer its room.
+        if budget and config.reserve_answer and budget - self.tokens <= config.reserve(self.table.worst,
+                                                                                       max(self.answer, 0)):
+            return rest
         return None

@@ -11,6 +11,7 @@ the opt-out and markers of their own.
 
 from __future__ import annotations
 
+import io
 import json
 import time
 from collections.abc import Iterator
@@ -176,6 +177,18 @@ def test_reasoning_without_a_constraint_only_splits(client: Client) -> None:
     thinking, text, ended = split_reasoning(result.reasoning + ("</think>" + result.text if result.reasoning_ended
                                                                  else ""), Reasoning("</think>"))
     assert (thinking, text, ended) == (result.reasoning, result.text, result.reasoning_ended)
+
+
+def test_reasoning_cli_sends_the_thinking_to_stderr(server: TritonServer) -> None:
+    from client.__main__ import main
+
+    out, err = io.StringIO(), io.StringIO()
+    code = main(["--url", server.grpc_url, "--schema", json.dumps(PERSON), "--max-tokens", "40",
+                 "--reasoning-end", "[[answer]]", "--max-reasoning-tokens", "12", "--allow-incomplete", ASK],
+                stdout=out, stderr=err)
+    assert code == 0, err.getvalue()
+    jsonschema.validate(json.loads(out.getvalue()), PERSON)  # the answer alone on stdout
+    assert err.getvalue() and "[[answer" not in err.getvalue()  # the thinking on stderr, no marker
 
 
 def test_reasoning_openai_returns_reasoning_content(server: TritonServer) -> None:

@@ -14,7 +14,7 @@ from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
 from client.__main__ import build_parser, request_from_args
 from client.errors import GenerationError, InvalidRequest
-from client.sdk import GenerateRequest, Result, StreamAssembler, Usage, parse_result
+from client.sdk import Result, StreamAssembler, Usage, parse_result
 from contract.reasoning import Reasoning
 from openai_api.errors import BadRequest
 from openai_api.request import EXTENSION, parse_chat
@@ -117,33 +117,6 @@ def test_reasoning_cli_flags(argv: list[str], expected: Any) -> None:
 def test_reasoning_cli_refuses(argv: list[str], match: str) -> None:
     with pytest.raises(InvalidRequest, match=match):
         request_from_args(build_parser().parse_args([*argv, "p"]), io.StringIO())
-
-
-def test_reasoning_cli_sends_the_thinking_to_stderr() -> None:
-    from client import __main__ as cli
-
-    class FakeClient:
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            pass
-
-        def __enter__(self) -> FakeClient:
-            return self
-
-        def __exit__(self, *exc: object) -> None:
-            pass
-
-        def stream(self, request: GenerateRequest) -> Any:
-            from client.sdk import Chunk
-            final = parse_result(result_json(), "json_schema")
-            return iter([Chunk("", reasoning="plan "), Chunk('{"a":1}', final, reasoning="\u00e9")])
-
-    out, err = io.StringIO(), io.StringIO()
-    real, cli.Client = cli.Client, FakeClient  # type: ignore[misc]
-    try:
-        code = cli.main(["--reasoning-end", "</think>", "--regex", "x", "p"], stdout=out, stderr=err)
-    finally:
-        cli.Client = real  # type: ignore[misc]
-    assert (code, out.getvalue(), err.getvalue()) == (0, '{"a":1}\n', "plan \u00e9")
 
 
 # -- OpenAI ----------------------------------------------------------------------------------------------------
