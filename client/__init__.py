@@ -15,7 +15,7 @@ from client.errors import (
     ServerUnavailable,
     TruncatedOutput,
 )
-from client.sdk import Chunk, Client, GenerateRequest, JsonReport, Result, Unenforced, Usage, Violation
+from client.sdk import Chunk, Client, GenerateRequest, JsonReport, Reasoning, Result, Unenforced, Usage, Violation
 
 __all__ = [
     "Chunk",
@@ -29,6 +29,7 @@ __all__ = [
     "InvalidConstraint",
     "InvalidRequest",
     "JsonReport",
+    "Reasoning",
     "Result",
     "ServerBusy",
     "ServerUnavailable",

@@ -1,6 +1,8 @@
 """Command-line client: ``python -m client [options] PROMPT``.
 
-Streams the generated text to stdout as it arrives.
+Streams the generated text to stdout as it arrives; with a thinking section
+(``--reasoning-end``, or a server whose model reasons), the thinking goes to
+stderr and the answer alone to stdout.
 
 Exit codes
 ----------
@@ -44,6 +46,7 @@ from client.sdk import (
     REQUEST_FIELDS,
     Client,
     GenerateRequest,
+    Reasoning,
     Result,
 )
 
@@ -61,7 +64,7 @@ EXIT_INTERRUPTED: Final = 130
 #: (PROMPT, --messages), the constraint (its own flags) and require_complete
 #: (--allow-incomplete).  Every other GenerateRequest field is the flag's dest
 #: (--max-tokens -> max_tokens), read by name in :func:`request_from_args`.
-_DERIVED_FIELDS: Final = frozenset({"prompt", "messages", "constraint", "require_complete"})
+_DERIVED_FIELDS: Final = frozenset({"prompt", "messages", "constraint", "reasoning", "require_complete"})
 #: The request fields read straight from the parsed flags of the same name.
 FLAG_FIELDS: Final = tuple(name for name in REQUEST_FIELDS if name not in _DERIVED_FIELDS)
 
@@ -141,6 +144,16 @@ def build_parser() -> argparse.ArgumentParser:
     policies.add_argument("--no-jump-forward", dest="jump_forward", action="store_false", default=None,
                           help="sample every token, also where the constraint forces the text (the server "
                                "appends forced text without sampling by default)")
+
+    thinking = parser.add_argument_group("reasoning (the model thinks first; the constraint applies after the end "
+                                         "marker; the thinking goes to stderr)")
+    thinking.add_argument("--reasoning-end", metavar="MARKER", help="the marker that ends the thinking, e.g. '</think>'")
+    thinking.add_argument("--reasoning-start", metavar="MARKER",
+                          help="the marker the thinking may begin with, e.g. '<think>' (with --reasoning-end)")
+    thinking.add_argument("--max-reasoning-tokens", type=int, metavar="N",
+                          help="the server forces the end marker after N thinking tokens (marker included)")
+    thinking.add_argument("--no-reasoning", dest="no_reasoning", action="store_true",
+                          help="no thinking section, where the server's model reasons by default")
 
     sampling = parser.add_argument_group("sampling")
     sampling.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
@@ -291,8 +304,32 @@ def request_from_args(args: argparse.Namespace, stdin: TextIO) -> GenerateReques
     prompt = stdin.read() if args.prompt == "-" else args.prompt
     messages = None if args.messages is None else _load_json_file(args.messages, "--messages")
     flags = {name: getattr(args, name) for name in FLAG_FIELDS}
-    return GenerateRequest(prompt=prompt, messages=messages, constraint=constraint,
+    return GenerateRequest(prompt=prompt, messages=messages, constraint=constraint, reasoning=reasoning_from_args(args),
                            require_complete=not args.allow_incomplete, **flags)
+
+
+def reasoning_from_args(args: argparse.Namespace) -> Reasoning | bool | dict[str, Any] | None:
+    """The request's ``reasoning`` field from the reasoning flags (None: the server's default).
+
+    Raises
+    ------
+    InvalidRequest
+        ``--no-reasoning`` with another reasoning flag, or ``--reasoning-start`` without ``--reasoning-end``.
+    """
+    given = [flag for flag, value in (("--reasoning-end", args.reasoning_end), ("--reasoning-start", args.reasoning_start),
+                                      ("--max-reasoning-tokens", args.max_reasoning_tokens)) if value is not None]
+    if args.no_reasoning:
+        if given:
+            raise InvalidRequest("reasoning", f"--no-reasoning and {given[0]} contradict each other")
+        return False
+    if args.reasoning_start is not None and args.reasoning_end is None:
+        raise InvalidRequest("reasoning.end", "--reasoning-start needs --reasoning-end")
+    if args.reasoning_end is not None:
+        return Reasoning(end=args.reasoning_end, start=args.reasoning_start or "",
+                         max_reasoning_tokens=args.max_reasoning_tokens)
+    if args.max_reasoning_tokens is not None:
+        return {"max_reasoning_tokens": args.max_reasoning_tokens}  # the server's markers
+    return None
 
 
 def _print_result(result: Result | None, out: TextIO) -> None:
@@ -332,6 +369,9 @@ def main(argv: Sequence[str] | None = None, *, stdin: TextIO | None = None, stdo
                     cert_file=args.cert_file, key_file=args.key_file, api_key=args.api_key) as llm:
             chunks = llm.stream(request)
             for chunk in chunks:
+                if chunk.reasoning:
+                    stderr.write(chunk.reasoning)
+                    stderr.flush()
                 if chunk.text:
                     stdout.write(chunk.text)
                     stdout.flush()

@@ -52,6 +52,7 @@ from client.errors import (
     error_for_status,
     from_server_error,
 )
+from contract.reasoning import Reasoning, reasoning_wire
 
 __all__ = [
     "API_KEY_ENV",
@@ -64,6 +65,7 @@ __all__ = [
     "Client",
     "GenerateRequest",
     "JsonReport",
+    "Reasoning",
     "RequestFields",
     "Result",
     "Unenforced",
@@ -214,6 +216,18 @@ class Result:
     value_dropped_tokens : int
         Tokens those retries dropped (generated, so paid for, but not part of
         the text nor of ``usage.completion_tokens``).
+    reasoning : str or None
+        With a thinking section (request field ``reasoning``): its text,
+        markers left out; ``text`` is then the answer alone.  None without one.
+    reasoning_tokens : int or None
+        Tokens of the thinking section, its end marker included (part of
+        ``usage.completion_tokens``); None where the server does not count
+        them (no thinking section, or no constraint).
+    reasoning_cut : bool
+        The server ended the thinking by forcing its end marker
+        (``max_reasoning_tokens``, or to leave room for the answer).
+    reasoning_ended : bool
+        The end marker was written, so the answer began (true without a thinking section).
     raw : Mapping[str, Any]
         The ``RESULT`` object as received.
     """
@@ -232,6 +246,10 @@ class Result:
     backend: str | None = None
     value_retries: int = 0
     value_dropped_tokens: int = 0
+    reasoning: str | None = None
+    reasoning_tokens: int | None = None
+    reasoning_cut: bool = False
+    reasoning_ended: bool = True
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
 
@@ -242,13 +260,19 @@ class Chunk:
     Attributes
     ----------
     text : str
-        The text delta (may be empty only on the final chunk).
+        The text delta: with a thinking section, the answer's (both deltas
+        may be empty only on the final chunk).
     result : Result or None
         Set on the final chunk only.
+    reasoning : str
+        The thinking section's delta ("" without one, or when this piece is
+        all answer).  The deltas of each part, joined, are the result's
+        ``reasoning`` and ``text``.
     """
 
     text: str
     result: Result | None = None
+    reasoning: str = ""
 
 
 def _malformed(path: str, reason: str) -> GenerationError:
@@ -364,6 +388,7 @@ def parse_result(text: str, kind: str | None) -> Result:
         value_retries=_get(obj, "value_retries", int, "RESULT") if "value_retries" in obj else 0,
         value_dropped_tokens=_get(obj, "value_dropped_tokens", int, "RESULT") if "value_dropped_tokens" in obj else 0,
         raw=MappingProxyType(obj),
+        **_reasoning_fields(obj),
     )
     if kind in _JSON_KINDS and (complete or closed_early):
         try:
@@ -380,6 +405,16 @@ def parse_result(text: str, kind: str | None) -> Result:
                                   f"constraint but is a JSON {type(parsed).__name__}, not an object", result=result)
         result = dataclasses.replace(result, parsed=parsed)
     return result
+
+
+def _reasoning_fields(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """The thinking members of a RESULT (present only for a request with a thinking section)."""
+    if "reasoning" not in obj:
+        return {}
+    return {"reasoning": _get(obj, "reasoning", str, "RESULT"),
+            "reasoning_tokens": _get(obj, "reasoning_tokens", int, "RESULT", nullable=True),
+            "reasoning_cut": _get(obj, "reasoning_cut", bool, "RESULT"),
+            "reasoning_ended": _get(obj, "reasoning_ended", bool, "RESULT")}
 
 
 # --------------------------------------------------------------------------- requests
@@ -461,6 +496,7 @@ class RequestFields(TypedDict, total=False):
     frequency_penalty: float | None
     presence_penalty: float | None
     min_p: float | None
+    reasoning: Reasoning | bool | Mapping[str, Any] | None
     require_complete: bool
 
 
@@ -526,6 +562,14 @@ class GenerateRequest:
     min_p : float, optional
         In [0, 1]; 0 is off.  Sample only tokens at least ``min_p`` times as
         likely as the most likely one.
+    reasoning : Reasoning, bool or mapping, optional
+        The model thinks first (:mod:`contract.reasoning`): the constraint
+        applies after the thinking's end marker, and the result carries the
+        thinking apart from the answer.  ``Reasoning(end="</think>",
+        start="<think>", max_reasoning_tokens=256)`` names the markers;
+        ``True`` (or ``{"max_reasoning_tokens": 256}``) takes the server's
+        markers; ``False`` turns it off where the server's model reasons by
+        default; None (default) leaves it to the server.
     require_complete : bool
         Raise :class:`TruncatedOutput` (:class:`ClosedEarly`) when the output
         is incomplete (not sent to the server; the client checks the result).
@@ -557,6 +601,7 @@ class GenerateRequest:
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     min_p: float | None = None
+    reasoning: Reasoning | bool | Mapping[str, Any] | None = None
     require_complete: bool = True
     # The checked tensors, computed once by __post_init__ (not a request field).
     _wire: tuple[_Wire, ...] = field(init=False, repr=False, compare=False)
@@ -609,6 +654,12 @@ class GenerateRequest:
                 wire.append((name.upper(), "FP32", (penalties[name],)))
         if stops:
             wire.append(_utf8("STOP", stops))
+        try:
+            thinking = reasoning_wire(self.reasoning)
+        except contract.ContractError as err:
+            raise InvalidRequest(err.field, err.reason) from err
+        if thinking is not None:
+            wire.append(_utf8("REASONING", [thinking]))
         return wire
 
     @property
@@ -625,7 +676,8 @@ class GenerateRequest:
         ``GRAMMAR_OPTIONS`` (BYTES, when the constraint sets options);
         ``MAX_TOKENS`` (INT32); ``TEMPERATURE`` (FP32); ``TOP_P`` (FP32);
         ``TOP_K`` (INT32); ``SEED`` (UINT64); ``REPETITION_PENALTY``,
-        ``FREQUENCY_PENALTY``, ``PRESENCE_PENALTY``, ``MIN_P`` (FP32); ``STOP`` (BYTES ``[n]``).
+        ``FREQUENCY_PENALTY``, ``PRESENCE_PENALTY``, ``MIN_P`` (FP32); ``STOP`` (BYTES ``[n]``);
+        ``REASONING`` (BYTES, JSON: ``contract.reasoning.reasoning_wire``).
 
         Returns
         -------
@@ -734,11 +786,13 @@ class StreamAssembler:
 
     def __init__(self, kind: str | None) -> None:
         self._kind = kind
-        # Deltas may split a UTF-8 sequence; the incremental decoder joins them.
+        # Deltas may split a UTF-8 sequence; the incremental decoders join them.
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="strict")
+        self._thinking_decoder = codecs.getincrementaldecoder("utf-8")(errors="strict")
         self._result_text: str | None = None
         self._finish_reason: str | None = None
         self._tail = ""
+        self._thinking_tail = ""
         self.done = False
 
     def feed(self, response: grpcclient.InferResult) -> Chunk | None:
@@ -767,10 +821,15 @@ class StreamAssembler:
         raw_text = _first_str(response, "TEXT")
         raw_result = _first_str(response, "RESULT")
         raw_finish = _first_str(response, "FINISH_REASON")
+        raw_thinking = _first_str(response, "REASONING_TEXT")  # sent only when the thinking has a delta
         try:
             delta = self._decoder.decode(raw_text or b"", final=final)
         except UnicodeDecodeError as err:
             raise GenerationError(f"malformed response from server: TEXT is not UTF-8: {err}") from err
+        try:
+            thinking = self._thinking_decoder.decode(raw_thinking or b"", final=final)
+        except UnicodeDecodeError as err:
+            raise GenerationError(f"malformed response from server: REASONING_TEXT is not UTF-8: {err}") from err
         if raw_finish:
             self._finish_reason = raw_finish.decode("utf-8", errors="replace")
         if raw_result:
@@ -783,8 +842,9 @@ class StreamAssembler:
         self.done = final
         if self._result_text is not None or final:
             self._tail += delta
+            self._thinking_tail += thinking
             return None
-        return Chunk(delta) if delta else None
+        return Chunk(delta, reasoning=thinking) if delta or thinking else None
 
     def finish(self) -> Chunk:
         """Return the final chunk once :attr:`done` is true.
@@ -810,7 +870,7 @@ class StreamAssembler:
                 "RESULT.finish_reason",
                 f"{result.finish_reason!r} disagrees with FINISH_REASON {self._finish_reason!r}",
             )
-        return Chunk(self._tail, result)
+        return Chunk(self._tail, result, self._thinking_tail)
 
 
 def check_result(result: Result, *, require_complete: bool) -> None:

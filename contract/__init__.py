@@ -45,6 +45,7 @@ __all__ = [
     "OPTION_NAMES",
     "PENALTY_FIELDS",
     "POLICIES",
+    "REASONING_STATES",
     "SEED_LIMIT",
     "VALUE_RETRIES",
     "CloseState",
@@ -151,7 +152,12 @@ class CloseState(IntEnum):
     BUDGET = 1  # forcing a completion because the budget runs out
     REPETITION = 2  # forcing a completion because the output repeats itself
     CALM = 3  # near the budget: no token that opens structure (the model may still finish on its own)
+    REASONING = 4  # in its thinking section (contract.reasoning): free text, no stop token; the answer is not begun
+    REASONING_END = 5  # forcing the end marker of its thinking section: the thinking budget ran out
 
+
+#: The states of a row inside its thinking section: a token sampled under one of them is a reasoning token.
+REASONING_STATES: Final = frozenset({CloseState.REASONING, CloseState.REASONING_END})
 
 #: RESULT ``close_reason`` of each forcing state.
 CLOSE_STATE_REASONS: Final[Mapping[int, str]] = dict(

@@ -41,6 +41,11 @@ class FinishEvent:
     were dropped and generated again (:mod:`grammar_backend.values`);
     ``value_dropped_tokens``: how many tokens that dropped in all (sampled,
     so spent, but not in ``completion_tokens``).
+    ``reasoning_tokens``: tokens sampled inside the thinking section, its end
+    marker included (:mod:`contract.reasoning`; counted where the grammar side
+    tracks it, a constrained request; None elsewhere); ``reasoning_cut``: the
+    server ended the thinking by forcing the end marker.  Both count within
+    ``completion_tokens``.
 
     The field names and their order are the keys of the ``FINISH`` document.
     """
@@ -56,6 +61,8 @@ class FinishEvent:
     backend: str | None = None
     value_retries: int = 0
     value_dropped_tokens: int = 0
+    reasoning_tokens: int | None = None
+    reasoning_cut: bool = False
 
     @classmethod
     def rejected(cls, err: BaseException) -> FinishEvent:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +31,7 @@ from grammar_backend.errors import (
 from grammar_backend.jump import Encoder, JumpForward, PrefixIndex
 from grammar_backend.llg import LLGUIDANCE_VERSION, LlgBackend, LlgCompiled, refusal
 from grammar_backend.lru import Lru
+from grammar_backend.reasoning import MarkerTable, ReasoningConfig
 from grammar_backend.sequences import FREE, GrammarSequence, SequenceTable, TableConfig
 from grammar_backend.spec import ConstraintSpec, SpecLimits
 from grammar_backend.values import ValueChecks, rules_for
@@ -66,6 +67,9 @@ class GrammarEngineConfig:
     llg_compile_threads : int
         Threads of the llguidance compile cache (a compile builds and checks
         an ``LLMatcher``: about 1 ms; its lexer is built lazily).
+    reasoning : ReasoningConfig
+        What the thinking section of a ``reasoning`` request leaves to the
+        answer (:mod:`grammar_backend.reasoning`).
     """
 
     max_batch: int = 256
@@ -73,6 +77,7 @@ class GrammarEngineConfig:
     auto_timeout_s: float = 5.0
     llg_compile_threads: int = 1
     closing: ClosingConfig = field(default_factory=ClosingConfig)
+    reasoning: ReasoningConfig = field(default_factory=ReasoningConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     workers: WorkerConfig = field(default_factory=WorkerConfig)
     table: TableConfig = field(default_factory=TableConfig)
@@ -148,11 +153,21 @@ class GrammarEngine:
         The llguidance backend over the same vocabulary (built from the
         Hugging Face tokenizer); without it ``backend: llguidance`` is
         refused and ``auto`` means xgrammar.
+    special_ids : iterable of int
+        The tokenizer's special tokens that the output text leaves out (Hugging
+        Face ``special`` added tokens): masked inside a thinking section
+        (:mod:`grammar_backend.reasoning`), with the stop tokens and xgrammar's own special tokens.
     """
 
     def __init__(self, tokenizer_info: xgr.TokenizerInfo, fingerprint: str, config: GrammarEngineConfig,
-                 encode: Encoder | None = None, llg: LlgBackend | None = None) -> None:
+                 encode: Encoder | None = None, llg: LlgBackend | None = None,
+                 special_ids: Iterable[int] = ()) -> None:
         self.config = config
+        self._encode = encode
+        #: End-marker tables by marker (:meth:`marker_table`).
+        self._markers: Lru[str, MarkerTable] = Lru(config.reasoning.tables)
+        self._thinking_banned = frozenset(
+            {*map(int, tokenizer_info.stop_token_ids), *map(int, tokenizer_info.special_token_ids), *special_ids})
         self.llg = llg
         # llguidance compiles in this process on its own threads: queued behind
         # slow xgrammar compiles, the fallback from them would wait for them.
@@ -345,6 +360,10 @@ class GrammarEngine:
                 seq = self.table.start(seq_id, spec, self._matcher(compiled), backend, budget, self.config.closing)
                 if rules is not None:
                     seq.check_values(self.values, rules, retries)
+                thinking = spec.options.reasoning
+                if thinking is not None:
+                    seq.think(self.marker_table(thinking.end), thinking.max_reasoning_tokens or 0,
+                              self.config.reasoning)
             except GrammarError as err:
                 done(err)
                 return
@@ -369,6 +388,30 @@ class GrammarEngine:
                 limit = min(limit, self.config.auto_timeout_s)
             deadline = self._deadlines.call_later(limit, on_deadline)
         future.add_done_callback(on_compiled)
+
+    def marker_table(self, end: str) -> MarkerTable:
+        """The table of the end marker ``end`` over this engine's vocabulary (built once, kept in an LRU)."""
+        table = self._markers.get(end)
+        if table is None:
+            table = self._markers.put(end, MarkerTable(end.encode("utf-8"), self.values.index, self.vocab_size,
+                                                       self._thinking_banned, self._spell_exactly))
+        return table
+
+    def _spell_exactly(self, data: bytes) -> tuple[int, ...] | None:
+        """``data`` as the tokenizer spells it where that round-trips (the model's own spelling of a
+        marker), else the closer's longest-match spelling; None when neither spells it exactly."""
+        if self._encode is not None:
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError:
+                text = ""
+            if text:
+                ids = tuple(int(t) for t in self._encode(text))
+                vocab = self.values.index.vocab
+                if ids and all(0 <= t < len(vocab) and t not in self._thinking_banned for t in ids) and \
+                        b"".join(vocab[t] for t in ids) == data:
+                    return ids
+        return self.closer.spell(data) or None
 
     def _key(self, spec: ConstraintSpec, backend: str) -> str:
         version = f"xgrammar {XGRAMMAR_VERSION}" if backend == XGRAMMAR else f"llguidance {LLGUIDANCE_VERSION}"
@@ -459,11 +502,23 @@ class GrammarEngine:
                 if count:
                     seq.accept(tokens[i, :count])
                 seq.steps += 1
-                token = seq.plan(self.closer, self._stop_token) if seq.closes and not seq.terminated else FREE
+                if seq.thinking is not None:
+                    token = seq.reason(self.closer)
+                else:
+                    token = seq.plan(self.closer, self._stop_token) if seq.closes and not seq.terminated else FREE
             except (SequenceError, MatcherFailed) as err:
                 if errors is None:
                     errors = [None] * rows
                 errors[i] = _row_error(int(seq_ids[i]), err)
+                continue
+            if seq.thinking is not None:
+                # The thinking section: free but for the stop, special and overrunning tokens, or the
+                # end marker forced token by token; no jump, value check or closing before the answer.
+                closing[i] = seq.reasoning_state
+                if token != FREE:
+                    forced_rows.append((i, token))
+                else:
+                    ban_rows.append((i, seq.thinking_row()))
                 continue
             if seq.terminated:
                 terminated[i] = True

@@ -21,6 +21,7 @@ from grammar_backend.errors import (
     UnknownSequence,
 )
 from grammar_backend.fidelity import validator_for
+from grammar_backend.reasoning import MarkerTable, ReasoningConfig, Thinking
 from grammar_backend.spec import ConstraintKind, ConstraintSpec
 from grammar_backend.values import ValueChecks, ValueRules, ValueScanner, Violation
 
@@ -88,8 +89,8 @@ class GrammarSequence:
     __slots__ = (
         "backend", "budget", "checks", "close_state", "closing", "completion", "completion_at", "completion_kept",
         "completion_len", "created", "digit_run", "dropped", "forced", "forced_at", "growth", "last_used", "matcher",
-        "new_tokens", "next_check", "next_repeat_check", "repeats", "retries_left", "scalar_tokens", "seq_id", "spec",
-        "steps", "tokens_accepted", "utf8_need", "values",
+        "new_tokens", "next_check", "next_repeat_check", "reasoning", "repeats", "retries_left", "scalar_tokens",
+        "seq_id", "spec", "steps", "thinking", "tokens_accepted", "utf8_need", "values",
     )
 
     def __init__(
@@ -145,6 +146,80 @@ class GrammarSequence:
         self.retries_left = 0
         #: Tokens the last :meth:`accept` dropped to retry a value that broke the schema (0: none).
         self.dropped = 0
+        #: The thinking section in front of the matcher (None: none, or over; :meth:`think`).
+        self.thinking: Thinking | None = None
+        self.reasoning = ReasoningConfig()
+
+    def think(self, table: MarkerTable, limit: int, config: ReasoningConfig) -> None:
+        """Begin with a thinking section ended by ``table``'s marker (``limit``: ``max_reasoning_tokens``, 0: none).
+
+        Until the marker is written the matcher takes no token and the row's
+        mask is :meth:`thinking_row`'s (:mod:`grammar_backend.reasoning`).
+        """
+        self.thinking = Thinking(table, limit)
+        self.reasoning = config
+
+    @property
+    def reasoning_state(self) -> CloseState:
+        """A thinking row's CLOSING: forcing its end marker, or free."""
+        thinking = self.thinking
+        return CloseState.REASONING_END if thinking is not None and thinking.forcing else CloseState.REASONING
+
+    def thinking_row(self) -> np.ndarray:
+        """The packed mask of a thinking row that forces nothing (see :meth:`MarkerTable.row`)."""
+        assert self.thinking is not None
+        return self.thinking.row()
+
+    def reason(self, closer: Closer) -> int:
+        """A thinking row's plan: the end marker's next token when it is forced (:data:`FREE`: think on).
+
+        Raises
+        ------
+        MatcherFailed
+            The matcher failed during the search for the shortest answer.
+        """
+        thinking = self.thinking
+        assert thinking is not None
+        forced = thinking.forced
+        if forced is not None and thinking.forced_at < len(forced):
+            return forced[thinking.forced_at]
+        if thinking.answer < 0 and self.budget and self.reasoning.reserve_answer:
+            thinking.answer = self._answer_length(closer)  # once: the start state's, cached per constraint
+        rest = thinking.due(self.budget, self.reasoning)
+        if rest is None:
+            return FREE
+        thinking.forced, thinking.forced_at, thinking.cut = rest, 0, True
+        return rest[0]
+
+    def _answer_length(self, closer: Closer) -> int:
+        """The shortest answer, in tokens: the completion of the matcher's start state (0: none found)."""
+        found = self._completion(closer)
+        return 0 if found is None else len(found)
+
+    def _think(self, tokens: Sequence[int] | np.ndarray) -> int:
+        """Take thinking tokens; returns how many were the thinking's (the rest are the answer's).
+
+        Raises
+        ------
+        SequenceError
+            A token runs past the end marker (never under the thinking mask).
+        """
+        thinking = self.thinking
+        assert thinking is not None
+        for i, token in enumerate(tokens):
+            after = thinking.take(int(token))
+            if after < 0:
+                continue
+            if after:
+                raise SequenceError(self.seq_id, f"token {int(token)} runs {after} bytes past the reasoning end "
+                                                 "marker (the thinking mask does not allow it)")
+            self.thinking = None
+            if self.budget:
+                # The thinking spent its tokens out of max_tokens: the answer closes within what is left.
+                self.budget = max(1, self.budget - thinking.tokens)
+                self.next_check = 0
+            return i + 1
+        return len(tokens)
 
     def check_values(self, checks: ValueChecks, rules: ValueRules, retries: int) -> None:
         """Check each value as it completes, dropping tokens to retry one that breaks the schema (``retries`` times)."""
@@ -174,6 +249,12 @@ class GrammarSequence:
         MatcherFailed
             The matcher cannot go on (llguidance past a limit).
         """
+        if self.thinking is not None:
+            taken = self._think(tokens)
+            if taken == len(tokens):
+                self.dropped = 0
+                return
+            tokens = tokens[taken:]  # the answer's first tokens came in the same call
         if self.values is not None and self.checks is not None:
             stops = self.checks.stops
             for i, token in enumerate(tokens):
@@ -286,6 +367,8 @@ class GrammarSequence:
             ``count`` is negative or exceeds what can be rolled back.
         """
         limit = self.tokens_accepted
+        if self.thinking is not None and count:
+            raise SequenceError(self.seq_id, f"cannot roll back {count} tokens inside the thinking section")
         if not 0 <= count <= limit:
             raise SequenceError(self.seq_id, f"cannot roll back {count} tokens (at most {limit})")
         if count:

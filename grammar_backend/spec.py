@@ -19,6 +19,7 @@ from typing import Any, Final, Literal
 
 import contract
 from contract import schema_check
+from contract.reasoning import Reasoning
 from grammar_backend.errors import ConfigError, ConstraintError
 from grammar_backend.lru import Lru
 from grammar_backend.satisfiable import check_satisfiable
@@ -115,10 +116,17 @@ class ConstraintOptions:
     value_retries : int
         Times an output may drop tokens to retry a value that breaks the
         schema (see :mod:`grammar_backend.values`; JSON kinds; 0: off).
+    reasoning : contract.reasoning.Reasoning or None
+        The output begins with a thinking section, and the constraint applies
+        after its end marker (:mod:`grammar_backend.reasoning`).  Not a
+        ``grammar_options`` field: preprocessing sets it from the request's
+        ``REASONING`` field, so that it rides with the constraint to the
+        grammar side (absent from :meth:`ConstraintSpec.wire` when None).
 
-    ``on_budget``, ``on_repeat``, ``backend`` and ``jump_forward`` apply to
-    every kind, ``value_retries`` to the JSON kinds; none of them is part of
-    :meth:`canonical`.
+    ``on_budget``, ``on_repeat``, ``backend``, ``jump_forward`` and
+    ``reasoning`` apply to every kind, ``value_retries`` to the JSON kinds;
+    none of them is part of :meth:`canonical`: one compiled grammar serves
+    requests with and without a thinking section.
     """
 
     strict: bool = False
@@ -130,6 +138,11 @@ class ConstraintOptions:
     backend: str = "auto"
     jump_forward: bool = contract.DECODING_FLAGS["jump_forward"]
     value_retries: int = contract.VALUE_RETRIES
+    reasoning: Reasoning | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.reasoning, Mapping):  # from the wire form's JSON
+            object.__setattr__(self, "reasoning", Reasoning(**self.reasoning))
 
     def canonical(self) -> list[Any]:
         """A JSON-serializable canonical form of what shapes the grammar, used in the cache key."""
@@ -186,8 +199,11 @@ class ConstraintSpec:
         ``options`` is the JSON object of every option.  Later stages rebuild
         the spec with :func:`validated_constraint` instead of validating again.
         """
+        options = dataclasses.asdict(self.options)
+        if options["reasoning"] is None:
+            del options["reasoning"]  # the wire form of a request without thinking is as it was
         return {"kind": self.kind.value, "payload": self.payload,
-                "options": json.dumps(dataclasses.asdict(self.options), separators=(",", ":"))}
+                "options": json.dumps(options, separators=(",", ":"))}
 
     def cache_key(self, tokenizer_fingerprint: str, xgrammar_version: str) -> str:
         """Hex sha256 of (grammar format, kind, payload, options, tokenizer fingerprint, xgrammar version)."""

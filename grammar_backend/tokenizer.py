@@ -85,6 +85,11 @@ class TokenizerBundle:
         """``text`` as the model's tokenizer spells it, no special tokens added."""
         return list(self.hf.encode(text, add_special_tokens=False))
 
+    def special_ids(self) -> frozenset[int]:
+        """The tokenizer's special added tokens: the ones a detokenizer leaves out of the output text."""
+        decoder = getattr(self.hf, "added_tokens_decoder", {})
+        return frozenset(int(i) for i, token in decoder.items() if getattr(token, "special", False))
+
 
 def load_tokenizer(
     source: str | os.PathLike[str],

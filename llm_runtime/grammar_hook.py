@@ -58,7 +58,7 @@ from typing import Final, Protocol
 
 import numpy as np
 
-from contract import CloseState, bitmask_width
+from contract import REASONING_STATES, CloseState, bitmask_width
 
 from .errors import EngineError
 from .mask import ROW_ERROR, ROW_MASK, ROW_STOP, ConstraintRequest, MaskProvider, MaskStep
@@ -119,11 +119,18 @@ class RowOutcome:
         The last :class:`contract.CloseState` of the row.
     terminated : bool
         The grammar accepted its stop token (only end tokens were left).
+    reasoning_tokens : int or None
+        Masks built for the row inside its thinking section (one per token
+        TensorRT-LLM sampled there; None: never in one).
+    reasoning_cut : bool
+        One of them forced the end marker.
     """
 
     error: str | None
     close_state: int
     terminated: bool
+    reasoning_tokens: int | None = None
+    reasoning_cut: bool = False
 
 
 @dataclass(frozen=True)
@@ -156,6 +163,8 @@ class _Row:
     error: str | None = None
     close_state: int = CloseState.OPEN
     terminated: bool = False
+    reasoning_tokens: int | None = None
+    reasoning_cut: bool = False
 
 
 #: Fills the unused entries of the per-step row list (no allocation per step).
@@ -256,7 +265,7 @@ class GrammarRows:
                 for slot in [k for k, r in self._by_slot.items() if r.seq_id in ended]:
                     del self._by_slot[slot]
                 self._provider.end(ended)
-        return [None if r is None else RowOutcome(r.error, r.close_state, r.terminated) for r in rows]
+        return [None if r is None else RowOutcome(r.error, r.close_state, r.terminated, r.reasoning_tokens, r.reasoning_cut) for r in rows]
 
     @property
     def row_count(self) -> int:
@@ -268,7 +277,7 @@ class GrammarRows:
         """The row's state now (``None``: no such row)."""
         with self._lock:
             r = self._by_seq.get(seq_id)
-        return None if r is None else RowOutcome(r.error, r.close_state, r.terminated)
+        return None if r is None else RowOutcome(r.error, r.close_state, r.terminated, r.reasoning_tokens, r.reasoning_cut)
 
     def stats(self) -> RowsStats:
         """The counters (see :class:`RowsStats`)."""
@@ -376,6 +385,9 @@ class GrammarRows:
             row.stepped = True
             if fault is None and out is not None:
                 row.close_state = out.close_state(j)
+                if row.close_state in REASONING_STATES:
+                    row.reasoning_tokens = (row.reasoning_tokens or 0) + 1
+                    row.reasoning_cut = row.reasoning_cut or row.close_state == CloseState.REASONING_END
                 kind = out.row_kind(j)
                 if kind == ROW_MASK:
                     bitmask[offset, : self.width] = out.bitmask[j]

@@ -65,7 +65,7 @@ import numpy as np
 import torch
 
 import contract
-from contract import CLOSE_STATE_REASONS, CloseState
+from contract import CLOSE_STATE_REASONS, REASONING_STATES, CloseState
 from contract.finish import FinishEvent, FinishReason
 from triton_support.metrics import PUBLISH_MIN_GAP_S, LatencyWindow, Snapshot
 
@@ -409,6 +409,9 @@ class _Seq:
     refeed: bool = False  # tokens were dropped: the next step feeds last_token again and accepts nothing
     retries: int = 0  # times tokens were dropped
     dropped: int = 0  # tokens dropped in all
+    # A thinking section (contract.reasoning; the grammar side tracks it and says so in CLOSING):
+    reasoning_tokens: int | None = None  # tokens sampled inside it (None: never in one)
+    reasoning_cut: bool = False  # its end marker was forced
 
 
 @dataclass(frozen=True)
@@ -914,6 +917,9 @@ class Scheduler:
             tok = int(tokens[i])
             s.generated += 1
             outputs += 1
+            if s.close_state in REASONING_STATES:
+                s.reasoning_tokens = (s.reasoning_tokens or 0) + 1
+                s.reasoning_cut = s.reasoning_cut or s.close_state == CloseState.REASONING_END
             s.last_token = tok
             if s.counts is not None:
                 s.counts.add((tok,))
@@ -1175,6 +1181,8 @@ class Scheduler:
                 backend=seq.backend,
                 value_retries=seq.retries,
                 value_dropped_tokens=seq.dropped,
+                reasoning_tokens=seq.reasoning_tokens,
+                reasoning_cut=seq.reasoning_cut,
             ),
         )
 

@@ -24,7 +24,9 @@ import time
 from collections.abc import Callable
 from typing import Final
 
-__all__ = ["MAX_STREAM_INTERVAL_MS", "DeltaCoalescer", "Outbox"]
+from contract.reasoning import ReasoningSplitter
+
+__all__ = ["MAX_STREAM_INTERVAL_MS", "DeltaCoalescer", "Outbox", "PartCoalescer"]
 
 _log = logging.getLogger(__name__)
 
@@ -69,6 +71,62 @@ class DeltaCoalescer:
         text = "".join(self._parts)
         self._parts.clear()
         return text
+
+
+class PartCoalescer:
+    """:class:`DeltaCoalescer` for a request with a thinking section: its deltas split into thinking and answer.
+
+    The split is :class:`contract.reasoning.ReasoningSplitter`'s (text that
+    may still be a marker waits), on the text the generator streams, so it
+    serves every engine alike; the timing is :class:`DeltaCoalescer`'s, one
+    response carrying both parts.
+
+    Parameters
+    ----------
+    interval_s : float
+        As for :class:`DeltaCoalescer`.
+    splitter : ReasoningSplitter
+    clock : callable
+    """
+
+    __slots__ = ("_answer", "_clock", "_interval", "_last", "_splitter", "_thinking")
+
+    def __init__(self, interval_s: float, splitter: ReasoningSplitter,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._interval = interval_s
+        self._splitter = splitter
+        self._clock = clock
+        self._last: float | None = None
+        self._thinking: list[str] = []
+        self._answer: list[str] = []
+
+    def push(self, text: str) -> tuple[str, str] | None:
+        """Add a delta; returns ``(thinking, answer)`` to send now (``None``: hold them for later)."""
+        thinking, answer = self._splitter.push(text)
+        if thinking:
+            self._thinking.append(thinking)
+        if answer:
+            self._answer.append(answer)
+        if not (self._thinking or self._answer):
+            return None
+        now = self._clock()
+        if self._last is not None and now - self._last < self._interval:
+            return None
+        self._last = now
+        return self._take()
+
+    def finish(self) -> tuple[str, str]:
+        """Everything held, the splitter's undecided tail included (the end of the output: it is thinking)."""
+        tail = self._splitter.finish()
+        if tail:
+            self._thinking.append(tail)
+        return self._take()
+
+    def _take(self) -> tuple[str, str]:
+        out = "".join(self._thinking), "".join(self._answer)
+        self._thinking.clear()
+        self._answer.clear()
+        return out
 
 
 class Outbox:

@@ -237,6 +237,10 @@ def native_guided_kwargs(constraint: ConstraintRequest) -> dict[str, Any]:
     if spec.options.backend == "llguidance":
         raise InvalidArgument("grammar_options.backend", "the server's native grammar mode masks with TensorRT-LLM's "
                                                          "xgrammar backend")
+    if spec.options.reasoning is not None:
+        # TensorRT-LLM's own decoder applies the grammar from the first token: the thinking would be constrained.
+        raise InvalidArgument("reasoning", "a thinking section before a constrained answer is not served by the "
+                                           "server's native grammar mode (use grammar_mode processor)")
     if spec.options.canonical() != ConstraintOptions().canonical():
         raise InvalidArgument("options", "strict, whitespace, indent and any_order are not supported by the "
                                          "server's native grammar mode (TensorRT-LLM's own defaults apply)")
@@ -616,6 +620,7 @@ class TrtllmGenerator:
             return
         req.finished = True
         close_reason = None
+        reasoning_tokens, reasoning_cut = None, False
         if req.has_row and self._rows is not None:
             outcome = self._rows.remove([req.seq_id])[0]
             if outcome is None and reason != "error":
@@ -626,6 +631,8 @@ class TrtllmGenerator:
                 reason, error, status = "error", outcome.error, "INTERNAL"
             elif outcome is not None and reason != "error":
                 reason, close_reason = closed_finish(reason, outcome.close_state, stop_string)
+            if outcome is not None:
+                reasoning_tokens, reasoning_cut = outcome.reasoning_tokens, outcome.reasoning_cut
         with self._lock:
             self._live.pop(req.rid, None)
             self._drained.notify_all()
@@ -637,7 +644,8 @@ class TrtllmGenerator:
             req.callback(FinishEvent(finish_reason=reason, text=req.detok.text,
                                      prompt_tokens=int(req.prompt.shape[0]), completion_tokens=req.generated,
                                      error=error, status=status, close_reason=close_reason,
-                                     stop_string=stop_string, backend=req.backend))
+                                     stop_string=stop_string, backend=req.backend,
+                                     reasoning_tokens=reasoning_tokens, reasoning_cut=reasoning_cut))
         except Exception:  # noqa: BLE001 -- a caller's bug must not stop the loop; logged
             _log.exception("event callback of request %s raised", req.rid)
 

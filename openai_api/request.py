@@ -32,7 +32,10 @@ in the ``openai`` client) takes the project's other constraint kinds and
 options: exactly one of ``regex``, ``choice``, ``ebnf`` (alias ``grammar``),
 ``lark``, ``structural_tag``; ``options`` (``contract.OPTION_NAMES``: applied
 to whichever constraint the request has); the sampling fields OpenAI lacks:
-``top_k``, ``repetition_penalty``, ``min_p`` (:data:`EXTENSION_SAMPLING`).
+``top_k``, ``repetition_penalty``, ``min_p`` (:data:`EXTENSION_SAMPLING`);
+``reasoning`` (the request's thinking section, :mod:`contract.reasoning`:
+``true``, ``false`` or ``{start, end, max_reasoning_tokens}``; a server whose
+model reasons has it on by default).
 """
 
 from __future__ import annotations
@@ -105,7 +108,7 @@ _EXTENSION_KINDS: Final[Mapping[str, str]] = {"regex": "regex", "choice": "choic
                                              "structural_tag": "structural_tag"}
 #: The SDK's sampling fields the extension takes (OpenAI has no such field), and their JSON type.
 EXTENSION_SAMPLING: Final[Mapping[str, type]] = {"top_k": int, "repetition_penalty": float, "min_p": float}
-_EXTENSION_FIELDS: Final = (*_EXTENSION_KINDS, "options", *EXTENSION_SAMPLING)
+_EXTENSION_FIELDS: Final = (*_EXTENSION_KINDS, "options", *EXTENSION_SAMPLING, "reasoning")
 # The SDK's names for a constraint's payload itself (its errors are about the field as a whole).
 _PAYLOAD_FIELDS: Final = ("grammar", "schema", "regex", "ebnf", "lark", "choices", "structural_tag")
 _SCHEMA_NAME: Final = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -170,6 +173,8 @@ class Plan:
             return _pointer_path(self.constraint_param or EXTENSION, pointer)
         if head == "max_tokens":
             return self.max_tokens_param
+        if head.partition(".")[0] == "reasoning":
+            return f"{EXTENSION}.{head}"
         return head
 
 
@@ -281,6 +286,8 @@ def _extension(body: dict[str, Any]) -> tuple[Constraint | None, str | None, dic
             raise BadRequest(f"{EXTENSION}.{name}", f"must be {'a number' if want is float else 'an integer'}, "
                                                     f"got {_type(value)}")
         sampling[name] = want(value)
+    if ext.get("reasoning") is not None:
+        sampling["reasoning"] = ext["reasoning"]  # checked with the SDK's request (contract.reasoning)
     if not kinds:
         return None, None, options, sampling
     name = kinds[0]
@@ -531,10 +538,12 @@ def _build(endpoint: Endpoint, body: dict[str, Any], *, prompt: str | None, mess
                               temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", None),
                               seed=seed, stop=stop, frequency_penalty=_number(body, "frequency_penalty", None),
                               presence_penalty=_number(body, "presence_penalty", None), top_k=sampling.get("top_k"),
-                              repetition_penalty=sampling.get("repetition_penalty"), min_p=sampling.get("min_p"))
+                              repetition_penalty=sampling.get("repetition_penalty"), min_p=sampling.get("min_p"),
+                              reasoning=sampling.get("reasoning"))
     except InvalidRequest as err:
         field = err.field or "request"
-        where = max_param if field == "max_tokens" else f"{EXTENSION}.{field}" if field in sampling else field
+        where = (max_param if field == "max_tokens" else
+                 f"{EXTENSION}.{field}" if field.partition(".")[0] in sampling else field)
         raise BadRequest(where, err.reason) from err
     return Plan(endpoint=endpoint, model=_string(body.get("model"), "model"), inputs=inputs,
                 kind=None if constraint is None else constraint.kind, constraint_param=constraint_param,

@@ -19,6 +19,13 @@ the last chunk, when streaming)::
     {"complete", "closed_early", "close_reason", "stop_string", "backend",
      "value_retries", "json": RESULT's json report or null,
      "tool_calls": [{"valid", "violations"}] or null}
+
+plus, for a request with a thinking section, ``reasoning_cut`` and
+``reasoning_ended``.  The thinking itself is ``message.reasoning_content``
+(streamed as ``delta.reasoning_content``), as vLLM and SGLang send it, and
+its token count ``usage.completion_tokens_details.reasoning_tokens`` (where
+counted: a constrained request), as OpenAI's reasoning models do; tool calls
+and ``content`` come from the answer alone.
 """
 
 from __future__ import annotations
@@ -102,20 +109,25 @@ class Renderer:
         return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
 
     # ------------------------------------------------------------------ stream
-    def chunks(self, text: str) -> list[dict[str, Any]]:
-        """The chunks for one text delta of the stream (the first also carries the role)."""
+    def chunks(self, text: str, reasoning: str = "") -> list[dict[str, Any]]:
+        """The chunks for one text delta of the stream (the first also carries the role), after one for the
+        thinking's delta (``reasoning_content``: chat only; a completion streams the answer alone)."""
         out = []
         if not self._role_sent and self.plan.endpoint == "chat":
             self._role_sent = True
             out.append(self._chunk(self._choice({"role": "assistant", "content": ""}, None)))
+        if reasoning and self.plan.endpoint == "chat":
+            out.append(self._chunk(self._choice({"reasoning_content": reasoning}, None)))
         for event in self._events(text, last=False):
             out.append(self._chunk(self._choice(self._delta(event), None)))
         return out
 
-    def final_chunks(self, tail: str, result: Result) -> list[dict[str, Any]]:
-        """The chunks after the last delta: the rest of the text, the finish reason (with the
-        extension report), and the usage chunk when ``stream_options.include_usage``."""
+    def final_chunks(self, tail: str, result: Result, reasoning_tail: str = "") -> list[dict[str, Any]]:
+        """The chunks after the last delta: the rest of the thinking and of the text, the finish reason (with
+        the extension report), and the usage chunk when ``stream_options.include_usage``."""
         out = self.chunks("") if not self._role_sent else []
+        if reasoning_tail and self.plan.endpoint == "chat":
+            out.append(self._chunk(self._choice({"reasoning_content": reasoning_tail}, None)))
         for event in self._events(tail, last=True):
             out.append(self._chunk(self._choice(self._delta(event), None)))
         calls = self._complete_calls()
@@ -141,6 +153,8 @@ class Renderer:
             # OpenAI sends null content beside tool calls when there is no text.
             message: dict[str, Any] = {"role": "assistant", "content": (content or None) if self._ids else content,
                                        "refusal": None}
+            if result.reasoning is not None:
+                message["reasoning_content"] = result.reasoning
             if self._ids:
                 message["tool_calls"] = self.tool_calls()
             choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
@@ -167,12 +181,18 @@ class Renderer:
             for name, arguments in self._parser.calls:
                 checked = validator_for(schemas[name], checked=True).validate_text(arguments).to_dict()
                 calls.append({"valid": checked["valid"], "violations": checked["violations"]})
-        return {"complete": result.complete, "closed_early": result.closed_early,
-                "close_reason": result.close_reason, "stop_string": result.stop_string, "backend": result.backend,
-                "value_retries": result.value_retries, "json": result.raw.get("json"), "tool_calls": calls}
+        report = {"complete": result.complete, "closed_early": result.closed_early,
+                  "close_reason": result.close_reason, "stop_string": result.stop_string, "backend": result.backend,
+                  "value_retries": result.value_retries, "json": result.raw.get("json"), "tool_calls": calls}
+        if result.reasoning is not None:
+            report.update(reasoning_cut=result.reasoning_cut, reasoning_ended=result.reasoning_ended)
+        return report
 
 
-def usage(result: Result) -> dict[str, int]:
+def usage(result: Result) -> dict[str, Any]:
     """OpenAI's ``usage`` of ``result``."""
     prompt, completion = result.usage.prompt_tokens, result.usage.completion_tokens
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    out: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if result.reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": result.reasoning_tokens}
+    return out

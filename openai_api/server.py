@@ -326,8 +326,9 @@ class OpenAIServer:
             await responses.aclose()
 
     async def _collect(self, plan: Plan, responses: AsyncIterator[Any],
-                       on_chunk: Callable[[Chunk], Awaitable[None]] | None) -> tuple[Result, str]:
-        """Read the request's responses to the end; return the result and the text not yet handed to ``on_chunk``.
+                       on_chunk: Callable[[Chunk], Awaitable[None]] | None) -> tuple[Result, Chunk]:
+        """Read the request's responses to the end; return the result and the final chunk (the text and
+        thinking not yet handed to ``on_chunk``).
 
         Raises
         ------
@@ -354,7 +355,7 @@ class OpenAIServer:
             raise from_status(status.INTERNAL, "the response stream ended without a result")
         if result.finish_reason == "error":
             raise _mapped(plan, error_for_status(result.status, result.error or "no reason given", result=result))
-        return result, final.text
+        return result, final
 
     async def _stream(self, request: web.Request, plan: Plan, renderer: Renderer,
                       responses: AsyncIterator[Any]) -> web.StreamResponse:
@@ -370,16 +371,16 @@ class OpenAIServer:
             return sse
 
         async def on_chunk(chunk: Chunk) -> None:
-            await send(renderer.chunks(chunk.text))
+            await send(renderer.chunks(chunk.text, chunk.reasoning))
 
         try:
-            result, tail = await self._collect(plan, responses, on_chunk)
+            result, last = await self._collect(plan, responses, on_chunk)
         except OpenAIError as err:
             if sse is None:
                 raise
             await sse.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
             return sse
-        out = await send(renderer.final_chunks(tail, result))
+        out = await send(renderer.final_chunks(last.text, result, last.reasoning))
         await out.write(b"data: [DONE]\n\n")
         await out.write_eof()
         return out

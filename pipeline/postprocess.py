@@ -6,6 +6,11 @@ whether the output parses, its validation against the *full* schema
 (``jsonschema`` Draft 2020-12 with format checking) and the keywords that
 decoding did not enforce (the fidelity report).
 
+With a thinking section (:mod:`contract.reasoning`) RESULT's ``text`` is the
+answer alone, and ``reasoning`` the thinking (markers left out), split by
+:func:`contract.reasoning.split_reasoning`; every check (parse, validation,
+``complete``) reads the answer alone.
+
 Errors travel as data: a rejected request (bad constraint, out-of-range
 field) or a failure ends with an ordinary final response whose RESULT has
 ``finish_reason: "error"``, ``status`` (a gRPC status name such as
@@ -25,11 +30,12 @@ from typing import Any
 
 import contract
 from contract.finish import FinishEvent
+from contract.reasoning import Reasoning, split_reasoning
 from grammar_backend.errors import INTERNAL
 from grammar_backend.fidelity import result_json, validator_for
 from grammar_backend.spec import validated_constraint
 from grammar_backend.values import unenforced_for
-from pipeline.finish import cut_error, read_finish
+from pipeline.finish import cut_error, read_finish_reasoning
 
 FINISH_REASONS = contract.FINISH_REASONS
 
@@ -49,15 +55,28 @@ def json_report(constraint: dict[str, str], text: str, backend: str | None = "xg
     return result_json(validator_for(schema, checked=True).validate_text(text), unenforced_for(spec, backend))
 
 
-def build_result(final: FinishEvent, constraint: dict[str, str] | None) -> dict[str, Any]:
-    """The RESULT object of the ensemble's last response (see the client contract)."""
+def build_result(final: FinishEvent, constraint: dict[str, str] | None,
+                 reasoning: Reasoning | None = None) -> dict[str, Any]:
+    """The RESULT object of the ensemble's last response (see the client contract).
+
+    With ``reasoning``, ``text`` is the answer and four more members say
+    how the thinking went: ``reasoning`` (its text), ``reasoning_tokens``
+    (None where not counted), ``reasoning_cut`` (the server forced its end
+    marker) and ``reasoning_ended`` (the end marker was written: the answer
+    began).  Without it the RESULT is exactly as before the option existed.
+    """
     if final.finish_reason not in FINISH_REASONS:
         raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {final.finish_reason!r}")
+    text, thinking, ended = final.text, "", True
+    if reasoning is not None:
+        thinking, text, ended = split_reasoning(final.text, reasoning)
     # Only a clean stop is complete.  Truncated is not; closed early is not
     # either (it parses and validates, but values may be cut short); a stop
-    # string cuts a constrained output wherever it matched.
+    # string cuts a constrained output wherever it matched; an answer that
+    # never began (the thinking never ended) is not.
     closed = final.close_reason is not None
-    complete = final.finish_reason == "stop" and not closed and not (constraint is not None and final.stop_string)
+    complete = (final.finish_reason == "stop" and not closed and not (constraint is not None and final.stop_string)
+                and ended)
     result: dict[str, Any] = {
         "finish_reason": final.finish_reason,
         "complete": complete,
@@ -67,14 +86,17 @@ def build_result(final: FinishEvent, constraint: dict[str, str] | None) -> dict[
         "backend": final.backend,
         "value_retries": final.value_retries,
         "value_dropped_tokens": final.value_dropped_tokens,
-        "text": final.text,
+        "text": text,
         "usage": {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens},
         "error": cut_error(final.error),
         "status": final.status,
         "json": None,
     }
+    if reasoning is not None:
+        result.update(reasoning=thinking, reasoning_tokens=final.reasoning_tokens,
+                      reasoning_cut=final.reasoning_cut, reasoning_ended=ended)
     if constraint is not None and constraint["kind"] in ("json_schema", "json_object") and final.error is None:
-        result["json"] = json_report(constraint, final.text, final.backend)
+        result["json"] = json_report(constraint, text, final.backend)
     return result
 
 
@@ -114,8 +136,8 @@ def result_of_finish(finish: bytes) -> FinishedOutput:
     """
     constraint: dict[str, str] | None = None
     try:
-        final, constraint = read_finish(finish)
-        result = build_result(final, constraint)
+        final, constraint, reasoning = read_finish_reasoning(finish)
+        result = build_result(final, constraint, reasoning)
     except Exception as err:  # noqa: BLE001 - turned into an INTERNAL result, see above
         _log.exception("postprocessing: cannot build RESULT")
         final = FinishEvent("error", "", 0, 0, error=f"internal error in postprocessing: {err!r}", status=INTERNAL)

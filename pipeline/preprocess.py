@@ -7,6 +7,7 @@ naming the request field and the reason; the constraint is validated here
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from typing import Any, Final
 
 import contract
 from contract.errors import ConfigError, InvalidArgument, ServingError, status_of
+from contract.reasoning import Reasoning, check_markers, reasoning_from_json
 from grammar_backend.fidelity import validator_for
 from grammar_backend.lru import Lru
 from grammar_backend.spec import ConstraintSpec, SpecLimits, parse_constraint
@@ -36,7 +38,11 @@ class PreprocessConfig:
     ``tokenizer`` is the model folder (its tokenizer and chat template);
     ``max_tokens_limit`` bounds MAX_TOKENS (the one serving bound, :data:`DEFAULT_MAX_TOKENS_LIMIT`);
     ``default_max_tokens`` applies when absent;
-    ``prompt_format`` is one of :data:`PROMPT_FORMATS`.
+    ``prompt_format`` is one of :data:`PROMPT_FORMATS`;
+    ``reasoning_start``/``reasoning_end`` are the model's thinking markers
+    (render values ``REASONING_START``/``REASONING_END``; None: the model does
+    not reason): with them every request has a thinking section unless it
+    says ``reasoning: false`` (:func:`contract.reasoning.check_reasoning`).
     """
 
     tokenizer: str
@@ -46,13 +52,29 @@ class PreprocessConfig:
     default_max_tokens: int = 256
     max_payload_bytes: int = contract.MAX_CONSTRAINT_BYTES
     max_depth: int = contract.MAX_CONSTRAINT_DEPTH
+    reasoning_start: str | None = None
+    reasoning_end: str | None = None
 
     def __post_init__(self) -> None:
+        if self.reasoning_start is not None and self.reasoning_end is None:
+            raise ConfigError("preprocessing: reasoning_start needs reasoning_end (REASONING_END)")
+        if self.reasoning_end is not None:
+            try:
+                check_markers(self.reasoning_start or "", self.reasoning_end, "preprocessing.reasoning")
+            except contract.ContractError as err:
+                raise ConfigError(str(err)) from err
         if not 0 < self.default_max_tokens <= self.max_tokens_limit:
             raise ConfigError("preprocessing: need 0 < default_max_tokens <= max_tokens_limit")
         if self.prompt_format not in PROMPT_FORMATS:
             raise ConfigError(f"preprocessing: prompt_format must be one of {', '.join(PROMPT_FORMATS)}, "
                               f"got {self.prompt_format!r}")
+
+    @property
+    def reasoning(self) -> Reasoning | None:
+        """The model's default thinking section (None: requests name their own markers)."""
+        if self.reasoning_end is None:
+            return None
+        return Reasoning(end=self.reasoning_end, start=self.reasoning_start or "")
 
 
 @dataclass(frozen=True)
@@ -74,6 +96,7 @@ class RawRequest:
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     min_p: float | None = None
+    reasoning: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -91,15 +114,17 @@ class GenerationParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     min_p: float = 0.0
+    reasoning: Reasoning | None = None
 
     def to_json(self) -> str:
-        """Serialize for the REQUEST tensor."""
-        return json.dumps(
-            {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-             "top_k": self.top_k, "seed": self.seed, "stop": list(self.stop), "constraint": self.constraint,
-             **{name: getattr(self, name) for name in contract.PENALTY_FIELDS}},
-            ensure_ascii=False,
-        )
+        """Serialize for the REQUEST tensor (``reasoning`` only when the request has a thinking section)."""
+        doc: dict[str, Any] = {
+            "max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+            "top_k": self.top_k, "seed": self.seed, "stop": list(self.stop), "constraint": self.constraint,
+            **{name: getattr(self, name) for name in contract.PENALTY_FIELDS}}
+        if self.reasoning is not None:
+            doc["reasoning"] = self.reasoning.as_dict()
+        return json.dumps(doc, ensure_ascii=False)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> GenerationParams:
@@ -114,10 +139,12 @@ class GenerationParams:
         rejected = doc.get("rejected")
         if rejected is not None:
             raise RejectedRequest(rejected["message"], rejected["status"])
+        reasoning = doc.get("reasoning")
         return cls(
             max_tokens=int(doc["max_tokens"]), temperature=float(doc["temperature"]), top_p=float(doc["top_p"]),
             top_k=int(doc["top_k"]), seed=int(doc["seed"]), stop=tuple(doc["stop"]), constraint=doc["constraint"],
             **{name: float(doc[name]) for name in contract.PENALTY_FIELDS},
+            reasoning=None if reasoning is None else Reasoning(**reasoning),
         )
 
 
@@ -241,20 +268,32 @@ def parse_params(raw: RawRequest, config: PreprocessConfig) -> tuple[GenerationP
                                 **penalties)
     except contract.ContractError as err:
         raise InvalidArgument(err.field, err.reason) from err
+    try:
+        reasoning = reasoning_from_json(raw.reasoning or b"", config.reasoning)
+    except contract.ContractError as err:
+        raise InvalidArgument(err.field, err.reason) from err
     spec = None
     constraint = None
     kind = _text("grammar_type", raw.grammar_type) if raw.grammar_type else ""
     if kind:
         limits = SpecLimits(max_payload_bytes=config.max_payload_bytes, max_depth=config.max_depth)
         spec = parse_request_constraint(kind, raw.grammar or b"", raw.grammar_options, limits)
+        if reasoning is not None:
+            # It rides with the constraint: the grammar side keeps the thinking state.
+            spec = dataclasses.replace(spec, options=dataclasses.replace(spec.options, reasoning=reasoning))
         # Every kind carries its options: the decoding policies (on_budget,
         # on_repeat) apply to all of them.  Later stages trust this form.
         constraint = spec.wire()
     elif raw.grammar or raw.grammar_options:
         raise InvalidArgument("grammar_type", "is required when GRAMMAR or GRAMMAR_OPTIONS is given")
+    elif reasoning is not None and reasoning.max_reasoning_tokens is not None:
+        # Without a constraint no grammar state exists to count the thinking and force its end.
+        raise InvalidArgument("reasoning.max_reasoning_tokens", "needs a constraint (the grammar side forces the "
+                                                                "end marker); without one the output is only split")
     params = GenerationParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         seed=0 if raw.seed is None else raw.seed, stop=stop, constraint=constraint, **penalties,
+        reasoning=reasoning,
     )
     return params, spec
 
@@ -283,6 +322,36 @@ class Preprocessor:
                 "model with PROMPT_FORMAT=plain (PROMPT is passed through as text; MESSAGES is refused)")
         self.config = config
         self.tokenizer = tokenizer
+        decoder = getattr(tokenizer, "added_tokens_decoder", {})
+        self._special = frozenset(int(i) for i, t in decoder.items() if getattr(t, "special", False))
+        default = config.reasoning
+        if default is not None:
+            try:
+                self.check_markers(default)
+            except InvalidArgument as err:
+                raise ConfigError(f"preprocessing: {err}") from err
+
+    def check_markers(self, reasoning: Reasoning) -> None:
+        """Refuse markers that hold one of the tokenizer's special tokens.
+
+        The output text leaves special tokens out (the detokenizer skips
+        them), so such a marker would never be found in the text, while the
+        grammar side, which masks special tokens while thinking, could never
+        see it written either.
+
+        Raises
+        ------
+        InvalidArgument
+            Naming ``reasoning.start`` or ``reasoning.end``.
+        """
+        for name, marker in (("start", reasoning.start), ("end", reasoning.end)):
+            if marker and self._special:
+                ids = self.tokenizer.encode(marker, add_special_tokens=False)
+                found = [int(t) for t in ids if int(t) in self._special]
+                if found:
+                    raise InvalidArgument(f"reasoning.{name}", f"{marker!r} holds the special token "
+                                          f"{self.tokenizer.convert_ids_to_tokens(found[0])!r}, which the output "
+                                          "text leaves out")
 
     @classmethod
     def from_config(cls, config: PreprocessConfig) -> Preprocessor:
@@ -304,6 +373,8 @@ class Preprocessor:
             raise InvalidArgument("messages", "this model has no chat template (prompt format plain): send "
                                               "PROMPT, which is passed through as text")
         params, _ = parse_params(raw, self.config)
+        if params.reasoning is not None:
+            self.check_markers(params.reasoning)
         if self.config.prompt_format == "plain":
             ids = self.tokenizer(messages[0]["content"], add_special_tokens=True)["input_ids"]
             where = "as plain text"

@@ -110,7 +110,8 @@ class GrammarModelConfig:
         except ValueError as err:  # llguidance takes fast (Rust) tokenizers only
             log.warning("grammar: the llguidance backend is off for %s (%s): backend auto serves with xgrammar, "
                         "backend llguidance is refused", self.tokenizer, err)
-        return GrammarEngine(bundle.info, bundle.fingerprint, self.engine_config(), encode=bundle.encode, llg=llg)
+        return GrammarEngine(bundle.info, bundle.fingerprint, self.engine_config(), encode=bundle.encode, llg=llg,
+                             special_ids=bundle.special_ids())
 
 
 @dataclass(frozen=True)

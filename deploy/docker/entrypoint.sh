@@ -15,6 +15,8 @@
 #   PROMPT_FORMAT     chat (the checkpoint's chat template; default) | plain (a base model: PROMPT as text)
 #   TRTLLM_SAMPLER    tensorrt_llm: TorchSampler (default; applies no penalty, such requests are refused) | TRTLLMSampler
 #   STREAM_INTERVAL_MS  least milliseconds between a stream's responses after the first (default 50; 0: every token)
+#   REASONING_START, REASONING_END  the model's thinking markers, e.g. <think> and </think> (empty: it does not
+#                     reason); with them every request thinks first unless it says reasoning false
 #   GRAMMAR_STORE_MAX_BYTES  bound of the compiled-grammar store (empty: the grammar model's default, 2 GiB)
 #   GATEWAY_TLS_CERT, GATEWAY_TLS_KEY, GATEWAY_TLS_CLIENT_CA, GATEWAY_API_KEYS_FILE
 #                     TLS and API keys of the public ports (read by deploy.server; empty: off)
@@ -36,7 +38,8 @@ python3 -m deploy.render --src model_repository --dst "$repo" --values deploy/va
     --set "STREAM_INTERVAL_MS=${STREAM_INTERVAL_MS:-50}" \
     --set "PROMPT_FORMAT=${PROMPT_FORMAT:-chat}" --set "TRTLLM_SAMPLER=${TRTLLM_SAMPLER:-}" \
     --set "GRAMMAR_STORE_DIR=${GRAMMAR_STORE_DIR:-/var/lib/constrained-llm/grammar-store}" \
-    --set "GRAMMAR_STORE_MAX_BYTES=${GRAMMAR_STORE_MAX_BYTES:-}" "${envs[@]}"
+    --set "GRAMMAR_STORE_MAX_BYTES=${GRAMMAR_STORE_MAX_BYTES:-}" \
+    --set "REASONING_START=${REASONING_START:-}" --set "REASONING_END=${REASONING_END:-}" "${envs[@]}"
 if [[ "${RENDER_ONLY:-0}" == 1 ]]; then
     exit 0
 fi

@@ -150,11 +150,12 @@ def test_sampling_flags_parse() -> None:
 
 def test_cli_flags_are_the_request_fields() -> None:
     # One list: every GenerateRequest field is a flag of the same dest with the
-    # dataclass's default, except the four the CLI derives (prompt sources,
-    # the constraint flags, --allow-incomplete).
+    # dataclass's default, except the five the CLI derives (prompt sources,
+    # the constraint flags, the reasoning flags, --allow-incomplete).
     dests = {action.dest: action.default for action in build_parser()._actions}
     defaults = {f.name: f.default for f in dataclasses.fields(GenerateRequest) if f.init}
-    assert set(REQUEST_FIELDS) - set(FLAG_FIELDS) == {"prompt", "messages", "constraint", "require_complete"}
+    assert set(REQUEST_FIELDS) - set(FLAG_FIELDS) == {"prompt", "messages", "constraint", "reasoning",
+                                                      "require_complete"}
     assert {name: dests[name] for name in FLAG_FIELDS} == {name: defaults[name] for name in FLAG_FIELDS}
     assert {"prompt", "messages", "allow_incomplete"} <= set(dests)
 

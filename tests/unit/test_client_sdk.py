@@ -242,7 +242,7 @@ def test_request_fields_are_the_dataclass_fields() -> None:
     assert RequestFields.__required_keys__ == frozenset()
     assert REQUEST_FIELDS == ("prompt", "messages", "constraint", "max_tokens", "temperature", "top_p", "top_k",
                               "seed", "stop", "repetition_penalty", "frequency_penalty", "presence_penalty",
-                              "min_p", "require_complete")
+                              "min_p", "reasoning", "require_complete")
 
 
 def test_build_inputs_takes_the_request_fields() -> None:
@@ -252,12 +252,12 @@ def test_build_inputs_takes_the_request_fields() -> None:
     every: dict[str, Any] = {"constraint": Constraint.regex("[a-z]+"), "max_tokens": 9, "temperature": 0.5,
                              "top_p": 0.9, "top_k": 3, "seed": 1, "stop": ["\n"], "repetition_penalty": 1.1,
                              "frequency_penalty": 0.5, "presence_penalty": -0.5, "min_p": 0.1,
-                             "require_complete": False}
+                             "reasoning": {"max_reasoning_tokens": 8}, "require_complete": False}
     assert set(every) | {"prompt", "messages"} == set(REQUEST_FIELDS)
     expected = tensors(GenerateRequest("hi", **every).inputs())
     assert tensors(build_inputs("hi", **every)) == expected
     assert tensors(build_inputs(prompt="hi", **every)) == expected
-    assert len(expected) == 13  # every optional tensor is there
+    assert len(expected) == 14  # every optional tensor is there
 
 
 def test_generate_request_is_frozen_and_replace_checks_again() -> None:

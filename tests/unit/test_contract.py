@@ -229,7 +229,10 @@ def test_every_layer_reads_the_contract() -> None:
     assert postprocess.FINISH_REASONS is contract.FINISH_REASONS
     assert set(sdk.FINISH_REASONS) == set(contract.FINISH_REASONS)
     assert constraints.KINDS == set(contract.CONSTRAINT_KINDS) == {k.value for k in spec.ConstraintKind}
-    assert dataclasses.asdict(spec.ConstraintOptions()) == contract.check_options("json_schema", {})
+    # reasoning rides in the options but is the REASONING field's (contract.reasoning), not a grammar option
+    assert dataclasses.asdict(spec.ConstraintOptions()) == {**contract.check_options("json_schema", {}),
+                                                            "reasoning": None}
+    assert "reasoning" not in contract.OPTION_NAMES
 
 
 def test_every_layer_takes_the_contract_payload_limits() -> None:

@@ -196,7 +196,8 @@ def test_finished_output_labels(final: FinishEvent, failed: bool) -> None:
 
 #: The keys of the FINISH document, in order: the wire between ``llm`` and ``postprocessing``.
 FINISH_KEYS = ["finish_reason", "text", "prompt_tokens", "completion_tokens", "error", "status", "close_reason",
-               "stop_string", "backend", "value_retries", "value_dropped_tokens", "constraint"]
+               "stop_string", "backend", "value_retries", "value_dropped_tokens", "reasoning_tokens", "reasoning_cut",
+               "constraint"]
 
 
 @pytest.mark.parametrize(

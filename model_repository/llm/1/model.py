@@ -16,13 +16,17 @@ Inputs
 Outputs (streamed; the last response carries the FINAL flag)
     TEXT_DELTA  BYTES [1]   UTF-8 text of the tokens since the previous response (the first
                             goes out at once, then one at most every stream_interval_ms:
-                            llm_runtime.streaming; the last one carries what is left)
+                            llm_runtime.streaming; the last one carries what is left); with a
+                            thinking section (REQUEST reasoning), the answer's text only
+    REASONING_DELTA BYTES [1] the thinking section's text since the previous response ("" without
+                            one; contract.reasoning.ReasoningSplitter, markers left out)
     FINISH      BYTES [1]   "" until the last response; then a JSON object: the generator's
                             contract.finish.FinishEvent {finish_reason, text, prompt_tokens,
                             completion_tokens, error, status, close_reason, stop_string, backend,
-                            value_retries, value_dropped_tokens} plus constraint (the
-                            constraint rides on the last response only, so postprocessing can
-                            validate without a copy of the schema on every streamed token)
+                            value_retries, value_dropped_tokens, reasoning_tokens, reasoning_cut}
+                            plus constraint (the constraint rides on the last response only, so
+                            postprocessing can validate without a copy of the schema on every
+                            streamed token) and, with a thinking section, reasoning
 
 Each request joins the in-flight batch at a step boundary. Per step, one BLS
 request to ``grammar`` computes the bitmask of every constrained row while
@@ -43,11 +47,12 @@ import triton_python_backend_utils as pb_utils
 
 from contract.errors import InvalidArgument, ServingError
 from contract.finish import FinishEvent
+from contract.reasoning import Reasoning, ReasoningSplitter
 from llm_runtime.errors import CANCELLED
 from llm_runtime.mask import ConstraintRequest
 from llm_runtime.model_config import LlmModelConfig, bls_generator
 from llm_runtime.scheduler import GenerationRequest, TokenEvent
-from llm_runtime.streaming import DeltaCoalescer, Outbox
+from llm_runtime.streaming import DeltaCoalescer, Outbox, PartCoalescer
 from pipeline.finish import finish_json
 from pipeline.preprocess import GenerationParams
 from triton_support.metrics import TritonMetrics
@@ -58,7 +63,7 @@ _EMPTY = np.array([b""], np.object_)
 CANCEL_POLL_EVERY = 16
 
 
-def _to_request(request: Any) -> tuple[dict[str, str] | None, GenerationRequest]:
+def _to_request(request: Any) -> tuple[dict[str, str] | None, Reasoning | None, GenerationRequest]:
     ids_tensor = pb_utils.get_input_tensor_by_name(request, "INPUT_IDS")
     raw_tensor = pb_utils.get_input_tensor_by_name(request, "REQUEST")
     if ids_tensor is None or raw_tensor is None:
@@ -67,7 +72,7 @@ def _to_request(request: Any) -> tuple[dict[str, str] | None, GenerationRequest]
     raw = raw_tensor.as_numpy().reshape(-1)[0]
     params = GenerationParams.from_json(bytes(raw))
     c = params.constraint
-    return c, GenerationRequest(
+    return c, params.reasoning, GenerationRequest(
         prompt_token_ids=ids.tolist(),
         # The ensemble passes the request id down (the gateway's 128-bit internal id): CANCEL names it.
         request_id=request.request_id() or None,
@@ -93,7 +98,7 @@ class _Stream:
     jobs; every ``pb_utils`` call runs on the outbox's thread, in order.
     """
 
-    __slots__ = ("coalescer", "constraint", "events", "outbox", "rid", "scheduler", "sender")
+    __slots__ = ("coalescer", "constraint", "events", "outbox", "parts", "reasoning", "rid", "scheduler", "sender")
 
     def __init__(self, sender: Any, scheduler: Any, outbox: Outbox, interval_s: float) -> None:
         self.sender = sender
@@ -103,12 +108,25 @@ class _Stream:
         self.rid = ""
         self.constraint: dict[str, str] | None = None
         self.events = 0
+        self.reasoning: Reasoning | None = None
+        self.parts: PartCoalescer | None = None  # with a thinking section: deltas split into its two parts
+
+    def reasons(self, reasoning: Reasoning | None, interval_s: float) -> None:
+        """The request has a thinking section: stream it apart from the answer."""
+        self.reasoning = reasoning
+        if reasoning is not None:
+            self.parts = PartCoalescer(interval_s, ReasoningSplitter(reasoning))
 
     def __call__(self, event: TokenEvent | FinishEvent) -> None:
         if isinstance(event, TokenEvent):
             self.events += 1
             if self.events % CANCEL_POLL_EVERY == 0:
                 self.outbox.put(self._poll_cancel)
+            if self.parts is not None:
+                parts = self.parts.push(event.text_delta)
+                if parts is not None:
+                    self.outbox.put(functools.partial(self._send_delta, parts[1], parts[0]))
+                return
             text = self.coalescer.push(event.text_delta)
             if text is not None:
                 self.outbox.put(functools.partial(self._send_delta, text))
@@ -121,7 +139,8 @@ class _Stream:
 
     def finish(self, final: FinishEvent) -> None:
         """Queue the last response (with any text not sent yet)."""
-        self.outbox.put(functools.partial(self._send_final, final, self.coalescer.take()))
+        thinking, text = self.parts.finish() if self.parts is not None else ("", self.coalescer.take())
+        self.outbox.put(functools.partial(self._send_final, final, text, thinking))
 
     # -- on the outbox's thread -------------------------------------------------------
     def _poll_cancel(self) -> None:
@@ -133,19 +152,21 @@ class _Stream:
         if self.sender.is_cancelled():
             self.scheduler.cancel(self.rid)
 
-    def _send_delta(self, text: str) -> None:
+    def _send_delta(self, text: str, thinking: str = "") -> None:
         self._send(pb_utils.InferenceResponse(output_tensors=[
             pb_utils.Tensor("TEXT_DELTA", np.array([text.encode("utf-8")], np.object_)),
+            pb_utils.Tensor("REASONING_DELTA", np.array([thinking.encode("utf-8")], np.object_)),
             pb_utils.Tensor("FINISH", _EMPTY)]), 0)
 
     def _send_cancelled(self) -> None:
         self._send(None, pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
-    def _send_final(self, final: FinishEvent, text: str) -> None:
+    def _send_final(self, final: FinishEvent, text: str, thinking: str = "") -> None:
         # Errors are data in FINISH (pipeline.postprocess), never an error response.
-        finish = finish_json(final, self.constraint)
+        finish = finish_json(final, self.constraint, self.reasoning)
         self._send(pb_utils.InferenceResponse(output_tensors=[
             pb_utils.Tensor("TEXT_DELTA", np.array([text.encode("utf-8")], np.object_)),
+            pb_utils.Tensor("REASONING_DELTA", np.array([thinking.encode("utf-8")], np.object_)),
             pb_utils.Tensor("FINISH", np.array([finish.encode("utf-8")], np.object_))]),
             pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
@@ -186,7 +207,8 @@ class TritonPythonModel:
                 continue
             stream = _Stream(request.get_response_sender(), self.scheduler, self.outbox, self.stream_interval_s)
             try:
-                stream.constraint, gen_request = _to_request(request)
+                stream.constraint, reasoning, gen_request = _to_request(request)
+                stream.reasons(reasoning, self.stream_interval_s)
                 stream.rid = self.scheduler.submit(gen_request, stream)
             except ServingError as err:
                 stream.finish(FinishEvent.rejected(err))

@@ -3,11 +3,14 @@
 Tensor contract (``max_batch_size: 0``), one request per ``llm`` response:
 
 Inputs
-    TEXT_DELTA     BYTES [1]  UTF-8 text delta of this response
+    TEXT_DELTA     BYTES [1]  UTF-8 text delta of this response (the answer's, with a thinking section)
+    REASONING_DELTA BYTES [1] UTF-8 delta of the thinking section ("" without one)
     FINISH         BYTES [1]  "" on intermediate responses; on the last one a JSON object
                               {finish_reason, text, prompt_tokens, completion_tokens, error, constraint}
 Outputs
     TEXT           BYTES [1]  the text delta, passed through
+    REASONING_TEXT BYTES [1]  the thinking delta, passed through; sent only when not empty, so the
+                              responses of a request without a thinking section are as they were
     FINISH_REASON  BYTES [1]  "" or stop | length | error
     RESULT         BYTES [1]  "" or the final result JSON (see README, "Responses"); errors are
                               data here (finish_reason "error", status, error), never an error response
@@ -51,14 +54,18 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             text = pb_utils.Tensor("TEXT", np.array([_bytes(request, "TEXT_DELTA")], np.object_))
+            thinking = _bytes(request, "REASONING_DELTA")
+            parts = [text]
+            if thinking:
+                parts.append(pb_utils.Tensor("REASONING_TEXT", np.array([thinking], np.object_)))
             finish = _bytes(request, "FINISH")
             if not finish:
                 responses.append(pb_utils.InferenceResponse(output_tensors=[
-                    text, pb_utils.Tensor("FINISH_REASON", _EMPTY), pb_utils.Tensor("RESULT", _EMPTY)]))
+                    *parts, pb_utils.Tensor("FINISH_REASON", _EMPTY), pb_utils.Tensor("RESULT", _EMPTY)]))
                 continue
             out = result_of_finish(finish)
             responses.append(pb_utils.InferenceResponse(output_tensors=[
-                text,
+                *parts,
                 pb_utils.Tensor("FINISH_REASON", np.array([out.finish_reason.encode()], np.object_)),
                 pb_utils.Tensor("RESULT", np.array([out.result.encode("utf-8")], np.object_)),
             ]))

@@ -11,6 +11,7 @@ Inputs
     MAX_TOKENS INT32 [1], TEMPERATURE FP32 [1], TOP_P FP32 [1], TOP_K INT32 [1], SEED UINT64 [1]
     REPETITION_PENALTY, FREQUENCY_PENALTY, PRESENCE_PENALTY, MIN_P   FP32 [1] (contract.PENALTY_FIELDS)
     STOP             BYTES [N]   stop strings
+    REASONING        BYTES [1]   JSON: true, false or {start, end, max_reasoning_tokens} (contract.reasoning)
 Outputs
     INPUT_IDS        INT32 [T]   prompt token ids ([0] when the request is refused)
     REQUEST          BYTES [1]   validated parameters + canonical constraint (JSON), or
@@ -66,6 +67,7 @@ def _to_raw(request: Any) -> RawRequest:
         seed=_first(request, "SEED"),
         stop=() if stop is None else tuple(bytes(s) for s in stop.as_numpy().reshape(-1)),
         **{name: _first(request, name.upper()) for name in contract.PENALTY_FIELDS},
+        reasoning=_first(request, "REASONING"),
     )
 
 
