@@ -29,7 +29,8 @@ from contract.reasoning import split_reasoning
 from deploy.server import TritonServer
 from grammar_backend.closing import Closer
 from grammar_backend.tokenizer import load_tokenizer
-from tests.integration.served import MODEL_DIR, start_ensemble, wait_freed
+from tests.integration.served import start_ensemble, wait_freed
+from tests.support import assets
 
 pytestmark = [pytest.mark.triton, pytest.mark.e2e]
 
@@ -47,8 +48,6 @@ WEATHER: Any = {"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
-    if not (MODEL_DIR / "config.json").is_file():
-        pytest.skip(f"{MODEL_DIR} missing (run `make model`)")
     srv = start_ensemble(tmp_path_factory.mktemp("reasoning"),
                          values={"REASONING_START": "<think>", "REASONING_END": "</think>"}, openai_port=0)
     try:
@@ -66,7 +65,7 @@ def client(server: TritonServer) -> Iterator[Client]:
 @pytest.fixture(scope="module")
 def least_budget() -> int:
     """The end marker plus the shortest valid PERSON plus the stop token, in SmolLM2 tokens."""
-    bundle = load_tokenizer(MODEL_DIR)
+    bundle = load_tokenizer(assets.smollm2_dir())
     marker = bundle.encode("</think>")
     matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(bundle.info).compile_json_schema(
         json.dumps(PERSON), any_whitespace=False, separators=(",", ":"), strict_mode=False))
