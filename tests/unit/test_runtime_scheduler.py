@@ -782,6 +782,35 @@ def test_the_first_forced_run_streams_in_its_own_step(engine: TorchEngine, tiny:
         grammar.close()
 
 
+@pytest.mark.parametrize(("schema", "first"), [
+    ({"type": "array", "items": {"type": "integer"}}, "["),  # a one-token forced run: sampled, not jumped
+    ({"type": "array", "items": {"type": "string", "format": "date"}}, "["),  # items checked, `[` is not
+])
+def test_a_one_token_forced_run_streams_in_the_step_that_samples_it(engine: TorchEngine, tiny: TinyModelInfo,
+                                                                    schema: dict[str, Any], first: str) -> None:
+    """The output's first forced run is safe from value checks however long it is: a single forced token
+    (not worth a jump) streams in the step that samples it, not a step later.  (Where the model samples a
+    longer token than the forced run, `{"` for a forced `{`, it is held a step, as any sampled token.)"""
+    grammar = tiny_grammar(tiny)
+    try:
+        with Scheduler(engine, LocalMaskProvider(grammar), SchedulerConfig(max_batch_size=8)) as s:
+            seen: list[tuple[int, str]] = []
+            r = Result()
+
+            def on_event(event: TokenEvent | FinishEvent) -> None:
+                if isinstance(event, TokenEvent) and not seen:
+                    seen.append((s.stats().steps, event.text_delta))
+                r(event)
+
+            s.submit(GenerationRequest(prompt(engine, "x"), max_tokens=40, temperature=0.0,
+                                       constraint=ConstraintRequest("json_schema", json.dumps(schema), "")), on_event)
+            fin = r.wait()
+        assert fin.text.startswith(first)
+        assert seen == [(0, first)]  # streamed before the stats counted the step that sampled it
+    finally:
+        grammar.close()
+
+
 def test_a_stop_string_inside_a_jump_cuts_it(engine: TorchEngine, tiny: TinyModelInfo) -> None:
     grammar = tiny_grammar(tiny)
     try:

@@ -43,8 +43,14 @@ def _u(pointer: str) -> UnenforcedKeyword:
         ({"items": {"type": "array", "uniqueItems": True}}, ["/items/uniqueItems"], {"/items"}, {"/items"}),
         ({"prefixItems": [{"not": {"const": 0}}]}, ["/prefixItems/0/not"], {"/prefixItems/0"}, set()),
         ({"type": "object", "properties": {"n": {"type": "integer"}}}, [], set(), set()),
+        # A format in an unknown keyword's value is data (a vendor annotation): nothing is checked or held.
+        ({"type": "array", "items": {"type": "string"}, "self": {"format": "jsonschema", "vendor": "x"}}, [],
+         set(), set()),
+        ({"items": [{"format": "date"}], "allOf": [{"not": {"format": "email"}}], "x-meta": {"items": {"format": "uri"}}},
+         [], {"/items/0", ""}, set()),
     ],
-    ids=["unique-root", "format", "ref", "anyof", "dependent-required", "items", "prefix-items", "nothing"],
+    ids=["unique-root", "format", "ref", "anyof", "dependent-required", "items", "prefix-items", "nothing",
+         "vendor-format", "format-sites"],
 )
 def test_anchors(schema: dict[str, Any], unenforced: list[str], anchors: set[str], unique: set[str]) -> None:
     rules = ValueRules(schema, [_u(p) for p in unenforced])
