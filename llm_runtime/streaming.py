@@ -34,6 +34,25 @@ _log = logging.getLogger(__name__)
 MAX_STREAM_INTERVAL_MS: Final = 1000
 
 
+class _Pace:
+    """When a stream's next response may go out: the first at once, then ``interval_s`` after the last."""
+
+    __slots__ = ("_clock", "_interval", "_last")
+
+    def __init__(self, interval_s: float, clock: Callable[[], float]) -> None:
+        self._interval = interval_s
+        self._clock = clock
+        self._last: float | None = None  # when the last response went out (None: none yet)
+
+    def due(self) -> bool:
+        """Whether a response may go out now (if so, it counts as sent now)."""
+        now = self._clock()
+        if self._last is not None and now - self._last < self._interval:
+            return False
+        self._last = now
+        return True
+
+
 class DeltaCoalescer:
     """Joins one request's text deltas into as few streamed responses as the interval allows.
 
@@ -46,24 +65,18 @@ class DeltaCoalescer:
         Monotonic seconds (injectable for tests).
     """
 
-    __slots__ = ("_clock", "_interval", "_last", "_parts")
+    __slots__ = ("_pace", "_parts")
 
     def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self._interval = interval_s
-        self._clock = clock
-        self._last: float | None = None  # when the last response went out (None: none yet)
+        self._pace = _Pace(interval_s, clock)
         self._parts: list[str] = []
 
     def push(self, text: str) -> str | None:
         """Add a delta; returns the text to send now (``None``: hold it for later)."""
         if text:
             self._parts.append(text)
-        if not self._parts:
+        if not self._parts or not self._pace.due():
             return None
-        now = self._clock()
-        if self._last is not None and now - self._last < self._interval:
-            return None
-        self._last = now
         return self.take()
 
     def take(self) -> str:
@@ -89,14 +102,12 @@ class PartCoalescer:
     clock : callable
     """
 
-    __slots__ = ("_answer", "_clock", "_interval", "_last", "_splitter", "_thinking")
+    __slots__ = ("_answer", "_pace", "_splitter", "_thinking")
 
     def __init__(self, interval_s: float, splitter: ReasoningSplitter,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self._interval = interval_s
+        self._pace = _Pace(interval_s, clock)
         self._splitter = splitter
-        self._clock = clock
-        self._last: float | None = None
         self._thinking: list[str] = []
         self._answer: list[str] = []
 
@@ -107,12 +118,8 @@ class PartCoalescer:
             self._thinking.append(thinking)
         if answer:
             self._answer.append(answer)
-        if not (self._thinking or self._answer):
+        if not (self._thinking or self._answer) or not self._pace.due():
             return None
-        now = self._clock()
-        if self._last is not None and now - self._last < self._interval:
-            return None
-        self._last = now
         return self._take()
 
     def finish(self) -> tuple[str, str]:

@@ -56,10 +56,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TritonServer]:
         srv.stop()
 
 
-@pytest.fixture(scope="module")
-def client(server: TritonServer) -> Iterator[Client]:
-    with Client(server.grpc_url) as c:
-        yield c
+# `client` is tests/integration/conftest.py's, over this module's `server`.
 
 
 @pytest.fixture(scope="module")
