@@ -23,18 +23,23 @@ BLS round trip on top (README, "Measured").  Run::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import numpy as np
 
 # Run as a script, sys.path[0] is bench/; the packages live at the repository root.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from contract import BACKENDS
 from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
+from grammar_backend.llg import LlgBackend
 from grammar_backend.tokenizer import load_tokenizer
 from llm_runtime.engine import TorchEngine, TorchEngineConfig
 from llm_runtime.local_mask import LocalMaskProvider
@@ -57,27 +62,44 @@ PROMPTS = ["Invent a person.", "Describe a customer.", "Name a pilot.", "A chef,
 MODES = ("free", "overlap", "processor")
 
 
-def run_batch(engine: TorchEngine, grammar: GrammarEngine, mode: str, batch: int, tokens: int) -> dict[str, Any]:
-    """One batch of ``batch`` greedy requests in ``mode``; per-step figures at the full batch."""
+def run_batch(engine: TorchEngine, grammar: GrammarEngine, mode: str, batch: int, tokens: int,
+              backend: str = "xgrammar") -> dict[str, Any]:
+    """One batch of ``batch`` greedy requests in ``mode``; per-step figures at the full batch.
+
+    Constrained requests close at the budget (``on_budget: close``), so every
+    output must parse and match :data:`SCHEMA`: ``valid`` counts those that do.
+    """
     constraint = None if mode == "free" else ConstraintRequest(
-        "json_schema", json.dumps(SCHEMA), json.dumps({"on_budget": "truncate", "on_repeat": "continue"}))
+        "json_schema", json.dumps(SCHEMA),
+        json.dumps({"on_budget": "close", "on_repeat": "continue", "backend": backend}))
     grammar_mode = "processor" if mode == "processor" else "overlap"
     done = threading.Semaphore(0)
+    texts: list[list[str]] = [[] for _ in range(batch)]
+    produced = [0]
+    errors: list[str] = []
 
-    def on_event(event: TokenEvent | FinishEvent) -> None:
+    def on_event(row: int, event: TokenEvent | FinishEvent) -> None:
         if isinstance(event, FinishEvent):
             if event.finish_reason == "error":
-                raise RuntimeError(f"request failed: {event.error}")
+                errors.append(str(event.error))
+            produced[0] += event.completion_tokens
             done.release()
+        else:
+            texts[row].append(event.text_delta)
 
     with Scheduler(engine, LocalMaskProvider(grammar),
                    SchedulerConfig(max_batch_size=batch, grammar_mode=grammar_mode)) as sched:
+        t0 = time.perf_counter()
         for i in range(batch):
             ids = engine.tokenizer.encode(PROMPTS[i % len(PROMPTS)]).ids
-            sched.submit(GenerationRequest(ids, constraint=constraint, max_tokens=tokens, temperature=0.0), on_event)
+            sched.submit(GenerationRequest(ids, constraint=constraint, max_tokens=tokens, temperature=0.0),
+                         functools.partial(on_event, i))
         for _ in range(batch):
             if not done.acquire(timeout=600):
                 raise TimeoutError("a request did not finish")
+        wall = time.perf_counter() - t0
+        if errors:
+            raise RuntimeError(f"{len(errors)} of {batch} requests failed, the first: {errors[0]}")
         s = sched.stats()
         summary = sched.summary()
     full = (s.batch_size == batch) & (s.prefill_rows == 0)
@@ -87,10 +109,24 @@ def run_batch(engine: TorchEngine, grammar: GrammarEngine, mode: str, batch: int
     return {
         "steps": int(full.sum()),
         "step_s": step[full].tolist(),
+        # Apart from the step: on the H200 (2026-12-04) every step had a ~60 ms floor, flat from a
+        # 135M model at batch 1 to a 1.7B one at batch 64; the next run must show whether it is the forward.
+        "forward_s": s.forward_s[full].tolist(),
         "grammar_s": gram[np.isfinite(gram)].tolist(),
         "grammar_requests": int(summary["grammar_requests"]),
         "constrained_steps": int((s.constrained_rows > 0).sum()),
+        "valid": sum(_valid("".join(t)) for t in texts),
+        "tokens": produced[0],
+        "wall_s": wall,
     }
+
+
+def _valid(text: str) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,42 +136,55 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1, see TorchEngineConfig)")
+    parser.add_argument("--device", default="cpu", help="torch device of the engine (cpu, cuda)")
+    parser.add_argument("--dtype", default="float32", help="engine dtype (float32, bfloat16, float16)")
+    parser.add_argument("--backend", choices=BACKENDS, default="xgrammar", help="grammar backend")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
 
     engine = TorchEngine(args.model_dir, TorchEngineConfig(max_batch_size=max(args.batch), max_seq_len=512,
-                                                      num_threads=args.threads))
+                                                      num_threads=args.threads, device=args.device,
+                                                      dtype=args.dtype))
     bundle = load_tokenizer(args.model_dir, vocab_size=engine.vocab_size, stop_token_ids=sorted(engine.eos_token_ids))
+    llg = LlgBackend(bundle.hf, bundle.vocab_size, bundle.stop_token_ids) if args.backend == "llguidance" else None
     grammar = GrammarEngine(bundle.info, bundle.fingerprint, GrammarEngineConfig(max_batch=max(args.batch)),
-                            encode=bundle.encode)
+                            encode=bundle.encode, llg=llg)
     results: dict[str, dict[str, dict[str, list[float]]]] = {}
     try:
-        run_batch(engine, grammar, "overlap", 1, 4)  # warm-up: compile the schema, touch every code path
+        run_batch(engine, grammar, "overlap", 1, 4, args.backend)  # warm-up: compile the schema, touch every code path
         for b in args.batch:
-            per = results.setdefault(str(b), {m: {"step_s": [], "grammar_s": []} for m in MODES})
+            per = results.setdefault(str(b), {m: {"step_s": [], "forward_s": [], "grammar_s": [], "tokens": [], "wall_s": [],
+                                                  "valid": []} for m in MODES})
             for _ in range(args.rounds):
                 for mode in MODES:  # interleaved: machine noise hits every mode alike
-                    out = run_batch(engine, grammar, mode, b, args.tokens)
-                    per[mode]["step_s"] += out["step_s"]
-                    per[mode]["grammar_s"] += out["grammar_s"]
+                    out = run_batch(engine, grammar, mode, b, args.tokens, args.backend)
+                    for key in ("step_s", "forward_s", "grammar_s"):
+                        per[mode][key] += out[key]
+                    for key in ("tokens", "wall_s", "valid"):
+                        per[mode][key].append(out[key])
                     if mode == "processor" and out["grammar_requests"] != out["constrained_steps"]:
                         raise AssertionError(f"processor: {out['grammar_requests']} grammar requests for "
                                              f"{out['constrained_steps']} constrained steps")
     finally:
         grammar.close()
 
-    print(f"model {args.model_dir.name}, {args.tokens} tokens per request, {args.rounds} rounds, "
-          f"{args.threads} torch thread(s); ms per decode step at the full batch (p50 / p90)")
+    print(f"model {args.model_dir.name} on {args.device} ({args.dtype}), {args.backend}, {args.tokens} tokens per "
+          f"request, {args.rounds} rounds, {args.threads} torch thread(s); ms per decode step at the full batch "
+          "(p50 / p90); tokens/s over each batch's wall time; constrained outputs valid")
     summary: dict[str, Any] = {}
     for b, per in results.items():
         med = {m: float(np.median(per[m]["step_s"])) for m in MODES}
         p90 = {m: float(np.percentile(per[m]["step_s"], 90)) for m in MODES}
         gram = float(np.median(per["processor"]["grammar_s"])) if per["processor"]["grammar_s"] else float("nan")
         summary[b] = {"p50_ms": {m: 1e3 * v for m, v in med.items()}, "p90_ms": {m: 1e3 * v for m, v in p90.items()},
-                      "steps": {m: len(per[m]["step_s"]) for m in MODES}, "processor_grammar_p50_ms": 1e3 * gram}
+                      "steps": {m: len(per[m]["step_s"]) for m in MODES}, "processor_grammar_p50_ms": 1e3 * gram,
+                      "tok_s": {m: sum(per[m]["tokens"]) / sum(per[m]["wall_s"]) for m in MODES},
+                      "valid": {m: f"{sum(per[m]['valid'])}/{int(b) * len(per[m]['valid'])}" for m in MODES[1:]}}
         cells = "  ".join(f"{m} {1e3 * med[m]:.1f} / {1e3 * p90[m]:.1f}" for m in MODES)
+        rates = "  ".join(f"{m} {v:,.0f}" for m, v in summary[b]["tok_s"].items())
         print(f"B={b}: {cells}  | processor grammar step p50 {1e3 * gram:.2f} ms | "
               f"processor/overlap {med['processor'] / med['overlap']:.3f}  overlap/free {med['overlap'] / med['free']:.3f}")
+        print(f"      tok/s {rates}  | valid {summary[b]['valid']}")
     if args.json is not None:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
                                          "raw": results}, indent=1))

@@ -526,8 +526,14 @@ class Scheduler:
         b, w = self._max_batch, bitmask_width(self._vocab)
         # Reused per-step buffers: the batch's bitmask rows and logits (the
         # grammar request's own live in the phase).
-        self._bitmask_np = np.full((b, w), -1, dtype=np.int32)
-        self._bitmask_host = torch.from_numpy(self._bitmask_np)
+        # On a GPU the host rows are pinned and copied without blocking into
+        # one device buffer: an unpinned ``.to(device)`` allocated and synced
+        # every constrained step.  The copy is done before the host rows are
+        # written again: sampling reads its tokens back to the host first.
+        cuda = self._device.type == "cuda"
+        self._bitmask_host = torch.full((b, w), -1, dtype=torch.int32, pin_memory=cuda)
+        self._bitmask_np = self._bitmask_host.numpy()
+        self._bitmask_dev = torch.empty((b, w), dtype=torch.int32, device=self._device) if cuda else None
         self._logits = torch.empty((b, self._vocab), dtype=torch.float32, device=self._device)
         self._phase = GrammarPhase(mask_provider, max_rows=b, max_jump_tokens=cfg.max_jump_tokens,
                                    overlap=cfg.grammar_mode == "overlap")
@@ -1007,8 +1013,8 @@ class Scheduler:
         if masked:
             self._bitmask_np[masked] = mstep.bitmask[sel]
             bitmask = self._bitmask_host[: len(order)]
-            if bitmask.device != logits.device:
-                bitmask = bitmask.to(logits.device)
+            if self._bitmask_dev is not None:
+                bitmask = self._bitmask_dev[: len(order)].copy_(bitmask, non_blocking=True)
             self._sampler.apply_mask(logits, bitmask, masked)
 
     def _fit_jumps(self, order: list[_Seq]) -> None:

@@ -271,16 +271,22 @@ def test_grammar_bench_outcomes(tmp_path: Path) -> None:
     assert "XGrammar 9 us / 5700 us" in proc.stdout
 
 
-def test_processor_bench_compares_the_three_modes(tmp_path: Path) -> None:
-    """bench/processor_bench.py on the real default model: every mode measured at the full batch."""
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_processor_bench_compares_the_three_modes(tmp_path: Path, backend: str) -> None:
+    """bench/processor_bench.py on the real default model: every mode measured at the full batch,
+    and every constrained output, closed within its 32-token budget, valid."""
     model = assets.smollm2_dir()
     out = tmp_path / "processor.json"
-    proc = _run("processor_bench.py", [str(model), "--batch", "2", "--tokens", "6", "--rounds", "1",
-                                       "--json", str(out)], timeout=300)
-    summary = json.loads(out.read_text())["summary"]["2"]
+    proc = _run("processor_bench.py", [str(model), "--batch", "2", "--tokens", "32", "--rounds", "1",
+                                       "--backend", backend, "--json", str(out)], timeout=300)
+    report = json.loads(out.read_text())
+    summary = report["summary"]["2"]
     assert set(summary["p50_ms"]) == {"free", "overlap", "processor"}
     assert all(summary["steps"][m] >= 1 and summary["p50_ms"][m] > 0 for m in summary["steps"])
     assert summary["processor_grammar_p50_ms"] > 0
+    assert summary["valid"] == {"overlap": "2/2", "processor": "2/2"}
+    assert all(len(report["raw"]["2"][m]["forward_s"]) == summary["steps"][m] for m in summary["steps"])
+    assert f"{backend}, 32 tokens per request" in proc.stdout
     assert "processor/overlap" in proc.stdout
 
 

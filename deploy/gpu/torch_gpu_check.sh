@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The embedded torch engine and the grammar engine on a CUDA GPU, in one process (no Triton).
+#
+#   deploy/gpu/torch_gpu_check.sh OUT_DIR SMOLLM2_DIR QWEN3_TOKENIZER_DIR [SHAPE ...]
+#
+# SMOLLM2_DIR: a folder with SmolLM2's config.json and tokenizer files (its
+# weights are not read). QWEN3_TOKENIZER_DIR: Qwen3's tokenizer.json. SHAPEs:
+# bench/random_checkpoint.py's (default: qwen3-1.7b; qwen3-8b takes 16 GB of
+# disk and a minute to write).
+#
+# For each model shape, a checkpoint with random weights (bench/random_checkpoint.py:
+# a forward costs what the shape costs, whatever the weights; the outputs are
+# noise) runs bench/processor_bench.py on cuda in bfloat16 at batch 1, 16 and 64:
+# ms per decode step unconstrained, with the grammar step overlapped on a worker
+# thread, and in a logits processor's order; tokens/s; and how many constrained
+# outputs (closed at the budget) parse and match the schema, which must be all.
+# Writes OUT_DIR/<model>-<backend>.json and OUT_DIR/log.txt.
+#
+# What it does not cover: the served path (tritonserver and the Python-backend
+# stubs) and TensorRT-LLM; deploy/gpu/preflight.sh does, inside the GPU image.
+set -euo pipefail
+
+out=${1:?OUT_DIR}
+smol=${2:?SMOLLM2_DIR}
+qwen=${3:?QWEN3_TOKENIZER_DIR}
+shift 3
+shapes=("$@")
+[[ ${#shapes[@]} -gt 0 ]] || shapes=(qwen3-1.7b)
+py=${PYTHON:-python3}
+work=${WORK_DIR:-/tmp/torch-gpu-check}
+mkdir -p "$out" "$work"
+exec > >(tee -a "$out/log.txt") 2>&1
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+"$py" -c 'import torch; from importlib.metadata import version as v; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(), "| xgrammar", v("xgrammar"), "| llguidance", v("llguidance"), "| transformers", v("transformers"))'
+echo "CPU cores: $(nproc)"
+
+bench() {  # model_dir name backend batches...
+    local dir=$1 name=$2 backend=$3
+    shift 3
+    echo "== $name, $backend"
+    "$py" bench/processor_bench.py "$dir" --device cuda --dtype bfloat16 --backend "$backend" \
+        --batch "$@" --tokens 64 --rounds 2 --json "$out/$name-$backend.json" 2>&1 | grep -v "Loading weights"
+}
+
+"$py" bench/random_checkpoint.py "$smol/config.json" "$smol" "$work/smollm2-135m" --device cuda >/dev/null
+bench "$work/smollm2-135m" smollm2-135m xgrammar 1 16 64
+bench "$work/smollm2-135m" smollm2-135m llguidance 1 16 64
+for shape in "${shapes[@]}"; do
+    "$py" bench/random_checkpoint.py "$shape" "$qwen" "$work/$shape" --device cuda >/dev/null
+    bench "$work/$shape" "$shape" xgrammar 1 16 64
+    bench "$work/$shape" "$shape" llguidance 16 64
+    rm -rf "${work:?}/$shape"
+done
+echo "torch_gpu_check: done"
