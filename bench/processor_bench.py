@@ -178,13 +178,15 @@ def main(argv: list[str] | None = None) -> int:
         gram = float(np.median(per["processor"]["grammar_s"])) if per["processor"]["grammar_s"] else float("nan")
         summary[b] = {"p50_ms": {m: 1e3 * v for m, v in med.items()}, "p90_ms": {m: 1e3 * v for m, v in p90.items()},
                       "steps": {m: len(per[m]["step_s"]) for m in MODES}, "processor_grammar_p50_ms": 1e3 * gram,
+                      "forward_p50_ms": {m: 1e3 * float(np.median(per[m]["forward_s"])) for m in MODES},
                       "tok_s": {m: sum(per[m]["tokens"]) / sum(per[m]["wall_s"]) for m in MODES},
                       "valid": {m: f"{sum(per[m]['valid'])}/{int(b) * len(per[m]['valid'])}" for m in MODES[1:]}}
         cells = "  ".join(f"{m} {1e3 * med[m]:.1f} / {1e3 * p90[m]:.1f}" for m in MODES)
         rates = "  ".join(f"{m} {v:,.0f}" for m, v in summary[b]["tok_s"].items())
         print(f"B={b}: {cells}  | processor grammar step p50 {1e3 * gram:.2f} ms | "
               f"processor/overlap {med['processor'] / med['overlap']:.3f}  overlap/free {med['overlap'] / med['free']:.3f}")
-        print(f"      tok/s {rates}  | valid {summary[b]['valid']}")
+        fwd = "  ".join(f"{m} {v:.1f}" for m, v in summary[b]["forward_p50_ms"].items())
+        print(f"      forward p50 ms {fwd}  | tok/s {rates}  | valid {summary[b]['valid']}")
     if args.json is not None:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
                                          "raw": results}, indent=1))
