@@ -18,6 +18,11 @@ The grammar side is in-process here (no BLS): the served processor adds the
 BLS round trip on top (README, "Measured").  Run::
 
     python bench/processor_bench.py [MODEL_DIR] [--batch 1 8] [--tokens 48] [--rounds 3] [--json out.json]
+        [--device cuda --dtype bfloat16] [--backend llguidance]
+
+Constrained requests close at their budget, and every output is checked
+against the schema (``valid``).  On a GPU host, ``deploy/gpu/torch_gpu_check.sh``
+runs it for published model shapes (``bench/random_checkpoint.py``).
 """
 
 from __future__ import annotations
