@@ -231,33 +231,37 @@ def decode_reply(data: memoryview, seq: int) -> ChannelReply:
         The reply is malformed.
     """
     flags, rows, fw, active, seconds, body = _reply_body(data, seq)
-    at = 0
-
-    def take(dtype: type[np.generic], count: int) -> np.ndarray:
-        nonlocal at
-        size = np.dtype(dtype).itemsize * count
-        if at + size > len(body):
-            raise ChannelBroken(f"grammar channel: reply cut short at byte {at} of {len(body)}")
-        arr = np.frombuffer(body, dtype, count, at)
-        at += size
-        return arr
-
-    terminated = take(np.uint8, rows).view(np.bool_)
-    closing = take(np.int8, rows)
-    dropped = take(np.int32, rows) if flags & _REPLY_DROPPED else None
-    hold = take(np.int32, rows) if flags & _REPLY_HOLD else None
-    forced_tokens = forced_counts = None
+    # The arrays' sizes, known from the header, are checked at once; each
+    # array is then one frombuffer (this runs on the decode loop every step).
+    i32 = 4 * rows
+    size = 2 * rows + i32 * (((flags & _REPLY_DROPPED) != 0) + ((flags & _REPLY_HOLD) != 0)
+                             + ((flags & _REPLY_FORCED_SAFE) != 0)) + ((i32 + i32 * fw) if flags & _REPLY_FORCED else 0)
+    if len(body) < size:
+        raise ChannelBroken(f"grammar channel: a reply of {rows} rows needs {size} bytes of arrays, got {len(body)}")
+    terminated = np.frombuffer(body, np.bool_, rows, 0)
+    closing = np.frombuffer(body, np.int8, rows, rows)
+    at = 2 * rows
+    dropped = hold = forced_tokens = forced_counts = forced_safe = None
+    if flags & _REPLY_DROPPED:
+        dropped = np.frombuffer(body, np.int32, rows, at)
+        at += i32
+    if flags & _REPLY_HOLD:
+        hold = np.frombuffer(body, np.int32, rows, at)
+        at += i32
     if flags & _REPLY_FORCED:
-        forced_counts = take(np.int32, rows)
-        forced_tokens = take(np.int32, rows * fw).reshape(rows, fw)
-    forced_safe = take(np.int32, rows) if flags & _REPLY_FORCED_SAFE else None
+        forced_counts = np.frombuffer(body, np.int32, rows, at)
+        forced_tokens = np.frombuffer(body, np.int32, rows * fw, at + i32).reshape(rows, fw)
+        at += i32 + i32 * fw
+    if flags & _REPLY_FORCED_SAFE:
+        forced_safe = np.frombuffer(body, np.int32, rows, at)
+        at += i32
     errors: tuple[str, ...] = ()
     if flags & _REPLY_ROW_ERRORS:
         errors = tuple(str(e) for e in json.loads(bytes(body[at:])))
         if len(errors) != rows:
             raise ChannelBroken(f"grammar channel: {len(errors)} row errors for {rows} rows")
-    return ChannelReply(int(active), terminated, closing, dropped, hold, errors, forced_tokens, forced_counts,
-                        forced_safe, float(seconds))
+    return ChannelReply(active, terminated, closing, dropped, hold, errors, forced_tokens, forced_counts,
+                        forced_safe, seconds)
 
 
 def _decode_start(view: memoryview, at: int, n: int, flags: int) -> ChannelStart:
@@ -482,6 +486,7 @@ class ChannelClient:
         self._timeout = timeout_s
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._sock.settimeout(timeout_s)
+        self._sock_timeout: float | None = timeout_s  # what the socket has: set again only when it changes
         self._seq = 0
         self._in_flight: int | None = None  # the request number of a step sent and not yet received
         self._sent_at = 0.0
@@ -622,7 +627,9 @@ class ChannelClient:
 
     def _send(self, message: bytes, timeout_s: float | None) -> None:
         try:
-            self._sock.settimeout(timeout_s)
+            if timeout_s != self._sock_timeout:
+                self._sock.settimeout(timeout_s)
+                self._sock_timeout = timeout_s
             self._sent_at = time.time()
             self._sock.send(message)
         except OSError as err:

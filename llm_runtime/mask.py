@@ -176,8 +176,9 @@ class MaskStep:
         if ft is not None and fc is not None:
             if ft.ndim != 2 or ft.shape[0] != rows or fc.shape != (rows,):
                 return f"forced tokens must be [{rows}, F] with counts [{rows}]"
-            if rows and (int(fc.min()) < 0 or int(fc.max()) > ft.shape[1]):
-                return f"forced counts must be in 0..{ft.shape[1]}"
+            # One reduction: a negative count is past the width as uint32.
+            if fc.dtype != np.int32 or (rows and int(fc.view(np.uint32).max()) > ft.shape[1]):
+                return f"forced counts must be int32 in 0..{ft.shape[1]}"
         return None
 
 

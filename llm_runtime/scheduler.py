@@ -1011,7 +1011,10 @@ class Scheduler:
                     else -1
         self._fit_jumps(order)
         if masked:
-            self._bitmask_np[masked] = mstep.bitmask[sel]
+            if masked[-1] == sel[-1] == len(sel) - 1:  # both are 0..k-1 (ascending, distinct): every row masks
+                self._bitmask_np[: len(sel)] = mstep.bitmask[: len(sel)]
+            else:
+                self._bitmask_np[masked] = mstep.bitmask[sel]
             bitmask = self._bitmask_host[: len(order)]
             if self._bitmask_dev is not None:
                 bitmask = self._bitmask_dev[: len(order)].copy_(bitmask, non_blocking=True)

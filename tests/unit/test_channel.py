@@ -16,12 +16,21 @@ import struct
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from grammar_backend.channel import _PREFIX, HELLO_MAGIC, ChannelClient
+from grammar_backend.channel import (
+    _PREFIX,
+    HELLO_MAGIC,
+    ChannelBroken,
+    ChannelClient,
+    ChannelReply,
+    decode_reply,
+    encode_reply,
+)
 from grammar_backend.errors import RemoteGrammarError
 from tests.unit.conftest import TINY_VOCAB_SIZE
 from triton_support.maskbuf import SHM_DIR, MaskBuffer
@@ -288,3 +297,33 @@ def test_connection_threads_never_preempt_the_caller(channel_service: GrammarSer
     assert served and {os.sched_getscheduler(t.native_id or 0) for t in served} == {os.SCHED_BATCH}
     assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's own policy is untouched
     client.end([1])
+
+
+_FULL_REPLY = ChannelReply(
+    active=3, terminated=np.array([False, True]), closing=np.array([0, 2], np.int8),
+    dropped=np.array([0, 1], np.int32), hold=np.array([2, 0], np.int32), row_errors=("", "bad row"),
+    forced_tokens=np.array([[5, 6, 7], [8, 0, 0]], np.int32), forced_counts=np.array([3, 1], np.int32),
+    forced_safe=np.array([1, 0], np.int32), seconds=0.25)
+
+
+@pytest.mark.parametrize("reply", [
+    _FULL_REPLY,
+    ChannelReply(active=1, terminated=np.array([True]), closing=np.array([0], np.int8)),
+    ChannelReply(active=0, terminated=np.zeros(0, bool), closing=np.zeros(0, np.int8)),
+], ids=["every-array", "bare", "no-rows"])
+def test_a_reply_decodes_to_what_was_encoded(reply: ChannelReply) -> None:
+    got = decode_reply(memoryview(encode_reply(9, reply)), 9)
+    assert (got.active, got.row_errors, got.seconds) == (reply.active, reply.row_errors, reply.seconds)
+    for name in ("terminated", "closing", "dropped", "hold", "forced_tokens", "forced_counts", "forced_safe"):
+        want, have = getattr(reply, name), getattr(got, name)
+        assert (have is None) if want is None else (have.dtype == np.asarray(want).dtype
+                                                    and have.tolist() == want.tolist()), name
+
+
+@pytest.mark.parametrize("cut", [1, 4, 40])
+def test_a_reply_cut_short_is_a_broken_channel(cut: int) -> None:
+    """2 rows: terminated and closing 2 bytes each, dropped, hold and forced_safe 8 each, forced counts 8 and
+    tokens 2 x 3 x 4: 60 bytes of arrays."""
+    data = encode_reply(9, replace(_FULL_REPLY, row_errors=()))
+    with pytest.raises(ChannelBroken, match=rf"^grammar channel: a reply of 2 rows needs 60 bytes of arrays, got {60 - cut}$"):
+        decode_reply(memoryview(data[:-cut]), 9)

@@ -155,3 +155,33 @@ def test_rows_read_what_the_row_methods_read(step: MaskStep) -> None:
     if n == 4:
         assert rows.kind == [ROW_STOP, ROW_DROP, ROW_MASK, ROW_MASK]
         assert [step.forced(j, 2) for j in range(n)] == [(5, 6), (), (), (9, 10)]
+
+
+def _answer(**fields: object) -> MaskStep:
+    base: dict[str, object] = {"bitmask": np.zeros((2, WIDTH), np.int32), "terminated": np.zeros(2, bool),
+                               "errors": (None, None)}
+    return MaskStep(**{**base, **fields})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("step", "why"),
+    [
+        (_answer(), None),
+        (_answer(forced_tokens=np.zeros((2, 3), np.int32), forced_counts=_i32(3, 0)), None),
+        (_answer(bitmask=np.zeros((2, WIDTH), np.int64)), f"bitmask must be int32 [2, {WIDTH}], got int64 (2, {WIDTH})"),
+        (_answer(terminated=np.zeros(3, bool)), "terminated must be bool [2]"),
+        (_answer(errors=(None,)), "errors must have 2 entries, got 1"),
+        (_answer(hold=_i32(1)), "hold must be int32 [2] or None"),
+        (_answer(forced_tokens=np.zeros((2, 3), np.int32)), "forced_tokens and forced_counts come together"),
+        (_answer(forced_tokens=np.zeros((2, 3), np.int32), forced_counts=_i32(4, 0)),
+         "forced counts must be int32 in 0..3"),
+        (_answer(forced_tokens=np.zeros((2, 3), np.int32), forced_counts=_i32(1, -1)),
+         "forced counts must be int32 in 0..3"),
+        (_answer(forced_tokens=np.zeros((2, 3), np.int32), forced_counts=np.array([1, 1], np.int64)),
+         "forced counts must be int32 in 0..3"),
+    ],
+    ids=["fits", "fits-forced", "bitmask-dtype", "terminated-shape", "errors-count", "hold-shape", "forced-alone",
+         "count-past-width", "count-negative", "count-int64"],
+)
+def test_an_answer_that_does_not_fit_the_step_says_why(step: MaskStep, why: str | None) -> None:
+    assert step.check(2, WIDTH) == why

@@ -10,7 +10,7 @@ import torch
 import xgrammar
 
 from llm_runtime.mask import bitmask_width
-from llm_runtime.sampler import Sampler, SamplingParams, TokenCounts
+from llm_runtime.sampler import Sampler, SamplingParams, TokenCounts, mask_logits_cpu
 
 V = 70  # not a multiple of 32: the last bitmask word is partly padding
 
@@ -43,6 +43,30 @@ def test_pack_matches_xgrammar_layout() -> None:
     logits = torch.zeros((1, V))
     xgrammar.apply_token_bitmask_inplace(logits, torch.from_numpy(pack(allowed)), vocab_size=V)
     assert torch.isneginf(logits[0]).numpy().tolist() == (~allowed[0]).tolist()
+
+
+@pytest.mark.parametrize("vocab", [1, 31, 32, 33, 448, 49152])
+@pytest.mark.parametrize("density", [0.0, 0.02, 0.5, 0.98, 1.0])
+def test_host_masking_equals_xgrammars_kernel(vocab: int, density: float) -> None:
+    """mask_logits_cpu sets exactly the -inf that xgrammar's kernel sets in the vocabulary, and leaves the
+    columns past it alone (xgrammar 0.2.9's kernel may write one past it: compared on a padded copy)."""
+    rng = np.random.default_rng(vocab)
+    allowed = rng.random((3, vocab)) < density
+    logits = torch.from_numpy(rng.normal(0, 3, size=(3, vocab + 5)).astype(np.float32))
+    before, padded = logits.clone(), logits.clone()
+    xgrammar.apply_token_bitmask_inplace(padded, torch.from_numpy(pack(allowed)), vocab_size=vocab)
+    want = padded[:, :vocab]
+    mask_logits_cpu(logits.numpy(), pack(allowed), vocab)
+    assert torch.equal(logits[:, :vocab], want)
+    assert torch.equal(logits[:, vocab:], before[:, vocab:])
+
+
+def test_host_masking_of_rows_that_allow_everything_touches_nothing() -> None:
+    """Every token allowed, a vocabulary not a multiple of 32, logits exactly as wide: no logit changes
+    (xgrammar 0.2.9's CPU kernel sets the next row's first logit to -inf here)."""
+    logits = torch.arange(3 * 33, dtype=torch.float32).reshape(3, 33)
+    mask_logits_cpu(logits.numpy(), pack(np.ones((3, 33), bool)), 33)
+    assert torch.equal(logits, torch.arange(3 * 33, dtype=torch.float32).reshape(3, 33))
 
 
 @pytest.mark.parametrize(
