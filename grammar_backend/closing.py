@@ -34,6 +34,7 @@ from grammar_backend.lru import Lru
 
 __all__ = [
     "CLOSE_REASONS",
+    "UTF8_MAX_OWED",
     "CloseState",
     "Closer",
     "CloserConfig",
@@ -64,6 +65,22 @@ _STRING_PROBE = "~"
 _OPENERS = b'{[,:"'
 #: Where a tail of an earlier completion may start (see :meth:`Closer.resume`).
 _BOUNDARIES = frozenset(b',}]"')
+
+
+#: The most continuation bytes a UTF-8 character owes after its lead byte.
+UTF8_MAX_OWED = 3
+
+
+def _owed(need: int, data: bytes) -> int:
+    """The UTF-8 continuation bytes still owed after ``data``, given ``need`` owed before it."""
+    for byte in data:
+        if byte < 0x80:
+            need = 0
+        elif byte < 0xC0:
+            need = need - 1 if need else 0
+        else:
+            need = 3 if byte >= 0xF0 else 2 if byte >= 0xE0 else 1
+    return need
 
 
 def _stack(first: str) -> tuple[str, ...]:
@@ -198,6 +215,8 @@ class Closer:
         special.update(self._stops)
         spelling: dict[bytes, int] = {}
         self._calm: list[int] = []
+        #: The calm tokens that end on a character boundary (:meth:`calm_tokens`).
+        self._calm_whole: list[int] = []
         #: Each token's bytes (b"" for special tokens), to turn a completion back into text.
         self._pieces: list[bytes] = []
         #: Per token: its ASCII digits at the end of its text, and whether that is all of it
@@ -217,6 +236,8 @@ class Closer:
                 spelling.setdefault(data, token_id)
                 if not any(c in data for c in _OPENERS):
                     self._calm.append(token_id)
+                    if _owed(0, data) == 0:
+                        self._calm_whole.append(token_id)
         self._spelling = spelling
         self._longest = max(len(p) for p in spelling)
         # The first completion of a constraint is the same for every sequence
@@ -270,13 +291,7 @@ class Closer:
         pieces = self._pieces
         for token in tokens:
             t = int(token)
-            for byte in pieces[t] if 0 <= t < len(pieces) else b"":
-                if byte < 0x80:
-                    need = 0
-                elif byte < 0xC0:
-                    need = need - 1 if need else 0
-                else:
-                    need = 3 if byte >= 0xF0 else 2 if byte >= 0xE0 else 1
+            need = _owed(need, pieces[t] if 0 <= t < len(pieces) else b"")
         return need
 
     def resume(self, matcher: Matcher, tokens: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -400,14 +415,17 @@ class Closer:
         size = len(pieces)
         return b"".join(pieces[int(t)] for t in tokens if 0 <= int(t) < size)
 
-    def calm_tokens(self) -> list[int]:
+    def calm_tokens(self, whole_chars: bool = False) -> list[int]:
         """Tokens that open no structure: none of ``{ [ , : "`` in their text (stop tokens included).
 
         Near its budget a sequence may only take these (or its completion's
         next token), so its completion cannot grow while the model finishes
-        the value it is writing.
+        the value it is writing.  ``whole_chars``: only those that also end
+        on a character boundary (a byte-level token may stop inside one: a
+        lead byte alone owes up to :data:`UTF8_MAX_OWED` more tokens, during
+        which no completion can start); a continuation byte ends one.
         """
-        return sorted(self._calm + self._stops)
+        return sorted((self._calm_whole if whole_chars else self._calm) + self._stops)
 
     def spell(self, data: bytes) -> tuple[int, ...] | None:
         """``data`` as vocabulary tokens, longest match first; None if some byte has no token."""

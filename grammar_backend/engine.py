@@ -210,6 +210,7 @@ class GrammarEngine:
         self._calm_rows: list[tuple[int, int, GrammarSequence]] = []  # reused: (row, completion token, its sequence)
         self.closer = Closer(tokenizer_info, config.closing.search)
         self._calm_row = pack_tokens(self.closer.calm_tokens(), self.vocab_size)
+        self._calm_whole_row = pack_tokens(self.closer.calm_tokens(whole_chars=True), self.vocab_size)
         stops = [int(t) for t in tokenizer_info.stop_token_ids]
         if not stops:
             raise ConfigError("engine: the tokenizer has no stop token (closing forces one)")
@@ -562,7 +563,7 @@ class GrammarEngine:
                     continue
                 closing[i] = seq.close_state
             if token != FREE:
-                self.bitmask.restrict(i, self._calm_row, token)
+                self.bitmask.restrict(i, self._calm_whole_row if seq.whole_chars_only else self._calm_row, token)
         for i, keep in ban_rows:
             np.bitwise_and(bitmask[i], keep, out=bitmask[i])
         forced = self._no_forced[:rows]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from grammar_backend.bitmask import Matcher
-from grammar_backend.closing import Closer, CloseState, ClosingConfig, RepeatDetector
+from grammar_backend.closing import UTF8_MAX_OWED, Closer, CloseState, ClosingConfig, RepeatDetector
 from grammar_backend.errors import (
     CapacityExceeded,
     ConfigError,
@@ -578,6 +578,22 @@ class GrammarSequence:
             return stop_token
         at = self.completion_at if self.completion_kept else 0
         return completion[at] if at < len(completion) else stop_token
+
+    @property
+    def whole_chars_only(self) -> bool:
+        """Whether a calm row takes only tokens that end on a character boundary
+        (:meth:`Closer.calm_tokens`): a character begun now might not end before the completion must start.
+
+        No check can start a completion inside a character, so a due check
+        waits for its end: at most :data:`UTF8_MAX_OWED` tokens.  From a spare
+        (budget left after the last completion found and the stop token) of
+        ``UTF8_MAX_OWED + 1``, one more byte-level lead could take the spare
+        below 0 before the check: the output then ran to ``max_tokens``
+        unclosed (``bench/processor_bench.py``, the tiny stand-in, 16 rows,
+        128 tokens: 2 outputs of each batch's 16; one began a 3-byte
+        character at spare 2).
+        """
+        return self.budget - self.tokens_accepted - 1 - self.completion_len <= UTF8_MAX_OWED + 1
 
     @property
     def forcing(self) -> bool:

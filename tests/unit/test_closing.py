@@ -7,6 +7,7 @@ and forced one by one), so these tests use the real Qwen3 BPE vocabulary.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,7 @@ from grammar_backend.fidelity import validate_output
 from grammar_backend.sequences import FREE, GrammarSequence
 from grammar_backend.spec import parse_constraint
 from tests.support import assets
+from tests.unit.conftest import TINY_STOP, TINY_VOCAB, TINY_VOCAB_SIZE, tiny_encode
 
 PERSON = {
     "type": "object",
@@ -690,3 +692,43 @@ def test_a_rollback_keeps_the_top_level_text_and_ends_the_digit_run(
     assert seq.scalar_tokens is not None and len(seq.scalar_tokens) == seq.tokens_accepted
     assert smol_closer.text(seq.scalar_tokens) == (b'"ab1234567'[: len('"ab1234567') - back])
     assert seq.digit_run == (7 if back == 0 else 0)
+
+
+
+_NAME_SCHEMA = ('{"type":"object","properties":{"name":{"type":"string"}},"required":["name"],'
+                '"additionalProperties":false}')
+#: A writer that starts a 4-byte character wherever it may (its lead, then continuation bytes).
+_LEAD, _CONT = 0xF0, 0x9F
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_info: xgr.TokenizerInfo) -> Iterator[GrammarEngine]:
+    engine = GrammarEngine(tiny_info, "tiny", GrammarEngineConfig(max_batch=1), encode=tiny_encode)
+    yield engine
+    engine.close()
+
+
+@pytest.mark.parametrize("budget", range(12, 44))
+def test_a_writer_of_multibyte_characters_is_closed_within_its_budget(tiny_engine: GrammarEngine,
+                                                                       budget: int) -> None:
+    """No check can start a completion inside a character: near the budget a calm row takes only tokens
+    that end on a character boundary, so the output still closes (before, a lead byte at spare 2 ran
+    the output to max_tokens unclosed)."""
+    tiny_engine.start(1, parse_constraint("json_schema", _NAME_SCHEMA, '{"on_budget":"close"}'), budget=budget)
+    try:
+        out = tiny_engine.step([1], np.zeros((1, 1), np.int32), [0])
+        written: list[int] = []
+        while True:
+            allowed = set(allowed_tokens(out.bitmask[0], TINY_VOCAB_SIZE).tolist())
+            token = next((t for t in (_LEAD, _CONT, ord("a")) if t in allowed), min(allowed))
+            if token == TINY_STOP:
+                break
+            written.append(token)
+            assert len(written) < budget, written  # room for the stop token stays
+            out = tiny_engine.step([1], np.array([[token]], np.int32), [1])
+    finally:
+        tiny_engine.end([1])
+    document = json.loads(b"".join(TINY_VOCAB[t] for t in written).decode("utf-8"))
+    assert list(document) == ["name"]
+    # 12 tokens hold {"name":""} and the stop token; from 16 on the writer got at least one character in.
+    assert any(ord(c) > 0xFFFF for c in document["name"]) == (budget >= 16), document
