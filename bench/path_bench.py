@@ -4,6 +4,7 @@ Usage (from the repository root, after ``make venv``)::
 
     make bench-path                      # ~6 min on 2 shared cores (BENCH_QUICK=1: ~2 min)
     .venv/bin/python bench/path_bench.py --quick --json /tmp/path.json --plot /tmp/path.png
+    .venv/bin/python bench/path_bench.py --quick --hold 60   # a steadier equal-work figure at 16 rows
     .venv/bin/python bench/path_bench.py --model-dir build/models/smollm2-135m-instruct --quick
 
 The default model is a tiny random Llama (``tests.support.tiny_model``: hidden
@@ -34,6 +35,10 @@ What it does, in one run:
    and the grammar model's compile workers): CPU seconds per 1,000 streamed
    tokens, per process, mode and concurrency; and this process's own (the
    client's streams), apart: on this machine it shares the server's cores.
+   With ``--hold SECONDS``, batches of both modes then alternate at the
+   top concurrency (16) that long, for the step stats only: the equal-work
+   figure at that batch then rests on thousands of steps of each mode,
+   taken turn by turn (this host's speed moves by up to 2x between batches).
 4. Stops the server and reads the ``llm`` model's step stats from its log:
    the decode-step time at each full batch for steps whose rows were all
    free or all constrained (equal work; see ``e2e_bench.equal_work_ratios``).
@@ -350,6 +355,31 @@ def run_load(served: Served, concurrencies: Sequence[int], rounds: int, max_toke
     return records, walls, cpu
 
 
+def hold_load(served: Served, concurrency: int, seconds: float, max_tokens: int) -> int:
+    """Batches of ``concurrency`` streams, the two modes alternating, for ``seconds``; returns the pairs run.
+
+    Only the ``llm`` model's step stats read them: the equal-work medians
+    at that batch then come from thousands of steps of each mode, taken
+    turn by turn.  This host's speed moves by up to 2x from one batch to the
+    next (the free step's p50 at 16 rows: 0.93-1.67 ms in four runs of the
+    same code), and two medians of 150-250 steps, from batches seconds
+    apart, moved with it (equal work 0.52-0.76).
+    """
+    pairs = 0
+    with Client(served.url, timeout_s=600.0) as client:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            for mode in MODES:
+                gate = threading.Barrier(concurrency, timeout=120.0)
+                with ThreadPoolExecutor(concurrency, thread_name_prefix=f"hold-{mode}") as pool:
+                    futs = [pool.submit(one_request, client, mode, concurrency, -1, i, max_tokens, gate)
+                            for i in range(concurrency)]
+                    for fut in futs:
+                        fut.result()
+            pairs += 1
+    return pairs
+
+
 # --------------------------------------------------------------------------- report
 def summarize(records: list[Record], walls: Mapping[str, float], cpu: Mapping[str, Mapping[str, float]],
               in_proc: Mapping[int, float], ratios: Mapping[int, tuple[float, float, float]]) -> dict[str, Any]:
@@ -464,6 +494,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG here")
     parser.add_argument("--quick", action="store_true", help="1 round, 64 max tokens (also BENCH_QUICK=1)")
+    parser.add_argument("--hold", type=float, default=0.0, metavar="SECONDS",
+                        help="after the rounds, alternate batches of both modes at the top concurrency this long: "
+                             "its equal-work figure then rests on thousands of steps (default: off)")
     args = parser.parse_args(argv)
     if args.quick or os.environ.get("BENCH_QUICK") == "1":
         args.rounds, args.max_tokens = 1, 64
@@ -495,6 +528,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     max_batch = int(values["MAX_BATCH"])
     concurrencies = [c for c in CONCURRENCIES if c <= max_batch]
     threads = int(values["TORCH_THREADS"]) or None
+    top = 16 if 16 in concurrencies else concurrencies[-1]
     with tempfile.TemporaryDirectory(prefix="path-bench-") as tmp:
         repo = Path(tmp) / "model_repository"
         render_repository(REPO / "model_repository", repo, values)
@@ -503,6 +537,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         with launched(repo, log) as served:
             print(f"server ready at {served.url} in {time.perf_counter() - t0:.1f} s", flush=True)
             records, walls, cpu = run_load(served, concurrencies, args.rounds, args.max_tokens)
+            if args.hold > 0:
+                pairs = hold_load(served, top, args.hold, args.max_tokens)
+                print(f"  held {pairs} pairs of {top}-stream batches for {args.hold:.0f} s", flush=True)
         stats = parse_step_stats(log.read_text(encoding="utf-8", errors="replace"))
     ratios = equal_work_ratios(stats, concurrencies)
     in_proc = in_process(model, args.max_tokens, concurrencies, args.rounds, max_batch=max_batch,
@@ -518,7 +555,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(payload, indent=2), encoding="utf-8")
     print(f"total {time.perf_counter() - t_all:.1f} s", file=sys.stderr)
-    top = 16 if 16 in concurrencies else concurrencies[-1]
     sio = summary[f"unconstrained@{top}"].get("served_over_in_process", math.nan)
     ew = summary[f"constrained@{top}"].get("equal_work", {}).get("ratio", math.nan)
     print(f"path at concurrency {top}: served/in-process {sio:.3f}, constrained/unconstrained {ew:.3f}")
