@@ -320,6 +320,16 @@ def one_request(client: Client, mode: str, concurrency: int, round_no: int, prom
     return Record(mode, concurrency, round_no, ttft, end - t0, tokens, deltas, gaps), t0, end
 
 
+def streams_at_once(client: Client, mode: str, concurrency: int, round_no: int, max_tokens: int
+                    ) -> list[tuple[Record, float, float]]:
+    """``concurrency`` streams released together (one thread each, prompts 0..N-1): :func:`one_request`'s results."""
+    gate = threading.Barrier(concurrency, timeout=120.0)
+    with ThreadPoolExecutor(concurrency, thread_name_prefix=f"path-{mode}") as pool:
+        futs = [pool.submit(one_request, client, mode, concurrency, round_no, i, max_tokens, gate)
+                for i in range(concurrency)]
+        return [f.result() for f in futs]
+
+
 def run_load(served: Served, concurrencies: Sequence[int], rounds: int, max_tokens: int
              ) -> tuple[list[Record], dict[str, float], dict[str, dict[str, float]]]:
     """Warm up, then the measured batches; returns records, walls and CPU seconds per (mode@conc, process)."""
@@ -341,11 +351,7 @@ def run_load(served: Served, concurrencies: Sequence[int], rounds: int, max_toke
                             rec, t0, t1 = one_request(client, mode, 1, r, b, max_tokens)
                             done, wall = [rec], t1 - t0
                         else:
-                            gate = threading.Barrier(conc, timeout=120.0)
-                            with ThreadPoolExecutor(conc, thread_name_prefix=f"path-{mode}") as pool:
-                                futs = [pool.submit(one_request, client, mode, conc, r, i, max_tokens, gate)
-                                        for i in range(conc)]
-                                out = [f.result() for f in futs]
+                            out = streams_at_once(client, mode, conc, r, max_tokens)
                             done = [o[0] for o in out]
                             wall = max(o[2] for o in out) - min(o[1] for o in out)
                         meter.add(before, meter.snapshot(), cpu.setdefault(key, {}))
@@ -370,12 +376,7 @@ def hold_load(served: Served, concurrency: int, seconds: float, max_tokens: int)
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             for mode in MODES:
-                gate = threading.Barrier(concurrency, timeout=120.0)
-                with ThreadPoolExecutor(concurrency, thread_name_prefix=f"hold-{mode}") as pool:
-                    futs = [pool.submit(one_request, client, mode, concurrency, -1, i, max_tokens, gate)
-                            for i in range(concurrency)]
-                    for fut in futs:
-                        fut.result()
+                streams_at_once(client, mode, concurrency, -1, max_tokens)
             pairs += 1
     return pairs
 

@@ -29,24 +29,20 @@ from typing import Any, Final
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+#: What Qwen3's published ``config.json`` files share (Qwen/Qwen3-1.7B, Qwen/Qwen3-8B).
+_QWEN3: Final[Mapping[str, Any]] = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 128, "vocab_size": 151936,
+    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "bos_token_id": 151643,
+    "eos_token_id": 151645, "hidden_act": "silu", "attention_bias": False, "num_key_value_heads": 8,
+}
 #: Published configurations (their ``config.json`` fields that set the shape).
 SHAPES: Final[Mapping[str, Mapping[str, Any]]] = {
     # Qwen/Qwen3-1.7B: 28 layers, GQA 16/8 heads of 128, vocabulary 151,936.
-    "qwen3-1.7b": {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 2048,
-        "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
-        "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0, "tie_word_embeddings": True, "bos_token_id": 151643, "eos_token_id": 151645,
-        "hidden_act": "silu", "attention_bias": False,
-    },
+    "qwen3-1.7b": {**_QWEN3, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
+                   "num_attention_heads": 16, "tie_word_embeddings": True},
     # Qwen/Qwen3-8B: 36 layers, GQA 32/8 heads of 128.
-    "qwen3-8b": {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 4096,
-        "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0, "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645,
-        "hidden_act": "silu", "attention_bias": False,
-    },
+    "qwen3-8b": {**_QWEN3, "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+                 "num_attention_heads": 32, "tie_word_embeddings": False},
 }
 
 _TOKENIZER_FILES: Final = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
