@@ -41,6 +41,7 @@ __all__ = [
     "ClosingConfig",
     "RepeatConfig",
     "RepeatDetector",
+    "utf8_owed",
 ]
 
 
@@ -71,7 +72,7 @@ _BOUNDARIES = frozenset(b',}]"')
 UTF8_MAX_OWED = 3
 
 
-def _owed(need: int, data: bytes) -> int:
+def utf8_owed(need: int, data: bytes) -> int:
     """The UTF-8 continuation bytes still owed after ``data``, given ``need`` owed before it."""
     for byte in data:
         if byte < 0x80:
@@ -236,7 +237,7 @@ class Closer:
                 spelling.setdefault(data, token_id)
                 if not any(c in data for c in _OPENERS):
                     self._calm.append(token_id)
-                    if _owed(0, data) == 0:
+                    if utf8_owed(0, data) == 0:
                         self._calm_whole.append(token_id)
         self._spelling = spelling
         self._longest = max(len(p) for p in spelling)
@@ -291,7 +292,7 @@ class Closer:
         pieces = self._pieces
         for token in tokens:
             t = int(token)
-            need = _owed(need, pieces[t] if 0 <= t < len(pieces) else b"")
+            need = utf8_owed(need, pieces[t] if 0 <= t < len(pieces) else b"")
         return need
 
     def resume(self, matcher: Matcher, tokens: tuple[int, ...]) -> tuple[int, ...] | None:

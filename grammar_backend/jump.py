@@ -40,6 +40,7 @@ import numpy as np
 import xgrammar as xgr
 
 from grammar_backend.bitmask import Matcher, bitmask_width, pack_tokens
+from grammar_backend.closing import UTF8_MAX_OWED, utf8_owed
 from grammar_backend.lru import Lru
 
 __all__ = ["JumpForward", "JumpStats", "pack_forced"]
@@ -87,6 +88,37 @@ class PrefixIndex:
         ordinary = sorted((p, t) for t, p in enumerate(self.vocab) if p and t not in self.special)
         self._sorted = [p for p, _ in ordinary]
         self._sorted_ids = np.array([t for _, t in ordinary], dtype=np.int64)
+        self._char_rows: dict[int, tuple[np.ndarray, ...]] = {}  # vocab_size -> char_rows
+
+    def char_rows(self, vocab_size: int) -> tuple[np.ndarray, ...]:
+        """Packed masks ``k = 0..UTF8_MAX_OWED``: the tokens that, after a text owing ``k`` UTF-8
+        continuation bytes, leave it on a character boundary or closer to one (built once).
+
+        Row ``k`` holds the tokens of continuation bytes only, at most ``k``
+        of them (they go on with the character begun), and the tokens of
+        exactly ``k`` continuation bytes followed by text that ends on a
+        boundary; row 0 the tokens that end on one.  None begins a character
+        it does not end, so at most ``k`` tokens of these rows reach a
+        boundary and row 0 keeps the text there.  0.04 s for Qwen3's
+        151,936 tokens.
+        """
+        rows_of = self._char_rows.get(vocab_size)
+        if rows_of is None:
+            rows: list[list[int]] = [[] for _ in range(UTF8_MAX_OWED + 1)]
+            for token, piece in enumerate(self.vocab):
+                if not piece:  # spells nothing (special tokens, whose masks are decided elsewhere)
+                    rows[0].append(token)
+                    continue
+                lead = 0
+                while lead < len(piece) and 0x80 <= piece[lead] < 0xC0:
+                    lead += 1
+                if lead == len(piece):
+                    for k in range(lead, UTF8_MAX_OWED + 1):
+                        rows[k].append(token)
+                elif lead <= UTF8_MAX_OWED and utf8_owed(0, piece[lead:]) == 0:
+                    rows[lead].append(token)
+            rows_of = self._char_rows[vocab_size] = tuple(pack_tokens(r, vocab_size) for r in rows)
+        return rows_of
 
     def starting(self, piece: bytes, *, longer: bool = False) -> np.ndarray:
         """Ids of the ordinary tokens that start with ``piece`` (``longer``: other than ``piece`` itself)."""

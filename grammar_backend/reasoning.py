@@ -50,6 +50,14 @@ guided decoder take it without knowing about it:
     so it starts outside budget closing's calm zone (8 tokens plus the
     completion) and the model writes its own values; from there budget
     closing guarantees a complete answer whenever the shortest one fits.
+
+Either way the marker never cuts a character: in the last
+:data:`WHOLE_CHARS_AHEAD` tokens before a cut may come, a thinking row takes
+only tokens that keep its text on character boundaries (a begun character
+is finished, none is begun that its token does not end), so the thinking's
+text has no bytes a reader cannot show.  Measured with a writer of 4-byte
+characters one byte a token (Qwen3's vocabulary): 9 of 12 bounds and 9 of
+12 budgets split one before.
 """
 
 from __future__ import annotations
@@ -61,10 +69,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from grammar_backend.bitmask import pack_tokens
+from grammar_backend.closing import UTF8_MAX_OWED, utf8_owed
 from grammar_backend.errors import ConfigError
 from grammar_backend.jump import PrefixIndex
 
-__all__ = ["MarkerTable", "ReasoningConfig", "Thinking"]
+__all__ = ["WHOLE_CHARS_AHEAD", "MarkerTable", "ReasoningConfig", "Thinking"]
+
+#: How many tokens before the end marker may be forced a thinking row takes only tokens that keep its
+#: text on character boundaries (:meth:`Thinking.row`): a character begun before them ends within
+#: :data:`~grammar_backend.closing.UTF8_MAX_OWED` of them, so the marker never splits one.
+WHOLE_CHARS_AHEAD = UTF8_MAX_OWED + 1
 
 #: Spells bytes as vocabulary tokens (None: cannot).
 Speller = Callable[[bytes], "tuple[int, ...] | None"]
@@ -160,6 +174,8 @@ class MarkerTable:
         self._rests: dict[int, tuple[int, ...] | None] = {}
         self._worst = -1
         self._calm: np.ndarray | None = None
+        self._whole: dict[tuple[int, int, bool], np.ndarray] = {}
+        index.char_rows(vocab_size)  # built here, at a request's start, not in a step (once per vocabulary)
 
     @property
     def states(self) -> int:
@@ -178,10 +194,10 @@ class MarkerTable:
                 return state, i + 1
         return state, -1
 
-    def take(self, state: int, token: int) -> tuple[int, int]:
-        """:meth:`advance` over ``token``'s bytes (special tokens spell nothing here: they are masked)."""
+    def piece(self, token: int) -> bytes:
+        """``token``'s bytes (special tokens spell nothing here: they are masked)."""
         vocab = self._index.vocab
-        return self.advance(state, vocab[token] if 0 <= token < len(vocab) else b"")
+        return vocab[token] if 0 <= token < len(vocab) else b""
 
     def length(self, token: int) -> int:
         """How many bytes ``token`` spells."""
@@ -236,6 +252,23 @@ class MarkerTable:
                 if begin else self.row(0)
         return self._calm
 
+    def whole_row(self, state: int, owed: int, calm: bool) -> np.ndarray:
+        """:meth:`row` (``calm``: :meth:`calm_row`) without the tokens that would leave a text owing ``owed``
+        UTF-8 continuation bytes inside a character (:meth:`PrefixIndex.char_rows`; cached).
+
+        A vocabulary with no such token allowed there keeps the row whole: a
+        mask that allows nothing would fail the request.
+        """
+        key = (state, owed, calm)
+        row = self._whole.get(key)
+        if row is None:
+            base = self.calm_row() if calm else self.row(state)
+            row = np.bitwise_and(base, self._index.char_rows(self._vocab_size)[owed])
+            if not row.any():
+                row = base
+            self._whole[key] = row
+        return row
+
     def rest(self, state: int) -> tuple[int, ...] | None:
         """Tokens spelling ``marker[state:]``, the rest of a marker whose first ``state`` bytes are written
         (cached; None: the vocabulary cannot spell it exactly).  Appended, they complete the marker at
@@ -255,7 +288,7 @@ class Thinking:
         ``max_reasoning_tokens`` (0: none).
     """
 
-    __slots__ = ("answer", "cut", "forced", "forced_at", "limit", "state", "table", "tokens")
+    __slots__ = ("answer", "cut", "forced", "forced_at", "limit", "owed", "state", "table", "tokens")
 
     def __init__(self, table: MarkerTable, limit: int) -> None:
         self.table = table
@@ -271,6 +304,8 @@ class Thinking:
         self.cut = False
         #: The shortest answer's length in tokens (-1: not looked up yet).
         self.answer = -1
+        #: UTF-8 continuation bytes the thinking's text owes (0: it ends on a character boundary).
+        self.owed = 0
 
     @property
     def forcing(self) -> bool:
@@ -283,7 +318,9 @@ class Thinking:
         0 is the one answer the thinking mask allows (it masks the tokens that
         overrun the marker, :meth:`MarkerTable.overrunning`).
         """
-        self.state, end = self.table.take(self.state, token)
+        piece = self.table.piece(token)
+        self.state, end = self.table.advance(self.state, piece)
+        self.owed = utf8_owed(self.owed, piece)
         self.tokens += 1
         if end >= 0:
             return self.table.length(token) - end
@@ -299,11 +336,27 @@ class Thinking:
         """Whether one more token could begin a marker whose rest no longer fits in ``max_reasoning_tokens``."""
         return bool(self.limit) and self.tokens + 1 + self.table.worst > self.limit
 
-    def row(self) -> np.ndarray:
-        """This step's mask when nothing is forced (:meth:`MarkerTable.row`, or its calm form near the limit)."""
-        if self.state == 0 and self.near_limit():
-            return self.table.calm_row()
-        return self.table.row(self.state)
+    def row(self, budget: int, config: ReasoningConfig) -> np.ndarray:
+        """This step's mask when nothing is forced (:meth:`MarkerTable.row`, or its calm form near the limit).
+
+        Within :data:`WHOLE_CHARS_AHEAD` tokens of a cut (:meth:`due`'s
+        rules, ``budget`` and ``config`` as there) only tokens that keep the
+        text on character boundaries are allowed (:meth:`MarkerTable.whole_row`):
+        a forced marker would otherwise cut the thinking inside a character,
+        whose bytes no text can show.
+        """
+        calm = self.state == 0 and self.near_limit()
+        if self._cut_within(WHOLE_CHARS_AHEAD, budget, config):
+            return self.table.whole_row(self.state, self.owed, calm)
+        return self.table.calm_row() if calm else self.table.row(self.state)
+
+    def _cut_within(self, ahead: int, budget: int, config: ReasoningConfig) -> bool:
+        """Whether :meth:`due` may force the marker within ``ahead`` more tokens (by either rule)."""
+        worst = self.table.worst
+        if self.limit and self.tokens + ahead + worst >= self.limit:
+            return True
+        return bool(budget) and config.reserve_answer and \
+            budget - self.tokens - ahead <= config.reserve(worst, max(self.answer, 0))
 
     def due(self, budget: int, config: ReasoningConfig) -> tuple[int, ...] | None:
         """The end marker's rest to force now, or None (the thinking goes on).
@@ -317,8 +370,14 @@ class Thinking:
             return None  # wait for a state whose rest the vocabulary spells (byte-level vocabularies always do)
         if self.limit and (self.tokens + len(rest) >= self.limit or (self.state and self.near_limit())):
             return rest  # a marker begun near the limit is finished while it still fits
+        if not (budget and config.reserve_answer):
+            return None
         # The longest rest, not this one: a marker begun after this check still leaves the answer its room.
-        if budget and config.reserve_answer and budget - self.tokens <= config.reserve(self.table.worst,
-                                                                                       max(self.answer, 0)):
-            return rest
-        return None
+        past = config.reserve(self.table.worst, max(self.answer, 0)) - (budget - self.tokens)
+        if past < 0:
+            return None
+        # Inside a character (which :meth:`row` has ended by now unless the vocabulary cannot), the cut
+        # waits for its end while the answer's margin covers the wait.
+        if self.owed and past < min(UTF8_MAX_OWED, config.margin_tokens):
+            return None
+        return rest

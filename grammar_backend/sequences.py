@@ -168,7 +168,7 @@ class GrammarSequence:
     def thinking_row(self) -> np.ndarray:
         """The packed mask of a thinking row that forces nothing (see :meth:`MarkerTable.row`)."""
         assert self.thinking is not None
-        return self.thinking.row()
+        return self.thinking.row(self.budget, self.reasoning)
 
     def reason(self, closer: Closer) -> int:
         """A thinking row's plan: the end marker's next token when it is forced (:data:`FREE`: think on).

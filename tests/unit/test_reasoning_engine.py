@@ -25,6 +25,7 @@ from contract.reasoning import Reasoning, split_reasoning
 from grammar_backend.bitmask import allowed_tokens
 from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
 from grammar_backend.errors import SequenceError
+from grammar_backend.jump import PrefixIndex
 from grammar_backend.reasoning import MarkerTable, ReasoningConfig
 from grammar_backend.spec import ConstraintSpec, parse_constraint
 
@@ -421,20 +422,12 @@ def test_reasoning_marker_table_follows_overlaps() -> None:
     """The automaton finds the marker across pieces, a self-overlapping one included, and a token overruns
     only where it completes the marker before its last byte."""
     vocab = [b"a", b"b", b"aa", b"ab", b"aab", b"xaaby", b"bz", b"</s>"]
-
-    class Index:
-        def __init__(self) -> None:
-            self.vocab = vocab
-            self.special = frozenset({7})
-
-        def starting(self, piece: bytes, *, longer: bool = False) -> np.ndarray:
-            return np.array([t for t, p in enumerate(vocab) if p.startswith(piece) and (p != piece or not longer)
-                             and t not in self.special], np.int64)
+    index = PrefixIndex(xgr.TokenizerInfo([p.decode() for p in vocab], stop_token_ids=[7]))
 
     def spell(data: bytes) -> tuple[int, ...]:
         return tuple(vocab.index(bytes([b])) for b in data)
 
-    table = MarkerTable(b"aab", Index(), 8, [7], spell)  # type: ignore[arg-type]
+    table = MarkerTable(b"aab", index, 8, [7], spell)
     assert table.advance(0, b"aaab") == (3, 4)  # "aa" then "ab": the overlap is followed
     assert table.advance(2, b"b") == (3, 1)
     assert table.advance(1, b"ab") == (3, 2)
@@ -444,3 +437,93 @@ def test_reasoning_marker_table_follows_overlaps() -> None:
     assert table.worst == 3
     assert allowed_tokens(table.row(2), 8).tolist() == [0, 1, 2, 3, 4]
     assert allowed_tokens(table.calm_row(), 8).tolist() == [1, 3, 4, 6]  # nothing that ends with "a" or "aa"
+
+
+def _byte_token(engine: GrammarEngine, byte: int) -> int:
+    return engine.values.index.vocab.index(bytes([byte]))
+
+
+def _write_four_byte_characters(engine: GrammarEngine, seq_id: int, max_tokens: int) -> tuple[bytes, list[int]]:
+    """A thinking that writes 4-byte characters a byte at a token wherever it may, then the shortest answer:
+    returns the thinking's bytes (before the marker) and every token written."""
+    vocab = engine.values.index.vocab
+    lead, cont, space = _byte_token(engine, 0xF0), _byte_token(engine, 0x9F), _byte_token(engine, ord(" "))
+    model = Model(engine, seq_id)
+    owed = 0
+    written: list[int] = []
+    states: list[int] = []
+    while len(written) < max_tokens:
+        out = model.step()
+        assert out.errors[0] is None, out.errors[0]
+        if out.terminated[0]:
+            break
+        row, state = out.bitmask[0], int(out.closing[0])
+        if state == CloseState.REASONING:
+            # The writer's own rule: a begun character goes on; a new one begins where the mask lets it.
+            token = cont if owed else (lead if allows(row, lead) else space)
+            assert allows(row, token), (len(written), owed)
+            owed = 3 if token == lead else owed - 1 if token == cont else 0
+        elif state == CloseState.REASONING_END or len(allowed_tokens(row, V)) == 1:
+            token = int(allowed_tokens(row, V)[0])
+        else:
+            found = engine.closer.complete(engine.table.get(seq_id).matcher)
+            token = found[0] if found else engine._stop_token
+        written.append(token)
+        states.append(state)
+        model.pending = [token]
+    thinking = b"".join(vocab[t] for t, s in zip(written, states, strict=True) if s == CloseState.REASONING)
+    return thinking, written
+
+
+@pytest.mark.parametrize("limit", range(6, 18))
+def test_reasoning_cut_at_its_bound_never_splits_a_character(engine: GrammarEngine, limit: int) -> None:
+    """Near ``max_reasoning_tokens`` a thinking row takes only tokens that keep its text on character
+    boundaries, so the forced marker ends whole characters (a writer of 4-byte characters, one byte a
+    token, every bound; without the rule 9 of these 12 bounds split one)."""
+    spec = spec_of("json_schema", json.dumps(PERSON), Reasoning(end="</think>", max_reasoning_tokens=limit))
+    engine.start(70, spec, budget=256)
+    try:
+        thinking, written = _write_four_byte_characters(engine, 70, 256)
+    finally:
+        engine.end([70])
+    text = thinking.decode("utf-8")  # strict: a split character raises
+    # The characters begun before the last WHOLE_CHARS_AHEAD + worst tokens (one byte a token), then spaces.
+    whole = (limit - 4) // 4
+    assert written.index(END_TOKEN) == len(thinking) == limit - 1
+    assert text == "\U0001f7df" * whole + " " * (limit - 1 - 4 * whole)
+
+
+@pytest.mark.parametrize("budget", range(40, 52))
+def test_reasoning_cut_for_the_answers_reserve_never_splits_a_character(engine: GrammarEngine, budget: int) -> None:
+    """The same where the answer's reserve forces the marker (``on_budget: close``): the thinking ends on a
+    character boundary, at the same token, and the answer still validates (9 of these 12 budgets split one
+    without the rule)."""
+    spec = person()
+    engine.start(71, spec, budget=budget)
+    try:
+        thinking, written = _write_four_byte_characters(engine, 71, budget)
+    finally:
+        engine.end([71])
+    text = thinking.decode("utf-8")
+    # Cut where the reserve begins, as for any thinking.
+    reserve = ReasoningConfig().reserve(engine.marker_table("</think>").worst, shortest_answer(engine, spec))
+    assert written.index(END_TOKEN) == len(thinking) == budget - reserve
+    assert text == "\U0001f7df" * text.count("\U0001f7df") + " " * text.count(" ") and "\U0001f7df" in text
+    answer = written[written.index(END_TOKEN) + 1:]
+    assert answer[-1] == engine._stop_token
+    jsonschema.validate(json.loads(b"".join(engine.values.index.vocab[t] for t in answer[:-1])), PERSON)
+
+
+@pytest.mark.parametrize(("owed", "expected"), [
+    (0, [b"a", "\u20ac".encode(), b"</s>"]),
+    (1, [b"\x9f", b"\x9fa"]),
+    (2, [b"\x9f", b"\x9f\x9f"]),
+    (3, [b"\x9f", b"\x9f\x9f", b"\x9f\x9f\x9f"]),
+])
+def test_char_rows_keep_a_text_on_character_boundaries(owed: int, expected: list[bytes]) -> None:
+    """Owing ``owed`` continuation bytes, a token may go on with the character (no further than its end)
+    or finish it and end on a boundary; none begins a character it does not end."""
+    vocab = [b"a", b"\xf0", b"\x9f", b"\x9f\x9f", b"\x9f\x9f\x9f", b"\x9fa", b"\x9f\xf0", b"a\xf0", "\u20ac".encode(),
+             b"</s>"]
+    index = PrefixIndex(xgr.TokenizerInfo(vocab, stop_token_ids=[9]))
+    assert [vocab[t] for t in allowed_tokens(index.char_rows(len(vocab))[owed], len(vocab))] == expected
