@@ -199,11 +199,6 @@ class MarkerTable:
         vocab = self._index.vocab
         return vocab[token] if 0 <= token < len(vocab) else b""
 
-    def length(self, token: int) -> int:
-        """How many bytes ``token`` spells."""
-        vocab = self._index.vocab
-        return len(vocab[token]) if 0 <= token < len(vocab) else 0
-
     def row(self, state: int) -> np.ndarray:
         """The packed mask of a thinking row whose output ends with ``marker[:state]`` (cached)."""
         row = self._rows.get(state)
@@ -323,7 +318,7 @@ class Thinking:
         self.owed = utf8_owed(self.owed, piece)
         self.tokens += 1
         if end >= 0:
-            return self.table.length(token) - end
+            return len(piece) - end
         forced = self.forced
         if forced is not None:
             if self.forced_at < len(forced) and token == forced[self.forced_at]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,8 +111,10 @@ class Model:
                 return token
         return None
 
-    def run(self, thinking: Sequence[int], answer: str, max_tokens: int, filler: int) -> Run:
-        """Think ``thinking`` (then ``filler`` for ever), answer ``answer``, within ``max_tokens``.
+    def run(self, thinking: Sequence[int] | Callable[[np.ndarray], int], answer: str, max_tokens: int,
+            filler: int) -> Run:
+        """Think ``thinking`` (then ``filler`` for ever; or the token a writer picks from the step's mask),
+        answer ``answer``, within ``max_tokens``.
 
         A token the mask forbids is replaced: by the forced token, else (in the
         answer) by the closer's completion of the matcher's state.
@@ -136,8 +138,11 @@ class Model:
                     assert len(only) == 1
                     token = int(only[0])
                 else:
-                    token = thinking[think_at] if think_at < len(thinking) else filler
-                    think_at += 1
+                    if callable(thinking):
+                        token = thinking(row)
+                    else:
+                        token = thinking[think_at] if think_at < len(thinking) else filler
+                        think_at += 1
                     assert allows(row, token), token
             elif len(only) == 1:
                 token = int(only[0])
@@ -443,36 +448,23 @@ def _byte_token(engine: GrammarEngine, byte: int) -> int:
     return engine.values.index.vocab.index(bytes([byte]))
 
 
-def _write_four_byte_characters(engine: GrammarEngine, seq_id: int, max_tokens: int) -> tuple[bytes, list[int]]:
-    """A thinking that writes 4-byte characters a byte at a token wherever it may, then the shortest answer:
-    returns the thinking's bytes (before the marker) and every token written."""
+class FourByteWriter:
+    """A thinking that writes 4-byte characters a byte at a token wherever the mask lets it begin one."""
+
+    def __init__(self, engine: GrammarEngine) -> None:
+        vocab = engine.values.index.vocab
+        self.lead, self.cont, self.space = (vocab.index(bytes([b])) for b in (0xF0, 0x9F, ord(" ")))
+        self.owed = 0
+
+    def __call__(self, row: np.ndarray) -> int:
+        token = self.cont if self.owed else (self.lead if allows(row, self.lead) else self.space)
+        self.owed = 3 if token == self.lead else self.owed - 1 if token == self.cont else 0
+        return token
+
+
+def _thinking_bytes(engine: GrammarEngine, run: Run) -> bytes:
     vocab = engine.values.index.vocab
-    lead, cont, space = _byte_token(engine, 0xF0), _byte_token(engine, 0x9F), _byte_token(engine, ord(" "))
-    model = Model(engine, seq_id)
-    owed = 0
-    written: list[int] = []
-    states: list[int] = []
-    while len(written) < max_tokens:
-        out = model.step()
-        assert out.errors[0] is None, out.errors[0]
-        if out.terminated[0]:
-            break
-        row, state = out.bitmask[0], int(out.closing[0])
-        if state == CloseState.REASONING:
-            # The writer's own rule: a begun character goes on; a new one begins where the mask lets it.
-            token = cont if owed else (lead if allows(row, lead) else space)
-            assert allows(row, token), (len(written), owed)
-            owed = 3 if token == lead else owed - 1 if token == cont else 0
-        elif state == CloseState.REASONING_END or len(allowed_tokens(row, V)) == 1:
-            token = int(allowed_tokens(row, V)[0])
-        else:
-            found = engine.closer.complete(engine.table.get(seq_id).matcher)
-            token = found[0] if found else engine._stop_token
-        written.append(token)
-        states.append(state)
-        model.pending = [token]
-    thinking = b"".join(vocab[t] for t, s in zip(written, states, strict=True) if s == CloseState.REASONING)
-    return thinking, written
+    return b"".join(vocab[t] for t, s in zip(run.tokens, run.states, strict=True) if s == CloseState.REASONING)
 
 
 @pytest.mark.parametrize("limit", range(6, 18))
@@ -483,9 +475,10 @@ def test_reasoning_cut_at_its_bound_never_splits_a_character(engine: GrammarEngi
     spec = spec_of("json_schema", json.dumps(PERSON), Reasoning(end="</think>", max_reasoning_tokens=limit))
     engine.start(70, spec, budget=256)
     try:
-        thinking, written = _write_four_byte_characters(engine, 70, 256)
+        run = Model(engine, 70).run(FourByteWriter(engine), "", 256, filler=-1)
     finally:
         engine.end([70])
+    thinking, written = _thinking_bytes(engine, run), run.tokens
     text = thinking.decode("utf-8")  # strict: a split character raises
     # The characters begun before the last WHOLE_CHARS_AHEAD + worst tokens (one byte a token), then spaces.
     whole = (limit - 4) // 4
@@ -501,9 +494,10 @@ def test_reasoning_cut_for_the_answers_reserve_never_splits_a_character(engine: 
     spec = person()
     engine.start(71, spec, budget=budget)
     try:
-        thinking, written = _write_four_byte_characters(engine, 71, budget)
+        run = Model(engine, 71).run(FourByteWriter(engine), "", budget, filler=-1)
     finally:
         engine.end([71])
+    thinking, written = _thinking_bytes(engine, run), run.tokens
     text = thinking.decode("utf-8")
     # Cut where the reserve begins, as for any thinking.
     reserve = ReasoningConfig().reserve(engine.marker_table("</think>").worst, shortest_answer(engine, spec))
