@@ -14,8 +14,9 @@ What it does, in one process and one server:
    city, hobbies with ``maxItems``) and unconstrained, greedy, the same
    ``max_tokens``, through :class:`client.Client` streams.  Constrained and
    unconstrained requests alternate (per prompt at concurrency 1, per batch at
-   concurrency 8 and 16, the order flipping every round), so machine noise
-   from the other workers on this shared host hits both sides alike.
+   concurrency 8 and 16, the order flipping every pass; each round repeats
+   its passes for at least ``--min-seconds`` per concurrency), so machine
+   noise from the other workers on this shared host hits both sides alike.
    Concurrency N is N threads, each with its own stream, released together by
    a barrier (16 = the default ``MAX_BATCH``).
 3. Reports output tokens/s (``usage.completion_tokens`` / wall time: summed
@@ -23,7 +24,10 @@ What it does, in one process and one server:
    concurrency 8), time to first token (first non-empty text delta) p50/p99,
    and the constrained/unconstrained ratios.  One warm-up request per side
    runs first (the constrained one pays the one-time grammar compile, shown
-   on its own line) and is not counted.
+   on its own line) and is not counted.  Each unconstrained request or
+   batch runs beside the same one on the same engine in this process
+   (:class:`InProcess`: no Triton, right before or after it, turn by turn):
+   served / in-process tokens/s.
 4. Stops the server and parses the ``llm step stats: {json}`` line the llm
    model logs at shutdown: forward time, the per-step round trip to the
    grammar model (``grammar_s``) and the part of it NOT hidden behind the
@@ -65,8 +69,9 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final, Self, TypeVar
 
 import numpy as np
 
@@ -78,6 +83,9 @@ if str(REPO) not in sys.path:
 # Imported after the sys.path entry above.
 from client import Client, Constraint
 from deploy.server import ServerConfig, TritonServer
+
+if TYPE_CHECKING:
+    from llm_runtime.scheduler import Scheduler
 
 MODEL_DIR: Final = REPO / "build" / "models" / "smollm2-135m-instruct"
 ENSEMBLE: Final = "constrained_llm"
@@ -112,6 +120,8 @@ MODES: Final = ("constrained", "unconstrained")
 CONCURRENCIES: Final = (1, 8, 16)
 QUICK_CONCURRENCIES: Final = (1, 8)
 
+T = TypeVar("T")
+
 
 @dataclass(frozen=True)
 class Record:
@@ -132,6 +142,37 @@ class Record:
 
 
 # --------------------------------------------------------------------------- helpers
+def passes(min_s: float) -> Iterator[int]:
+    """Pass numbers 0, 1, ... until ``min_s`` seconds have passed since the first (at least one pass).
+
+    A batch of 16 tiny-model streams takes about 0.1 s: one such batch per
+    figure, as a quick run had, read served/in-process 0.47-0.69 on the same
+    code; repeating the batches for a few seconds steadies it.
+    """
+    end = time.monotonic() + min_s
+    n = 0
+    while n == 0 or time.monotonic() < end:
+        yield n
+        n += 1
+
+
+def tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and every process below it (0 for those gone)."""
+    import psutil
+
+    total = 0.0
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = proc.cpu_times()
+            total += times.user + times.system
+    return total
+
+
 def pct(values: Sequence[float], q: float) -> float:
     """Percentile ``q`` of ``values`` (linear interpolation); NaN when empty."""
     return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if len(values) else math.nan
@@ -265,8 +306,23 @@ def concurrent_batch(
     return done, wall
 
 
-def run_e2e(url: str, rounds: int, max_tokens: int, concurrencies: Sequence[int] = CONCURRENCIES) -> dict[str, Any]:
-    """Warm up, then the interleaved measured rounds; returns raw records and walls."""
+def run_e2e(url: str, rounds: int, max_tokens: int, concurrencies: Sequence[int] = CONCURRENCIES,
+            reference: InProcess | None = None, server_cpu: Callable[[], float] | None = None,
+            min_s: float = 0.0) -> dict[str, Any]:
+    """Warm up, then the interleaved measured rounds; returns raw records and walls.
+
+    Each round measures each concurrency for at least ``min_s`` seconds
+    (:func:`passes`), both modes alternating.
+
+    ``reference``: each unconstrained request (concurrency 1) or batch runs
+    beside an in-process batch of the same prompts (:meth:`InProcess.beside`;
+    ``server_cpu`` reads the server's CPU seconds around it).
+    """
+    def paired(call: Callable[[], T], mode: str, n: int, prompt: int) -> T:
+        if reference is None or mode == "constrained":
+            return call()
+        return reference.beside(call, n, prompt, server_cpu)
+
     records: list[Record] = []
     # (mode, concurrency) -> wall seconds over which its tokens were produced.
     walls: dict[tuple[str, int], float] = {(m, c): 0.0 for m in MODES for c in concurrencies}
@@ -276,20 +332,23 @@ def run_e2e(url: str, rounds: int, max_tokens: int, concurrencies: Sequence[int]
             print(f"  warm-up {mode:13s}: ttft {rec.ttft_s * 1e3:8.1f} ms, {rec.completion_tokens} tokens "
                   f"in {rec.latency_s:.2f} s", flush=True)  # fmt: skip
         for r in range(rounds):
-            order = MODES if r % 2 == 0 else MODES[::-1]
             t_round = time.perf_counter()
-            for p in range(len(PROMPTS)):
-                # Flip the order per prompt too, so neither side always runs
-                # right after the other's (cache-warming) request.
-                for mode in order if p % 2 == 0 else order[::-1]:
-                    rec = one_request(client, mode, 1, r, p, max_tokens)
-                    records.append(rec)
-                    walls[(mode, 1)] += rec.latency_s
+            for k in passes(min_s):
+                order = MODES if (r + k) % 2 == 0 else MODES[::-1]
+                for p in range(len(PROMPTS)):
+                    # Flip the order per prompt too, so neither side always runs
+                    # right after the other's (cache-warming) request.
+                    for mode in order if p % 2 == 0 else order[::-1]:
+                        rec = paired(partial(one_request, client, mode, 1, r, p, max_tokens), mode, 1, p)
+                        records.append(rec)
+                        walls[(mode, 1)] += rec.latency_s
             for conc in (c for c in concurrencies if c > 1):
-                for mode in order:
-                    batch, wall = concurrent_batch(client, mode, r, max_tokens, conc)
-                    records.extend(batch)
-                    walls[(mode, conc)] += wall
+                for k in passes(min_s):
+                    for mode in MODES if (r + k) % 2 == 0 else MODES[::-1]:
+                        batch, wall = paired(partial(concurrent_batch, client, mode, r, max_tokens, conc),
+                                             mode, conc, 0)
+                        records.extend(batch)
+                        walls[(mode, conc)] += wall
             print(f"  round {r + 1}/{rounds} done in {time.perf_counter() - t_round:.1f} s", flush=True)
     return {"records": records, "walls": walls, "warmup": warm}
 
@@ -488,70 +547,128 @@ class _NoGrammar:
     step = end = start
 
 
-def in_process(model_dir: Path, max_tokens: int, concurrencies: Sequence[int], rounds: int, *,
-               max_batch: int | None = None, torch_threads: int | None = None) -> dict[int, float]:
-    """Unconstrained tokens/s of the same engine in this process, no Triton: the serving overhead's reference.
+class InProcess:
+    """The same engine in this process, no Triton: the reference of served / in-process.
 
     Same prompts (through the preprocessing model's own chat template), same
-    greedy decoding, same ``TORCH_THREADS`` and batch limit as the served
-    ``llm`` model (``deploy/values.json``'s unless given); wall time from the
-    first submit to the last finish, as the served side measures from the
-    first request start to the last response.
+    greedy decoding and ``max_tokens``, same ``TORCH_THREADS`` and batch limit
+    as the served ``llm`` model (``deploy/values.json``'s unless given); a
+    batch's wall time runs from the first submit to the last finish, as the
+    served side's runs from the first request start to the last response.
+
+    The benchmarks run it *beside* the served side, while the server is up
+    and idle: each unconstrained served batch is paired with an in-process
+    batch of the same prompts and size, run right before or right after it
+    (the order flips from one pair to the next).  Measured minutes apart,
+    after the served rounds, served/in-process at 8 SmolLM2 streams read 0.67
+    to 0.88 for the same code: this host's speed drifts more than that
+    between the two halves of a run.  The server's own CPU while the
+    in-process batches ran is kept too (:attr:`server_cpu_s`), so a busy idle
+    server would show.
+
+    Use as a context manager: the engine loads on entry (then one warm-up
+    request), the torch thread count is restored on exit.
     """
-    import torch
 
-    from llm_runtime.engine import TorchEngine, TorchEngineConfig
-    from llm_runtime.scheduler import (
-        FinishEvent,
-        GenerationRequest,
-        Scheduler,
-        SchedulerConfig,
-        TokenEvent,
-    )
-    from pipeline.preprocess import PreprocessConfig, Preprocessor, RawRequest
+    def __init__(self, model_dir: Path, max_tokens: int, *, max_batch: int | None = None,
+                 torch_threads: int | None = None) -> None:
+        values = json.loads((REPO / "deploy" / "values.json").read_text())
+        self.model_dir = model_dir
+        self.max_tokens = max_tokens
+        self.max_batch = max_batch if max_batch is not None else int(values["MAX_BATCH"])
+        self.torch_threads = torch_threads if torch_threads is not None else int(values["TORCH_THREADS"]) or None
+        self.tokens: dict[int, int] = {}
+        self.wall_s: dict[int, float] = {}
+        self.server_cpu_s = 0.0
+        self._stack = contextlib.ExitStack()
+        self._sched: Scheduler | None = None
+        self._ids: list[list[int]] = []
+        self._turn = 0
 
-    values = json.loads((REPO / "deploy" / "values.json").read_text())
-    pre = Preprocessor.from_config(PreprocessConfig(tokenizer=str(model_dir)))
-    ids = [pre(RawRequest(prompt=p.encode()))[0] for p in PROMPTS]
-    before = torch.get_num_threads()
-    batch_limit = max_batch if max_batch is not None else int(values["MAX_BATCH"])
-    threads = torch_threads if torch_threads is not None else int(values["TORCH_THREADS"]) or None
-    engine = TorchEngine(model_dir, TorchEngineConfig(max_batch_size=batch_limit, max_seq_len=2048,
-                                                      num_threads=threads))
-    out: dict[int, float] = {}
-    try:
-        with Scheduler(engine, _NoGrammar(), SchedulerConfig()) as sched:  # type: ignore[arg-type]
-            def batch(n: int) -> tuple[int, float]:
-                done = threading.Semaphore(0)
-                tokens = [0]
+    def __enter__(self) -> Self:
+        import torch
 
-                def on_event(event: TokenEvent | FinishEvent) -> None:
-                    if isinstance(event, FinishEvent):
-                        if event.finish_reason == "error":
-                            raise RuntimeError(f"in-process request failed: {event.error}")
-                        tokens[0] += event.completion_tokens
-                        done.release()
+        from llm_runtime.engine import TorchEngine, TorchEngineConfig
+        from llm_runtime.scheduler import Scheduler, SchedulerConfig
+        from pipeline.preprocess import PreprocessConfig, Preprocessor, RawRequest
 
-                t0 = time.perf_counter()
-                for i in range(n):
-                    sched.submit(GenerationRequest(ids[i % len(ids)], max_tokens=max_tokens, temperature=0.0),
-                                 on_event)
-                for _ in range(n):
-                    if not done.acquire(timeout=600):
-                        raise TimeoutError("an in-process request did not finish")
-                return tokens[0], time.perf_counter() - t0
+        pre = Preprocessor.from_config(PreprocessConfig(tokenizer=str(self.model_dir)))
+        self._ids = [pre(RawRequest(prompt=p.encode()))[0] for p in PROMPTS]
+        self._stack.callback(torch.set_num_threads, torch.get_num_threads())
+        try:
+            engine = TorchEngine(self.model_dir, TorchEngineConfig(max_batch_size=self.max_batch, max_seq_len=2048,
+                                                                   num_threads=self.torch_threads))
+            self._sched = self._stack.enter_context(Scheduler(engine, _NoGrammar(), SchedulerConfig()))  # type: ignore[arg-type]
+            self._batch(1, 0)  # warm-up, not counted
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
 
-            batch(1)  # warm-up
-            for conc in concurrencies:
-                total = wall = 0.0
-                for _ in range(rounds * (len(PROMPTS) if conc == 1 else 1)):
-                    t, w = batch(conc)
-                    total += t
-                    wall += w
-                out[conc] = total / wall
-    finally:
-        torch.set_num_threads(before)
-    return out
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def _batch(self, n: int, first_prompt: int) -> tuple[int, float]:
+        from llm_runtime.scheduler import FinishEvent, GenerationRequest, TokenEvent
+
+        if self._sched is None:
+            raise RuntimeError("InProcess is used outside its with block")
+
+        done = threading.Semaphore(0)
+        tokens = [0]
+        errors: list[str] = []
+
+        def on_event(event: TokenEvent | FinishEvent) -> None:
+            if isinstance(event, FinishEvent):
+                if event.finish_reason == "error":
+                    errors.append(str(event.error))
+                tokens[0] += event.completion_tokens
+                done.release()
+
+        t0 = time.perf_counter()
+        for i in range(n):
+            self._sched.submit(GenerationRequest(self._ids[(first_prompt + i) % len(self._ids)],
+                                                 max_tokens=self.max_tokens, temperature=0.0), on_event)
+        for _ in range(n):
+            if not done.acquire(timeout=600):
+                raise TimeoutError("an in-process request did not finish")
+        wall = time.perf_counter() - t0
+        if errors:
+            raise RuntimeError(f"in-process request failed: {errors[0]}")
+        return tokens[0], wall
+
+    def beside(self, served: Callable[[], T], n: int, first_prompt: int = 0,
+               server_cpu: Callable[[], float] | None = None) -> T:
+        """Run ``served()`` and an in-process batch of ``n`` requests (prompts from ``first_prompt``), one
+        after the other, the in-process one first on every other call; returns what ``served()`` returned.
+
+        ``server_cpu``: the server's CPU seconds so far (read around the in-process batch).
+        """
+        self._turn += 1
+        first = self._turn % 2 == 0
+        if first:
+            self._measure(n, first_prompt, server_cpu)
+        out = served()
+        if not first:
+            self._measure(n, first_prompt, server_cpu)
+        return out
+
+    def _measure(self, n: int, first_prompt: int, server_cpu: Callable[[], float] | None) -> None:
+        cpu0 = server_cpu() if server_cpu is not None else 0.0
+        tokens, wall = self._batch(n, first_prompt)
+        if server_cpu is not None:
+            self.server_cpu_s += server_cpu() - cpu0
+        self.tokens[n] = self.tokens.get(n, 0) + tokens
+        self.wall_s[n] = self.wall_s.get(n, 0.0) + wall
+
+    def idle_server_share(self) -> float:
+        """The server's CPU seconds per second of in-process batches (0 where not read)."""
+        wall = sum(self.wall_s.values())
+        return self.server_cpu_s / wall if wall > 0 else 0.0
+
+    def tokens_per_s(self) -> dict[int, float]:
+        """In-process tokens/s per batch size, over every batch run so far."""
+        return {n: self.tokens[n] / w for n, w in self.wall_s.items() if w > 0}
 
 
 def equal_work_ratios(stats: list[dict[str, Any]], concurrencies: Sequence[int]) -> dict[int, tuple[float, float, float]]:
@@ -611,6 +728,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--max-tokens", type=int, default=64, help="per request (default %(default)s)")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved measured rounds (default %(default)s)")
+    parser.add_argument("--min-seconds", type=float, default=10.0,
+                        help="each round measures each concurrency at least this long, repeating its batches "
+                             "(default %(default)s)")
     parser.add_argument("--fill-reps", type=int, default=6, help="replays per batch size of the fill timing")
     parser.add_argument("--model-dir", type=Path, default=MODEL_DIR, help="default %(default)s")
     parser.add_argument("--json", type=Path, default=None, help="write every figure and record here")
@@ -649,23 +769,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             server.wait_ready()
             print(f"server ready at {server.grpc_url} in {time.perf_counter() - t0:.1f} s (log {log})", flush=True)
-            run = run_e2e(server.grpc_url, args.rounds, args.max_tokens, args.concurrencies)
+            pid = server.pid
+            if pid is None:
+                raise RuntimeError("the server has no process")
+            with InProcess(args.model_dir, args.max_tokens) as reference:
+                run = run_e2e(server.grpc_url, args.rounds, args.max_tokens, args.concurrencies, reference,
+                              partial(tree_cpu_s, pid), args.min_seconds)
         finally:
             code = server.stop()
         log_text = log.read_text(encoding="utf-8", errors="replace")
     print(f"server stopped (exit status {code})", flush=True)
     stats = parse_step_stats(log_text)
     summary = summarize(run["records"], run["walls"])
-    # One distinct greedy output per prompt (the last round's, concurrency 1).
-    last = max(r.round for r in run["records"])
-    texts = [
-        r.text for r in run["records"] if r.mode == "constrained" and r.concurrency == 1 and r.round == last
-    ]
+    # One greedy output per prompt (the last one at concurrency 1).
+    texts = list({r.prompt: r.text for r in run["records"] if r.mode == "constrained" and r.concurrency == 1}.values())
     fill = grammar_fill(args.model_dir, texts, args.fill_reps)
     print_report(summary, run["warmup"], stats, fill, args.max_tokens, args.rounds)
     ratios = equal_work_ratios(stats, args.concurrencies)
-    raw = in_process(args.model_dir, args.max_tokens, args.concurrencies, args.rounds)
-    print("\n== served vs the same engine in-process (unconstrained, same prompts, threads and batch limit) ==")
+    raw = reference.tokens_per_s()
+    print("\n== served vs the same engine in-process (unconstrained, same prompts, threads and batch limit; "
+          "each served batch beside an in-process one) ==")
+    print(f"  the idle server's CPU while the in-process batches ran: {reference.idle_server_share():.1%} of a core")
     for conc, tps in raw.items():
         served = summary[f"unconstrained@{conc}"]["tokens_per_s"]
         print(f"  conc {conc:2d}: served {served:7.2f} tok/s, in-process {tps:7.2f} tok/s, "
@@ -684,6 +808,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "equal_work": {str(c): {"free_step_s_p50": f, "constrained_step_s_p50": k, "ratio": r}
                            for c, (f, k, r) in ratios.items()},
             "in_process_tokens_per_s": {str(c): v for c, v in raw.items()},
+            "idle_server_cpu_share": reference.idle_server_share(),
             "llm_step_stats": stats,
             "grammar_fill": fill,
             "warmup": {k: asdict(v) for k, v in run["warmup"].items()},

@@ -25,11 +25,16 @@ What it does, in one run:
    runs in that launcher process, apart from this client.
 2. At each concurrency (1, 8, 16, and 32 when ``MAX_BATCH`` allows), sends
    the same prompts constrained (``e2e_bench.PERSON_SCHEMA``) and
-   unconstrained, greedy, ``--max-tokens``; the two modes alternate per
+   unconstrained, greedy, ``--max-tokens``; the two modes alternate batch
+   by batch, repeated for at least ``--min-seconds`` per concurrency and
    round.  Concurrency N is N threads, one stream each, released together.
    Per request: time to first token (first non-empty text delta), the gaps
    between text deltas (what a reader sees as inter-token latency; with
    coalescing one delta carries several tokens) and the tokens.
+   Each unconstrained batch runs beside the same batch of the same engine
+   in this process (``e2e_bench.InProcess``: same prompts, threads and
+   batch limit, no Triton; right before or after it, turn by turn, while
+   the server idles): served / in-process tokens/s, unconstrained.
 3. Around every batch, reads the CPU times (psutil) of every server process
    (the launcher with the gateway, tritonserver, each Python-backend stub
    and the grammar model's compile workers): CPU seconds per 1,000 streamed
@@ -42,9 +47,6 @@ What it does, in one run:
 4. Stops the server and reads the ``llm`` model's step stats from its log:
    the decode-step time at each full batch for steps whose rows were all
    free or all constrained (equal work; see ``e2e_bench.equal_work_ratios``).
-5. With the server gone, runs the same engine in this process
-   (``e2e_bench.in_process``: same prompts, threads and batch limit, no
-   Triton): served / in-process tokens/s, unconstrained.
 
 Prints a table, writes ``--json`` and ``--plot``; the last line reads
 ``path at concurrency 16: served/in-process S, constrained/unconstrained R``.
@@ -69,6 +71,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Final
 
@@ -85,10 +88,12 @@ from e2e_bench import (
     MODES,
     PERSON_SCHEMA,
     PROMPTS,
+    InProcess,
     equal_work_ratios,
-    in_process,
     parse_step_stats,
+    passes,
     pct,
+    tree_cpu_s,
 )
 
 from client import Client, Constraint
@@ -330,33 +335,48 @@ def streams_at_once(client: Client, mode: str, concurrency: int, round_no: int, 
         return [f.result() for f in futs]
 
 
-def run_load(served: Served, concurrencies: Sequence[int], rounds: int, max_tokens: int
-             ) -> tuple[list[Record], dict[str, float], dict[str, dict[str, float]]]:
-    """Warm up, then the measured batches; returns records, walls and CPU seconds per (mode@conc, process)."""
+def run_load(served: Served, concurrencies: Sequence[int], rounds: int, max_tokens: int, reference: InProcess,
+             min_s: float) -> tuple[list[Record], dict[str, float], dict[str, dict[str, float]]]:
+    """Warm up, then the measured batches; returns records, walls and CPU seconds per (mode@conc, process).
+
+    Each round measures each concurrency for at least ``min_s`` seconds
+    (:func:`e2e_bench.passes`), both modes alternating; each unconstrained
+    batch runs beside an in-process batch of the same prompts
+    (``reference``, :meth:`e2e_bench.InProcess.beside`).
+    """
     meter = CpuMeter(served.launcher)
     records: list[Record] = []
     walls: dict[str, float] = {}
     cpu: dict[str, dict[str, float]] = {}
+
+    def batch(client: Client, mode: str, conc: int, r: int, prompt: int) -> None:
+        key = f"{mode}@{conc}"
+        before = meter.snapshot()
+        if conc == 1:
+            rec, t0, t1 = one_request(client, mode, 1, r, prompt, max_tokens)
+            done, wall = [rec], t1 - t0
+        else:
+            out = streams_at_once(client, mode, conc, r, max_tokens)
+            done = [o[0] for o in out]
+            wall = max(o[2] for o in out) - min(o[1] for o in out)
+        meter.add(before, meter.snapshot(), cpu.setdefault(key, {}))
+        records.extend(done)
+        walls[key] = walls.get(key, 0.0) + wall
+
+    server_cpu = partial(tree_cpu_s, served.launcher)
     with Client(served.url, timeout_s=600.0) as client:
         for mode in MODES:  # the constrained warm-up pays the one compile
             one_request(client, mode, 1, -1, 0, max_tokens)
         for r in range(rounds):
             for conc in concurrencies:
-                for mode in MODES if r % 2 == 0 else MODES[::-1]:
-                    key = f"{mode}@{conc}"
-                    batches = len(PROMPTS) if conc == 1 else 1
-                    for b in range(batches):
-                        before = meter.snapshot()
-                        if conc == 1:
-                            rec, t0, t1 = one_request(client, mode, 1, r, b, max_tokens)
-                            done, wall = [rec], t1 - t0
-                        else:
-                            out = streams_at_once(client, mode, conc, r, max_tokens)
-                            done = [o[0] for o in out]
-                            wall = max(o[2] for o in out) - min(o[1] for o in out)
-                        meter.add(before, meter.snapshot(), cpu.setdefault(key, {}))
-                        records.extend(done)
-                        walls[key] = walls.get(key, 0.0) + wall
+                for k in passes(min_s):
+                    for mode in MODES if (r + k) % 2 == 0 else MODES[::-1]:
+                        for prompt in range(len(PROMPTS) if conc == 1 else 1):
+                            run = partial(batch, client, mode, conc, r, prompt)
+                            if mode == "constrained":
+                                run()
+                            else:
+                                reference.beside(run, conc, prompt, server_cpu)
             print(f"  round {r + 1}/{rounds} done", flush=True)
     return records, walls, cpu
 
@@ -490,6 +510,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help=f"checkpoint to serve (default: the tiny stand-in, built at {TINY_DIR})")
     parser.add_argument("--max-tokens", type=int, default=128, help="per request (default %(default)s)")
     parser.add_argument("--rounds", type=int, default=2, help="measured rounds (default %(default)s)")
+    parser.add_argument("--min-seconds", type=float, default=3.0,
+                        help="each round measures each concurrency at least this long, repeating its batches "
+                             "(default %(default)s)")
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                         help="render value over deploy/values.json (repeat), e.g. MAX_BATCH=32")
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")
@@ -535,23 +558,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         render_repository(REPO / "model_repository", repo, values)
         log = Path(tmp) / "tritonserver.log"
         t0 = time.perf_counter()
-        with launched(repo, log) as served:
+        with launched(repo, log) as served, \
+                InProcess(model, args.max_tokens, max_batch=max_batch, torch_threads=threads) as reference:
             print(f"server ready at {served.url} in {time.perf_counter() - t0:.1f} s", flush=True)
-            records, walls, cpu = run_load(served, concurrencies, args.rounds, args.max_tokens)
+            records, walls, cpu = run_load(served, concurrencies, args.rounds, args.max_tokens, reference,
+                                           args.min_seconds)
             if args.hold > 0:
                 pairs = hold_load(served, top, args.hold, args.max_tokens)
                 print(f"  held {pairs} pairs of {top}-stream batches for {args.hold:.0f} s", flush=True)
         stats = parse_step_stats(log.read_text(encoding="utf-8", errors="replace"))
     ratios = equal_work_ratios(stats, concurrencies)
-    in_proc = in_process(model, args.max_tokens, concurrencies, args.rounds, max_batch=max_batch,
-                         torch_threads=threads)
+    in_proc = reference.tokens_per_s()
     summary = summarize(records, walls, cpu, in_proc, ratios)
     print_report(summary, concurrencies, model, args.max_tokens)
+    print(f"  (in-process batches ran beside the served ones; the idle server's CPU meanwhile: "
+          f"{reference.idle_server_share():.1%} of a core)")
     if args.plot is not None:
         plot(summary, concurrencies, args.plot)
     if args.json is not None:
         payload = {"model_dir": str(model), "max_tokens": args.max_tokens, "rounds": args.rounds,
                    "values": values, "summary": summary, "llm_step_stats": stats,
+                   "idle_server_cpu_share": reference.idle_server_share(),
                    "records": [asdict(r) for r in records]}
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(payload, indent=2), encoding="utf-8")

@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -302,6 +303,41 @@ def test_e2e_equal_work_ratio_reads_the_step_stats(monkeypatch: pytest.MonkeyPat
     stats[0].update({"tokens_per_step_b8_free": 8.0, "tokens_per_step_b8_constrained": 10.0})
     stats[1].update({"tokens_per_step_b8_free": 8.0, "tokens_per_step_b8_constrained": 10.0})
     assert e2e_bench.equal_work_ratios(stats, (8,)) == {8: (0.100, 0.125, 1.0)}
+
+
+def test_in_process_reference_runs_beside_the_served_side(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """served / in-process: each in-process batch runs next to its served batch, which goes first turn by turn."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import e2e_bench
+    import torch
+
+    from tests.support.tiny_model import CHATML, build_tiny_llama
+
+    model = build_tiny_llama(tmp_path / "model", chat_template=CHATML, max_position_embeddings=2048).path
+    threads = torch.get_num_threads()
+    order: list[object] = []
+    cpu = iter([1.0, 1.5, 2.0, 2.25])
+    with e2e_bench.InProcess(model, 8, max_batch=4, torch_threads=1) as ref:
+        real = ref._batch
+
+        def batch(n: int, first_prompt: int) -> tuple[int, float]:
+            order.append(("in-process", n, first_prompt))
+            return real(n, first_prompt)
+
+        def served(name: str) -> str:
+            order.append(name)
+            return name
+
+        monkeypatch.setattr(ref, "_batch", batch)
+        for name, n, prompt in (("a", 1, 3), ("b", 2, 0)):
+            assert ref.beside(partial(served, name), n, prompt, lambda: next(cpu)) == name
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == threads
+    assert order == ["a", ("in-process", 1, 3), ("in-process", 2, 0), "b"]
+    assert ref.tokens == {1: 8, 2: 16}
+    assert ref.server_cpu_s == 0.75
+    assert ref.tokens_per_s() == {n: ref.tokens[n] / ref.wall_s[n] for n in (1, 2)}
+    assert ref.idle_server_share() == 0.75 / (ref.wall_s[1] + ref.wall_s[2])
 
 
 def test_path_bench_reads_the_processes_it_serves(monkeypatch: pytest.MonkeyPatch) -> None:
