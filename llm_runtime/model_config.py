@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -55,6 +56,10 @@ class LlmModelConfig:
     0: every token).  Each response costs IPC in two processes, an ensemble
     step and a gateway message, so a longer interval trades the smoothness
     of the stream for throughput at GPU token rates (README, "Measured").
+    ``max_prefill_tokens`` (torch only; None: the scheduler's default) bounds
+    the prompt positions one step prefills
+    (:attr:`~llm_runtime.scheduler.SchedulerConfig.max_prefill_tokens`;
+    TensorRT-LLM bounds a step with its own ``max_num_tokens``).
     """
 
     model_dir: str
@@ -69,6 +74,7 @@ class LlmModelConfig:
     kv_cache_free_fraction: float = 0.85
     trtllm_sampler: str = ""
     stream_interval_ms: float = 0.0
+    max_prefill_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -82,6 +88,8 @@ class LlmModelConfig:
                               f"got {self.stream_interval_ms}")
         if self.engine == "torch" and self.kv_cache_free_fraction != LlmModelConfig.kv_cache_free_fraction:
             raise ConfigError("llm: kv_cache_free_fraction applies to engine 'tensorrt_llm' only")
+        if self.engine != "torch" and self.max_prefill_tokens is not None:
+            raise ConfigError("llm: max_prefill_tokens applies to engine 'torch' only")
         if self.engine == "torch" and self.trtllm_sampler:
             raise ConfigError("llm: trtllm_sampler applies to engine 'tensorrt_llm' only")
         if self.trtllm_sampler and self.trtllm_sampler not in TRTLLM_SAMPLERS:
@@ -112,8 +120,10 @@ class LlmModelConfig:
             TorchEngineConfig(device=self.device, dtype=self.dtype, max_batch_size=self.max_batch,
                          max_seq_len=self.max_seq_len, num_threads=self.torch_threads or None),
         )
-        return Scheduler(engine, mask_provider, SchedulerConfig(max_batch_size=self.max_batch, grammar_mode=self.mode),
-                         on_metrics=on_metrics)
+        limits = SchedulerConfig(max_batch_size=self.max_batch, grammar_mode=self.mode)
+        if self.max_prefill_tokens is not None:
+            limits = dataclasses.replace(limits, max_prefill_tokens=self.max_prefill_tokens)
+        return Scheduler(engine, mask_provider, limits, on_metrics=on_metrics)
 
 
 def bls_generator(config: LlmModelConfig, pb_utils: ModuleType,

@@ -157,6 +157,20 @@ class SchedulerConfig:
         forward, serially, as an engine's logits processor would call it (for
         measuring what the overlap saves); the same request and the same
         reading of its answer otherwise (:mod:`llm_runtime.grammar_phase`).
+    max_prefill_tokens : int
+        Most prompt positions one step prefills.  Ready requests join the
+        batch oldest first while their count times the longest prompt among
+        them (the prompts are left-padded into one forward,
+        :meth:`~llm_runtime.engine.TorchEngine.prefill_batch`) stays within
+        it; a step's first prompt always joins, however long.  On a CPU a
+        prefill costs the same per token at any batch size (SmolLM2-135M on
+        the 2-core host: 700-850 tokens/s from 1 x 128 to 8 x 256, 560 at
+        7 x 1,000), so a larger group only makes each of its requests wait
+        for all of them, and every decoding stream for the whole forward:
+        seven MaskBench prompts of about 1,000 tokens joining together took
+        12.4 s, and no request got a first token before it ended.  The
+        default bounds a joining step at about 1.5 s on that host; a GPU
+        takes several thousand.
     max_jump_tokens : int
         Most forced tokens a row appends in one step (jump-forward; 0: off
         for every request).  Bounds the extra width of that step's forward.
@@ -182,6 +196,7 @@ class SchedulerConfig:
     stats_capacity: int = 65536
     grammar_mode: str = "overlap"
     metrics_interval_s: float = 1.0
+    max_prefill_tokens: int = 1024
     max_jump_tokens: int = 16
     jump_min_fill: float = 0.25
 
@@ -192,7 +207,7 @@ class SchedulerConfig:
 
         if self.max_batch_size is not None:
             positive_int("max_batch_size", self.max_batch_size)
-        for name in ("max_queued", "start_threads", "stats_capacity"):
+        for name in ("max_queued", "start_threads", "stats_capacity", "max_prefill_tokens"):
             positive_int(name, getattr(self, name))
         j = self.max_jump_tokens
         if isinstance(j, bool) or not isinstance(j, int) or not 0 <= j <= MAX_JUMP_TOKENS:
@@ -580,6 +595,11 @@ class Scheduler:
     def max_batch_size(self) -> int:
         return self._max_batch
 
+    @property
+    def config(self) -> SchedulerConfig:
+        """The settings in force."""
+        return self._cfg
+
     def stats(self) -> SchedulerStats:
         """A snapshot of the per-step counters."""
         return self._stats.snapshot()
@@ -801,9 +821,24 @@ class Scheduler:
                 for seq in [s for s in coll if s.rid in wanted and not s.finished]:
                     self._finish(seq, "error", ends, error="request cancelled", status=CANCELLED)
             self._purge()
-        while self._ready and len(self._active) < self._max_batch:
-            self._active.append(self._ready.popleft())
+        self._admit()
         self._end(ends)
+
+    def _admit(self) -> None:
+        """Move ready requests into the batch, oldest first, within the batch size and the step's
+        prefill budget (``max_prefill_tokens``: rows times the longest prompt; the first always joins)."""
+        if not self._ready:
+            return
+        joining = [s for s in self._active if not s.in_engine]  # admitted at this step's earlier boundary
+        rows = len(joining)
+        width = max((len(s.prompt) for s in joining), default=0)
+        budget = self._cfg.max_prefill_tokens
+        while self._ready and len(self._active) < self._max_batch:
+            wider = max(width, len(self._ready[0].prompt))
+            if rows and (rows + 1) * wider > budget:
+                return
+            self._active.append(self._ready.popleft())
+            rows, width = rows + 1, wider
 
     def _await_starts(self) -> None:
         """Give the starts submitted at this boundary a moment to finish, so their requests join this step."""

@@ -15,6 +15,7 @@
 #   PROMPT_FORMAT     chat (the checkpoint's chat template; default) | plain (a base model: PROMPT as text)
 #   TRTLLM_SAMPLER    tensorrt_llm: TorchSampler (default; applies no penalty, such requests are refused) | TRTLLMSampler
 #   STREAM_INTERVAL_MS  least milliseconds between a stream's responses after the first (default 50; 0: every token)
+#   MAX_PREFILL_TOKENS  torch: most prompt positions one step prefills (empty: the scheduler's default, 1024)
 #   REASONING_START, REASONING_END  the model's thinking markers, e.g. <think> and </think> (empty: it does not
 #                     reason); with them every request thinks first unless it says reasoning false
 #   GRAMMAR_STORE_MAX_BYTES  bound of the compiled-grammar store (empty: the grammar model's default, 2 GiB)
@@ -35,7 +36,7 @@ fi
 python3 -m deploy.render --src model_repository --dst "$repo" --values deploy/values.json \
     --set "MODEL_DIR=${MODEL_DIR}" --set "ENGINE=${ENGINE}" --set "DEVICE=${DEVICE}" \
     --set "MAX_BATCH=${MAX_BATCH}" --set "GRAMMAR_MODE=${GRAMMAR_MODE}" \
-    --set "STREAM_INTERVAL_MS=${STREAM_INTERVAL_MS:-50}" \
+    --set "STREAM_INTERVAL_MS=${STREAM_INTERVAL_MS:-50}" --set "MAX_PREFILL_TOKENS=${MAX_PREFILL_TOKENS:-}" \
     --set "PROMPT_FORMAT=${PROMPT_FORMAT:-chat}" --set "TRTLLM_SAMPLER=${TRTLLM_SAMPLER:-}" \
     --set "GRAMMAR_STORE_DIR=${GRAMMAR_STORE_DIR:-/var/lib/constrained-llm/grammar-store}" \
     --set "GRAMMAR_STORE_MAX_BYTES=${GRAMMAR_STORE_MAX_BYTES:-}" \

@@ -35,6 +35,7 @@ from llm_runtime.errors import Overloaded, RequestError, SchedulerClosed
 from llm_runtime.grammar_phase import JumpPolicy
 from llm_runtime.local_mask import LocalMaskProvider
 from llm_runtime.mask import ConstraintRequest, MaskStep
+from llm_runtime.model_config import LlmModelConfig
 from llm_runtime.scheduler import (
     FinishEvent,
     GenerationRequest,
@@ -45,6 +46,7 @@ from llm_runtime.scheduler import (
 from pipeline.finish import finish_json, read_finish
 from tests.support.poll import poll
 from tests.support.tiny_model import TinyModelInfo, build_tiny_llama
+from triton_support.params import from_parameters
 
 TIMEOUT = 60.0
 
@@ -252,6 +254,52 @@ def test_eight_concurrent_requests_decode_in_one_batch(engine: TorchEngine, sche
     assert [r.token_ids for r in results] == alone
     assert [f.prompt_tokens for f in fins] == [len(r.prompt_token_ids) for r in reqs]
 
+
+@pytest.mark.parametrize(
+    ("lengths", "budget", "groups"),
+    [
+        ([8] * 7, 24, [3, 3, 1]),
+        ([8, 16, 8, 8], 24, [1, 1, 2]),  # two rows of 16 (the left-padded width) pass 24: the 16 prefills alone
+        ([40, 8, 8], 24, [1, 2]),  # longer than the budget: alone, never refused
+        ([8] * 7, 1024, [7]),
+    ],
+)
+def test_prefill_budget_groups_the_joining_prompts(engine: TorchEngine, provider: XGrammarMaskProvider,
+                                                   monkeypatch: pytest.MonkeyPatch, lengths: list[int],
+                                                   budget: int, groups: list[int]) -> None:
+    """Ready requests join oldest first while rows x the longest prompt stays within max_prefill_tokens."""
+    real = engine.prefill_batch
+    gate = threading.Event()
+    seen: list[list[int]] = []
+
+    def prefill_batch(seq_ids: Sequence[int], prompts: Sequence[Any]) -> Any:
+        seen.append([len(p) for p in prompts])
+        if not gate.wait(TIMEOUT):  # the first request holds the loop until the others are queued
+            raise TimeoutError("gate never opened")
+        return real(seq_ids, prompts)
+
+    monkeypatch.setattr(engine, "prefill_batch", prefill_batch)
+    with Scheduler(engine, provider, SchedulerConfig(max_prefill_tokens=budget)) as s:
+        first = submit(s, GenerationRequest([5] * 8, max_tokens=len(lengths) + 2, temperature=0.0))
+        poll(lambda: len(seen), bool, TIMEOUT)
+        results = [submit(s, GenerationRequest([7] * n, max_tokens=2, temperature=0.0)) for n in lengths]
+        gate.set()
+        assert [r.wait().finish_reason for r in (first, *results)] == ["length"] * (len(lengths) + 1)
+    assert seen == [[8]] + [lengths[sum(groups[:i]):sum(groups[: i + 1])] for i in range(len(groups))]
+    assert engine.live_count == 0
+
+
+
+@pytest.mark.parametrize(("value", "budget"), [("", SchedulerConfig.max_prefill_tokens), ("512", 512)])
+def test_the_llm_model_sets_the_prefill_budget(tiny: TinyModelInfo, provider: XGrammarMaskProvider, value: str,
+                                               budget: int) -> None:
+    config = from_parameters(LlmModelConfig, {"model_dir": str(tiny.path), "max_batch": "2", "max_seq_len": "320",
+                                              "max_prefill_tokens": value}, "llm")
+    gen = config.build(provider)
+    try:
+        assert isinstance(gen, Scheduler) and gen.config.max_prefill_tokens == budget
+    finally:
+        gen.close()
 
 @pytest.mark.parametrize(
     ("kind", "payload", "temperature"),
@@ -585,6 +633,7 @@ def test_close_fails_what_is_left(engine: TorchEngine, provider: XGrammarMaskPro
         ({"max_batch_size": 0}, "scheduler.max_batch_size: must be a positive integer"),
         ({"idle_wait_s": 0}, r"scheduler.idle_wait_s: must be in \(0, 10\] seconds"),
         ({"start_threads": 0}, "scheduler.start_threads: must be a positive integer"),
+        ({"max_prefill_tokens": 0}, "scheduler.max_prefill_tokens: must be a positive integer"),
         ({"max_jump_tokens": -1}, r"scheduler.max_jump_tokens: must be an integer in 0\.\.256, got -1"),
         ({"max_jump_tokens": 257}, r"scheduler.max_jump_tokens: must be an integer in 0\.\.256, got 257"),
     ],

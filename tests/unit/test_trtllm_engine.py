@@ -66,6 +66,8 @@ def test_grammar_mode_defaults_per_engine(params: dict[str, str], mode: str) -> 
         ({"kv_cache_free_fraction": "0.5"}, "kv_cache_free_fraction applies to engine 'tensorrt_llm' only"),
         ({"kv_cache": "1"}, "unknown parameter 'kv_cache'"),
         ({"trtllm_sampler": "TRTLLMSampler"}, "trtllm_sampler applies to engine 'tensorrt_llm' only"),
+        ({"engine": "tensorrt_llm", "max_prefill_tokens": "4096"}, "max_prefill_tokens applies to engine 'torch' only"),
+        ({"max_prefill_tokens": "1k"}, "parameter 'max_prefill_tokens': invalid literal"),
         ({"engine": "tensorrt_llm", "trtllm_sampler": "auto"},
          "trtllm_sampler must be one of TorchSampler, TRTLLMSampler or empty, got 'auto'"),
     ],
