@@ -145,9 +145,9 @@ class Record:
 def passes(min_s: float) -> Iterator[int]:
     """Pass numbers 0, 1, ... until ``min_s`` seconds have passed since the first (at least one pass).
 
-    A batch of 16 tiny-model streams takes about 0.1 s: one such batch per
-    figure, as a quick run had, read served/in-process 0.47-0.69 on the same
-    code; repeating the batches for a few seconds steadies it.
+    A batch of 16 tiny-model streams lasts about 0.1 s, so one batch per
+    figure rests on one moment of this shared host: a quick run with one
+    read served/in-process 0.69, where runs of 3 s per figure read 0.46-0.51.
     """
     end = time.monotonic() + min_s
     n = 0
@@ -561,10 +561,10 @@ class InProcess:
     batch of the same prompts and size, run right before or right after it
     (the order flips from one pair to the next).  Measured minutes apart,
     after the served rounds, served/in-process at 8 SmolLM2 streams read 0.67
-    to 0.88 for the same code: this host's speed drifts more than that
-    between the two halves of a run.  The server's own CPU while the
-    in-process batches ran is kept too (:attr:`server_cpu_s`), so a busy idle
-    server would show.
+    to 0.88 for the same code (seven quick runs); side by side, 0.87-0.98
+    (five runs).  The server's own CPU while the in-process batches ran is
+    kept too (:attr:`server_cpu_s`; 0.0-3.2 % of a core measured), so a busy
+    idle server would show.
 
     Use as a context manager: the engine loads on entry (then one warm-up
     request), the torch thread count is restored on exit.
