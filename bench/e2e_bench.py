@@ -156,21 +156,26 @@ def passes(min_s: float) -> Iterator[int]:
         n += 1
 
 
-def tree_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` and every process below it (0 for those gone)."""
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` (its threads included); 0 once it is gone."""
     import psutil
 
-    total = 0.0
     try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
+        times = psutil.Process(pid).cpu_times()
     except psutil.NoSuchProcess:
         return 0.0
-    for proc in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            times = proc.cpu_times()
-            total += times.user + times.system
-    return total
+    return float(times.user + times.system)
+
+
+def tree_cpu_s(pid: int) -> float:
+    """:func:`cpu_seconds` of ``pid`` and of every process below it."""
+    import psutil
+
+    try:
+        kids = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return 0.0
+    return cpu_seconds(pid) + sum(cpu_seconds(kid.pid) for kid in kids)
 
 
 def pct(values: Sequence[float], q: float) -> float:

@@ -89,6 +89,7 @@ from e2e_bench import (
     PERSON_SCHEMA,
     PROMPTS,
     InProcess,
+    cpu_seconds,
     equal_work_ratios,
     parse_step_stats,
     passes,
@@ -169,15 +170,6 @@ def server_processes(launcher: int) -> list[Proc]:
         out.append(Proc(label, pid))
         todo.extend((k, label) for k in _children(pid))
     return out
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` (its threads included); 0 once it is gone."""
-    try:
-        times = psutil.Process(pid).cpu_times()
-    except psutil.NoSuchProcess:
-        return 0.0
-    return float(times.user + times.system)
 
 
 class CpuMeter:
