@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -282,10 +284,24 @@ def test_scheduler_snapshots_show_the_present(tmp_path: Path) -> None:
             snaps.append({name: v for (name, labels), v in snap.values.items() if not labels})
 
     done = threading.Semaphore(0)
+    streaming: set[int] = set()
+    held = threading.Event()
 
-    def on_event(event: TokenEvent | FinishEvent) -> None:
-        if isinstance(event, FinishEvent):
-            done.release()
+    def on_event_of(i: int) -> Callable[[TokenEvent | FinishEvent], None]:
+        def on_event(event: TokenEvent | FinishEvent) -> None:
+            if isinstance(event, FinishEvent):
+                done.release()
+                return
+            streaming.add(i)
+            # The three may join in different steps, and a run can end within one publication gap:
+            # once all three stream (so the loop is stepping them together), hold the loop thread
+            # once until the gap has passed, so that the publication after this step must show them.
+            if len(streaming) == 3 and not held.is_set():
+                held.set()
+                with lock:
+                    last = published[-1] if published else -math.inf
+                time.sleep(max(0.0, last + PUBLISH_MIN_GAP_S + 0.01 - time.monotonic()))
+        return on_event
 
     class NoGrammar:  # unconstrained requests never reach the provider
         def start(self, *a: object) -> None:
@@ -296,7 +312,7 @@ def test_scheduler_snapshots_show_the_present(tmp_path: Path) -> None:
     with Scheduler(engine, NoGrammar(), SchedulerConfig(metrics_interval_s=0.01), on_metrics=on_metrics) as s:  # type: ignore[arg-type]
         for i in range(3):
             s.submit(GenerationRequest(engine.tokenizer.encode("hello").ids, max_tokens=40, temperature=1.0, seed=i),
-                     on_event)
+                     on_event_of(i))
         for _ in range(3):
             assert done.acquire(timeout=60)
         for _ in range(200):  # the loop publishes the idle values right after the last finish
