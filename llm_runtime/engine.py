@@ -118,8 +118,10 @@ class Engine(Protocol):
     """What :class:`llm_runtime.scheduler.Scheduler` needs from an engine.
 
     ``prefill`` registers a sequence and returns the logits of its first generated
-    token (``prefill_batch``: several, in one forward); ``decode`` runs ONE forward for every live sequence; ``release`` frees a
-    sequence's cache.  Logits are float32 ``[.., vocab_size]`` on :attr:`device`.
+    token (``prefill_batch``: several, in one forward; ``prefill_chunk``: one
+    prompt over several forwards); ``decode`` runs ONE forward for every live
+    sequence; ``release`` frees a sequence's cache.  Logits are float32
+    ``[.., vocab_size]`` on :attr:`device`.
     """
 
     @property
@@ -138,6 +140,7 @@ class Engine(Protocol):
     def prefill_batch(
         self, seq_ids: Sequence[int], prompts: Sequence[Sequence[int] | np.ndarray]
     ) -> torch.Tensor: ...
+    def prefill_chunk(self, seq_id: int, prompt_ids: Sequence[int] | np.ndarray, stop: int) -> torch.Tensor | None: ...
     def decode(self, seq_ids: Sequence[int], tokens: Sequence[int] | np.ndarray) -> torch.Tensor: ...
     def extend(self, seq_ids: Sequence[int], tokens: np.ndarray, counts: np.ndarray) -> torch.Tensor: ...
     def release(self, seq_id: int) -> None: ...
@@ -169,6 +172,7 @@ class _SlotKVCache(Cache):
         self._prefill_width = 0
         self._batch = 0
         self._ctx = 0
+        self._first = 0
         self._rows = torch.zeros(0, dtype=torch.long)
         self._pos = torch.zeros(0, dtype=torch.long)
 
@@ -201,14 +205,16 @@ class _SlotKVCache(Cache):
         self._prefill_lens = lengths
         self._prefill_width = width
 
-    def set_decode(self, batch: int, rows: torch.Tensor, pos: torch.Tensor, ctx: int) -> None:
+    def set_decode(self, batch: int, rows: torch.Tensor, pos: torch.Tensor, ctx: int, first: int = 0) -> None:
         """The next forward feeds ``pos.shape[1]`` tokens per row: row ``i``'s
-        token ``j`` goes to slot ``rows[i, 0]`` at position ``pos[i, j]``."""
+        token ``j`` goes to slot ``rows[i, 0]`` at position ``pos[i, j]``; the
+        rows attend to slots ``first .. first + batch - 1``."""
         self._decode = True
         self._batch = batch
         self._rows = rows
         self._pos = pos
         self._ctx = ctx
+        self._first = first
 
     def move_slot(self, src: int, dst: int, length: int) -> None:
         for store in (self._keys, self._values):
@@ -231,7 +237,8 @@ class _SlotKVCache(Cache):
             # [B, H, K, D] -> [B, K, H, D]: the layout of the advanced-index target.
             keys[self._rows, :, self._pos] = key_states.transpose(1, 2)
             values[self._rows, :, self._pos] = value_states.transpose(1, 2)
-            return keys[: self._batch, :, : self._ctx], values[: self._batch, :, : self._ctx]
+            lo, hi = self._first, self._first + self._batch
+            return keys[lo:hi, :, : self._ctx], values[lo:hi, :, : self._ctx]
         # Prefill attends within the prompts only: the batch's own keys, while each
         # row's real positions (the last lengths[i] of the padded width) go to its slot.
         w = self._prefill_width
@@ -332,6 +339,10 @@ class TorchEngine:
         self._slot_of: dict[int, int] = {}
         self._seq_at: list[int] = []  # slot -> seq id, for slots 0 .. live-1
         self._lengths = np.zeros(s, dtype=np.int64)  # cached tokens per slot
+        # The one prompt being prefilled in chunks (prefill_chunk): its id, its checked tokens and how
+        # many of them are cached.  It waits in the last slot, which no live sequence reaches while it
+        # does (it holds one of the max_batch_size slots), and moves to its live slot when complete.
+        self._partial: tuple[int, np.ndarray, int] | None = None
         self._arange = torch.arange(cfg.max_seq_len + 1, device=device)
         self._rows = torch.arange(s, device=device)
 
@@ -471,19 +482,11 @@ class TorchEngine:
         if len(set(ids_list)) != n or any(s in self._slot_of for s in ids_list):
             raise EngineError("prefill_batch got a sequence id twice or one already live in the engine")
         first = len(self._seq_at)
-        if first + n > self._config.max_batch_size:
+        if first + n + (self._partial is not None) > self._config.max_batch_size:
             raise EngineError(f"all {self._config.max_batch_size} cache slots are taken")
-        arrays = []
-        for ids in (np.asarray(p, dtype=np.int64).reshape(-1) for p in prompts):
-            t = int(ids.shape[0])
-            if t == 0:
-                raise RequestError("prompt_token_ids", "must not be empty")
-            if t > self._config.max_seq_len:
-                raise RequestError("prompt_token_ids", f"{t} tokens exceed max_seq_len {self._config.max_seq_len}")
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= self._vocab_size:
-                raise RequestError("prompt_token_ids", f"ids must be in [0, {self._vocab_size}), got [{lo}, {hi}]")
-            arrays.append(ids)
+        if self._partial is not None and self._partial[0] in ids_list:
+            raise EngineError(f"sequence {self._partial[0]} is being prefilled in chunks")
+        arrays = [self._checked_prompt(p) for p in prompts]
         lengths = [int(a.shape[0]) for a in arrays]
         w = max(lengths)
         self._cache.ensure_capacity(w)
@@ -507,6 +510,93 @@ class TorchEngine:
             self._seq_at.append(seq_id)
             self._lengths[slot] = t
         return logits
+
+    def _checked_prompt(self, prompt_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The prompt as int64 ``[T]``, or RequestError naming what is wrong with it."""
+        ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
+        t = int(ids.shape[0])
+        if t == 0:
+            raise RequestError("prompt_token_ids", "must not be empty")
+        if t > self._config.max_seq_len:
+            raise RequestError("prompt_token_ids", f"{t} tokens exceed max_seq_len {self._config.max_seq_len}")
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self._vocab_size:
+            raise RequestError("prompt_token_ids", f"ids must be in [0, {self._vocab_size}), got [{lo}, {hi}]")
+        return ids
+
+    @torch.no_grad()
+    def prefill_chunk(self, seq_id: int, prompt_ids: Sequence[int] | np.ndarray, stop: int) -> torch.Tensor | None:
+        """Run the next part of a long prompt: its tokens from what is cached up to ``stop``.
+
+        A prompt prefilled in one forward holds every decoding sequence for
+        that whole forward (SmolLM2-135M on the 2-core CPU: 1.5 s for 1,000
+        tokens; prefill costs the same per token at any chunk size there).
+        In chunks, the scheduler runs a decode step between two of them.
+        The first call registers ``seq_id`` (not live until its last chunk
+        ran); each later call continues where the last stopped, attending to
+        the positions cached before.
+
+        Parameters
+        ----------
+        seq_id : int
+            A sequence not live in the engine: the one being prefilled in
+            chunks, or (no chunk ran yet) a new one.
+        prompt_ids : sequence of int
+            The whole prompt, the same at every call (checked at the first).
+        stop : int
+            How many of its tokens are cached after this call
+            (more than now, at most the prompt's length).
+
+        Returns
+        -------
+        torch.Tensor or None
+            float32 ``[vocab_size]`` logits of the first generated token once
+            ``stop`` reaches the prompt's end (``seq_id`` is then live, as
+            after :meth:`prefill`); None before.
+
+        Raises
+        ------
+        EngineError
+            If another prompt is being prefilled in chunks, ``seq_id`` is live,
+            no slot is free, or ``stop`` is out of range (nothing changes).
+        RequestError
+            If the prompt is empty, too long, or has an id outside the vocabulary.
+        """
+        partial = self._partial
+        if partial is None:
+            if seq_id in self._slot_of:
+                raise EngineError(f"sequence {seq_id} is live in the engine")
+            if len(self._seq_at) >= self._config.max_batch_size:
+                raise EngineError(f"all {self._config.max_batch_size} cache slots are taken")
+            prompt, done = self._checked_prompt(prompt_ids), 0
+        elif partial[0] != seq_id:
+            raise EngineError(f"sequence {partial[0]} is being prefilled in chunks, not {seq_id}")
+        else:
+            _, prompt, done = partial
+            if len(prompt_ids) != prompt.shape[0]:
+                raise EngineError(f"sequence {seq_id}: its prompt changed between chunks")
+        total = int(prompt.shape[0])
+        if not done < stop <= total:
+            raise EngineError(f"sequence {seq_id}: chunk end {stop} is not in {done + 1}..{total}")
+        slot = self._config.max_batch_size - 1
+        k = stop - done
+        self._partial = None  # a failed forward leaves nothing registered
+        self._cache.ensure_capacity(stop)
+        input_ids = torch.from_numpy(prompt[done:stop]).to(self._device).view(1, k)
+        pos = self._arange[done:stop].view(1, k)
+        mask = (self._arange[:stop].view(1, 1, stop) <= pos.view(1, k, 1)).view(1, 1, k, stop)
+        self._cache.set_decode(1, self._rows[slot:slot + 1].view(1, 1), pos, stop, first=slot)
+        logits = self._forward(input_ids, pos, mask)
+        if stop < total:
+            self._partial = (seq_id, prompt, stop)
+            return None
+        live = len(self._seq_at)
+        if live != slot:
+            self._cache.move_slot(slot, live, total)
+        self._slot_of[seq_id] = live
+        self._seq_at.append(seq_id)
+        self._lengths[live] = total
+        return logits[0]
 
     @torch.no_grad()
     def decode(self, seq_ids: Sequence[int], tokens: Sequence[int] | np.ndarray) -> torch.Tensor:
@@ -630,13 +720,17 @@ class TorchEngine:
 
     @torch.no_grad()
     def release(self, seq_id: int) -> None:
-        """Free ``seq_id``'s slot (the last live slot moves into it: one cache copy).
+        """Free ``seq_id``'s slot (the last live slot moves into it: one cache copy), or drop the
+        prompt being prefilled in chunks.
 
         Raises
         ------
         EngineError
-            If ``seq_id`` is not live.
+            If ``seq_id`` is neither live nor being prefilled.
         """
+        if self._partial is not None and self._partial[0] == seq_id:
+            self._partial = None  # its slot is overwritten by the next chunked prompt
+            return
         slot = self._slot(seq_id)
         last = len(self._seq_at) - 1
         if slot != last:
@@ -654,3 +748,4 @@ class TorchEngine:
         self._slot_of.clear()
         self._seq_at.clear()
         self._lengths[:] = 0
+        self._partial = None

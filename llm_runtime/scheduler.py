@@ -88,6 +88,7 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 __all__ = [
+    "DEFAULT_PREFILL_TOKENS",
     "SCHEDULER_GRAMMAR_MODES",
     "CheckedRequest",
     "EventCallback",
@@ -107,6 +108,8 @@ _log = logging.getLogger(__name__)
 SCHEDULER_GRAMMAR_MODES: Final = ("overlap", "processor")
 #: Upper bound of ``SchedulerConfig.max_jump_tokens``.
 MAX_JUMP_TOKENS: Final = 256
+#: ``SchedulerConfig.max_prefill_tokens`` when unset, by the engine's device type (see there).
+DEFAULT_PREFILL_TOKENS: Final = {"cpu": 256, "cuda": 8192}
 
 
 def closed_finish(reason: FinishReason, close_state: int, stop_string: bool) -> tuple[FinishReason, str | None]:
@@ -157,20 +160,31 @@ class SchedulerConfig:
         forward, serially, as an engine's logits processor would call it (for
         measuring what the overlap saves); the same request and the same
         reading of its answer otherwise (:mod:`llm_runtime.grammar_phase`).
-    max_prefill_tokens : int
-        Most prompt positions one step prefills.  Ready requests join the
+    max_prefill_tokens : int or None
+        Most prompt positions one step prefills (None: by the engine's
+        device, :data:`DEFAULT_PREFILL_TOKENS`; :attr:`Scheduler.config`
+        holds the value in force).  Ready requests join the
         batch oldest first while their count times the longest prompt among
         them (the prompts are left-padded into one forward,
         :meth:`~llm_runtime.engine.TorchEngine.prefill_batch`) stays within
-        it; a step's first prompt always joins, however long.  On a CPU a
+        it; a step's first prompt always joins, and one longer than the bound
+        joins alone and runs in chunks of at most this many tokens, one per
+        step, each next to the decode forward of the other rows
+        (:meth:`~llm_runtime.engine.TorchEngine.prefill_chunk`).  On a CPU a
         prefill costs the same per token at any batch size (SmolLM2-135M on
         the 2-core host: 700-850 tokens/s from 1 x 128 to 8 x 256, 560 at
         7 x 1,000), so a larger group only makes each of its requests wait
         for all of them, and every decoding stream for the whole forward:
         seven MaskBench prompts of about 1,000 tokens joining together took
         12.4 s, and no request got a first token before it ended.  The
-        default bounds a joining step at about 1.5 s on that host; a GPU
-        takes several thousand.
+        CPU default is sized for that host: a chunk of 256 tokens takes about
+        0.4 s, so a long prompt holds the decoding streams that long between
+        two of their tokens, not for its whole prefill.  Under
+        ``make loadtest`` (MaskBench prompts of up to about 1,000 tokens)
+        inter-token p99 was 490-630 ms at 256 against 950-1,200 ms at 1,024,
+        with the same requests completed and time to first token p50 within
+        the runs' spread.  A GPU takes several thousand (8,192, as
+        TensorRT-LLM's default ``max_num_tokens``).
     max_jump_tokens : int
         Most forced tokens a row appends in one step (jump-forward; 0: off
         for every request).  Bounds the extra width of that step's forward.
@@ -196,7 +210,7 @@ class SchedulerConfig:
     stats_capacity: int = 65536
     grammar_mode: str = "overlap"
     metrics_interval_s: float = 1.0
-    max_prefill_tokens: int = 1024
+    max_prefill_tokens: int | None = None
     max_jump_tokens: int = 16
     jump_min_fill: float = 0.25
 
@@ -207,8 +221,10 @@ class SchedulerConfig:
 
         if self.max_batch_size is not None:
             positive_int("max_batch_size", self.max_batch_size)
-        for name in ("max_queued", "start_threads", "stats_capacity", "max_prefill_tokens"):
+        for name in ("max_queued", "start_threads", "stats_capacity"):
             positive_int(name, getattr(self, name))
+        if self.max_prefill_tokens is not None:
+            positive_int("max_prefill_tokens", self.max_prefill_tokens)
         j = self.max_jump_tokens
         if isinstance(j, bool) or not isinstance(j, int) or not 0 <= j <= MAX_JUMP_TOKENS:
             raise config_error("scheduler.max_jump_tokens", f"must be an integer in 0..{MAX_JUMP_TOKENS}, got {j!r}")
@@ -301,7 +317,8 @@ class SchedulerStats:
         float64 seconds of it the grammar side reported as its own work (NaN:
         not reported); ``grammar_s`` minus this is the call's transport.
     batch_size, constrained_rows, prefill_rows : np.ndarray
-        int32 rows per step.
+        int32 rows per step (``prefill_rows``: the rows whose prompt ran in
+        the step, a chunk of one counting as one).
     output_tokens, jump_tokens : np.ndarray
         int32 tokens the step added to outputs, and how many of them were
         forced by jump-forward (not sampled).
@@ -411,6 +428,7 @@ class _Seq:
     backend: str | None = None  # what MaskProvider.start returned
     ended: bool = False  # MaskProvider.end issued
     in_engine: bool = False
+    prefilled: int = 0  # prompt tokens cached by its chunks so far (a prompt longer than max_prefill_tokens)
     finished: bool = False
     generated: int = 0
     last_token: int = -1
@@ -525,7 +543,12 @@ class Scheduler:
                 "scheduler.max_batch_size",
                 f"{cfg.max_batch_size} exceeds the engine's {engine.max_batch_size} cache slots",
             )
+        budget = cfg.max_prefill_tokens
+        if budget is None:
+            budget = DEFAULT_PREFILL_TOKENS[engine.device.type]
+            cfg = dataclasses.replace(cfg, max_prefill_tokens=budget)
         self._cfg = cfg
+        self._prefill_budget = budget
         self._engine = engine
         self._provider = mask_provider
         self._max_batch = cfg.max_batch_size if cfg.max_batch_size is not None else engine.max_batch_size
@@ -832,7 +855,7 @@ class Scheduler:
         joining = [s for s in self._active if not s.in_engine]  # admitted at this step's earlier boundary
         rows = len(joining)
         width = max((len(s.prompt) for s in joining), default=0)
-        budget = self._cfg.max_prefill_tokens
+        budget = self._prefill_budget
         while self._ready and len(self._active) < self._max_batch:
             wider = max(width, len(self._ready[0].prompt))
             if rows and (rows + 1) * wider > budget:
@@ -873,6 +896,14 @@ class Scheduler:
         active = self._active
         dec = [s for s in active if s.in_engine]
         new = [s for s in active if not s.in_engine]
+        chunk, chunk_stop = None, 0
+        if len(new) == 1 and len(new[0].prompt) > self._prefill_budget:
+            # A prompt longer than the bound (it joined alone, _admit): its next chunk runs after the
+            # decode forward; it samples and reaches the grammar side at the step of its last chunk.
+            chunk = new[0]
+            chunk_stop = min(len(chunk.prompt), chunk.prefilled + self._prefill_budget)
+            if chunk_stop < len(chunk.prompt):
+                new = []
         order = dec + new
         b = len(order)
         nd = len(dec)
@@ -906,7 +937,19 @@ class Scheduler:
         for s in dec:
             s.jump = ()  # fed: the engine and the grammar step have them
         prefill_failed: list[tuple[_Seq, BaseException]] = []
-        if forward_err is None and logits is not None and new:
+        if forward_err is None and logits is not None and chunk is not None:
+            try:
+                row = self._engine.prefill_chunk(chunk.seq_id, chunk.prompt, chunk_stop)
+            except Exception as err:  # noqa: BLE001 -- fails the chunked request with the error
+                prefill_failed.append((chunk, err))
+                if new:
+                    logits[nd:b].zero_()  # the row is retired below; keep its logits finite
+            else:
+                chunk.prefilled = chunk_stop
+                if row is not None:
+                    chunk.in_engine = True
+                    logits[nd:b].copy_(row)
+        elif forward_err is None and logits is not None and new:
             # Every prompt that joins now in ONE forward (left-padded, TorchEngine.prefill_batch).
             try:
                 rows = self._engine.prefill_batch([s.seq_id for s in new], [s.prompt for s in new])
@@ -918,6 +961,7 @@ class Scheduler:
                     s.in_engine = True
                 logits[nd:b].copy_(rows)
         fwd_s = time.perf_counter() - t0
+        joined = len(new) if chunk is None else 1
         if c:
             # Overlap: the answer is waited for now; processor mode: the request runs now.
             phase.collect(self._bitmask_np.shape[1])
@@ -929,15 +973,22 @@ class Scheduler:
             err_any: BaseException = forward_err if forward_err is not None else RuntimeError("no logits")
             _log.error("forward failed (%s); failing the %d sequences of the batch", err_any, b)
             self._engine_reset()
-            for s in order:
+            for s in active:
                 self._finish(s, "error", ends, error=f"forward failed: {err_any}", status=status_of(err_any),
                              release=False)
-            self._record(t_step, fwd_s, phase if c else None, b, c, len(new), 0, 0)
+            self._record(t_step, fwd_s, phase if c else None, b, c, joined, 0, 0)
             self._purge()
             self._end(ends)
             return
         for s, perr in prefill_failed:
-            self._finish(s, "error", ends, error=f"prefill failed: {perr}", status=status_of(perr))
+            # A failed chunk registered nothing (TorchEngine.prefill_chunk): no slot to release.
+            self._finish(s, "error", ends, error=f"prefill failed: {perr}", status=status_of(perr),
+                         release=s is not chunk)
+        if not order:  # only a chunk of a long prompt ran: nothing samples
+            self._record(t_step, fwd_s, None, 0, 0, joined, 0, 0)
+            self._purge()
+            self._end(ends)
+            return
         if c:
             self._apply_grammar(order, constrained, logits, ends)
 
@@ -981,8 +1032,8 @@ class Scheduler:
                 self._finish(s, "length", ends, delta=delta, tokens=sent)
             elif sent:
                 self._deliver(s, TokenEvent(delta, sent))
-        step_s = self._record(t_step, fwd_s, phase if c else None, b, c, len(new), outputs, jumped)
-        if c and not new:
+        step_s = self._record(t_step, fwd_s, phase if c else None, b, c, joined, outputs, jumped)
+        if c and not joined:
             # What a step of this width costs, whole (forward, grammar, masking, streaming),
             # for the jump decisions of the next steps.
             self._jumps.record(nd, width, step_s)
@@ -1201,9 +1252,10 @@ class Scheduler:
             return
         reason, close_reason = closed_finish(reason, seq.close_state, stop_string)
         seq.finished = True
-        if release and seq.in_engine:
+        if release and (seq.in_engine or seq.prefilled):
             self._engine.release(seq.seq_id)
         seq.in_engine = False
+        seq.prefilled = 0
         if seq.started and not seq.ended:
             seq.ended = True
             ends.append(seq.seq_id)
@@ -1268,10 +1320,11 @@ class Scheduler:
             release_all()
         else:
             for s in self._active:
-                if s.in_engine:
+                if s.in_engine or s.prefilled:
                     self._engine.release(s.seq_id)
         for s in self._active:
             s.in_engine = False
+            s.prefilled = 0
 
     def _fail_all(self, error: str, status: str) -> None:
         ends: list[int] = []

@@ -15,7 +15,7 @@
 #   PROMPT_FORMAT     chat (the checkpoint's chat template; default) | plain (a base model: PROMPT as text)
 #   TRTLLM_SAMPLER    tensorrt_llm: TorchSampler (default; applies no penalty, such requests are refused) | TRTLLMSampler
 #   STREAM_INTERVAL_MS  least milliseconds between a stream's responses after the first (default 50; 0: every token)
-#   MAX_PREFILL_TOKENS  torch: most prompt positions one step prefills (empty: the scheduler's default, 1024)
+#   MAX_PREFILL_TOKENS  torch: most prompt positions one step prefills (empty: the scheduler's default, 256)
 #   REASONING_START, REASONING_END  the model's thinking markers, e.g. <think> and </think> (empty: it does not
 #                     reason); with them every request thinks first unless it says reasoning false
 #   GRAMMAR_STORE_MAX_BYTES  bound of the compiled-grammar store (empty: the grammar model's default, 2 GiB)

@@ -121,6 +121,116 @@ def test_batched_prefill_equals_prefills_alone(tiny: TinyModelInfo, reference: t
     assert [outs[i] for i in range(3)] == [greedy_reference(reference, p, n) for p in prompts]
 
 
+@pytest.mark.parametrize(
+    ("stops", "release_other_at"),
+    [
+        ((1, 2, 3, None), None),  # None: the prompt's length; one-token chunks
+        ((5, 9, None), 1),  # the live sequence leaves between two chunks (its slot is freed under the chunked one)
+        ((None,), None),  # one chunk: the whole prompt
+    ],
+    ids=["1+1+1+rest", "5+4+rest-other-leaves", "whole"],
+)
+def test_chunked_prefill_equals_one_forward(tiny: TinyModelInfo, reference: torch.nn.Module,
+                                            stops: tuple[int | None, ...], release_other_at: int | None) -> None:
+    """A prompt prefilled in chunks, with another sequence decoding between them: the same logits as one
+    forward, then the same greedy tokens for both; the cache grows while the chunked prompt waits."""
+    engine = TorchEngine(tiny.path, TorchEngineConfig(max_batch_size=3, max_seq_len=256, initial_cache_len=4))
+    other, long = (engine.tokenizer.encode(p).ids for p in PROMPTS[:2])
+    assert len(long) > 12
+    outs = {7: [int(engine.prefill(7, other).argmax())]}
+    for k, stop in enumerate(stops):
+        if k == release_other_at:
+            engine.release(7)
+            del outs[7]
+        first = engine.prefill_chunk(3, long, len(long) if stop is None else stop)
+        assert (first is None) == (stop is not None)
+        assert engine.live_count == len(outs) + (first is not None)
+        if 7 in outs and first is None:  # a decode step between two chunks
+            outs[7].append(int(engine.decode([7], [outs[7][-1]])[0].argmax()))
+    assert first is not None and engine.length(3) == len(long)
+    alone = TorchEngine(tiny.path, TorchEngineConfig(max_batch_size=1, max_seq_len=256))
+    torch.testing.assert_close(first, alone.prefill(0, long), rtol=1e-4, atol=1e-4)
+    outs[3] = [int(first.argmax())]
+    for _ in range(5):
+        live = sorted(outs)
+        logits = engine.decode(live, [outs[s][-1] for s in live])
+        for row, s in enumerate(live):
+            outs[s].append(int(logits[row].argmax()))
+    assert outs[3] == greedy_reference(reference, long, 6)
+    if 7 in outs:
+        assert outs[7] == greedy_reference(reference, other, len(outs[7]))
+
+
+@pytest.mark.parametrize(
+    ("action", "error", "match"),
+    [
+        ("another", EngineError, "sequence 1 is being prefilled in chunks, not 2"),
+        ("same_stop", EngineError, r"sequence 1: chunk end 4 is not in 5\.\.10"),
+        ("past_end", EngineError, r"sequence 1: chunk end 11 is not in 1\.\.10"),
+        ("changed", EngineError, "sequence 1: its prompt changed between chunks"),
+        ("live", EngineError, "sequence 1 is live in the engine"),
+        ("full", EngineError, "all 2 cache slots are taken"),
+        ("batch_beside", EngineError, "all 2 cache slots are taken"),
+        ("batch_same_id", EngineError, "sequence 1 is being prefilled in chunks"),
+        ("decode_it", EngineError, r"decode needs every live sequence \(0\), got 1"),
+        ("empty", RequestError, "prompt_token_ids: must not be empty"),
+        ("bad_id", RequestError, r"prompt_token_ids: ids must be in \[0, 448\)"),
+    ],
+)
+def test_chunked_prefill_misuse(tiny: TinyModelInfo, action: str, error: type[Exception], match: str) -> None:
+    engine = TorchEngine(tiny.path, TorchEngineConfig(max_batch_size=2, max_seq_len=32))
+    p = list(range(5, 15))
+    with pytest.raises(error, match=match):
+        if action == "another":
+            engine.prefill_chunk(1, p, 4)
+            engine.prefill_chunk(2, p, 4)
+        elif action == "same_stop":
+            engine.prefill_chunk(1, p, 4)
+            engine.prefill_chunk(1, p, 4)
+        elif action == "past_end":
+            engine.prefill_chunk(1, p, 11)
+        elif action == "changed":
+            engine.prefill_chunk(1, p, 4)
+            engine.prefill_chunk(1, p[:-1], 6)
+        elif action == "live":
+            engine.prefill(1, p)
+            engine.prefill_chunk(1, p, 4)
+        elif action == "full":
+            engine.prefill_batch([1, 2], [p, p])
+            engine.prefill_chunk(3, p, 4)
+        elif action == "batch_beside":  # the chunked prompt holds one of the two slots
+            engine.prefill_chunk(1, p, 4)
+            engine.prefill_batch([2, 3], [p, p])
+        elif action == "batch_same_id":
+            engine.prefill_chunk(1, p, 4)
+            engine.prefill(1, p)
+        elif action == "decode_it":
+            engine.prefill_chunk(1, p, 4)
+            engine.decode([1], [5])
+        elif action == "empty":
+            engine.prefill_chunk(1, [], 1)
+        elif action == "bad_id":
+            engine.prefill_chunk(1, [5, 448], 1)
+    assert engine.live_count == (2 if action == "full" else 1 if action == "live" else 0)
+
+
+@pytest.mark.parametrize("drop", ["release", "release_all"])
+def test_a_dropped_chunked_prompt_frees_its_slot(tiny: TinyModelInfo, drop: str) -> None:
+    engine = TorchEngine(tiny.path, TorchEngineConfig(max_batch_size=2, max_seq_len=32))
+    p = list(range(5, 15))
+    assert engine.prefill_chunk(1, p, 4) is None
+    if drop == "release":
+        engine.release(1)
+    else:
+        engine.release_all()
+    with pytest.raises(EngineError, match="sequence 1 is not live"):
+        engine.release(1)
+    engine.prefill(2, p)  # both slots are free again: a live sequence and a new chunked prompt
+    assert engine.prefill_chunk(3, p, 4) is None
+    assert engine.prefill_chunk(3, p, 10) is not None
+    assert engine.live_count == 2
+
+
 @pytest.mark.parametrize("chunks", [(1, 4, 2, 5), (6, 6), (12,)], ids=lambda c: "+".join(map(str, c)))
 def test_extend_equals_feeding_token_by_token(tiny: TinyModelInfo, reference: torch.nn.Module,
                                               chunks: tuple[int, ...]) -> None:

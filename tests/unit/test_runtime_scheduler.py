@@ -256,41 +256,135 @@ def test_eight_concurrent_requests_decode_in_one_batch(engine: TorchEngine, sche
 
 
 @pytest.mark.parametrize(
-    ("lengths", "budget", "groups"),
+    ("lengths", "budget", "calls"),
     [
-        ([8] * 7, 24, [3, 3, 1]),
-        ([8, 16, 8, 8], 24, [1, 1, 2]),  # two rows of 16 (the left-padded width) pass 24: the 16 prefills alone
-        ([40, 8, 8], 24, [1, 2]),  # longer than the budget: alone, never refused
-        ([8] * 7, 1024, [7]),
+        ([8] * 7, 24, [[8, 8, 8], [8, 8, 8], [8]]),
+        ([8, 16, 8, 8], 24, [[8], [16], [8, 8]]),  # two rows of 16 (the left-padded width) pass 24: the 16 alone
+        ([40, 8, 8], 24, [("chunk to", 24), ("chunk to", 40), [8, 8]]),  # longer than the budget: alone, in chunks
+        ([8] * 7, 1024, [[8] * 7]),
     ],
 )
 def test_prefill_budget_groups_the_joining_prompts(engine: TorchEngine, provider: XGrammarMaskProvider,
                                                    monkeypatch: pytest.MonkeyPatch, lengths: list[int],
-                                                   budget: int, groups: list[int]) -> None:
+                                                   budget: int, calls: list[Any]) -> None:
     """Ready requests join oldest first while rows x the longest prompt stays within max_prefill_tokens."""
-    real = engine.prefill_batch
+    real_batch, real_chunk = engine.prefill_batch, engine.prefill_chunk
     gate = threading.Event()
-    seen: list[list[int]] = []
+    seen: list[Any] = []
 
     def prefill_batch(seq_ids: Sequence[int], prompts: Sequence[Any]) -> Any:
         seen.append([len(p) for p in prompts])
         if not gate.wait(TIMEOUT):  # the first request holds the loop until the others are queued
             raise TimeoutError("gate never opened")
-        return real(seq_ids, prompts)
+        return real_batch(seq_ids, prompts)
+
+    def prefill_chunk(seq_id: int, prompt_ids: Any, stop: int) -> Any:
+        seen.append(("chunk to", stop))
+        return real_chunk(seq_id, prompt_ids, stop)
 
     monkeypatch.setattr(engine, "prefill_batch", prefill_batch)
+    monkeypatch.setattr(engine, "prefill_chunk", prefill_chunk)
     with Scheduler(engine, provider, SchedulerConfig(max_prefill_tokens=budget)) as s:
-        first = submit(s, GenerationRequest([5] * 8, max_tokens=len(lengths) + 2, temperature=0.0))
+        first = submit(s, GenerationRequest([5] * 8, max_tokens=len(lengths) + 3, temperature=0.0))
         poll(lambda: len(seen), bool, TIMEOUT)
         results = [submit(s, GenerationRequest([7] * n, max_tokens=2, temperature=0.0)) for n in lengths]
         gate.set()
         assert [r.wait().finish_reason for r in (first, *results)] == ["length"] * (len(lengths) + 1)
-    assert seen == [[8]] + [lengths[sum(groups[:i]):sum(groups[: i + 1])] for i in range(len(groups))]
+    assert seen == [[8], *calls]
     assert engine.live_count == 0
 
 
+def run_long_prompt(engine: TorchEngine, provider: XGrammarMaskProvider, budget: int,
+                    cancel_first: bool = False) -> tuple[list[FinishEvent], list[list[int]], list[tuple[int, int]]]:
+    """A short request decodes; then a short one and a 20-token constrained prompt arrive.
 
-@pytest.mark.parametrize(("value", "budget"), [("", SchedulerConfig.max_prefill_tokens), ("512", 512)])
+    Returns each request's finish and tokens, and (batch size, prefill rows) of the steps that prefilled.
+    With ``cancel_first`` a first long request is cancelled while its first chunk runs.
+    """
+    long = [(3 * i) % 40 + 5 for i in range(20)]
+    regex = ConstraintRequest("regex", "[ab]{40}", "")
+    with Scheduler(engine, provider, SchedulerConfig(max_prefill_tokens=budget)) as s:
+        running = submit(s, GenerationRequest(prompt(engine, "hello"), max_tokens=30, temperature=0.0))
+        assert running.first_token.wait(TIMEOUT)
+        if cancel_first:
+            real = engine.prefill_chunk
+            entered, gate = threading.Event(), threading.Event()
+
+            def held(seq_id: int, prompt_ids: Any, stop: int) -> Any:
+                entered.set()
+                if not gate.wait(TIMEOUT):
+                    raise TimeoutError("gate never opened")
+                return real(seq_id, prompt_ids, stop)
+
+            engine.prefill_chunk = held  # type: ignore[method-assign]
+            try:
+                victim = Result()
+                rid = s.submit(GenerationRequest(long, constraint=regex, max_tokens=5), victim)
+                assert entered.wait(TIMEOUT)
+                assert s.cancel(rid)
+                gate.set()
+                assert victim.wait().status == "CANCELLED"
+            finally:
+                del engine.prefill_chunk
+        before = s.stats().steps
+        # The short one first: it joins at once, and whenever the long one's grammar start returns,
+        # its prompt (20 tokens, past the bound) joins alone after it.
+        results = [submit(s, GenerationRequest(prompt(engine, "yes no"), max_tokens=4, temperature=0.0)),
+                   submit(s, GenerationRequest(long, constraint=regex, max_tokens=5, temperature=0.0))]
+        fins = [r.wait() for r in (running, *results)]
+        stats = s.stats()
+    joins = stats.prefill_rows[before:] > 0
+    return fins, [r.token_ids for r in (running, *results)], list(zip(
+        stats.batch_size[before:][joins].tolist(), stats.prefill_rows[before:][joins].tolist(), strict=True))
+
+
+@pytest.mark.parametrize("cancel_first", [False, True], ids=["plain", "first-cancelled-mid-chunk"])
+def test_a_long_prompt_prefills_in_chunks_between_decode_steps(engine: TorchEngine, provider: XGrammarMaskProvider,
+                                                               cancel_first: bool) -> None:
+    """A prompt longer than max_prefill_tokens runs 8 + 8 + 4 tokens over three steps, each beside the
+    decoding rows' forward, and samples (its grammar joins) at the third.  The tokens are those of one
+    whole-prompt forward; a request cancelled mid-chunk frees its slot."""
+    fins, tokens, joins = run_long_prompt(engine, provider, 8, cancel_first)
+    ref_fins, ref_tokens, ref_joins = run_long_prompt(engine, provider, 1024)
+    assert [f.finish_reason for f in fins] == ["length"] * 3
+    assert tokens == ref_tokens and [f.text for f in fins] == [f.text for f in ref_fins]
+    assert re.fullmatch("[ab]{5}", fins[2].text)
+    # (rows sampled, prompts run): the short one joins; the two decoding rows beside each chunk; the last
+    # chunk's row samples with them.
+    assert joins == [(2, 1), (2, 1), (2, 1), (3, 1)]
+    assert sum(rows for _, rows in ref_joins) == 2
+    assert engine.live_count == 0
+
+
+def test_a_failed_chunk_fails_only_its_request(engine: TorchEngine, provider: XGrammarMaskProvider,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The forward of a long prompt's second chunk fails: that request ends with the error, the decoding
+    one goes on, and the next long prompt runs in chunks again (the failed one left no slot behind)."""
+    real = engine._forward
+    chunks = [0]
+
+    def forward(input_ids: Any, *args: Any, **kwargs: Any) -> Any:
+        if tuple(input_ids.shape) == (1, 8):
+            chunks[0] += 1
+            if chunks[0] == 2:
+                raise RuntimeError("device lost")
+        return real(input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "_forward", forward)
+    long = [(3 * i) % 40 + 5 for i in range(20)]
+    with Scheduler(engine, provider, SchedulerConfig(max_prefill_tokens=8)) as s:
+        running = submit(s, GenerationRequest(prompt(engine, "hello"), max_tokens=30, temperature=0.0))
+        assert running.first_token.wait(TIMEOUT)
+        failed = submit(s, GenerationRequest(long, max_tokens=5, temperature=0.0))
+        fin = failed.wait()
+        assert (fin.finish_reason, fin.status, fin.error) == ("error", "INTERNAL", "prefill failed: device lost")
+        again = submit(s, GenerationRequest(long, max_tokens=5, temperature=0.0))
+        assert again.wait().completion_tokens == 5
+        assert running.wait().finish_reason == "length"
+    assert chunks[0] == 4 and engine.live_count == 0  # 8 + 8 (failed), then 8 + 8 (+ 4)
+
+
+@pytest.mark.parametrize(("value", "budget"), [("", 256), ("512", 512)])  # unset: the CPU default
 def test_the_llm_model_sets_the_prefill_budget(tiny: TinyModelInfo, provider: XGrammarMaskProvider, value: str,
                                                budget: int) -> None:
     config = from_parameters(LlmModelConfig, {"model_dir": str(tiny.path), "max_batch": "2", "max_seq_len": "320",
