@@ -556,8 +556,9 @@ class InProcess:
     """The same engine in this process, no Triton: the reference of served / in-process.
 
     Same prompts (through the preprocessing model's own chat template), same
-    greedy decoding and ``max_tokens``, same ``TORCH_THREADS`` and batch limit
-    as the served ``llm`` model (``deploy/values.json``'s unless given); a
+    greedy decoding and ``max_tokens``, same ``TORCH_THREADS``, batch limit
+    and ``MAX_PREFILL_TOKENS`` as the served ``llm`` model (``values``: what
+    the server was rendered with; default ``deploy/values.json``); a
     batch's wall time runs from the first submit to the last finish, as the
     served side's runs from the first request start to the last response.
 
@@ -575,13 +576,14 @@ class InProcess:
     request), the torch thread count is restored on exit.
     """
 
-    def __init__(self, model_dir: Path, max_tokens: int, *, max_batch: int | None = None,
-                 torch_threads: int | None = None) -> None:
-        values = json.loads((REPO / "deploy" / "values.json").read_text())
+    def __init__(self, model_dir: Path, max_tokens: int, values: dict[str, str] | None = None) -> None:
+        if values is None:
+            values = json.loads((REPO / "deploy" / "values.json").read_text())
         self.model_dir = model_dir
         self.max_tokens = max_tokens
-        self.max_batch = max_batch if max_batch is not None else int(values["MAX_BATCH"])
-        self.torch_threads = torch_threads if torch_threads is not None else int(values["TORCH_THREADS"]) or None
+        self.max_batch = int(values["MAX_BATCH"])
+        self.torch_threads = int(values["TORCH_THREADS"]) or None
+        self.max_prefill_tokens = int(values["MAX_PREFILL_TOKENS"]) if values["MAX_PREFILL_TOKENS"] else None
         self.tokens: dict[int, int] = {}
         self.wall_s: dict[int, float] = {}
         self.server_cpu_s = 0.0
@@ -603,7 +605,7 @@ class InProcess:
         try:
             engine = TorchEngine(self.model_dir, TorchEngineConfig(max_batch_size=self.max_batch, max_seq_len=2048,
                                                                    num_threads=self.torch_threads))
-            self._sched = self._stack.enter_context(Scheduler(engine, _NoGrammar(), SchedulerConfig()))  # type: ignore[arg-type]
+            self._sched = self._stack.enter_context(Scheduler(engine, _NoGrammar(), SchedulerConfig(max_prefill_tokens=self.max_prefill_tokens)))  # type: ignore[arg-type]
             self._batch(1, 0)  # warm-up, not counted
         except BaseException:
             self._stack.close()

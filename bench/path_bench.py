@@ -543,7 +543,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         values[key] = value
     max_batch = int(values["MAX_BATCH"])
     concurrencies = [c for c in CONCURRENCIES if c <= max_batch]
-    threads = int(values["TORCH_THREADS"]) or None
     top = 16 if 16 in concurrencies else concurrencies[-1]
     with tempfile.TemporaryDirectory(prefix="path-bench-") as tmp:
         repo = Path(tmp) / "model_repository"
@@ -551,7 +550,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log = Path(tmp) / "tritonserver.log"
         t0 = time.perf_counter()
         with launched(repo, log) as served, \
-                InProcess(model, args.max_tokens, max_batch=max_batch, torch_threads=threads) as reference:
+                InProcess(model, args.max_tokens, values) as reference:
             print(f"server ready at {served.url} in {time.perf_counter() - t0:.1f} s", flush=True)
             records, walls, cpu = run_load(served, concurrencies, args.rounds, args.max_tokens, reference,
                                            args.min_seconds)

@@ -317,7 +317,8 @@ def test_in_process_reference_runs_beside_the_served_side(monkeypatch: pytest.Mo
     threads = torch.get_num_threads()
     order: list[object] = []
     cpu = iter([1.0, 1.5, 2.0, 2.25])
-    with e2e_bench.InProcess(model, 8, max_batch=4, torch_threads=1) as ref:
+    with e2e_bench.InProcess(model, 8, {"MAX_BATCH": "4", "TORCH_THREADS": "1", "MAX_PREFILL_TOKENS": "16"}) as ref:
+        assert ref._sched is not None and ref._sched.config.max_prefill_tokens == 16  # as the server's
         real = ref._batch
 
         def batch(n: int, first_prompt: int) -> tuple[int, float]:
