@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -56,7 +55,7 @@ class LlmModelConfig:
     0: every token).  Each response costs IPC in two processes, an ensemble
     step and a gateway message, so a longer interval trades the smoothness
     of the stream for throughput at GPU token rates (README, "Measured").
-    ``max_prefill_tokens`` (torch only; None: the scheduler's default) bounds
+    ``max_prefill_tokens`` (torch only; None: the scheduler's default for the device) bounds
     the prompt positions one step prefills
     (:attr:`~llm_runtime.scheduler.SchedulerConfig.max_prefill_tokens`;
     TensorRT-LLM bounds a step with its own ``max_num_tokens``).
@@ -120,9 +119,8 @@ class LlmModelConfig:
             TorchEngineConfig(device=self.device, dtype=self.dtype, max_batch_size=self.max_batch,
                          max_seq_len=self.max_seq_len, num_threads=self.torch_threads or None),
         )
-        limits = SchedulerConfig(max_batch_size=self.max_batch, grammar_mode=self.mode)
-        if self.max_prefill_tokens is not None:
-            limits = dataclasses.replace(limits, max_prefill_tokens=self.max_prefill_tokens)
+        limits = SchedulerConfig(max_batch_size=self.max_batch, grammar_mode=self.mode,
+                                 max_prefill_tokens=self.max_prefill_tokens)
         return Scheduler(engine, mask_provider, limits, on_metrics=on_metrics)
 
 
