@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import re
 from typing import Final
 
 import xgrammar as xgr
 
 import contract
+from grammar_backend import json_strings
 from grammar_backend.errors import CompileError
 from grammar_backend.spec import ConstraintKind, ConstraintOptions, ConstraintSpec
 
@@ -45,11 +45,13 @@ def json_format_kwargs(options: ConstraintOptions) -> dict[str, object]:
 def compile_json(compiler: xgr.GrammarCompiler, schema: str, options: ConstraintOptions) -> xgr.CompiledGrammar:
     """Compile the JSON Schema text ``schema`` as every JSON kind is compiled (:func:`json_format_kwargs`).
 
-    xgrammar's own errors propagate (:func:`compile_spec` turns them into a
+    The compile is :func:`grammar_backend.json_strings.compile_json_schema`:
+    xgrammar's, with its strings kept valid JSON.  xgrammar's own errors and
+    that module's refusal propagate (:func:`compile_spec` turns them into a
     :class:`CompileError`); the fidelity tests compile through here too, so
     what they measure is what is served.
     """
-    return compiler.compile_json_schema(schema, **json_format_kwargs(options))  # type: ignore[arg-type]
+    return json_strings.compile_json_schema(compiler, schema, **json_format_kwargs(options))
 
 
 def choice_ebnf(choices: list[str]) -> str:
@@ -103,7 +105,7 @@ def compile_spec(compiler: xgr.GrammarCompiler, spec: ConstraintSpec) -> xgr.Com
             return compiler.compile_lark(spec.payload)
         if kind is ConstraintKind.CHOICE:
             return compiler.compile_grammar(choice_ebnf(spec.document))
-        return compiler.compile_structural_tag(json.dumps(spec.document))
+        return json_strings.compile_structural_tag(compiler, spec.document)
     except (RuntimeError, ValueError, TypeError, xgr.InvalidStructuralTagError) as err:
         reason = _CPP_PREFIX.sub("", str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__)
         raise CompileError("grammar", f"xgrammar cannot compile this {spec.kind.value}: {reason}") from err

@@ -560,12 +560,12 @@ def _normalize_structural_tag(doc: Any) -> dict[str, Any]:
         first = err.errors()[0]
         pointer = json_pointer(first["loc"])
         raise ConstraintError(f"grammar#{pointer}", f"invalid structural tag: {first['msg']}") from err
-    for pointer, schema in _embedded_schemas(doc, ""):
+    for pointer, schema in embedded_schemas(doc, ""):
         check_schema(schema, f"grammar#{pointer}")
     return dict(doc)
 
 
-def _embedded_schemas(node: Any, pointer: str) -> list[tuple[str, Any]]:
+def embedded_schemas(node: Any, pointer: str = "") -> list[tuple[str, Any]]:
     """JSON schemas embedded in a structural tag (``json_schema`` of json_schema formats)."""
     found: list[tuple[str, Any]] = []
     if isinstance(node, dict):
@@ -576,8 +576,8 @@ def _embedded_schemas(node: Any, pointer: str) -> list[tuple[str, Any]]:
             found.append((f"{pointer}/json_schema", schema))
         for key, value in node.items():
             if key != "json_schema":
-                found.extend(_embedded_schemas(value, pointer + json_pointer([key])))
+                found.extend(embedded_schemas(value, pointer + json_pointer([key])))
     elif isinstance(node, list):
         for i, value in enumerate(node):
-            found.extend(_embedded_schemas(value, f"{pointer}/{i}"))
+            found.extend(embedded_schemas(value, f"{pointer}/{i}"))
     return found
