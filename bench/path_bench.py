@@ -5,6 +5,7 @@ Usage (from the repository root, after ``make venv``)::
     make bench-path                      # ~6 min on 2 shared cores (BENCH_QUICK=1: ~2 min)
     .venv/bin/python bench/path_bench.py --quick --json /tmp/path.json --plot /tmp/path.png
     .venv/bin/python bench/path_bench.py --quick --hold 60   # a steadier equal-work figure at 16 rows
+    .venv/bin/python bench/path_bench.py --quick --hold 60 --backend xgrammar   # the other grammar backend
     .venv/bin/python bench/path_bench.py --model-dir build/models/smollm2-135m-instruct --quick
 
 The default model is a tiny random Llama (``tests.support.tiny_model``: hidden
@@ -97,6 +98,7 @@ from e2e_bench import (
     tree_cpu_s,
 )
 
+import contract
 from client import Client, Constraint
 from deploy.render import load_values, render_repository
 from deploy.server import find_free_port
@@ -285,7 +287,7 @@ class Record:
 
 
 def one_request(client: Client, mode: str, concurrency: int, round_no: int, prompt: int, max_tokens: int,
-                gate: threading.Barrier | None = None) -> tuple[Record, float, float]:
+                gate: threading.Barrier | None = None, backend: str = "auto") -> tuple[Record, float, float]:
     """Stream one request; returns its record and its start and end times.
 
     Raises
@@ -293,7 +295,8 @@ def one_request(client: Client, mode: str, concurrency: int, round_no: int, prom
     client.errors.ClientError
         Any failure, an error result included: a failed request fails the run.
     """
-    constraint = Constraint.json_schema(PERSON_SCHEMA) if mode == "constrained" else None
+    constraint = Constraint.json_schema(PERSON_SCHEMA).with_policies(backend=backend) if mode == "constrained" \
+        else None
     if gate is not None:
         gate.wait()
     t0 = time.perf_counter()
@@ -317,18 +320,18 @@ def one_request(client: Client, mode: str, concurrency: int, round_no: int, prom
     return Record(mode, concurrency, round_no, ttft, end - t0, tokens, deltas, gaps), t0, end
 
 
-def streams_at_once(client: Client, mode: str, concurrency: int, round_no: int, max_tokens: int
+def streams_at_once(client: Client, mode: str, concurrency: int, round_no: int, max_tokens: int, backend: str = "auto"
                     ) -> list[tuple[Record, float, float]]:
     """``concurrency`` streams released together (one thread each, prompts 0..N-1): :func:`one_request`'s results."""
     gate = threading.Barrier(concurrency, timeout=120.0)
     with ThreadPoolExecutor(concurrency, thread_name_prefix=f"path-{mode}") as pool:
-        futs = [pool.submit(one_request, client, mode, concurrency, round_no, i, max_tokens, gate)
+        futs = [pool.submit(one_request, client, mode, concurrency, round_no, i, max_tokens, gate, backend)
                 for i in range(concurrency)]
         return [f.result() for f in futs]
 
 
 def run_load(served: Served, concurrencies: Sequence[int], rounds: int, max_tokens: int, reference: InProcess,
-             min_s: float) -> tuple[list[Record], dict[str, float], dict[str, dict[str, float]]]:
+             min_s: float, backend: str = "auto") -> tuple[list[Record], dict[str, float], dict[str, dict[str, float]]]:
     """Warm up, then the measured batches; returns records, walls and CPU seconds per (mode@conc, process).
 
     Each round measures each concurrency for at least ``min_s`` seconds
@@ -345,10 +348,10 @@ def run_load(served: Served, concurrencies: Sequence[int], rounds: int, max_toke
         key = f"{mode}@{conc}"
         before = meter.snapshot()
         if conc == 1:
-            rec, t0, t1 = one_request(client, mode, 1, r, prompt, max_tokens)
+            rec, t0, t1 = one_request(client, mode, 1, r, prompt, max_tokens, backend=backend)
             done, wall = [rec], t1 - t0
         else:
-            out = streams_at_once(client, mode, conc, r, max_tokens)
+            out = streams_at_once(client, mode, conc, r, max_tokens, backend)
             done = [o[0] for o in out]
             wall = max(o[2] for o in out) - min(o[1] for o in out)
         meter.add(before, meter.snapshot(), cpu.setdefault(key, {}))
@@ -358,7 +361,7 @@ def run_load(served: Served, concurrencies: Sequence[int], rounds: int, max_toke
     server_cpu = partial(tree_cpu_s, served.launcher)
     with Client(served.url, timeout_s=600.0) as client:
         for mode in MODES:  # the constrained warm-up pays the one compile
-            one_request(client, mode, 1, -1, 0, max_tokens)
+            one_request(client, mode, 1, -1, 0, max_tokens, backend=backend)
         for r in range(rounds):
             for conc in concurrencies:
                 for k in passes(min_s):
@@ -373,7 +376,7 @@ def run_load(served: Served, concurrencies: Sequence[int], rounds: int, max_toke
     return records, walls, cpu
 
 
-def hold_load(served: Served, concurrency: int, seconds: float, max_tokens: int) -> int:
+def hold_load(served: Served, concurrency: int, seconds: float, max_tokens: int, backend: str = "auto") -> int:
     """Batches of ``concurrency`` streams, the two modes alternating, for ``seconds``; returns the pairs run.
 
     Only the ``llm`` model's step stats read them: the equal-work medians
@@ -388,7 +391,7 @@ def hold_load(served: Served, concurrency: int, seconds: float, max_tokens: int)
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             for mode in MODES:
-                streams_at_once(client, mode, concurrency, -1, max_tokens)
+                streams_at_once(client, mode, concurrency, -1, max_tokens, backend)
             pairs += 1
     return pairs
 
@@ -510,6 +513,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG here")
     parser.add_argument("--quick", action="store_true", help="1 round, 64 max tokens (also BENCH_QUICK=1)")
+    parser.add_argument("--backend", choices=contract.POLICIES["backend"], default="auto",
+                        help="grammar backend of the constrained requests (default %(default)s: llguidance for "
+                             "this schema)")
     parser.add_argument("--hold", type=float, default=0.0, metavar="SECONDS",
                         help="after the rounds, alternate batches of both modes at the top concurrency this long: "
                              "its equal-work figure then rests on thousands of steps (default: off)")
@@ -553,9 +559,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 InProcess(model, args.max_tokens, values) as reference:
             print(f"server ready at {served.url} in {time.perf_counter() - t0:.1f} s", flush=True)
             records, walls, cpu = run_load(served, concurrencies, args.rounds, args.max_tokens, reference,
-                                           args.min_seconds)
+                                           args.min_seconds, args.backend)
             if args.hold > 0:
-                pairs = hold_load(served, top, args.hold, args.max_tokens)
+                pairs = hold_load(served, top, args.hold, args.max_tokens, args.backend)
                 print(f"  held {pairs} pairs of {top}-stream batches for {args.hold:.0f} s", flush=True)
         stats = parse_step_stats(log.read_text(encoding="utf-8", errors="replace"))
     ratios = equal_work_ratios(stats, concurrencies)
@@ -568,6 +574,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         plot(summary, concurrencies, args.plot)
     if args.json is not None:
         payload = {"model_dir": str(model), "max_tokens": args.max_tokens, "rounds": args.rounds,
+                   "backend": args.backend,
                    "values": values, "summary": summary, "llm_step_stats": stats,
                    "idle_server_cpu_share": reference.idle_server_share(),
                    "records": [asdict(r) for r in records]}

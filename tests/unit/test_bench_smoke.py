@@ -379,6 +379,18 @@ def test_path_bench_summary(monkeypatch: pytest.MonkeyPatch) -> None:
     assert c["tokens_per_s"] == 200.0 and "served_over_in_process" not in c
 
 
+@pytest.mark.parametrize(("argv", "backend"), [([], "auto"), (["--backend", "xgrammar"], "xgrammar"),
+                                                (["--backend", "llguidance"], "llguidance")])
+def test_path_bench_backend_option(monkeypatch: pytest.MonkeyPatch, argv: list[str], backend: str) -> None:
+    """``--backend`` takes the contract's values (one home: ``contract.POLICIES``) and nothing else."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import path_bench
+
+    assert path_bench.parse_args(argv).backend == backend
+    with pytest.raises(SystemExit):
+        path_bench.parse_args(["--backend", "outlines"])
+
+
 def test_penalty_bench_figures(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(REPO / "bench"))
     import penalty_bench
