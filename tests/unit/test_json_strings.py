@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -198,7 +199,7 @@ def test_random_walks_close_as_json(monkeypatch: pytest.MonkeyPatch, tiny: Any) 
     of both served backends parses; xgrammar's own grammar, walked the same way, does not (the walk can fail)."""
     from grammar_backend.tokenizer import load_tokenizer
 
-    monkeypatch.syspath_prepend("bench")  # bench/ is not a package
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))  # bench/ is not a package
     import json_fuzz
 
     tallies = json_fuzz.fuzz(FUZZ_SCHEMAS, load_tokenizer(tiny.path), walks=12, max_steps=60, seed=0)
