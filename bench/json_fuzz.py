@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-import numpy as np
 import xgrammar as xgr
 
 REPO: Final = Path(__file__).resolve().parents[1]
@@ -45,7 +44,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 # Imported after the sys.path entry above.
-from grammar_backend.bitmask import Matcher
+from grammar_backend.bitmask import Matcher, allowed_tokens
 from grammar_backend.closing import Closer
 from grammar_backend.compile import compile_spec, json_format_kwargs
 from grammar_backend.errors import ServingError
@@ -114,8 +113,7 @@ class Walker:
             if matcher.is_terminated():
                 break
             matcher.fill_next_token_bitmask(self.mask)
-            bits = np.unpackbits(self.mask.view(np.uint8), bitorder="little")[:self.vocab_size]
-            allowed = [int(t) for t in np.flatnonzero(bits) if int(t) not in self.stops]
+            allowed = [int(t) for t in allowed_tokens(self.mask[0], self.vocab_size) if int(t) not in self.stops]
             if not allowed:
                 break
             token = rng.choice(allowed)

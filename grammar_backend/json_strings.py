@@ -191,11 +191,16 @@ def _exact_ebnf(grammar: xgr.Grammar) -> str:
     GrammarError
         The text does not read back as ``grammar`` (INTERNAL).
     """
-    text = _BYTE_ESCAPE.sub(r"\1\\u00\2", str(grammar))
-    again = _BYTE_ESCAPE.sub(r"\1\\u00\2", str(xgr.Grammar.from_ebnf(text)))
+    text = _printed(grammar)
+    again = _printed(xgr.Grammar.from_ebnf(text))
     if _EMPTY_IN_SEQUENCE.sub("", again) != _EMPTY_IN_SEQUENCE.sub("", text):
         raise GrammarError("xgrammar does not read back the EBNF of a mended JSON grammar exactly")
     return text
+
+
+def _printed(grammar: xgr.Grammar) -> str:
+    """xgrammar's EBNF of ``grammar``, every ``\\xHH`` escape written ``\\u00HH`` (read back as written)."""
+    return _BYTE_ESCAPE.sub(r"\1\\u00\2", str(grammar))
 
 
 def raw_escape_in_pattern(pattern: str) -> int | None:
