@@ -520,6 +520,7 @@ def print_report(
             ("forward_s", "forward"),
             ("grammar_s", "grammar round trip"),
             ("mask_wait_s", "mask wait (not hidden)"),
+            ("grammar_loop_s", "grammar on the loop"),
         ):
             p50, p99 = float(st.get(f"{name}_p50", math.nan)), float(st.get(f"{name}_p99", math.nan))
             print(f"    {label:24s} p50 {ms(p50)} ms   p99 {ms(p99)} ms")
@@ -533,8 +534,11 @@ def print_report(
     print("== equal work: decode step at a full batch (the whole step, steps where no prompt joined) ==")
     ratios = equal_work_ratios(stats, concurrencies)
     for conc, (free, cons, r) in ratios.items():
+        parts = step_parts(stats, conc)
         print(f"  batch {conc:2d}: free p50 {ms(free)} ms, constrained p50 {ms(cons)} ms, "
-              f"throughput constrained/unconstrained {r:.3f}")
+              f"throughput constrained/unconstrained {r:.3f}; forward p50 {ms(parts['forward_free_s_p50'])} / "
+              f"{ms(parts['forward_constrained_s_p50'])} ms, grammar on the loop p50 "
+              f"{ms(parts['grammar_loop_s_p50'])} ms")
     for i, st in enumerate(stats):
         if st.get("output_tokens"):
             print(f"  llm instance {i}: {st['steps']} steps, {st['output_tokens']} output tokens, "
@@ -698,6 +702,21 @@ def equal_work_ratios(stats: list[dict[str, Any]], concurrencies: Sequence[int])
                            if f"step_s_p50_b{conc}_constrained" in st)
             out[conc] = (max(free), max(cons), (tok_cons / max(cons)) / (tok_free / max(free)))
     return out
+
+
+def step_parts(stats: list[dict[str, Any]], batch: int) -> dict[str, float]:
+    """The parts of the equal-work steps at ``batch`` rows (worst instance, as :func:`equal_work_ratios`).
+
+    ``forward_{free,constrained}_s_p50``: the forward's median per mode (a
+    constrained one feeds jumped tokens too); ``grammar_loop_s_p50``: the
+    decode loop's own time on a constrained step's grammar work beside it
+    (the request, the wait for and reading of the answer, masking).  NaN
+    where no instance reports it.
+    """
+    keys = {"forward_free_s_p50": f"forward_s_p50_b{batch}_free",
+            "forward_constrained_s_p50": f"forward_s_p50_b{batch}_constrained",
+            "grammar_loop_s_p50": f"grammar_loop_s_p50_b{batch}_constrained"}
+    return {name: max((float(st[key]) for st in stats if key in st), default=math.nan) for name, key in keys.items()}
 
 
 def plot(summary: dict[str, dict[str, Any]], ratios: dict[int, tuple[float, float, float]], path: Path) -> None:

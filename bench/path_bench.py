@@ -47,7 +47,9 @@ What it does, in one run:
    taken turn by turn (this host's speed moves by up to 2x between batches).
 4. Stops the server and reads the ``llm`` model's step stats from its log:
    the decode-step time at each full batch for steps whose rows were all
-   free or all constrained (equal work; see ``e2e_bench.equal_work_ratios``).
+   free or all constrained (equal work; see ``e2e_bench.equal_work_ratios``),
+   and its parts: the forward per mode and the decode loop's own time on a
+   constrained step's grammar work (``e2e_bench.step_parts``).
 
 Prints a table, writes ``--json`` and ``--plot``; the last line reads
 ``path at concurrency 16: served/in-process S, constrained/unconstrained R``.
@@ -95,6 +97,7 @@ from e2e_bench import (
     parse_step_stats,
     passes,
     pct,
+    step_parts,
     tree_cpu_s,
 )
 
@@ -398,7 +401,8 @@ def hold_load(served: Served, concurrency: int, seconds: float, max_tokens: int,
 
 # --------------------------------------------------------------------------- report
 def summarize(records: list[Record], walls: Mapping[str, float], cpu: Mapping[str, Mapping[str, float]],
-              in_proc: Mapping[int, float], ratios: Mapping[int, tuple[float, float, float]]) -> dict[str, Any]:
+              in_proc: Mapping[int, float], ratios: Mapping[int, tuple[float, float, float]],
+              parts: Mapping[int, Mapping[str, float]]) -> dict[str, Any]:
     """Per (mode, concurrency): tokens/s, TTFT and inter-delta percentiles, CPU per 1,000 tokens per process."""
     out: dict[str, Any] = {}
     for key, wall in walls.items():
@@ -427,7 +431,8 @@ def summarize(records: list[Record], walls: Mapping[str, float], cpu: Mapping[st
             out[key]["served_over_in_process"] = out[key]["tokens_per_s"] / in_proc[conc]
         if mode == "constrained" and conc in ratios:
             free, cons, r = ratios[conc]
-            out[key]["equal_work"] = {"free_step_s_p50": free, "constrained_step_s_p50": cons, "ratio": r}
+            out[key]["equal_work"] = {"free_step_s_p50": free, "constrained_step_s_p50": cons, "ratio": r,
+                                      **parts.get(conc, {})}
     return out
 
 
@@ -460,7 +465,10 @@ def print_report(summary: Mapping[str, Any], concurrencies: Sequence[int], model
         ew = summary[f"constrained@{conc}"].get("equal_work")
         if ew is not None:
             print(f"  batch {conc:2d}: free p50 {ew['free_step_s_p50'] * 1e3:.3f} ms, constrained p50 "
-                  f"{ew['constrained_step_s_p50'] * 1e3:.3f} ms, constrained/unconstrained {ew['ratio']:.3f}")
+                  f"{ew['constrained_step_s_p50'] * 1e3:.3f} ms, constrained/unconstrained {ew['ratio']:.3f}; "
+                  f"forward p50 {ew.get('forward_free_s_p50', math.nan) * 1e3:.3f} / "
+                  f"{ew.get('forward_constrained_s_p50', math.nan) * 1e3:.3f} ms, grammar on the loop p50 "
+                  f"{ew.get('grammar_loop_s_p50', math.nan) * 1e3:.3f} ms")
 
 
 def plot(summary: Mapping[str, Any], concurrencies: Sequence[int], path: Path) -> None:
@@ -566,7 +574,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stats = parse_step_stats(log.read_text(encoding="utf-8", errors="replace"))
     ratios = equal_work_ratios(stats, concurrencies)
     in_proc = reference.tokens_per_s()
-    summary = summarize(records, walls, cpu, in_proc, ratios)
+    summary = summarize(records, walls, cpu, in_proc, ratios, {c: step_parts(stats, c) for c in ratios})
     print_report(summary, concurrencies, model, args.max_tokens)
     print(f"  (in-process batches ran beside the served ones; the idle server's CPU meanwhile: "
           f"{reference.idle_server_share():.1%} of a core)")

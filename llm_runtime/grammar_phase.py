@@ -152,6 +152,11 @@ class GrammarPhase:
         call in processor mode), the call itself (a sent step's: until its
         answer arrived, :meth:`PendingStep.result`), and the part of it the
         grammar side reported as its own work (NaN where not reported).
+    loop_s : float
+        Seconds of the loop's own time the step's grammar work took, outside
+        the forward: :meth:`launch`, :meth:`collect` (its wait included) and
+        what the caller adds with :meth:`charge` (reading the answer and
+        masking).  Every second of it lengthens the step.
     requests : int
         Grammar requests issued.
     """
@@ -172,11 +177,16 @@ class GrammarPhase:
         self._rows = 0
         self.step: MaskStep | None = None
         self.error: BaseException | str | None = None
-        self.wait_s = self.call_s = self.grammar_s = math.nan
+        self.wait_s = self.call_s = self.grammar_s = self.loop_s = math.nan
         self.requests = 0
 
     def launch(self, rows: Sequence[PhaseRow]) -> None:
         """Build the request for ``rows`` (each constrained row, in the step's order); overlap mode starts it."""
+        t0 = time.perf_counter()
+        self._launch(rows)
+        self.loop_s = time.perf_counter() - t0
+
+    def _launch(self, rows: Sequence[PhaseRow]) -> None:
         width = 1
         for j, s in enumerate(rows):
             self._ids[j] = s.seq_id
@@ -216,6 +226,11 @@ class GrammarPhase:
         there is none (every constrained row of the step then fails with it).
         """
         t0 = time.perf_counter()
+        self._collect(width)  # catches every failure: it becomes the step's error
+        self.loop_s += time.perf_counter() - t0
+
+    def _collect(self, width: int) -> None:
+        t0 = time.perf_counter()
         try:
             if self._sent is not None:
                 sent, self._sent = self._sent, None
@@ -245,6 +260,10 @@ class GrammarPhase:
         bad = step.check(self._rows, width)
         if bad is not None:
             self.error, self.step = bad, None
+
+    def charge(self, seconds: float) -> None:
+        """Add ``seconds`` of the loop's time on this step's grammar work to :attr:`loop_s`."""
+        self.loop_s += seconds
 
     def _call(self, count: int, width: int) -> tuple[MaskStep, float]:
         t0 = time.perf_counter()

@@ -316,6 +316,12 @@ class SchedulerStats:
     grammar_service_s : np.ndarray
         float64 seconds of it the grammar side reported as its own work (NaN:
         not reported); ``grammar_s`` minus this is the call's transport.
+    grammar_loop_s : np.ndarray
+        float64 seconds of the loop's own time on the step's grammar work,
+        outside the forward: sending the request, waiting for and reading the
+        answer, masking (:attr:`GrammarPhase.loop_s`; NaN: no row constrained).
+        What a constrained step adds to a free one of the same rows, besides
+        the forward's jumped tokens.
     batch_size, constrained_rows, prefill_rows : np.ndarray
         int32 rows per step (``prefill_rows``: the rows whose prompt ran in
         the step, a chunk of one counting as one).
@@ -334,6 +340,7 @@ class SchedulerStats:
     mask_wait_s: np.ndarray
     grammar_s: np.ndarray
     grammar_service_s: np.ndarray
+    grammar_loop_s: np.ndarray
     batch_size: np.ndarray
     constrained_rows: np.ndarray
     prefill_rows: np.ndarray
@@ -354,6 +361,7 @@ class _Stats:
         self.mask_wait = np.zeros(capacity)
         self.grammar = np.zeros(capacity)
         self.service = np.zeros(capacity)
+        self.loop = np.zeros(capacity)
         self.batch = np.zeros(capacity, dtype=np.int32)
         self.constrained = np.zeros(capacity, dtype=np.int32)
         self.prefill = np.zeros(capacity, dtype=np.int32)
@@ -373,6 +381,7 @@ class _Stats:
             self.mask_wait[i] = nan if phase is None else phase.wait_s
             self.grammar[i] = nan if phase is None else phase.call_s
             self.service[i] = nan if phase is None else phase.grammar_s
+            self.loop[i] = nan if phase is None else phase.loop_s
             self.batch[i] = batch
             self.constrained[i] = constrained
             self.prefill[i] = prefill
@@ -393,6 +402,7 @@ class _Stats:
                 mask_wait_s=self.mask_wait[order].copy(),
                 grammar_s=self.grammar[order].copy(),
                 grammar_service_s=self.service[order].copy(),
+                grammar_loop_s=self.loop[order].copy(),
                 batch_size=self.batch[order].copy(),
                 constrained_rows=self.constrained[order].copy(),
                 prefill_rows=self.prefill[order].copy(),
@@ -595,6 +605,7 @@ class Scheduler:
         self._lat_step = LatencyWindow()
         self._lat_grammar = LatencyWindow()
         self._lat_wait = LatencyWindow()
+        self._lat_loop = LatencyWindow()
         self._steps_total = 0
         self._gauges_published: tuple[int, ...] = ()
         self._published_at = -math.inf
@@ -637,13 +648,18 @@ class Scheduler:
         grammar model (over its grammar channel), ``grammar_service_s`` the
         grammar model's own work in it, and ``mask_wait_s`` the part of the
         round trip not hidden behind the forward (all of it in processor
-        mode).  ``grammar_requests`` counts the grammar requests: one per
-        step with a constrained row (``steps_constrained``).
+        mode), and ``grammar_loop_s`` the decode loop's own time on the
+        grammar work (the request, the wait for and reading of the answer,
+        masking: what a constrained step spends beyond the forward; also per
+        batch size for the equal-work steps).  ``grammar_requests`` counts the
+        grammar requests: one per step with a constrained row
+        (``steps_constrained``).
         """
         s = self.stats()
         out: dict[str, float | int] = {"steps": s.steps, "max_batch_size_seen": s.max_batch_size_seen}
         for name, values in (("step_s", s.step_s), ("forward_s", s.forward_s), ("grammar_s", s.grammar_s),
-                             ("grammar_service_s", s.grammar_service_s), ("mask_wait_s", s.mask_wait_s)):
+                             ("grammar_service_s", s.grammar_service_s), ("mask_wait_s", s.mask_wait_s),
+                             ("grammar_loop_s", s.grammar_loop_s)):
             finite = values[np.isfinite(values)]
             for q in (50, 99):
                 out[f"{name}_p{q}"] = float(np.percentile(finite, q)) if finite.size else float("nan")
@@ -661,6 +677,8 @@ class Scheduler:
                 if rows.any():
                     out[f"step_s_p50_b{int(b)}_{kind}"] = float(np.median(step[rows]))
                     out[f"forward_s_p50_b{int(b)}_{kind}"] = float(np.median(s.forward_s[rows]))
+                    if kind == "constrained":
+                        out[f"grammar_loop_s_p50_b{int(b)}_constrained"] = float(np.median(s.grammar_loop_s[rows]))
                     out[f"steps_b{int(b)}_{kind}"] = int(rows.sum())
                     # More than b with jump-forward: forced tokens ride along.
                     out[f"tokens_per_step_b{int(b)}_{kind}"] = float(s.output_tokens[rows].mean())
@@ -990,7 +1008,9 @@ class Scheduler:
             self._end(ends)
             return
         if c:
+            t_apply = time.perf_counter()
             self._apply_grammar(order, constrained, logits, ends)
+            phase.charge(time.perf_counter() - t_apply)
 
         tokens, dead = self._sampler.sample(logits, [s.params for s in order], [s.gen for s in order],
                                             [len(s.jump) for s in order],
@@ -1045,6 +1065,7 @@ class Scheduler:
         step_s = time.perf_counter() - t_step
         self._last_step_s = step_s
         self._lat_step.add(step_s)
+        self._lat_loop.add(math.nan if phase is None else phase.loop_s)
         self._stats.record(step_s, fwd_s, phase, b, c, joined, outputs, jumped)
         return step_s
 
@@ -1226,6 +1247,7 @@ class Scheduler:
         snap.put_latency("llm_step_seconds", self._lat_step)
         snap.put_latency("llm_grammar_roundtrip_seconds", self._lat_grammar)
         snap.put_latency("llm_mask_wait_seconds", self._lat_wait)
+        snap.put_latency("llm_grammar_loop_seconds", self._lat_loop)
         self._gauges_published = gauges
         self._published_at = now
         try:

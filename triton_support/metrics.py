@@ -145,6 +145,8 @@ METRICS: Final[tuple[MetricSpec, ...]] = (
     *_latency("llm_grammar_roundtrip_seconds", "Grammar request per step (round trip over the grammar channel)",
               "llm"),
     *_latency("llm_mask_wait_seconds", "Part of the grammar round trip not hidden behind the forward", "llm"),
+    *_latency("llm_grammar_loop_seconds",
+              "Decode loop's own time per step on the grammar work (request, mask wait, reading, masking)", "llm"),
     # postprocessing model
     MetricSpec("constrained_llm_outputs_total", "counter", "Finished outputs by finish reason and constraint kind",
                "postprocessing", ("finish_reason", "kind")),

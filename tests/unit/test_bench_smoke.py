@@ -18,6 +18,7 @@ Measured on 2 shared cores: pool test ~5 s, maskbench ~15 s, grammar_bench ~20 s
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -305,6 +306,19 @@ def test_e2e_equal_work_ratio_reads_the_step_stats(monkeypatch: pytest.MonkeyPat
     assert e2e_bench.equal_work_ratios(stats, (8,)) == {8: (0.100, 0.125, 1.0)}
 
 
+def test_e2e_step_parts_read_the_step_stats(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import e2e_bench
+
+    stats = [{"forward_s_p50_b8_free": 0.090, "forward_s_p50_b8_constrained": 0.095,
+              "grammar_loop_s_p50_b8_constrained": 0.004},
+             {"forward_s_p50_b8_free": 0.080, "grammar_loop_s_p50_b8_constrained": 0.006}]
+    # Worst instance per part, as equal_work_ratios; a part no instance reports is NaN.
+    assert e2e_bench.step_parts(stats, 8) == {"forward_free_s_p50": 0.090, "forward_constrained_s_p50": 0.095,
+                                              "grammar_loop_s_p50": 0.006}
+    assert all(math.isnan(v) for v in e2e_bench.step_parts(stats, 16).values())
+
+
 def test_in_process_reference_runs_beside_the_served_side(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """served / in-process: each in-process batch runs next to its served batch, which goes first turn by turn."""
     monkeypatch.syspath_prepend(str(REPO / "bench"))
@@ -369,13 +383,16 @@ def test_path_bench_summary(monkeypatch: pytest.MonkeyPatch) -> None:
     walls = {"unconstrained@16": 0.5, "constrained@16": 0.25}
     cpu = {"unconstrained@16": {"stub llm_0_0": 0.4, "tritonserver": 0.1, path_bench.CLIENT_LABEL: 0.05},
            "constrained@16": {"stub llm_0_0": 0.1}}
-    out = path_bench.summarize(records, walls, cpu, {16: 800.0}, {16: (0.002, 0.0025, 0.8)})
+    parts = {16: {"forward_free_s_p50": 0.0018, "forward_constrained_s_p50": 0.0019, "grammar_loop_s_p50": 0.0004}}
+    out = path_bench.summarize(records, walls, cpu, {16: 800.0}, {16: (0.002, 0.0025, 0.8)}, parts)
     u, c = out["unconstrained@16"], out["constrained@16"]
     assert (u["tokens_per_s"], u["served_over_in_process"], u["tokens_per_delta"]) == (400.0, 0.5, 20.0)
     assert u["cpu_s_per_1k_tokens"] == {"stub llm_0_0": 2.0, "tritonserver": 0.5}
     assert (u["client_cpu_s_per_1k_tokens"], c["client_cpu_s_per_1k_tokens"]) == (0.25, 0.0)
     assert u["ttft_s_p50"] == pytest.approx(0.06) and u["inter_delta_s_p50"] == pytest.approx(0.04)
-    assert c["equal_work"] == {"free_step_s_p50": 0.002, "constrained_step_s_p50": 0.0025, "ratio": 0.8}
+    assert c["equal_work"] == {"free_step_s_p50": 0.002, "constrained_step_s_p50": 0.0025, "ratio": 0.8,
+                               "forward_free_s_p50": 0.0018, "forward_constrained_s_p50": 0.0019,
+                               "grammar_loop_s_p50": 0.0004}
     assert c["tokens_per_s"] == 200.0 and "served_over_in_process" not in c
 
 

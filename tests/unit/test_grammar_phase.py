@@ -82,6 +82,14 @@ def test_the_request_and_when_it_runs(provider: Recording, overlap: bool) -> Non
         assert phase.call_s > 0 and phase.wait_s >= 0 and phase.grammar_s > 0
         if not overlap:
             assert phase.wait_s >= phase.call_s  # the whole call is waited for
+        # The loop's own grammar time: the launch and the collect (its wait included), then what it charges.
+        assert phase.loop_s > phase.wait_s
+        before = phase.loop_s
+        phase.charge(0.25)
+        assert phase.loop_s == before + 0.25
+        phase.launch([Row(1, last_token=ord("b"))])
+        assert 0 < phase.loop_s < 0.25  # a new step starts from its own launch
+        phase.collect(WIDTH)
     finally:
         phase.close()
 

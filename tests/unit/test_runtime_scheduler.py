@@ -436,7 +436,10 @@ def test_mixed_constrained_and_free_requests_share_a_batch(
     assert with_grammar.any()
     assert np.all(stats.grammar_s[with_grammar] > 0)
     assert np.all(stats.mask_wait_s[with_grammar] >= 0)
+    # The loop's own grammar time holds the wait for the answer, and more (the request, masking).
+    assert np.all(stats.grammar_loop_s[with_grammar] > stats.mask_wait_s[with_grammar])
     assert np.all(np.isnan(stats.grammar_s[~with_grammar]))
+    assert np.all(np.isnan(stats.grammar_loop_s[~with_grammar]))
     assert np.all(stats.forward_s > 0)
     assert len(provider.started) == 4
 
