@@ -59,7 +59,8 @@ __all__ = [
 #: ``json_schema``: one JSON document valid under the schema (``GRAMMAR``);
 #: ``json_object``: one JSON object, any members (:data:`JSON_OBJECT_SCHEMA`;
 #: never a bare string, number, array or literal); ``regex``: a full match of
-#: the pattern; ``ebnf``/``lark``: a sentence of the grammar; ``choice``:
+#: the pattern (``.``, ``\d``, ``\w``, ``\s`` as ECMA-262 reads them, whichever
+#: backend serves it: ``grammar_backend.regex_dialect``); ``ebnf``/``lark``: a sentence of the grammar; ``choice``:
 #: exactly one of the listed strings; ``structural_tag``: free text whose
 #: tagged segments match their schemas.
 CONSTRAINT_KINDS: Final = ("json_schema", "json_object", "regex", "ebnf", "lark", "choice", "structural_tag")

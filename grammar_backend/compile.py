@@ -11,6 +11,7 @@ import xgrammar as xgr
 import contract
 from grammar_backend import json_strings
 from grammar_backend.errors import CompileError
+from grammar_backend.regex_dialect import misplaced_anchor, portable_regex
 from grammar_backend.spec import ConstraintKind, ConstraintOptions, ConstraintSpec
 
 XGRAMMAR_VERSION: Final = importlib.metadata.version("xgrammar")
@@ -98,7 +99,12 @@ def compile_spec(compiler: xgr.GrammarCompiler, spec: ConstraintSpec) -> xgr.Com
             # grammar it honours the whitespace policy.
             return compile_json(compiler, contract.JSON_OBJECT_SCHEMA, spec.options)
         if kind is ConstraintKind.REGEX:
-            return compiler.compile_regex(spec.payload)
+            anchor = misplaced_anchor(spec.payload)
+            if anchor is not None:
+                raise CompileError("grammar", f"xgrammar would drop the {spec.payload[anchor]!r} at offset {anchor} "
+                                              f"of this regex and admit text the pattern does not; choose backend "
+                                              f"llguidance for it")
+            return compiler.compile_regex(portable_regex(spec.payload))
         if kind is ConstraintKind.EBNF:
             return compiler.compile_grammar(spec.payload)
         if kind is ConstraintKind.LARK:

@@ -35,6 +35,7 @@ import contract
 from grammar_backend.errors import CompileError, MatcherFailed
 from grammar_backend.fidelity.report import UnenforcedKeyword
 from grammar_backend.lru import Lru
+from grammar_backend.regex_dialect import portable_regex
 from grammar_backend.spec import ConstraintKind, ConstraintOptions, ConstraintSpec, keyword_sites
 
 if TYPE_CHECKING:
@@ -102,7 +103,7 @@ def lark_of(spec: ConstraintSpec) -> str:
         except ValueError as err:
             raise CompileError("grammar", f"llguidance cannot compile this {kind.value}: {err}") from err
     if kind is ConstraintKind.REGEX:
-        return str(llguidance.LLMatcher.grammar_from_regex(spec.payload))
+        return str(llguidance.LLMatcher.grammar_from_regex(portable_regex(spec.payload)))
     if kind is ConstraintKind.LARK:
         return str(llguidance.LLMatcher.grammar_from_lark(spec.payload))
     if kind is ConstraintKind.EBNF:

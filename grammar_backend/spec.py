@@ -22,6 +22,7 @@ from contract import schema_check
 from contract.reasoning import Reasoning
 from grammar_backend.errors import ConfigError, ConstraintError
 from grammar_backend.lru import Lru
+from grammar_backend.regex_dialect import portable_regex
 from grammar_backend.satisfiable import check_satisfiable
 
 Whitespace = Literal["compact", "any"] | int
@@ -269,8 +270,11 @@ def parse_constraint(
     if ckind in (ConstraintKind.REGEX, ConstraintKind.EBNF, ConstraintKind.LARK):
         if not text.strip():
             raise ConstraintError("grammar", f"empty {ckind.value}")
-        # Their syntax is checked by xgrammar's own parser at compile time
-        # (Python's `re` is a different dialect, so it cannot pre-check a regex).
+        # Their syntax is checked by the backend's own parser at compile time
+        # (Python's `re` is a different dialect, so it cannot pre-check a regex);
+        # a regex's dialect is checked here (regex_dialect.portable_regex).
+        if ckind is ConstraintKind.REGEX:
+            portable_regex(text)
         return ConstraintSpec(ckind, text, opts, None)
 
     doc = parse_json("grammar", text, limits.max_depth)

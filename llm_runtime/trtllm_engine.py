@@ -80,6 +80,7 @@ from tokenizers import Tokenizer
 import contract
 from contract.finish import FinishEvent, FinishReason
 from grammar_backend.errors import InvalidArgument
+from grammar_backend.regex_dialect import portable_regex
 from grammar_backend.spec import ConstraintKind, ConstraintOptions, SpecLimits, constraint_spec
 from triton_support.metrics import Snapshot
 
@@ -252,7 +253,7 @@ def native_guided_kwargs(constraint: ConstraintRequest) -> dict[str, Any]:
         # value): the contract's meaning, an object, as a schema.
         return {"json": contract.JSON_OBJECT_SCHEMA}
     if kind is ConstraintKind.REGEX:
-        return {"regex": spec.payload}
+        return {"regex": portable_regex(spec.payload)}
     if kind is ConstraintKind.EBNF:
         return {"grammar": spec.payload}
     if kind is ConstraintKind.CHOICE:

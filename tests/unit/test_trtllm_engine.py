@@ -117,6 +117,8 @@ TRUNCATE = '{"on_budget": "truncate"}'
         ("json_schema", SCHEMA, TRUNCATE, {"json": SCHEMA}),
         ("json_object", "", TRUNCATE, {"json": "{\"type\":\"object\"}"}),
         ("regex", "[a-z]+", TRUNCATE, {"regex": "[a-z]+"}),
+        # TensorRT-LLM's xgrammar gets the pattern with ECMA-262's meaning written out (regex_dialect).
+        ("regex", "\\d.", TRUNCATE, {"regex": "[0-9][^\\n\\r\u2028\u2029]"}),
         ("ebnf", 'root ::= "x"', TRUNCATE, {"grammar": 'root ::= "x"'}),
         ("choice", '["a b", "c\\"d"]', TRUNCATE, {"grammar": 'root ::= "a b" | "c\\"d"'}),
         # The other decoding policies are ours; native mode does not refuse them.
