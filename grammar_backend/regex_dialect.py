@@ -25,8 +25,9 @@ and ``.`` more widely, so an output that uses those matches there too; not
 so for the negations (``\\D`` admits ``٣``, which they call a digit) or for
 U+FEFF under ``\\s`` (they do not call it white space).
 
-A negated shorthand inside a class (``[\\D]``, ``[^\\W.]``) cannot be written
-out as members of that class; it is refused rather than left to each
+A class that holds a negated shorthand becomes an alternation of classes
+(``[a\\S]`` is ``(?:[a]|\\S written out)``); only a negated class that holds
+one beside other members (``[^a\\S]``) is refused rather than left to each
 backend's meaning.  Everything else passes through unchanged: each backend
 still parses the pattern and refuses what it does not support.
 
@@ -107,37 +108,71 @@ def portable_regex(pattern: str) -> str:
     -------
     str
         The same pattern, each of those constructs replaced by an explicit
-        class; idempotent (the result has none of them left).
+        class; idempotent (the result has none of them left).  A class that
+        holds a negated shorthand becomes an alternation: ``[a\\S]`` is
+        ``(?:[a]|[^...])``, and JavaScript's any-character idiom ``[\\s\\S]``
+        stays any character.
 
     Raises
     ------
     ConstraintError
         ``grammar``: a negated shorthand (``\\D``, ``\\W``, ``\\S``) inside a
-        character class.
+        negated class beside other members (``[^a\\S]``: no class of
+        either backend says it).
     """
     atoms = _atoms(pattern)
     out: list[str] = []
-    for k, (offset, atom, place) in enumerate(atoms):
-        if place == _IN and atom[0] == "\\" and atom[1] in _MEMBERS:
-            # A class escape is no range end in ECMA-262 ('[\\w-.]' is \\w, '-' and '.'); written
-            # out as ranges, a '-' beside it would make one, so that '-' is escaped.
-            if out[-1] == "-" and atoms[k - 1][2] == _IN:
-                out[-1] = "\\-"
-            out.append(_MEMBERS[atom[1]])
-            if k + 1 < len(atoms) and atoms[k + 1][1:] == ("-", _IN):
-                atoms[k + 1] = (atoms[k + 1][0], "\\-", _IN)
-        elif place == _IN and atom[0] == "\\" and atom[1].lower() in _MEMBERS:
-            raise ConstraintError(
-                "grammar", f"regex: {atom} inside a character class (offset {offset}) cannot be written out as "
-                           f"members of that class, and the grammar backends disagree on its meaning; spell the "
-                           f"class out ({atom} alone means {_OUTSIDE[atom[1]]!r})")
-        elif place == _OUT and atom[0] == "\\" and atom[1] in _OUTSIDE:
+    k = 0
+    while k < len(atoms):
+        _, atom, place = atoms[k]
+        if place == _OPEN:
+            close = next((j for j in range(k + 1, len(atoms)) if atoms[j][2] == _CLOSE), None)
+            if close is not None:
+                out.append(_portable_class(atom, atoms[k + 1 : close]))
+                k = close + 1
+                continue
+        if place == _OUT and atom[0] == "\\" and atom[1] in _OUTSIDE:
             out.append(_OUTSIDE[atom[1]])
         elif place == _OUT and atom == ".":
             out.append(_DOT)
         else:
-            out.append(atom)
+            out.append(atom)  # an unclosed class passes as it is: the backend refuses it
+        k += 1
     return "".join(out)
+
+
+def _portable_class(opener: str, members: list[tuple[int, str, int]]) -> str:
+    """One class (``opener``, its member atoms, then ``]``) with its shorthands written out."""
+    kept: list[str] = []
+    negated: list[tuple[int, str]] = []  # (offset, letter) of each \D, \W, \S
+    escape_next = False
+    for offset, atom, _ in members:
+        shorthand = atom[0] == "\\" and atom[1].lower() in _MEMBERS
+        if shorthand:
+            # A class escape is no range end in ECMA-262 ('[\\w-.]' is \\w, '-' and '.'); written
+            # out as ranges or moved away, a '-' beside it would make one, so that '-' is escaped.
+            if kept and kept[-1] == "-":
+                kept[-1] = "\\-"
+            if atom[1] in _MEMBERS:
+                kept.append(_MEMBERS[atom[1]])
+            else:
+                negated.append((offset, atom[1]))
+            escape_next = True
+            continue
+        kept.append("\\-" if escape_next and atom == "-" else atom)
+        escape_next = False
+    if not negated:
+        return opener + "".join(kept) + "]"
+    if opener == "[":
+        branches = ([f"[{''.join(kept)}]"] if kept else []) + [_OUTSIDE[letter] for _, letter in negated]
+        return "(?:" + "|".join(branches) + ")"
+    if not kept and len(negated) == 1:  # [^\S] is \s
+        return _OUTSIDE[negated[0][1].lower()]
+    offset, letter = negated[0]
+    raise ConstraintError(
+        "grammar", f"regex: \\{letter} inside a negated character class beside other members (offset {offset}) "
+                   f"cannot be written as one class, and the grammar backends disagree on its meaning; spell the "
+                   f"class out (\\{letter} alone means {_OUTSIDE[letter]!r})")
 
 
 def misplaced_anchor(pattern: str) -> int | None:

@@ -38,6 +38,11 @@ REWRITES = [
     (r"\\d\.", r"\\d\."),  # an escaped backslash, then 'd'; an escaped dot
     (r"\p{L}\x41\u0042", r"\p{L}\x41\u0042"),
     (r"(?:\W|x)", "(?:[^0-9A-Za-z_]|x)"),
+    # A negated shorthand in a class: an alternation of classes.
+    (r"[\s\S]*", f"(?:[{SPACE}]|[^{SPACE}])*"),  # JavaScript's any-character idiom
+    (r"x[\D]y", "x(?:[^0-9])y"),
+    (r"[a\S-z]", f"(?:[a\\-z]|[^{SPACE}])"),  # \S gone, its '-' is still no range
+    (r"[^\S]", f"[{SPACE}]"),
 ]
 
 
@@ -47,12 +52,14 @@ def test_the_rewrite(pattern: str, written: str) -> None:
     assert portable_regex(written) == written  # idempotent: the wire form may be parsed again
 
 
-@pytest.mark.parametrize(("pattern", "escape", "offset"), [(r"[\D]", "D", 1), (r"[a\W]", "W", 2), (r"x[^\S.]", "S", 3)])
-def test_a_negated_shorthand_in_a_class_is_refused(pattern: str, escape: str, offset: int) -> None:
-    with pytest.raises(ConstraintError, match=rf"^grammar: regex: \\{escape} inside a character class "
-                                              rf"\(offset {offset}\) cannot be written out"):
+@pytest.mark.parametrize(("pattern", "escape", "offset"), [(r"[^a\D]", "D", 3), (r"[^\W\s]", "W", 2),
+                                                        (r"x[^\S.]", "S", 3)])
+def test_a_negated_shorthand_beside_other_members_of_a_negated_class_is_refused(pattern: str, escape: str,
+                                                                                offset: int) -> None:
+    with pytest.raises(ConstraintError, match=rf"^grammar: regex: \\{escape} inside a negated character class "
+                                              rf"beside other members \(offset {offset}\) cannot be written"):
         portable_regex(pattern)
-    with pytest.raises(ConstraintError, match=rf"\\{escape} inside a character class"):
+    with pytest.raises(ConstraintError, match=rf"\\{escape} inside a negated character class"):
         parse_constraint("regex", pattern)
 
 
@@ -97,6 +104,13 @@ MEANINGS = [
     (r"[\w-.]+", "a,b", False),
     (r"[^\d]", "5", False),
     (r"[\s\d]+", "1 2", True),
+    (r"a[\s\S]*b", "a\nx b", True),
+    (r"[\S]+", "a b", False),
+    (r"x[\D]y", "x٣y", True),
+    (r"x[\D]y", "x3y", False),
+    (r"[a\S-z]", "-", True),
+    (r"[a\S-z]", " ", False),
+    (r"[^\S]", " ", True),
 ]
 
 
