@@ -63,9 +63,14 @@ class Tally:
     schemas: int = 0
     walks: int = 0
     closed: int = 0
-    not_json: int = 0
-    limits: int = 0
+    failed: int = 0  # closed outputs the run's check refused
+    limits: int = 0  # walks a backend's limit stopped
+    mismatches: int = 0  # walks stopped where a matcher refused a token its own mask allowed (a backend defect)
     examples: list[tuple[str, str, str]] = field(default_factory=list)
+
+
+class MaskMismatch(RuntimeError):
+    """A matcher refused a token its own mask allowed."""
 
 
 class Walker:
@@ -106,6 +111,33 @@ class Walker:
             out["xgrammar unmended"] = None
         return out
 
+    def run(self, tally: Tally, new: Callable[[], Matcher], name: str, check: Callable[[str], str | None],
+            rng: random.Random, walks: int, max_steps: int) -> None:
+        """``walks`` walks from new matchers, each closed output's text given to ``check`` (its reason
+        to refuse it, or None), counted in ``tally`` (examples under ``name``)."""
+        tally.schemas += 1
+        for _ in range(walks):
+            tally.walks += 1
+            try:
+                data = self.walk(new(), rng, max_steps)
+            except ServingError:  # llguidance's parser or lexer limits (MatcherFailed)
+                tally.limits += 1
+                continue
+            except MaskMismatch as err:
+                tally.mismatches += 1
+                if len(tally.examples) < 5:
+                    tally.examples.append((name, "", str(err)))
+                continue
+            if data is None:
+                continue
+            tally.closed += 1
+            text = data.decode("utf-8", "replace")
+            why = check(text)
+            if why is not None:
+                tally.failed += 1
+                if len(tally.examples) < 5:
+                    tally.examples.append((name, text[:160], why))
+
     def walk(self, matcher: Matcher, rng: random.Random, max_steps: int) -> bytes | None:
         """One walk's output bytes, closed; None where the Closer finds no completion."""
         tokens: list[int] = []
@@ -118,7 +150,7 @@ class Walker:
                 break
             token = rng.choice(allowed)
             if not matcher.accept_token(token):
-                raise RuntimeError(f"the mask allowed token {token} and the matcher refused it")
+                raise MaskMismatch(f"the mask allowed token {token} and the matcher refused it")
             tokens.append(token)
         if not matcher.is_terminated():
             tail = self.closer.complete(matcher)
@@ -154,28 +186,18 @@ def fuzz(schemas: Sequence[tuple[str, Any]], bundle: TokenizerBundle, *, walks: 
         except ServingError:
             continue
         for grammar, new in walker.matchers(spec).items():
-            if new is None:
-                continue
-            tally = tallies[grammar]
-            tally.schemas += 1
-            for _ in range(walks):
-                tally.walks += 1
-                try:
-                    data = walker.walk(new(), rng, max_steps)
-                except ServingError:  # llguidance's parser or lexer limits (MatcherFailed)
-                    tally.limits += 1
-                    continue
-                if data is None:
-                    continue
-                tally.closed += 1
-                text = data.decode("utf-8", "replace")
-                try:
-                    json.loads(text)
-                except ValueError as err:
-                    tally.not_json += 1
-                    if len(tally.examples) < 5:
-                        tally.examples.append((name, text[:160], str(err)))
+            if new is not None:
+                walker.run(tallies[grammar], new, name, _not_json, rng, walks, max_steps)
     return tallies
+
+
+def _not_json(text: str) -> str | None:
+    """Why ``text`` does not parse as JSON (None: it does)."""
+    try:
+        json.loads(text)
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -198,8 +220,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     tallies = fuzz(schemas, bundle, walks=args.walks, max_steps=args.max_steps, seed=args.seed)
     wall = time.perf_counter() - t0
     for grammar, t in tallies.items():
-        print(f"{grammar:18} schemas {t.schemas:5}  walks {t.walks:5}  closed {t.closed:5}  not JSON {t.not_json:4}"
-              f"  matcher limits {t.limits}")
+        print(f"{grammar:18} schemas {t.schemas:5}  walks {t.walks:5}  closed {t.closed:5}  not JSON {t.failed:4}"
+              f"  matcher limits {t.limits}  mask/accept mismatches {t.mismatches}")
         for name, text, err in t.examples:
             print(f"    {name}: {err}: {text!r}")
     if args.json is not None:
@@ -207,8 +229,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                         indent=1))
     x, lg, raw = (tallies[g] for g in GRAMMARS)
     print(f"{wall:.0f} s")
-    print(f"closed outputs not JSON: xgrammar {x.not_json}/{x.closed}, llguidance {lg.not_json}/{lg.closed}; "
-          f"xgrammar unmended {raw.not_json}/{raw.closed}")
+    print(f"closed outputs not JSON: xgrammar {x.failed}/{x.closed}, llguidance {lg.failed}/{lg.closed}; "
+          f"xgrammar unmended {raw.failed}/{raw.closed}")
     return 0
 
 
