@@ -220,8 +220,9 @@ class JumpForward:
 def pack_forced(forced: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
     """Per-row forced tokens as the wire arrays: int32 ``[B, F]`` (right-padded with 0) and counts ``[B]``."""
     rows = len(forced)
-    counts = np.fromiter((len(f) for f in forced), np.int32, rows)
-    tokens = np.zeros((rows, int(counts.max(initial=0))), np.int32)
+    lengths = [len(f) for f in forced]
+    counts = np.array(lengths, np.int32)
+    tokens = np.zeros((rows, max(lengths, default=0)), np.int32)
     for i, toks in enumerate(forced):
         if toks:
             tokens[i, : len(toks)] = toks

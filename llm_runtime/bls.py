@@ -371,7 +371,7 @@ class _ChannelPending:
         return MaskStep(
             bitmask=self._buffer.array[:rows],
             terminated=reply.terminated,
-            errors=tuple(e or None for e in reply.row_errors) or (None,) * rows,
+            errors=tuple(e or None for e in reply.row_errors) if reply.row_errors else (None,) * rows,
             closing=reply.closing,
             forced_tokens=reply.forced_tokens,
             forced_counts=reply.forced_counts,

@@ -45,7 +45,7 @@ from typing import Final, Protocol
 import numpy as np
 
 from .errors import config_error
-from .mask import MaskProvider, MaskStep, PendingStep, StepSender
+from .mask import MaskProvider, MaskStep, PendingStep, StepRows, StepSender
 
 __all__ = ["GrammarPhase", "JumpPolicy", "PhaseRow"]
 
@@ -145,6 +145,8 @@ class GrammarPhase:
     ----------
     step : MaskStep or None
         The answer of the last :meth:`collect` (None: failed or no request).
+    rows : StepRows or None
+        That answer read row by row (:meth:`MaskStep.read`), with :attr:`step`.
     error : BaseException or str or None
         Why the last request failed (an exception, or a malformed answer).
     wait_s, call_s, grammar_s : float
@@ -176,6 +178,7 @@ class GrammarPhase:
         self._pending: tuple[int, int] | None = None  # processor mode: (rows, token width) to run at collect
         self._rows = 0
         self.step: MaskStep | None = None
+        self.rows: StepRows | None = None
         self.error: BaseException | str | None = None
         self.wait_s = self.call_s = self.grammar_s = self.loop_s = math.nan
         self.requests = 0
@@ -201,7 +204,7 @@ class GrammarPhase:
             else:  # joins now, or fed again after a drop: nothing to accept
                 self._tokens[j, 0] = 0
                 self._counts[j] = 0
-        self.step, self.error = None, None
+        self.step, self.rows, self.error = None, None, None
         self.wait_s = self.call_s = self.grammar_s = math.nan
         self.requests += 1
         self._rows = n = len(rows)
@@ -222,8 +225,9 @@ class GrammarPhase:
         """Get the answer (overlap: wait for it; processor: run the request now) and check its shape.
 
         ``width`` is the bitmask width the answer must have.  Afterwards
-        :attr:`step` holds a well-formed answer, or :attr:`error` says why
-        there is none (every constrained row of the step then fails with it).
+        :attr:`step` holds a well-formed answer and :attr:`rows` its reading,
+        or :attr:`error` says why there is none (every constrained row of the
+        step then fails with it).
         """
         t0 = time.perf_counter()
         self._collect(width)  # catches every failure: it becomes the step's error
@@ -257,9 +261,11 @@ class GrammarPhase:
             self.error = "MaskProvider.step returned None"
             return
         self.grammar_s = step.grammar_s
-        bad = step.check(self._rows, width)
-        if bad is not None:
-            self.error, self.step = bad, None
+        read = step.read(self._rows, width)
+        if isinstance(read, str):
+            self.error, self.step = read, None
+        else:
+            self.rows = read
 
     def charge(self, seconds: float) -> None:
         """Add ``seconds`` of the loop's time on this step's grammar work to :attr:`loop_s`."""

@@ -201,35 +201,42 @@ class Sampler:
         gen.manual_seed(secrets.randbits(63) if seed is None else seed)
         return gen
 
-    def apply_mask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+    def apply_mask(self, logits: torch.Tensor, bitmask: torch.Tensor | np.ndarray, rows: Sequence[int]) -> None:
         """Set the logits of disallowed tokens to ``-inf`` in place, for ``rows`` only.
 
         Parameters
         ----------
         logits : torch.Tensor
             float32 ``[B, vocab_size]``.
-        bitmask : torch.Tensor
+        bitmask : torch.Tensor or np.ndarray
             int32 ``[B, ceil(vocab_size / 32)]`` on the logits' device, aligned with
-            the logits rows; rows not listed in ``rows`` are ignored.
+            the logits rows; rows not listed in ``rows`` are ignored.  A NumPy
+            array where the logits are on the host: the grammar's answer as it
+            came, with no copy into a tensor first.
         rows : sequence of int
             Batch rows that carry a constraint.
         """
         if not rows:
             return
-        if bitmask.dtype != torch.int32 or bitmask.shape[-1] != self.width:
+        host = isinstance(bitmask, np.ndarray)
+        if bitmask.dtype != (np.int32 if host else torch.int32) or bitmask.shape[-1] != self.width:
             raise ValueError(
                 f"bitmask: expected int32 [B, {self.width}], got {bitmask.dtype} {tuple(bitmask.shape)}"
             )
+        if host and self.device.type != "cpu":
+            raise ValueError(f"bitmask: a NumPy array, for logits on {self.device}")
         if self._mask_on_host and logits.dtype == torch.float32:
+            words = bitmask if isinstance(bitmask, np.ndarray) else bitmask.numpy()
             if _is_prefix(rows):
-                mask_logits_cpu(logits.numpy(), bitmask.numpy()[: len(rows)], self.vocab_size)
+                mask_logits_cpu(logits.numpy(), words[: len(rows)], self.vocab_size)
             else:
                 idx = torch.as_tensor(rows, dtype=torch.int64)
                 sub = logits.index_select(0, idx)
-                mask_logits_cpu(sub.numpy(), bitmask.index_select(0, idx).numpy(), self.vocab_size)
+                mask_logits_cpu(sub.numpy(), words[list(rows)], self.vocab_size)
                 logits.index_copy_(0, idx, sub)
             return
-        self._apply_bitmask(logits, bitmask, vocab_size=self.vocab_size, indices=list(rows))
+        tensor = torch.from_numpy(bitmask) if isinstance(bitmask, np.ndarray) else bitmask
+        self._apply_bitmask(logits, tensor, vocab_size=self.vocab_size, indices=list(rows))
 
     def sample(
         self,

@@ -201,6 +201,34 @@ def test_a_closed_server_is_unavailable_at_once(channel_service: GrammarService,
     channel_service.handle(GrammarRequest("end", np.array([1], np.uint64)))
 
 
+def test_a_hung_grammar_model_times_the_step_out_and_a_start_waits(
+        channel_service: GrammarService, buffer: MaskBuffer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's reply is waited for ``timeout_s`` (the client then gives the channel up: UNAVAILABLE);
+    a start is not timed by the channel, however long its compile takes."""
+    path = _path(channel_service)
+    client = ChannelClient(path, buffer.name, timeout_s=0.3)
+    gate = threading.Event()
+    original_step, original_start = channel_service.channel_step, channel_service.start_async
+
+    def hung(step: object) -> object:
+        assert gate.wait(30)
+        return original_step(step)  # type: ignore[arg-type]
+
+    def slow(req: GrammarRequest, done: object) -> None:
+        time.sleep(0.6)  # twice the step timeout
+        original_start(req, done)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(channel_service, "start_async", slow)
+    assert _start(client, 1) == "xgrammar"
+    monkeypatch.setattr(channel_service, "channel_step", hung)
+    t0 = time.monotonic()
+    with pytest.raises(RemoteGrammarError, match=r"^grammar channel .*: timed out$") as info:
+        client.step(np.array([1], np.uint64), np.zeros((1, 1), np.int32), np.zeros(1, np.int32), False)
+    assert info.value.status == "UNAVAILABLE" and client.closed and 0.3 <= time.monotonic() - t0 < 5
+    gate.set()
+    channel_service.handle(GrammarRequest("end", np.array([1], np.uint64)))
+
+
 def test_steps_and_ends_of_two_callers_never_overlap(channel_service: GrammarService) -> None:
     """Two llm instances step at once over their own connections: the engine's buffers stay whole
     (the channel_service's op lock), and each caller reads its own rows."""

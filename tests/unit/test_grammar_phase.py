@@ -152,9 +152,10 @@ def _i32(*values: int) -> np.ndarray:
     ids=["errors-and-stops", "every-column", "empty"],
 )
 def test_rows_read_what_the_row_methods_read(step: MaskStep) -> None:
-    """The decode loop reads a step's rows at once (MaskStep.rows); each entry is the per-row reading."""
+    """The decode loop reads a step's rows at once (MaskStep.read); each entry is the per-row reading."""
     n = len(step.errors)
-    rows = step.rows()
+    rows = step.read(n, WIDTH)
+    assert not isinstance(rows, str)
     assert rows.kind == [step.row_kind(j) for j in range(n)]
     assert rows.close == [step.close_state(j) for j in range(n)]
     assert rows.held == [step.held(j) for j in range(n)]

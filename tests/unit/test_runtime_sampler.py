@@ -217,10 +217,30 @@ def test_draw_frequencies_follow_softmax() -> None:
     assert np.allclose(counts[:3] / 6000, [1 / 6, 2 / 6, 3 / 6], atol=0.02)
 
 
-def test_apply_mask_rejects_wrong_bitmask() -> None:
+@pytest.mark.parametrize(("rows", "dtype"), [([0, 1, 2, 3], torch.float32), ([0, 1, 3], torch.float32),
+                                           ([1, 2], torch.float32), ([0, 1, 2, 3], torch.bfloat16)],
+                         ids=["every-row", "some-rows", "later-rows", "bfloat16-logits"])
+def test_a_numpy_bitmask_masks_as_its_tensor_does(rows: list[int], dtype: torch.dtype) -> None:
+    """The decode loop hands the grammar's answer to the sampler as it came (a NumPy view), on the host."""
+    sampler = Sampler(V)
+    logits, allowed = random_case(11)
+    logits = logits.to(dtype)
+    through_tensor = logits.clone()
+    sampler.apply_mask(through_tensor, torch.from_numpy(pack(allowed)), rows)
+    sampler.apply_mask(logits, pack(allowed), rows)
+    assert torch.equal(logits, through_tensor)
+    assert not torch.isinf(logits[[r for r in range(4) if r not in rows]]).any()
+
+
+@pytest.mark.parametrize(
+    "bitmask",
+    [torch.zeros((1, 2), dtype=torch.int32), np.zeros((1, 2), np.int32), np.zeros((1, 3), np.int64)],
+    ids=["tensor-width", "numpy-width", "numpy-dtype"],
+)
+def test_apply_mask_rejects_wrong_bitmask(bitmask: torch.Tensor | np.ndarray) -> None:
     sampler = Sampler(V)
     with pytest.raises(ValueError, match=r"bitmask: expected int32 \[B, 3\]"):
-        sampler.apply_mask(torch.zeros((1, V)), torch.zeros((1, 2), dtype=torch.int32), [0])
+        sampler.apply_mask(torch.zeros((1, V)), bitmask, [0])
 
 
 # --------------------------------------------------------------------------- penalties and min_p
