@@ -2,7 +2,7 @@
 
 Usage (from the repository root, after ``make venv``)::
 
-    make bench-path                      # ~6 min on 2 shared cores (BENCH_QUICK=1: ~2 min)
+    make bench-path                      # ~1 min on 2 shared cores (BENCH_QUICK=1: ~40 s)
     .venv/bin/python bench/path_bench.py --quick --json /tmp/path.json --plot /tmp/path.png
     .venv/bin/python bench/path_bench.py --quick --hold 60   # a steadier equal-work figure at 16 rows
     .venv/bin/python bench/path_bench.py --quick --hold 60 --backend xgrammar   # the other grammar backend
