@@ -55,6 +55,7 @@ tokens per row)::
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -67,7 +68,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, Protocol
+from typing import Final, Protocol, TypeVar
 
 import numpy as np
 
@@ -79,6 +80,7 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 SOCKET_DIR: Final = Path("/dev/shm")
 _PREFIX: Final = "cgrammar-channel"
@@ -644,18 +646,29 @@ class ChannelClient:
             try:
                 self._sock.send(message, socket.MSG_DONTWAIT)
             except BlockingIOError:  # no room in the socket's buffer (one request in flight: never seen)
-                self._ready(select.POLLOUT, timeout_s)
-                self._sock.send(message, socket.MSG_DONTWAIT)
+                self._until_done(lambda: self._sock.send(message, socket.MSG_DONTWAIT), select.POLLOUT, timeout_s)
         except OSError as err:
             self.close()
             raise RemoteGrammarError(f"grammar channel {self.path}: {err}", UNAVAILABLE) from err
 
-    def _ready(self, events: int, timeout_s: float | None) -> None:
-        """Wait until the socket has ``events`` (or an error or hang-up: the call that follows reports it)."""
+    def _until_done(self, call: Callable[[], _T], events: int, timeout_s: float | None) -> _T:
+        """``call`` (a socket call made with ``MSG_DONTWAIT``) once the socket has ``events``, waiting at most
+        ``timeout_s`` in all (None: as long as it takes); TimeoutError past it."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        fd = self._sock.fileno()
+        if fd < 0:
+            raise OSError(errno.EBADF, "the channel was closed")
         poller = select.poll()
-        poller.register(self._sock, events)
-        if not poller.poll(None if timeout_s is None else timeout_s * 1000.0):
-            raise TimeoutError("timed out")
+        poller.register(fd, events)
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError("timed out")
+            poller.poll(None if left is None else left * 1000.0)
+            try:
+                return call()
+            except BlockingIOError:  # woken without room or data after all: wait again
+                continue
 
     def _receive(self) -> tuple[memoryview, float]:
         """The next reply and when it arrived (``time.time()``'s clock; now where the kernel gave no stamp)."""
@@ -664,8 +677,9 @@ class ChannelClient:
                 # A step's reply has usually arrived during the caller's forward: one call.
                 n, ancillary, _, _ = self._sock.recvmsg_into([self._buf], _STAMP_SPACE, socket.MSG_DONTWAIT)
             except BlockingIOError:
-                self._ready(select.POLLIN, self._wait_s)
-                n, ancillary, _, _ = self._sock.recvmsg_into([self._buf], _STAMP_SPACE, socket.MSG_DONTWAIT)
+                n, ancillary, _, _ = self._until_done(
+                    lambda: self._sock.recvmsg_into([self._buf], _STAMP_SPACE, socket.MSG_DONTWAIT), select.POLLIN,
+                    self._wait_s)
         except OSError as err:
             self.close()
             raise RemoteGrammarError(f"grammar channel {self.path}: {err}", UNAVAILABLE) from err
