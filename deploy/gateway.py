@@ -679,7 +679,11 @@ class _StreamSession:
             return
         try:
             await self.send(response)
-        except (asyncio.InvalidStateError, RuntimeError, grpc.RpcError):
+        except (asyncio.InvalidStateError, RuntimeError, grpc.RpcError, aio.InternalError):
+            # aio.InternalError: a write after the call ended (the client's deadline passed, say) fails in
+            # gRPC Core's batch (ExecuteBatchError). Raised from the pump, it ended the pump, which
+            # cleared the pending requests before the departure could cancel them: they decoded on to
+            # max_tokens (seen once in test_every_way_of_leaving_frees_the_sequence[deadline]).
             self.client_gone = True
 
     async def _pump(self) -> None:

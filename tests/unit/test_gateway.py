@@ -5,6 +5,7 @@ tested against a real tritonserver in tests/integration/test_abuse.py and test_g
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import queue
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc._cython import cygrpc  # ExecuteBatchError: what a write to an ended call raises
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2 as pb
 
@@ -38,6 +40,7 @@ from deploy.gateway import (
     parse_keys,
     restriction_args,
 )
+from deploy.gateway import _StreamSession as StreamSession
 from tests.support.poll import wait_for
 from tests.tls_certs import make_pki, openssl_missing
 
@@ -575,6 +578,27 @@ def test_request_ids_are_renamed_upstream_and_restored_for_the_client(forwarding
     assert all(r.error_message == "" for r in responses)
     # The client asked for no empty FINAL response, so the gateway's own FINAL marker is taken off again.
     assert all("triton_final_response" not in r.infer_response.parameters for r in responses)
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [asyncio.InvalidStateError("the call is done"), RuntimeError("closed"),
+     cygrpc.ExecuteBatchError('Failed "execute_batch": (<SendMessageOperation>,)')],
+    ids=["invalid-state", "runtime", "execute-batch"],
+)
+def test_a_write_to_a_departed_client_marks_it_gone(failure: Exception) -> None:
+    """A response written after the client's call ended (its deadline passed, say) fails there; the pump must
+    go on, so that the departure still finds the pending requests to cancel upstream."""
+    sent: list[pb.ModelStreamInferResponse] = []
+
+    async def send(response: pb.ModelStreamInferResponse) -> None:
+        sent.append(response)
+        raise failure
+
+    session = StreamSession(Gateway(GatewayConfig(upstream="127.0.0.1:1", secret=SECRET)), send)
+    asyncio.run(session._write(pb.ModelStreamInferResponse()))
+    asyncio.run(session._write(pb.ModelStreamInferResponse()))  # gone: not written again
+    assert session.client_gone and len(sent) == 1
 
 
 def test_requests_beyond_the_in_flight_cap_are_refused_in_band(forwarding: tuple[Gateway, _Upstream]) -> None:
