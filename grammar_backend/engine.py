@@ -516,7 +516,7 @@ class GrammarEngine:
             except (SequenceError, MatcherFailed) as err:
                 if errors is None:
                     errors = [None] * rows
-                errors[i] = _row_error(int(seq_ids[i]), err)
+                errors[i] = _row_error(id_list[i], err)
                 continue
             if seq.thinking is not None:
                 # The thinking section: free but for the stop, special and overrunning tokens, or the
@@ -565,7 +565,7 @@ class GrammarEngine:
                 except MatcherFailed as err:
                     if errors is None:
                         errors = [None] * rows
-                    errors[i] = _row_error(int(seq_ids[i]), err)
+                    errors[i] = _row_error(id_list[i], err)
                     continue
                 closing[i] = seq.close_state
             if token != FREE:
@@ -581,7 +581,7 @@ class GrammarEngine:
                 except MatcherFailed as err:
                     if errors is None:
                         errors = [None] * rows
-                    errors[i] = _row_error(int(seq_ids[i]), err)
+                    errors[i] = _row_error(id_list[i], err)
                     continue
                 scanner = seq.values
                 if found[i] and scanner is not None and not scanner.tokens:

@@ -61,7 +61,7 @@ import numpy as np
 from contract import REASONING_STATES, CloseState, bitmask_width
 
 from .errors import EngineError
-from .mask import ROW_ERROR, ROW_MASK, ROW_STOP, ConstraintRequest, MaskProvider, MaskStep
+from .mask import ROW_ERROR, ROW_MASK, ROW_STOP, ConstraintRequest, MaskProvider, MaskStep, StepRows
 
 __all__ = ["GUIDE_PREFIX", "GrammarRows", "GuidedRequestView", "GuidedRequestsView", "RowOutcome", "RowsStats"]
 
@@ -370,6 +370,7 @@ class GrammarRows:
             return
         t0 = time.perf_counter()
         out: MaskStep | None = None
+        rows: StepRows | None = None
         fault: str | None = None
         try:
             out = self._provider.step(self._ids[:c], self._tokens[:c], self._counts[:c])
@@ -377,18 +378,19 @@ class GrammarRows:
             _log.exception("MaskProvider.step failed; failing its %d constrained rows", c)
             fault = f"grammar step failed: {err}"
         else:
-            fault = "MaskProvider.step returned None" if out is None else out.check(c, self.width)
+            read = "MaskProvider.step returned None" if out is None else out.read(c, self.width)
+            fault, rows = (read, None) if isinstance(read, str) else (None, read)
         self._grammar_s += time.perf_counter() - t0
         for j in range(c):
             row, offset, rid = self._stepped[j], int(self._offsets[j]), int(self._request_ids[j])
             self._stepped[j] = _NO_ROW
             row.stepped = True
-            if fault is None and out is not None:
-                row.close_state = out.close_state(j)
+            if rows is not None and out is not None:
+                row.close_state = rows.close[j]
                 if row.close_state in REASONING_STATES:
                     row.reasoning_tokens = (row.reasoning_tokens or 0) + 1
                     row.reasoning_cut = row.reasoning_cut or row.close_state == CloseState.REASONING_END
-                kind = out.row_kind(j)
+                kind = rows.kind[j]
                 if kind == ROW_MASK:
                     bitmask[offset, : self.width] = out.bitmask[j]
                     token_mask[offset] = 1

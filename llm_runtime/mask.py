@@ -139,11 +139,6 @@ class MaskStep:
         """How many of row ``j``'s first forced tokens stream as soon as they are taken."""
         return 0 if self.forced_safe is None else int(self.forced_safe[j])
 
-    def check(self, rows: int, width: int) -> str | None:
-        """Why this answer does not fit a step of ``rows`` rows of ``width`` words (``None``: it fits)."""
-        read = self.read(rows, width)
-        return read if isinstance(read, str) else None
-
     def read(self, rows: int, width: int) -> StepRows | str:
         """Check that this answer fits a step of ``rows`` rows of ``width`` words, and read every row at once.
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import pytest
@@ -53,13 +53,15 @@ class CountingProvider(LocalMaskProvider):
         super().__init__(engine)
         self.step_rows: list[int] = []
         self.fail_steps = False
+        self.short_masks = False  # answer with bitmask rows one word short (a malformed answer)
 
     def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray,
              jump_forward: bool = False) -> MaskStep:
         self.step_rows.append(int(seq_ids.shape[0]))
         if self.fail_steps:
             raise RuntimeError("grammar model unreachable")
-        return super().step(seq_ids, tokens, counts)
+        step = super().step(seq_ids, tokens, counts)
+        return replace(step, bitmask=step.bitmask[:, :-1]) if self.short_masks else step
 
 
 @pytest.fixture(scope="module")
@@ -387,6 +389,22 @@ def test_failed_rows_are_returned_and_left_only_end_tokens(engine: TorchEngine, 
     assert (allowed, token_mask.tolist()) == (set(engine.eos_token_ids), [1, 0])
     outcome = rows.remove([5])[0]
     assert outcome is not None and outcome.error == (None if case == "unknown sequence" else message)
+
+
+def test_a_malformed_answer_fails_the_steps_rows(engine: TorchEngine, provider: CountingProvider) -> None:
+    """The answer is checked before any row reads it (MaskStep.read): a mask of the wrong width fails the rows."""
+    rows = rows_for(engine, provider)
+    rows.start(5, CONSTRAINTS["regex"][0])
+    width = bitmask_width(engine.vocab_size)
+    bitmask = np.zeros((1, width), dtype=np.int32)
+    token_mask = np.zeros(1, dtype=np.int32)
+    provider.short_masks = True
+    message = f"bitmask must be int32 [1, {width}], got int32 (1, {width - 1})"
+    assert rows.build(view(5), bitmask, token_mask) == [(7, message)]
+    allowed = {t for t in range(engine.vocab_size) if bitmask[0, t // 32] >> (t % 32) & 1}
+    assert allowed == set(engine.eos_token_ids)
+    outcome = rows.remove([5])[0]
+    assert outcome is not None and outcome.error == message
 
 
 def test_a_terminated_row_keeps_only_end_tokens(engine: TorchEngine, provider: CountingProvider,

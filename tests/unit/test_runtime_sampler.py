@@ -229,7 +229,9 @@ def test_a_numpy_bitmask_masks_as_its_tensor_does(rows: list[int], dtype: torch.
     sampler.apply_mask(through_tensor, torch.from_numpy(pack(allowed)), rows)
     sampler.apply_mask(logits, pack(allowed), rows)
     assert torch.equal(logits, through_tensor)
-    assert not torch.isinf(logits[[r for r in range(4) if r not in rows]]).any()
+    masked = torch.isinf(logits.float()).numpy()
+    assert (masked[rows] == ~allowed[rows]).all()  # exactly the disallowed tokens of the listed rows
+    assert not masked[[r for r in range(4) if r not in rows]].any()
 
 
 @pytest.mark.parametrize(
