@@ -93,6 +93,7 @@ import logging
 import os
 import re
 import secrets
+import ssl
 import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -353,11 +354,12 @@ class GatewaySecurity:
     ----------
     tls_cert, tls_key : Path or None
         PEM certificate chain and private key (a ``kubernetes.io/tls``
-        Secret's ``tls.crt`` / ``tls.key``); both or neither.  Read at start:
-        a renewed certificate takes effect at the next start (rollout restart).
+        Secret's ``tls.crt`` / ``tls.key``); both or neither.  Reloaded when
+        the files change (:class:`TlsFiles`): a renewed certificate serves
+        new connections without a restart.
     tls_client_ca : Path or None
         PEM CA bundle: clients must present a certificate it signed (mutual TLS).
-        Needs ``tls_cert``.
+        Needs ``tls_cert``; reloaded with them.
     api_keys_file : Path or None
         Keys file (:func:`parse_keys`); None: no key is asked for.
     """
@@ -378,20 +380,15 @@ class GatewaySecurity:
     def tls(self) -> bool:
         return self.tls_cert is not None
 
-    def server_credentials(self) -> grpc.ServerCredentials | None:
-        """The TLS credentials to serve with (None without TLS).
+    def tls_files(self, check_interval_s: float = 1.0) -> TlsFiles | None:
+        """The port's certificate files, reloaded when they change (None without TLS).
 
         Raises
         ------
         GatewayError
-            A file cannot be read (the message names the field and the path).
+            A file cannot be read, is not PEM, or the key is not the certificate's.
         """
-        if self.tls_cert is None or self.tls_key is None:
-            return None
-        cert = _read_pem("tls_cert", self.tls_cert)
-        key = _read_pem("tls_key", self.tls_key)
-        ca = None if self.tls_client_ca is None else _read_pem("tls_client_ca", self.tls_client_ca)
-        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+        return None if self.tls_cert is None else TlsFiles(self, check_interval_s)
 
 
 def _read_pem(name: str, path: Path) -> bytes:
@@ -402,6 +399,137 @@ def _read_pem(name: str, path: Path) -> bytes:
     if b"-----BEGIN " not in data:
         raise GatewayError(f"{name}: {path} is not PEM (no '-----BEGIN' line)")
     return data
+
+
+@dataclass(frozen=True)
+class TlsPem:
+    """One loaded certificate chain, its key and the client CA bundle (PEM bytes)."""
+
+    cert: bytes
+    key: bytes
+    ca: bytes | None
+
+
+class TlsFiles:
+    """The certificate, key and client CA of a TLS port, reloaded when their files change.
+
+    cert-manager renews a certificate in its Secret, and the kubelet swaps a
+    mounted Secret's files in place (one symlink, ``..data``, for the whole
+    directory), so the paths stay while the files behind them change.  Every
+    new connection's handshake calls :meth:`refresh` (the gRPC port's
+    certificate fetcher, :meth:`grpc_credentials`; the OpenAI port's SNI
+    callback, :meth:`ssl_context`), which ``stat``-s the files at most every
+    ``check_interval_s`` and loads them again when device, inode, size or
+    mtime differ.  Connections already open keep the certificate they were
+    made with.  A reload that fails (a file half written, a key that is not
+    the certificate's) keeps the previous pair, logged and counted in
+    :attr:`reload_failures`, and is tried again at the next check: a broken
+    update must not take the port down.
+
+    Parameters
+    ----------
+    security : GatewaySecurity
+        Names the files; ``tls_cert`` and ``tls_key`` must be set.
+    check_interval_s : float
+        Least time between two checks of the files.
+    clock : callable
+        Monotonic seconds (tests pass their own).
+
+    Raises
+    ------
+    GatewayError
+        The files cannot be loaded at construction.
+    """
+
+    def __init__(self, security: GatewaySecurity, check_interval_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if security.tls_cert is None or security.tls_key is None:
+            raise GatewayError("tls_cert: required for TLS")
+        self._cert, self._key, self._ca = security.tls_cert, security.tls_key, security.tls_client_ca
+        self._interval = check_interval_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self.reloads = 0
+        self.reload_failures = 0
+        self._identity, self.pem, self.context = self._load()
+        self._checked = clock()
+
+    def _paths(self) -> tuple[Path, ...]:
+        return (self._cert, self._key) if self._ca is None else (self._cert, self._key, self._ca)
+
+    def _stat(self) -> tuple[tuple[int, int, int, int], ...]:
+        return tuple((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) for st in map(os.stat, self._paths()))
+
+    def _load(self) -> tuple[tuple[tuple[int, int, int, int], ...], TlsPem, ssl.SSLContext]:
+        try:
+            before = self._stat()
+        except OSError as err:
+            raise GatewayError(f"tls: cannot read {err.filename}: {err.strerror}") from err
+        pem = TlsPem(_read_pem("tls_cert", self._cert), _read_pem("tls_key", self._key),
+                     None if self._ca is None else _read_pem("tls_client_ca", self._ca))
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            context.load_cert_chain(self._cert, self._key)
+            if self._ca is not None:
+                context.load_verify_locations(cafile=self._ca)
+                context.verify_mode = ssl.CERT_REQUIRED
+        except (OSError, ssl.SSLError) as err:
+            raise GatewayError(f"tls: {self._cert} and {self._key} are not a certificate chain and its key: "
+                               f"{err}") from err
+        try:
+            unchanged = self._stat() == before
+        except OSError as err:
+            raise GatewayError(f"tls: cannot read {err.filename}: {err.strerror}") from err
+        if not unchanged:
+            # Read across a swap: the bytes may mix two generations; the next check loads the new one.
+            raise GatewayError("tls: the files changed while they were read")
+        return before, pem, context
+
+    def refresh(self) -> bool:
+        """Load the files again if they changed (at most once per ``check_interval_s``); True when it did."""
+        now = self._clock()
+        with self._lock:
+            if now - self._checked < self._interval:
+                return False
+            self._checked = now
+            try:
+                if self._stat() == self._identity:
+                    return False
+                self._identity, self.pem, self.context = self._load()
+            except (OSError, GatewayError) as err:
+                self.reload_failures += 1
+                _log.error("tls: certificate not reloaded, serving the previous one: %s", err)
+                return False
+            self.reloads += 1
+        _log.info("tls: certificate reloaded from %s", self._cert)
+        return True
+
+    def _grpc_config(self) -> Any:
+        pem = self.pem
+        return grpc.ssl_server_certificate_configuration([(pem.key, pem.cert)], root_certificates=pem.ca)
+
+    def grpc_credentials(self) -> grpc.ServerCredentials:
+        """gRPC server credentials whose certificate follows the files (checked at each new connection)."""
+
+        def fetch() -> Any:
+            # gRPC asks at every handshake; None keeps the certificate it has.
+            return self._grpc_config() if self.refresh() else None
+
+        return grpc.dynamic_ssl_server_credentials(self._grpc_config(), fetch,
+                                                   require_client_authentication=self._ca is not None)
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """A server ``SSLContext`` whose handshakes take the newest certificate (through its SNI callback,
+        which OpenSSL calls for every ClientHello, with or without a server name)."""
+        front = self.context
+
+        def on_hello(conn: ssl.SSLObject | ssl.SSLSocket, _name: str | None, _context: ssl.SSLContext) -> None:
+            self.refresh()
+            if conn.context is not self.context:
+                conn.context = self.context
+
+        front.sni_callback = on_hello
+        return front
 
 
 @dataclass(frozen=True)
@@ -769,6 +897,7 @@ class Gateway:
         self._draining = False
         self._health_service = health_aio.HealthServicer()
         self._keys = None if config.security.api_keys_file is None else KeyRing(config.security.api_keys_file)
+        self.tls = config.security.tls_files()
         # Metrics (read by metrics_text from the launcher's HTTP thread; plain
         # ints and dicts written only on the gateway's event loop).
         self.streams_open = 0
@@ -853,7 +982,7 @@ class Gateway:
             handlers[name] = grpc.unary_unary_rpc_method_handler(
                 self._unary_handler(name), request_deserializer=self._counting_deserializer(req_cls.FromString),
                 response_serializer=self._counting_serializer(resp_cls.SerializeToString))
-        credentials = self.config.security.server_credentials()
+        credentials = None if self.tls is None else self.tls.grpc_credentials()
         self._server = aio.server(
             options=self.config.server_options(), maximum_concurrent_rpcs=self.config.max_streams,
         )
@@ -980,6 +1109,15 @@ class Gateway:
             "# TYPE gateway_draining gauge",
             f"gateway_draining {int(self._draining)}",
         ]
+        if self.tls is not None:
+            lines += [
+                "# HELP gateway_tls_reloads_total Changed certificate files loaded (new connections get them).",
+                "# TYPE gateway_tls_reloads_total counter",
+                f"gateway_tls_reloads_total {self.tls.reloads}",
+                "# HELP gateway_tls_reload_failures_total Changed certificate files that could not be loaded.",
+                "# TYPE gateway_tls_reload_failures_total counter",
+                f"gateway_tls_reload_failures_total {self.tls.reload_failures}",
+            ]
         if self._keys is not None:
             lines += [
                 "# HELP gateway_key_reload_failures_total Changed API keys files that could not be loaded.",

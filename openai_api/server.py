@@ -48,7 +48,7 @@ import contract
 from client.errors import ClientError, InvalidRequest, error_for_status, from_server_error
 from client.sdk import DEFAULT_MAX_TOKENS, Chunk, Result, StreamAssembler
 from contract import errors as status
-from deploy.gateway import ApiKey, Gateway, GatewaySecurity, Refused, bearer_key
+from deploy.gateway import ApiKey, Gateway, GatewayError, GatewaySecurity, Refused, bearer_key
 from openai_api.errors import BadRequest, OpenAIError, from_status
 from openai_api.request import Plan, client_error_param, parse_chat, parse_completion
 from openai_api.response import Renderer
@@ -121,19 +121,13 @@ class OpenAIConfig:
                                     f"got {self.default_max_tokens}")
 
     def ssl_context(self) -> ssl.SSLContext | None:
-        """The TLS context of the port (None without TLS)."""
-        sec = self.security
-        if sec.tls_cert is None or sec.tls_key is None:
-            return None
-        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        """The TLS context of the port (None without TLS); its certificate follows the files
+        (:class:`~deploy.gateway.TlsFiles`: new connections get a renewed one without a restart)."""
         try:
-            context.load_cert_chain(sec.tls_cert, sec.tls_key)
-            if sec.tls_client_ca is not None:
-                context.load_verify_locations(cafile=sec.tls_client_ca)
-                context.verify_mode = ssl.CERT_REQUIRED
-        except (OSError, ssl.SSLError) as err:
-            raise OpenAIServerError(f"tls: cannot load {sec.tls_cert}, {sec.tls_key}: {err}") from err
-        return context
+            files = self.security.tls_files()
+        except GatewayError as err:
+            raise OpenAIServerError(str(err)) from err
+        return None if files is None else files.ssl_context()
 
 
 def _mapped(plan: Plan | None, err: ClientError) -> OpenAIError:

@@ -8,14 +8,17 @@ drains the gateway, so it runs last.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
+import ssl
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 
 from client import Client, Constraint, GenerationError, ServerBusy, ServerUnavailable
@@ -26,7 +29,7 @@ from deploy.gateway import GatewaySecurity
 from deploy.server import TritonServer
 from tests.integration.served import start_ensemble
 from tests.support.poll import wait_for
-from tests.tls_certs import Pki, make_pki, openssl_missing
+from tests.tls_certs import Pki, SecretVolume, der, make_pki, openssl_missing, served_cert
 
 pytestmark = [pytest.mark.triton, pytest.mark.e2e]
 
@@ -43,15 +46,25 @@ def _write_keys(path: Path, keys: dict[str, tuple[str, int | None]]) -> None:
 
 
 @pytest.fixture(scope="module")
-def tls_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TritonServer, Pki, Pki, Path]]:
+def tls_volume(tmp_path_factory: pytest.TempPathFactory) -> tuple[Pki, Pki, SecretVolume]:
+    """The CA served, another CA, and the Secret volume (kubelet layout) the server's certificate is mounted from."""
     if openssl_missing():
         pytest.skip("no openssl binary to make a test CA")
-    tmp = tmp_path_factory.mktemp("tls")
+    tmp = tmp_path_factory.mktemp("pki")
     pki, other = make_pki(tmp, "ca"), make_pki(tmp, "other")
+    return pki, other, SecretVolume(tmp / "tls", pki)
+
+
+@pytest.fixture(scope="module")
+def tls_server(tmp_path_factory: pytest.TempPathFactory,
+               tls_volume: tuple[Pki, Pki, SecretVolume]) -> Iterator[tuple[TritonServer, Pki, Pki, Path]]:
+    pki, other, volume = tls_volume
+    tmp = tmp_path_factory.mktemp("tls")
     keys = tmp / "keys"
     _write_keys(keys, {"team-a": ("key-a", None), "team-one": ("key-one", 1)})
-    security = GatewaySecurity(tls_cert=pki.cert, tls_key=pki.key, api_keys_file=keys)
-    server = start_ensemble(tmp, gateway_security=security)
+    cert, key, _ = volume.files()
+    security = GatewaySecurity(tls_cert=cert, tls_key=key, api_keys_file=keys)
+    server = start_ensemble(tmp, gateway_security=security, openai_port=0)
     try:
         yield server, pki, other, keys
     finally:
@@ -139,6 +152,32 @@ def test_tls_rotated_key_applies_without_restart(tls_server: tuple[TritonServer,
         llm.is_ready()
     with _client(server, pki.ca, "key-a-2") as llm:
         assert llm.generate("Name a colour.", constraint=Constraint.choice(CHOICES), max_tokens=8).text in CHOICES
+
+
+def test_tls_renewed_certificate_serves_new_connections_without_restart(
+        tls_server: tuple[TritonServer, Pki, Pki, Path], tls_volume: tuple[Pki, Pki, SecretVolume]) -> None:
+    """cert-manager renews the Secret; the kubelet swaps the mounted files: real clients of both public
+    ports that trust only the new CA get served, with no restart, and then the old certificate comes back."""
+    server, pki, other, _ = tls_server
+    volume = tls_volume[2]
+    assert server.openai is not None
+    grpc_port, openai_port = server.config.grpc_port, server.openai.config.port
+    def serves(cert: bytes) -> bool:
+        return served_cert(grpc_port) == cert and served_cert(openai_port) == cert
+
+    for renewed, stale in ((other, pki), (pki, other)):
+        volume.put(renewed)
+        wait_for(functools.partial(serves, der(renewed.cert)), 60, "the renewed certificate on both ports")
+        with _client(server, renewed.ca, "key-a-2") as llm:  # the key of the rotation test above
+            assert llm.generate("Name a colour.", constraint=Constraint.choice(CHOICES), max_tokens=8).text in CHOICES
+        with _client(server, stale.ca, "key-a-2", timeout_s=10) as llm:
+            assert llm.is_ready() is False
+        http = openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=renewed.ca))
+        with openai.OpenAI(base_url=server.openai.url, api_key="key-a-2", max_retries=0, http_client=http) as api:
+            assert [m.id for m in api.models.list()] == ["constrained_llm"]
+    gateway = server.gateway
+    assert gateway is not None and gateway.tls is not None
+    assert (gateway.tls.reloads, gateway.tls.reload_failures) == (2, 0)
 
 
 def test_tls_drain_lets_the_stream_in_flight_finish_and_refuses_new_ones(

@@ -34,6 +34,7 @@ from deploy.gateway import (
     GatewaySecurity,
     KeyFileError,
     KeyRing,
+    TlsFiles,
     bearer_key,
     input_error,
     new_secret,
@@ -42,7 +43,7 @@ from deploy.gateway import (
 )
 from deploy.gateway import _StreamSession as StreamSession
 from tests.support.poll import wait_for
-from tests.tls_certs import make_pki, openssl_missing
+from tests.tls_certs import Pki, SecretVolume, der, make_pki, openssl_missing, served_cert
 
 SECRET = "s" * 32
 
@@ -266,10 +267,11 @@ def test_security_rejects(fields: dict[str, Path], match: str) -> None:
 
 def test_security_names_an_unreadable_or_non_pem_file(tmp_path: Path) -> None:
     (tmp_path / "cert").write_text("not pem")
+    (tmp_path / "key").write_text("not pem")
     with pytest.raises(GatewayError, match=r"^tls_cert: .*/cert is not PEM \(no '-----BEGIN' line\)$"):
-        GatewaySecurity(tls_cert=tmp_path / "cert", tls_key=tmp_path / "key").server_credentials()
-    with pytest.raises(GatewayError, match=r"^tls_cert: cannot read .*/absent: "):
-        GatewaySecurity(tls_cert=tmp_path / "absent", tls_key=tmp_path / "key").server_credentials()
+        GatewaySecurity(tls_cert=tmp_path / "cert", tls_key=tmp_path / "key").tls_files()
+    with pytest.raises(GatewayError, match=r"^tls: cannot read .*/absent: No such file or directory$"):
+        GatewaySecurity(tls_cert=tmp_path / "absent", tls_key=tmp_path / "key").tls_files()
 
 
 @pytest.mark.parametrize(
@@ -672,6 +674,64 @@ def test_tls_and_mutual_tls_handshakes(tmp_path: Path) -> None:
             with pytest.raises(grpc.RpcError) as info:
                 _health(plain)
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        gateway.stop()
+
+
+@pytest.mark.skipif(openssl_missing(), reason="no openssl binary to make a test CA")
+def test_tls_files_reload_a_swapped_secret_and_keep_the_pair_on_a_broken_one(tmp_path: Path) -> None:
+    first, second = make_pki(tmp_path, "first"), make_pki(tmp_path, "second")
+    volume = SecretVolume(tmp_path / "tls", first)
+    cert, key, _ = volume.files()
+    now = [0.0]
+    files = TlsFiles(GatewaySecurity(tls_cert=cert, tls_key=key), check_interval_s=1.0, clock=lambda: now[0])
+    assert (files.pem.cert, files.refresh()) == (first.cert.read_bytes(), False)
+    volume.put(second)
+    assert files.refresh() is False  # checked at most once a second
+    now[0] = 1.0
+    assert (files.refresh(), files.pem.cert, files.pem.key, files.reloads) == (
+        True, second.cert.read_bytes(), second.key.read_bytes(), 1)
+    volume.put(first, key=second.key)  # a key that is not the certificate's: the previous pair stays
+    now[0] = 2.0
+    assert (files.refresh(), files.pem.cert, files.reload_failures) == (False, second.cert.read_bytes(), 1)
+    volume.put(first)  # fixed: loaded at the next check
+    now[0] = 3.0
+    assert (files.refresh(), files.pem.cert, files.reloads, files.reload_failures) == (
+        True, first.cert.read_bytes(), 2, 1)
+
+
+@pytest.mark.skipif(openssl_missing(), reason="no openssl binary to make a test CA")
+@pytest.mark.parametrize("mutual", [False, True], ids=["tls", "mutual_tls"])
+def test_gateway_serves_a_renewed_certificate_to_new_connections_without_restart(tmp_path: Path,
+                                                                                 mutual: bool) -> None:
+    """A real gRPC client that trusts only the new CA is refused before the renewal and served after it."""
+    first, second = make_pki(tmp_path, "first"), make_pki(tmp_path, "second")
+    volume = SecretVolume(tmp_path / "tls", first)
+    cert, key, ca = volume.files()
+    security = GatewaySecurity(tls_cert=cert, tls_key=key, tls_client_ca=ca if mutual else None)
+    gateway = Gateway(GatewayConfig(upstream="127.0.0.1:1", secret=SECRET, security=security))
+    gateway.start()
+    target = f"127.0.0.1:{gateway.port}"
+
+    def check(trusted: Pki, client: Pki) -> int | grpc.StatusCode:
+        creds = grpc.ssl_channel_credentials(trusted.ca.read_bytes(), client.client_key.read_bytes(),
+                                             client.client_cert.read_bytes())
+        with grpc.secure_channel(target, creds) as channel:
+            try:
+                return _health(channel)
+            except grpc.RpcError as err:
+                return err.code()  # type: ignore[no-any-return]
+
+    try:
+        assert check(first, first) == health_pb2.HealthCheckResponse.SERVING
+        assert check(second, second) == grpc.StatusCode.UNAVAILABLE
+        assert served_cert(gateway.port) == der(first.cert)
+        volume.put(second)
+        wait_for(lambda: served_cert(gateway.port) == der(second.cert), 30, "the renewed certificate")
+        assert check(second, second) == health_pb2.HealthCheckResponse.SERVING
+        assert check(first, first) == grpc.StatusCode.UNAVAILABLE  # the old CA no longer signs what is served
+        text = gateway.metrics_text()
+        assert "gateway_tls_reloads_total 1\n" in text and "gateway_tls_reload_failures_total 0\n" in text
     finally:
         gateway.stop()
 

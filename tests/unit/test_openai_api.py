@@ -11,6 +11,7 @@ objects.  Strict mode has its own file (``test_openai_strict.py``).
 from __future__ import annotations
 
 import ast
+import asyncio
 import json
 import random
 import re
@@ -47,7 +48,8 @@ from openai_api.tools import (
     tool_constraint,
     tools_prompt,
 )
-from tests.tls_certs import make_pki, openssl_missing
+from tests.support.poll import wait_for
+from tests.tls_certs import SecretVolume, der, make_pki, openssl_missing, served_cert
 
 DEFAULT = 123  # the chat budget handed to parse_chat (distinct from every other number here)
 MSG = [{"role": "user", "content": "hi"}]
@@ -853,7 +855,7 @@ def test_config_accepts(port: int) -> None:
 
 def test_config_tls(tmp_path: Path) -> None:
     missing = OpenAIConfig(security=GatewaySecurity(tls_cert=tmp_path / "no.crt", tls_key=tmp_path / "no.key"))
-    with pytest.raises(OpenAIServerError, match=f"^tls: cannot load {re.escape(str(tmp_path))}/no.crt, "):
+    with pytest.raises(OpenAIServerError, match=f"^tls: cannot read {re.escape(str(tmp_path))}/no.crt: "):
         missing.ssl_context()
     if openssl_missing():
         pytest.skip("openssl is not installed: no certificate to load")
@@ -863,6 +865,37 @@ def test_config_tls(tmp_path: Path) -> None:
     mutual = OpenAIConfig(security=GatewaySecurity(tls_cert=pki.cert, tls_key=pki.key, tls_client_ca=pki.ca))
     context = mutual.ssl_context()
     assert context is not None and context.verify_mode == ssl.CERT_REQUIRED
+
+
+@pytest.mark.skipif(openssl_missing(), reason="openssl is not installed: no certificate to load")
+def test_tls_port_serves_a_renewed_certificate_without_restart(tmp_path: Path) -> None:
+    """The port's context (what aiohttp serves with) hands new connections the renewed certificate."""
+    first, second = make_pki(tmp_path, "first"), make_pki(tmp_path, "second")
+    volume = SecretVolume(tmp_path / "tls", first)
+    cert, key, _ = volume.files()
+    context = OpenAIConfig(security=GatewaySecurity(tls_cert=cert, tls_key=key)).ssl_context()
+    seen: list[bytes] = []
+
+    async def serve() -> None:
+        async def close(_reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.close()
+
+        server = await asyncio.start_server(close, "127.0.0.1", 0, ssl=context)
+        port = server.sockets[0].getsockname()[1]
+        loop = asyncio.get_running_loop()
+        seen.append(await loop.run_in_executor(None, served_cert, port))
+        volume.put(second)
+
+        def renewed() -> bool:
+            seen.append(served_cert(port))
+            return seen[-1] == der(second.cert)
+
+        await loop.run_in_executor(None, wait_for, renewed, 30, "the renewed certificate")
+        server.close()
+        await server.wait_closed()
+
+    asyncio.run(serve())
+    assert (seen[0], seen[-1]) == (der(first.cert), der(second.cert))
 
 
 _TRY_BODY = ('{"model": "constrained_llm", "messages": [{"role": "user", "content": "Invent a person."}], '
