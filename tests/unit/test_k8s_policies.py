@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.unit import k8s_nodes, k8s_prometheus
 from tests.unit.k8s_netpol import Endpoint, allowed, selector_matches
 from tests.unit.k8s_podsecurity import pod_specs, violations
 from tests.unit.test_deploy_images import hadolint
@@ -453,10 +454,159 @@ def test_hpa_metrics_are_served_by_the_adapter_and_published_by_the_engine(overl
         assert metrics == {"llm_live_requests", "llm_waiting_requests"} and metrics <= published
 
 
-def test_servicemonitor_carries_the_kube_prometheus_stack_label() -> None:
-    for overlay in OVERLAYS:
-        monitor = objects(overlay)[("ServiceMonitor", NS)]
-        assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+@pytest.mark.parametrize("overlay", ["gpu+prometheus-operator", "cpu+prometheus-operator"])
+def test_servicemonitor_carries_the_kube_prometheus_stack_label(overlay: str) -> None:
+    monitor = objects(overlay)[("ServiceMonitor", NS)]
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_plain_prometheus_scrapes_both_metrics_ports_with_the_labels_the_adapter_needs(overlay: str) -> None:
+    """The prometheus chart's own annotation jobs (fixture with its commit), on the rendered pod and Service:
+    Triton's port through the pod, the launcher's through the Service's endpoints; the series carry the
+    namespace and pod labels that the adapter's rules query (prometheus-adapter-rules.yaml)."""
+    objs = objects(overlay)
+    pod_template = objs[("Deployment", NS)]["spec"]["template"]
+    pod_template = {**pod_template, "metadata": {**pod_template["metadata"], "namespace": NS, "name": "server-0"}}
+    service = objs[("Service", NS)]
+    scrape = k8s_prometheus.jobs()
+    urls = k8s_prometheus.scrape_urls(k8s_prometheus.pod_targets(pod_template, "10.0.1.5", "node-a"),
+                                      scrape["kubernetes-pods"])
+    urls.update(k8s_prometheus.scrape_urls(
+        k8s_prometheus.endpoint_targets(service, pod_template, "10.0.1.5", "node-a"),
+        scrape["kubernetes-service-endpoints"]))
+    assert sorted(urls) == ["http://10.0.1.5:8002/metrics", "http://10.0.1.5:8003/metrics"]
+    pod_labels = urls["http://10.0.1.5:8002/metrics"]
+    assert (pod_labels["namespace"], pod_labels["pod"]) == (NS, "server-0")
+    rules = yaml.safe_load((K8S / "monitoring" / "prometheus-adapter-rules.yaml").read_text())["rules"]
+    assert all("namespace=" in r["seriesQuery"] and "pod!=" in r["seriesQuery"] for r in rules)
+    # And the NetworkPolicy lets a Prometheus in the monitoring namespace reach both.
+    assert allowed(docs(overlay), PROMETHEUS, SERVER, 8002) and allowed(docs(overlay), PROMETHEUS, SERVER, 8003)
+
+
+def test_prometheus_relabelling_can_drop_a_target() -> None:
+    """The evaluator's keep rule bites: a pod without the annotation is not scraped."""
+    pod_template = {"metadata": {"name": "p", "namespace": NS, "labels": {}},
+                    "spec": {"containers": [{"ports": [{"name": "metrics", "containerPort": 8002}]}]}}
+    assert k8s_prometheus.scrape_urls(k8s_prometheus.pod_targets(pod_template, "10.0.0.1", "n"),
+                                      k8s_prometheus.jobs()["kubernetes-pods"]) == {}
+
+
+# ------------------------------------------------------------------- scheduling on managed GPU nodes
+#: Single-GPU node shapes: the default GPU overlay must fit the first group; the smaller ones need
+#: components/gpu-small-node, and fit with it. The README's table says the same (checked below).
+GPU_NODES_DEFAULT = [
+    k8s_nodes.gke("g2-standard-8", 8, 32, "nvidia-l4"),
+    k8s_nodes.gke("g2-standard-16", 16, 64, "nvidia-l4"),
+    k8s_nodes.gke("a2-highgpu-1g", 12, 85, "nvidia-tesla-a100"),
+    k8s_nodes.eks("g5.2xlarge", 8, 32, 58),
+    k8s_nodes.eks("g6.2xlarge", 8, 32, 58),
+    k8s_nodes.eks("g5.4xlarge", 16, 64, 234),
+    k8s_nodes.eks("g6e.2xlarge", 8, 64, 58),
+    k8s_nodes.aks("Standard_NC8as_T4_v3", 8, 56),
+    k8s_nodes.aks("Standard_NC24ads_A100_v4", 24, 220),
+]
+GPU_NODES_SMALL = [
+    k8s_nodes.eks("g5.xlarge", 4, 16, 58),
+    k8s_nodes.aks("Standard_NC4as_T4_v3", 4, 28),
+]
+
+
+def _server_pod(overlay: str) -> dict[str, Any]:
+    return objects(overlay)[("Deployment", NS)]["spec"]["template"]["spec"]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("node", GPU_NODES_DEFAULT, ids=lambda n: n.name)
+def test_gpu_overlay_schedules_on_common_single_gpu_nodes(node: k8s_nodes.Node) -> None:
+    spec = _server_pod("gpu")
+    assert k8s_nodes.unschedulable(spec, node) == []
+    (container,) = spec["containers"]
+    # A pod at its memory limit must not push the node into memory pressure.
+    assert k8s_nodes.quantity(container["resources"]["limits"]["memory"]) <= node.memory
+
+
+@pytest.mark.parametrize("node", GPU_NODES_SMALL, ids=lambda n: n.name)
+def test_small_gpu_nodes_take_the_small_node_component(node: k8s_nodes.Node) -> None:
+    assert k8s_nodes.unschedulable(_server_pod("gpu"), node) != []
+    spec = _server_pod("gpu+gpu-small-node")
+    assert k8s_nodes.unschedulable(spec, node) == []
+    (container,) = spec["containers"]
+    assert k8s_nodes.quantity(container["resources"]["limits"]["memory"]) <= node.memory
+
+
+def test_the_old_gpu_pod_would_stay_pending() -> None:
+    """The issue's findings, through the same evaluator: a gpu.present node selector and 8 CPU / 32 GiB."""
+    old = {**_server_pod("gpu"), "nodeSelector": {"nvidia.com/gpu.present": "true"}}
+    old["containers"] = [{**old["containers"][0], "resources": {"requests": {"cpu": "8", "memory": "32Gi",
+                                                                             "nvidia.com/gpu": 1}}}]
+    gke, eks = GPU_NODES_DEFAULT[0], GPU_NODES_DEFAULT[3]
+    assert k8s_nodes.unschedulable(old, gke)[0] == "node selector nvidia.com/gpu.present=true not on the node"
+    assert any(r.startswith("cpu: requests 8,") for r in k8s_nodes.unschedulable(old, eks))
+    # And an EKS node group's default 20 GiB disk cannot hold the image and /tmp (README: 100 GiB or more).
+    small_disk = k8s_nodes.eks("g5.2xlarge", 8, 32, 58, disk=20 * k8s_nodes.GIB)
+    assert any(r.startswith("ephemeral-storage") for r in k8s_nodes.unschedulable(_server_pod("gpu"), small_disk))
+
+
+def test_readme_lists_every_node_shape_with_its_verdict() -> None:
+    text = (K8S / "README.md").read_text()
+    for node, verdict in [*((n, "default") for n in GPU_NODES_DEFAULT),
+                          *((n, "gpu-small-node") for n in GPU_NODES_SMALL)]:
+        provider, shape = node.name.split(" ", 1)
+        assert re.search(rf"^\| {provider} \| `{re.escape(shape)}` \|.*\| {verdict} \|$", text, re.MULTILINE), shape
+
+
+@pytest.mark.parametrize("overlay", [*OVERLAYS, "gpu+gpu-small-node"])
+def test_ephemeral_storage_covers_the_pods_disk_volumes(overlay: str) -> None:
+    """The kubelet evicts a pod whose containers and disk-backed emptyDirs together pass its containers'
+    ephemeral-storage limits: those limits must hold every such volume at its sizeLimit."""
+    spec = _server_pod(overlay)
+    disk_volumes = sum(k8s_nodes.quantity(v["emptyDir"].get("sizeLimit", 0)) for v in spec["volumes"]
+                       if "emptyDir" in v and v["emptyDir"].get("medium") != "Memory")
+    limits = [c.get("resources", {}).get("limits", {}).get("ephemeral-storage") for c in spec["containers"]]
+    if overlay.startswith("gpu"):
+        assert None not in limits  # set explicitly: the caches in /tmp are large
+    if None not in limits:
+        assert sum(k8s_nodes.quantity(x) for x in limits) > disk_volumes
+    memory_volumes = sum(k8s_nodes.quantity(v["emptyDir"]["sizeLimit"]) for v in spec["volumes"]
+                         if v.get("emptyDir", {}).get("medium") == "Memory")
+    assert memory_volumes < k8s_nodes.quantity(spec["containers"][0]["resources"]["limits"]["memory"])
+
+
+#: What a new pod may wait through between two steps of a rollout, each at its budget (seconds): a node
+#: scaled up (GPU: until the GPU is allocatable, up to 15 min per the cluster autoscaler's notes), the image
+#: pulled (CPU ~2 GB; GPU 16-18 GB compressed from nvcr.io), the GPU model volume filled on a first
+#: install; then the startup probe's whole budget.
+ROLLOUT_WAITS = {
+    "cpu": {"node": 300, "pull": 180},
+    "gpu": {"node": 900, "pull": 600, "model fill": 600},
+}
+
+
+@pytest.mark.parametrize("overlay", [*OVERLAYS, "gpu+gpu-small-node"])
+def test_progress_deadline_outlasts_a_pod_coming_up(overlay: str) -> None:
+    """Past progressDeadlineSeconds `kubectl rollout status` reports a failed rollout (exit 1) while the pod
+    is still coming up: it must exceed the waits of a new pod, the startup probe's budget included."""
+    deploy = objects(overlay)[("Deployment", NS)]
+    (container,) = deploy["spec"]["template"]["spec"]["containers"]
+    probe = container["startupProbe"]
+    startup = probe.get("initialDelaySeconds", 0) + probe["periodSeconds"] * probe["failureThreshold"]
+    waits = sum(ROLLOUT_WAITS["gpu" if overlay.startswith("gpu") else "cpu"].values()) + startup
+    deadline = deploy["spec"].get("progressDeadlineSeconds", 600)
+    assert deadline >= waits, f"{overlay}: progressDeadlineSeconds {deadline} < {waits}"
+    if overlay == "gpu":
+        assert 600 < waits  # Kubernetes' default would fail the README's `kubectl rollout status`
+        assert re.search(rf"sum\s+{waits} s", (K8S / "overlays" / "gpu" / "deployment-patch.yaml").read_text())
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_replicas_spread_over_nodes_and_the_store_is_not_chowned_each_start(overlay: str) -> None:
+    spec = _server_pod(overlay)
+    assert spec["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
+    (spread,) = spec["topologySpreadConstraints"]
+    assert (spread["topologyKey"], spread["whenUnsatisfiable"], spread["maxSkew"]) == (
+        "kubernetes.io/hostname", "ScheduleAnyway", 1)
+    labels = objects(overlay)[("Deployment", NS)]["spec"]["template"]["metadata"]["labels"]
+    assert selector_matches(spread["labelSelector"], labels)
 
 
 def test_networkpolicy_expose_example_admits_outside_clients_on_grpc_only() -> None:
