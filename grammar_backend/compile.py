@@ -12,7 +12,7 @@ import contract
 from grammar_backend import json_strings
 from grammar_backend.errors import CompileError
 from grammar_backend.regex_dialect import misplaced_anchor, portable_regex
-from grammar_backend.spec import ConstraintKind, ConstraintOptions, ConstraintSpec
+from grammar_backend.spec import ConstraintKind, ConstraintOptions, ConstraintSpec, choice_ebnf
 
 XGRAMMAR_VERSION: Final = importlib.metadata.version("xgrammar")
 
@@ -53,33 +53,6 @@ def compile_json(compiler: xgr.GrammarCompiler, schema: str, options: Constraint
     what they measure is what is served.
     """
     return json_strings.compile_json_schema(compiler, schema, **json_format_kwargs(options))
-
-
-def choice_ebnf(choices: list[str]) -> str:
-    """An EBNF grammar whose language is exactly the given strings."""
-    return "root ::= " + " | ".join(_ebnf_literal(c) for c in choices)
-
-
-def _ebnf_literal(text: str) -> str:
-    out = []
-    for ch in text:
-        if ch in '"\\':
-            out.append("\\" + ch)
-        elif " " <= ch <= "~":
-            out.append(ch)
-        else:
-            # Escapes keep control characters and non-ASCII out of the grammar
-            # source; xgrammar's EBNF parser reads \uXXXX as one code point.
-            out.extend(f"\\u{unit:04x}" for unit in _utf16_units(ch))
-    return '"' + "".join(out) + '"'
-
-
-def _utf16_units(ch: str) -> list[int]:
-    code = ord(ch)
-    if code < 0x10000:
-        return [code]
-    code -= 0x10000
-    return [0xD800 + (code >> 10), 0xDC00 + (code & 0x3FF)]
 
 
 def compile_spec(compiler: xgr.GrammarCompiler, spec: ConstraintSpec) -> xgr.CompiledGrammar:

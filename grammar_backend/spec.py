@@ -585,3 +585,35 @@ def embedded_schemas(node: Any, pointer: str = "") -> list[tuple[str, Any]]:
         for i, value in enumerate(node):
             found.extend(embedded_schemas(value, f"{pointer}/{i}"))
     return found
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    """An EBNF grammar whose language is exactly the given strings.
+
+    Pure Python (no grammar library): the ``llm`` model's native mode maps a
+    ``choice`` constraint with it inside TensorRT-LLM's environment, where the
+    project's xgrammar is never imported (``python -m deploy.image_check llm``).
+    """
+    return "root ::= " + " | ".join(_ebnf_literal(c) for c in choices)
+
+
+def _ebnf_literal(text: str) -> str:
+    out = []
+    for ch in text:
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif " " <= ch <= "~":
+            out.append(ch)
+        else:
+            # Escapes keep control characters and non-ASCII out of the grammar
+            # source; xgrammar's EBNF parser reads \uXXXX as one code point.
+            out.extend(f"\\u{unit:04x}" for unit in _utf16_units(ch))
+    return '"' + "".join(out) + '"'
+
+
+def _utf16_units(ch: str) -> list[int]:
+    code = ord(ch)
+    if code < 0x10000:
+        return [code]
+    code -= 0x10000
+    return [0xD800 + (code >> 10), 0xDC00 + (code & 0x3FF)]

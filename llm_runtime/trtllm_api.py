@@ -18,9 +18,12 @@ import inspect
 from types import ModuleType
 from typing import Final
 
+import numpy as np
+
 from grammar_backend.errors import ConfigError
 
-__all__ = ["TRTLLM_GUIDED_API", "TRTLLM_VERSION", "check_trtllm_api", "import_tensorrt_llm"]
+__all__ = ["TRTLLM_GUIDED_API", "TRTLLM_HOST_BUFFERS", "TRTLLM_VERSION", "check_trtllm_api", "host_buffers",
+           "import_tensorrt_llm"]
 
 #: The TensorRT-LLM release this engine is written against (NGC tritonserver
 #: 26.04-26.07 trtllm-python-py3).  The grammar decoder subclasses private API,
@@ -35,6 +38,12 @@ TRTLLM_GUIDED_API: Final[dict[str, dict[str, tuple[str, ...] | None]]] = {
                       "from_llm_request": None, "guided_decoding_params": None, "request_id": None,
                       "seq_slot": None, "new_token": None, "is_draft": None, "draft_tokens": None},
 }
+
+
+#: The host buffers ``GuidedDecoder.__init__`` creates (instance attributes, so
+#: :func:`check_trtllm_api` cannot see them on the class) that the grammar
+#: decoder writes: name -> dimensions (int32, on the host).
+TRTLLM_HOST_BUFFERS: Final = {"bitmask_host": 2, "token_mask_host": 1}
 
 
 def import_tensorrt_llm() -> ModuleType:
@@ -105,3 +114,50 @@ def check_trtllm_api(guided_decoder: ModuleType, creator: ModuleType) -> None:
     if problems:
         raise ConfigError(f"llm: TensorRT-LLM's guided decoder is not the {TRTLLM_VERSION} API this engine hooks: "
                           + "; ".join(problems))
+
+
+def host_buffers(decoder: object, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """NumPy views of a built ``GuidedDecoder``'s ``bitmask_host`` and ``token_mask_host``.
+
+    Parameters
+    ----------
+    decoder : object
+        The decoder after ``GuidedDecoder.__init__`` ran.
+    width : int
+        Words per row the grammar side writes (:attr:`GrammarRows.width`).
+
+    Raises
+    ------
+    grammar_backend.errors.ConfigError
+        A buffer missing, or not an int32 host tensor of the shape the
+        grammar decoder writes (every difference at once, with the version).
+    """
+    problems: list[str] = []
+    views: dict[str, np.ndarray] = {}
+    for name, dims in TRTLLM_HOST_BUFFERS.items():
+        buffer = getattr(decoder, name, None)
+        if buffer is None:
+            problems.append(f"GuidedDecoder.{name} is missing")
+            continue
+        try:
+            view = buffer.numpy()  # a CPU tensor's memory, shared; a CUDA tensor refuses
+        except (AttributeError, TypeError, RuntimeError) as err:
+            problems.append(f"GuidedDecoder.{name} is not a host tensor ({type(buffer).__name__}: {err})")
+            continue
+        if view.dtype != np.int32 or view.ndim != dims:
+            problems.append(f"GuidedDecoder.{name} is {view.dtype} {tuple(view.shape)}, expected int32 with {dims} "
+                            f"dimension{'s' if dims > 1 else ''}")
+            continue
+        views[name] = view
+    bitmask, token_mask = views.get("bitmask_host"), views.get("token_mask_host")
+    if bitmask is not None and token_mask is not None:
+        if bitmask.shape[1] < width:
+            problems.append(f"GuidedDecoder.bitmask_host has {bitmask.shape[1]} words per row, the vocabulary "
+                            f"needs {width}")
+        if token_mask.shape[0] != bitmask.shape[0]:
+            problems.append(f"GuidedDecoder.token_mask_host has {token_mask.shape[0]} rows, bitmask_host "
+                            f"{bitmask.shape[0]}")
+    if problems or bitmask is None or token_mask is None:
+        raise ConfigError(f"llm: TensorRT-LLM's guided decoder is not the {TRTLLM_VERSION} API this engine hooks: "
+                          + "; ".join(problems))
+    return bitmask, token_mask

@@ -37,7 +37,7 @@ from tensorrt_llm._torch.pyexecutor import (  # type: ignore[import-not-found,un
 from grammar_backend.errors import ConfigError
 
 from .grammar_hook import GrammarRows
-from .trtllm_api import check_trtllm_api
+from .trtllm_api import check_trtllm_api, host_buffers
 
 __all__ = ["GrammarModelDecoder", "check_installed", "installed"]
 
@@ -57,10 +57,10 @@ class GrammarModelDecoder(_guided.GuidedDecoder):  # type: ignore[misc,name-defi
     def __init__(self, *args: Any, grammar: GrammarRows, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.grammar = grammar
-        # Views of TensorRT-LLM's pinned host buffers, made once; the words past
-        # the tokenizer's vocabulary (vocab_size_padded) stay 0: never sampled.
-        self._bitmask_np = self.bitmask_host.numpy()
-        self._token_mask_np = self.token_mask_host.numpy()
+        # Views of TensorRT-LLM's pinned host buffers, made once (checked: they are
+        # instance attributes, which check_trtllm_api cannot see on the class); the
+        # words past the tokenizer's vocabulary (vocab_size_padded) stay 0: never sampled.
+        self._bitmask_np, self._token_mask_np = host_buffers(self, grammar.width)
         self._bitmask_np[:, grammar.width:] = 0
 
     def _build(self, requests: Any) -> list[tuple[int, str]]:

@@ -12,13 +12,24 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2
 
-from deploy.image_check import TRTLLM_OWNED, pinned_requirements
+from deploy.image_check import (
+    NATIVE_SAMPLES,
+    TRTLLM_OWNED,
+    CheckError,
+    Environment,
+    check_llm_environment,
+    check_requirements_hold,
+    pinned_requirements,
+)
+from grammar_backend.spec import SpecLimits, parse_constraint
 from llm_runtime.model_config import LlmModelConfig
 from triton_support.params import from_parameters, parameter_values
 
@@ -115,6 +126,166 @@ def test_dockerfile_llm_additions_leave_tensorrt_llms_pins_alone() -> None:
     text = (REPO / "requirements-gpu-llm.txt").read_text()
     assert not names  # ranges only
     assert not [n for n in TRTLLM_OWNED if re.search(rf"^{re.escape(n)}\b", text, re.MULTILINE)]
+
+
+# ------------------------------------------------------------------ the llm environment, as NVIDIA leaves it
+TRTLLM_REQUIRES = [line.split("#", 1)[0].strip() for line in
+                   (REPO / "tests" / "fixtures" / "trtllm" / "tensorrt_llm-requires.txt").read_text().splitlines()
+                   if line.split("#", 1)[0].strip()]
+
+
+def put_dist(site: Path, name: str, version: str, requires: tuple[str, ...] | list[str] = ()) -> None:
+    """Install (the metadata of) a distribution into ``site``, replacing any other version of it."""
+    for old in site.glob(f"{name.replace('-', '_')}-*.dist-info"):
+        shutil.rmtree(old)
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+                                   + "".join(f"Requires-Dist: {r}\n" for r in requires))
+
+
+def nvidia_image(site: Path) -> None:
+    """TensorRT-LLM's environment as the NGC 26.07 image's Dockerfile leaves it: tensorrt_llm 1.2.1 with
+    some of its requirements (an image has them all but one; these are the ones the cases touch), and
+    opencv-python-headless installed with it and then uninstalled (fixture header)."""
+    put_dist(site, "tensorrt_llm", "1.2.1", TRTLLM_REQUIRES)
+    put_dist(site, "torch", "2.9.1")
+    put_dist(site, "pydantic", "2.11.7", ["typing-extensions>=4.12.2"])
+    put_dist(site, "typing_extensions", "4.15.0")
+    put_dist(site, "jsonschema", "4.17.3", ["attrs>=17.4.0"])
+    put_dist(site, "attrs", "25.3.0")
+    put_dist(site, "opencv-python-headless", "4.12.0.88", ["numpy>=2"])
+    shutil.rmtree(next(site.glob("opencv_python_headless-*.dist-info")))  # pip3 uninstall -y opencv-python-headless
+
+
+def snapshot(site: Path, out: Path) -> Path:
+    """The Dockerfile's `python3 -m pip list --format=json > llm-env.before.json`, of ``site``."""
+    listed = subprocess.run([sys.executable, "-m", "pip", "list", "--format=json", "--path", str(site)],
+                            capture_output=True, text=True, check=True)
+    out.write_text(listed.stdout)
+    return out
+
+
+def test_nvidia_image_does_not_hold_every_requirement_tensorrt_llm_declares(tmp_path: Path) -> None:
+    """Why the check judges changes: the image as NVIDIA ships it fails a check of every declaration."""
+    nvidia_image(tmp_path)
+    env = Environment.read([str(tmp_path)])
+    assert "opencv-python-headless" in env.requires["tensorrt-llm"]
+    with pytest.raises(CheckError, match=r"opencv-python-headless \(not installed\)"):
+        check_requirements_hold(env.requires["tensorrt-llm"], "tensorrt_llm 1.2.1", env.versions)
+
+
+def _upgrade_jsonschema(site: Path) -> None:
+    """pip's answer to ``jsonschema>=4.18,<5`` over the image's 4.17.3."""
+    put_dist(site, "jsonschema", "4.26.0", ["attrs>=22.2.0", "referencing>=0.28.4", "rpds-py>=0.25.0"])
+    put_dist(site, "referencing", "0.37.0", ["attrs>=22.2.0", "rpds-py>=0.7.0"])
+    put_dist(site, "rpds-py", "0.30.0")
+
+
+@pytest.mark.parametrize(
+    ("image_jsonschema", "expected"),
+    [
+        # The image's jsonschema (one of TensorRT-LLM's own requirements) is in the range: pip changes nothing.
+        ("4.25.1", "nothing"),
+        ("4.17.3", "jsonschema 4.17.3 -> 4.26.0, referencing absent -> 0.37.0, rpds-py absent -> 0.30.0"),
+    ],
+)
+def test_llm_environment_passes_what_the_image_and_the_additions_leave(tmp_path: Path, image_jsonschema: str,
+                                                                       expected: str) -> None:
+    site = tmp_path / "site"
+    nvidia_image(site)
+    put_dist(site, "jsonschema", image_jsonschema, ["attrs>=17.4.0"])
+    before = snapshot(site, tmp_path / "llm-env.before.json")
+    if image_jsonschema == "4.17.3":
+        _upgrade_jsonschema(site)
+    found = check_llm_environment(REPO / "requirements-gpu-llm.txt", before, Environment.read([str(site)]))
+    assert found == ["tensorrt-llm 1.2.1", f"changed by requirements-gpu-llm.txt: {expected}"]
+
+
+@pytest.mark.parametrize(
+    ("install", "message"),
+    [
+        (lambda site: put_dist(site, "pydantic", "2.8.2", ["typing-extensions>=4.6.1"]),
+         r"tensorrt-llm 1\.2\.1 requires pydantic>=2\.9\.1 \(installed: 2\.8\.2\)"),
+        (lambda site: put_dist(site, "torch", "2.13.0"), r"torch changed \(2\.9\.1 -> 2\.13\.0\): TensorRT-LLM owns it"),
+        (lambda site: put_dist(site, "jsonschema", "4.26.0", ["attrs>=22.2.0", "referencing>=0.28.4"]),
+         r"jsonschema 4\.26\.0 requires referencing>=0\.28\.4 \(not installed\)"),
+        (lambda site: shutil.rmtree(next(site.glob("typing_extensions-*.dist-info"))),
+         r"pydantic 2\.11\.7 requires typing-extensions>=4\.12\.2 \(not installed\)"),
+    ],
+    ids=["downgrades-a-requirement", "changes-an-owned-package", "leaves-its-own-requirement-out", "removes"],
+)
+def test_llm_environment_names_what_the_additions_broke(tmp_path: Path, install: Callable[[Path], None],
+                                                        message: str) -> None:
+    site = tmp_path / "site"
+    nvidia_image(site)
+    before = snapshot(site, tmp_path / "llm-env.before.json")
+    install(site)
+    with pytest.raises(CheckError, match=rf"^the install broke TensorRT-LLM's environment: .*{message}"):
+        check_llm_environment(REPO / "requirements-gpu-llm.txt", before, Environment.read([str(site)]))
+
+
+def test_llm_environment_refuses_a_snapshot_that_is_not_pips(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    nvidia_image(site)
+    (tmp_path / "before.json").write_text("jsonschema==4.17.3\n")
+    with pytest.raises(CheckError, match=r"before.json: not the output of `pip list --format=json`"):
+        check_llm_environment(REPO / "requirements-gpu-llm.txt", tmp_path / "before.json",
+                              Environment.read([str(site)]))
+
+
+def test_native_samples_are_preprocessings_wire_form() -> None:
+    """The image check maps each kind as the llm model receives it: validated, canonical payloads."""
+    for kind, payload in NATIVE_SAMPLES:
+        assert parse_constraint(kind, payload, "", SpecLimits()).wire()["payload"] == payload
+
+
+# ------------------------------------------------------------------ the GPU tests, in the image
+#: What the launcher, the gateway and the client import beyond the standard library, numpy and pytest.
+LAUNCHER_PACKAGES = ("grpc", "grpc_health", "tritonclient", "aiohttp", "psutil", "openai", "xgrammar",
+                     "llguidance", "transformers")
+
+
+def test_gpu_tests_collect_without_the_launchers_packages() -> None:
+    """tests/gpu collects with the standard library, pytest and tests.support: the client, the launcher and
+    the gateway are imported by its fixtures, so a missing package is a skip reason, not a collection error."""
+    code = ("import sys\n"
+            f"for name in {LAUNCHER_PACKAGES!r}:\n    sys.modules[name] = None\n"
+            "import pytest\n"
+            "sys.exit(pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider', 'tests/gpu', '-m', 'gpu or trtllm']))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=False,
+                         env={**os.environ, "REQUIRE_ASSETS": "0"})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "4 tests collected" in out.stdout
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="needs root and setpriv to run as the image's user")
+def test_gpu_test_script_runs_as_the_images_user() -> None:
+    """deploy/gpu/test_gpu.sh as uid 10001 (the image's USER), with only its own directory writable: it makes
+    its venv over the grammar environment and runs pytest; here the GPU parts are missing, so with
+    REQUIRE_ASSETS=1 (its default) the run stops naming them, and with 0 every test skips."""
+    home = Path(tempfile.mkdtemp(prefix="gpu-user-"))  # not under pytest's tmp_path: that is root's, mode 0700
+    os.chown(home, 10001, 10001)
+    try:
+        _run_gpu_script_as_the_user(home)
+    finally:
+        shutil.rmtree(home)
+
+
+def _run_gpu_script_as_the_user(home: Path) -> None:
+    base = {"PATH": "/usr/bin:/bin", "HOME": str(home), "GRAMMAR_PYTHON": sys.executable,
+            "TRTLLM_PYTHON": "/usr/bin/python3", "TEST_ENV": str(home / "env")}
+    argv = ["setpriv", "--reuid=10001", "--regid=10001", "--clear-groups", "env", "-i",
+            *(f"{k}={v}" for k, v in base.items())]
+    strict = subprocess.run([*argv, "bash", "deploy/gpu/test_gpu.sh"], cwd=REPO, capture_output=True, text=True,
+                            check=False)
+    assert strict.returncode == 4, strict.stdout + strict.stderr  # pytest's usage error
+    assert "REQUIRE_ASSETS=1 but tensorrt_llm is not installed in /usr/bin/python3" in strict.stderr
+    lenient = subprocess.run([*argv, "REQUIRE_ASSETS=0", "bash", "deploy/gpu/test_gpu.sh"], cwd=REPO,
+                             capture_output=True, text=True, check=False)
+    assert lenient.returncode == 0, lenient.stdout + lenient.stderr
+    assert "4 skipped" in lenient.stdout
 
 
 def render_gpu_repository(tmp_path: Path, **env: str) -> Path:
