@@ -44,6 +44,17 @@ allows only the end tokens, so TensorRT-LLM ends the request at this step; a
 row error is also returned in ``_build``'s failure list (TensorRT-LLM 1.2
 ends those requests with the error).  :meth:`GrammarRows.remove` returns the
 row's outcome when the request finishes and ends its grammar sequence.
+
+A request the engine ends before TensorRT-LLM does (a stop string, a stall,
+an exception) is aborted, and TensorRT-LLM drops it only at a later
+iteration (``_handle_canceled_requests``): the next one or two builds still
+list it, under the overlap scheduler also from ``previous_batch``.  Removing
+its row then would fail those builds' rows with "no grammar sequence", which
+TensorRT-LLM turns into ``_handle_errors`` mid-iteration.  So the engine
+:meth:`~GrammarRows.retire`-s the row instead: its outcome is read and its
+grammar sequence ended at once, and until TensorRT-LLM's final output lets
+the engine :meth:`~GrammarRows.remove` it, the row is written with the end
+tokens only and never fails.
 """
 
 from __future__ import annotations
@@ -165,6 +176,10 @@ class _Row:
     terminated: bool = False
     reasoning_tokens: int | None = None
     reasoning_cut: bool = False
+    retired: bool = False  # ended here, its grammar sequence too; TensorRT-LLM may still list it
+
+    def outcome(self) -> RowOutcome:
+        return RowOutcome(self.error, self.close_state, self.terminated, self.reasoning_tokens, self.reasoning_cut)
 
 
 #: Fills the unused entries of the per-step row list (no allocation per step).
@@ -256,16 +271,39 @@ class GrammarRows:
         return backend
 
     def remove(self, seq_ids: Sequence[int]) -> list[RowOutcome | None]:
-        """Forget finished requests and end their grammar sequences (one call); ``None`` for an unknown id."""
+        """Forget requests TensorRT-LLM has finished and end their grammar sequences (one call).
+
+        Returns each row's outcome, ``None`` for an unknown id.
+        """
         with self._lock:
             rows = [self._by_seq.pop(s, None) for s in seq_ids]
-        ended = [r.seq_id for r in rows if r is not None]
-        if ended:
+        gone = {r.seq_id for r in rows if r is not None}
+        if gone:
             with self._step_lock:
-                for slot in [k for k, r in self._by_slot.items() if r.seq_id in ended]:
+                for slot in [k for k, r in self._by_slot.items() if r.seq_id in gone]:
                     del self._by_slot[slot]
-                self._provider.end(ended)
-        return [None if r is None else RowOutcome(r.error, r.close_state, r.terminated, r.reasoning_tokens, r.reasoning_cut) for r in rows]
+                ended = [r.seq_id for r in rows if r is not None and not r.retired]
+                if ended:
+                    self._provider.end(ended)
+        return [None if r is None else r.outcome() for r in rows]
+
+    def retire(self, seq_id: int) -> RowOutcome | None:
+        """End a request's grammar sequence while TensorRT-LLM may still list it; returns its outcome.
+
+        For a request the engine ended and aborted before TensorRT-LLM's final
+        output for it: until :meth:`remove`, every build writes its row with the
+        end tokens only and reports no failure (see the module docstring).
+        ``None`` for an unknown id.
+        """
+        with self._lock:
+            row = self._by_seq.get(seq_id)
+        if row is None:
+            return None
+        with self._step_lock:
+            if not row.retired:
+                row.retired = True
+                self._provider.end([seq_id])
+        return row.outcome()
 
     @property
     def row_count(self) -> int:
@@ -277,7 +315,7 @@ class GrammarRows:
         """The row's state now (``None``: no such row)."""
         with self._lock:
             r = self._by_seq.get(seq_id)
-        return None if r is None else RowOutcome(r.error, r.close_state, r.terminated, r.reasoning_tokens, r.reasoning_cut)
+        return None if r is None else r.outcome()
 
     def stats(self) -> RowsStats:
         """The counters (see :class:`RowsStats`)."""
@@ -344,6 +382,9 @@ class GrammarRows:
             if row is None:
                 failed.append((rid, "no grammar sequence for this request"))
                 self._write_end(bitmask, token_mask, offset)
+                continue
+            if row.retired:
+                self._write_end(bitmask, token_mask, offset)  # its abort is on its way: no failure
                 continue
             if row.error is None and (req.is_draft or req.draft_tokens):
                 row.error = "speculative decoding is not supported with the grammar model's constraints"

@@ -81,7 +81,7 @@ import contract
 from contract.finish import FinishEvent, FinishReason
 from grammar_backend.errors import InvalidArgument
 from grammar_backend.regex_dialect import portable_regex
-from grammar_backend.spec import ConstraintKind, ConstraintOptions, SpecLimits, constraint_spec
+from grammar_backend.spec import ConstraintKind, ConstraintOptions, SpecLimits, choice_ebnf, constraint_spec
 from triton_support.metrics import Snapshot
 
 from .checkpoint import checkpoint_end_tokens
@@ -257,8 +257,6 @@ def native_guided_kwargs(constraint: ConstraintRequest) -> dict[str, Any]:
     if kind is ConstraintKind.EBNF:
         return {"grammar": spec.payload}
     if kind is ConstraintKind.CHOICE:
-        from grammar_backend.compile import choice_ebnf
-
         return {"grammar": choice_ebnf(spec.document)}
     if kind is ConstraintKind.STRUCTURAL_TAG:
         return {"structural_tag": json.dumps(spec.document)}
@@ -490,7 +488,7 @@ class TrtllmGenerator:
         """Abort a request; it ends with a ``CANCELLED`` :class:`FinishEvent`."""
         with self._lock:
             req = self._live.get(request_id)
-            if req is None:
+            if req is None or req.finished:
                 return False
             req.cancelled = True
             result = req.result
@@ -563,6 +561,8 @@ class TrtllmGenerator:
         error: str | None = None
         status: str | None = None
         stop_string = False
+        outputs: AsyncIterator[Any] | None = None
+        held = False  # TensorRT-LLM holds the request: its final output has not come
         try:
             if req.cancelled:
                 raise _Cancelled
@@ -571,7 +571,7 @@ class TrtllmGenerator:
                 sampling["guided_decoding"] = self._guided_cls(**req.guided)
             result = self._llm.generate_async({"prompt_token_ids": req.prompt.tolist()},
                                               self._sampling_cls(**sampling), streaming=True)
-            req.result = result
+            req.result, held = result, True
             if req.cancelled:
                 result.abort()
             outputs = aiter(result)
@@ -579,7 +579,9 @@ class TrtllmGenerator:
                 try:
                     out = await next_output(outputs, self._cfg.stall_timeout_s)
                 except StopAsyncIteration:
+                    held = False
                     break
+                held = not out.finished
                 done = False
                 for tok in out.outputs[0].token_ids_diff:
                     req.generated += 1
@@ -589,7 +591,6 @@ class TrtllmGenerator:
                     delta = req.detok.push(tok)
                     if req.detok.stopped:
                         stop_string, reason, done = True, "stop", True
-                        result.abort()
                     req.callback(TokenEvent(delta, (int(tok),)))
                     if done:
                         break
@@ -607,23 +608,48 @@ class TrtllmGenerator:
         except Exception as err:  # noqa: BLE001 -- the request ends with the error; the engine goes on
             _log.exception("TensorRT-LLM request %s failed", req.rid)
             reason, error, status = "error", f"generation failed: {err}", status_of(err)
-            if req.result is not None:
-                req.result.abort()
+        if held:
+            # Ended here first (a stop string, an end token before the final output, a
+            # stall, an error): TensorRT-LLM drops the request at a later iteration.
+            req.result.abort()
         # Ending the grammar row is a channel call that may wait for a decoder step:
-        # off the loop thread, which serves every other stream.
-        await asyncio.get_running_loop().run_in_executor(
-            self._finishers, functools.partial(self._deliver_finish, req, reason, error=error, status=status,
-                                               stop_string=stop_string))
+        # off the loop thread, which serves every other stream.  The client gets its
+        # answer now; a request TensorRT-LLM still holds keeps a retired row (end
+        # tokens only, never a failure) until its final output.
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._finishers, functools.partial(
+            self._deliver_finish, req, reason, error=error, status=status, stop_string=stop_string, retire=held))
+        if held:
+            if outputs is not None:
+                await self._until_final(req, outputs)
+            await loop.run_in_executor(self._finishers, self._release, req)
+
+    async def _until_final(self, req: _Request, outputs: AsyncIterator[Any]) -> None:
+        """Wait for TensorRT-LLM's final output of an aborted request (bounded by the stall timeout)."""
+        try:
+            while not (await next_output(outputs, self._cfg.stall_timeout_s)).finished:
+                pass
+        except StopAsyncIteration:
+            pass
+        except Exception:  # noqa: BLE001 -- its client has its answer; the row is released all the same
+            _log.exception("TensorRT-LLM request %s: no final output after its abort; releasing its grammar row",
+                           req.rid)
 
     def _deliver_finish(self, req: _Request, reason: FinishReason, *, error: str | None = None,
-                        status: str | None = None, stop_string: bool = False) -> None:
+                        status: str | None = None, stop_string: bool = False, retire: bool = False) -> None:
+        """Send the request's :class:`FinishEvent`.
+
+        ``retire``: TensorRT-LLM still holds the request, so its grammar row is
+        retired and the request stays live until :meth:`_release`; otherwise
+        the row is removed and the request released here.
+        """
         if req.finished:
             return
         req.finished = True
         close_reason = None
         reasoning_tokens, reasoning_cut = None, False
         if req.has_row and self._rows is not None:
-            outcome = self._rows.remove([req.seq_id])[0]
+            outcome = self._rows.retire(req.seq_id) if retire else self._rows.remove([req.seq_id])[0]
             if outcome is None and reason != "error":
                 reason, error, status = "error", "the grammar row is missing", "INTERNAL"
             elif outcome is not None and outcome.error is not None and status != CANCELLED:
@@ -634,10 +660,8 @@ class TrtllmGenerator:
                 reason, close_reason = closed_finish(reason, outcome.close_state, stop_string)
             if outcome is not None:
                 reasoning_tokens, reasoning_cut = outcome.reasoning_tokens, outcome.reasoning_cut
-        with self._lock:
-            self._live.pop(req.rid, None)
-            self._drained.notify_all()
-        self._publish()
+        if not retire:
+            self._forget(req)
         tail = req.detok.finish()
         try:
             if tail:
@@ -649,6 +673,18 @@ class TrtllmGenerator:
                                      reasoning_tokens=reasoning_tokens, reasoning_cut=reasoning_cut))
         except Exception:  # noqa: BLE001 -- a caller's bug must not stop the loop; logged
             _log.exception("event callback of request %s raised", req.rid)
+
+    def _release(self, req: _Request) -> None:
+        """TensorRT-LLM is done with a request whose finish was delivered: remove its retired row."""
+        if req.has_row and self._rows is not None:
+            self._rows.remove([req.seq_id])
+        self._forget(req)
+
+    def _forget(self, req: _Request) -> None:
+        with self._lock:
+            self._live.pop(req.rid, None)
+            self._drained.notify_all()
+        self._publish()
 
 
 class _Cancelled(Exception):

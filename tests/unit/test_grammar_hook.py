@@ -16,7 +16,7 @@ kernel are :func:`apply_rows`: rows whose ``token_mask`` is 0 stay unmasked.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -34,6 +34,7 @@ from llm_runtime.grammar_hook import GrammarRows, RowOutcome
 from llm_runtime.local_mask import LocalMaskProvider
 from llm_runtime.mask import ConstraintRequest, MaskStep
 from tests.support.tiny_model import TinyModelInfo
+from tests.support.trtllm_emulation import Guide, GuidedRequest, GuidedRequests, LlmRequestNames, apply_rows
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -89,14 +90,7 @@ PAD_WORDS = 2
 
 
 @dataclass
-class Guide:
-    """``tllm.GuidedDecodingParams``: ``guide`` is the string the request was given."""
-
-    guide: str
-
-
-@dataclass
-class Request:
+class Request(LlmRequestNames):
     """What an ``LlmRequest`` shows the guided decoder, and its state in the executor."""
 
     request_id: int
@@ -105,69 +99,31 @@ class Request:
     chunks: int = 1  # context chunks; the matcher starts at the last one
     tokens: list[int] = field(default_factory=list)  # prompt + generated (get_tokens(0))
     chunk: int = 0
-    state: str = "context"  # context | generation | paused | complete
+    state: str = "context"  # context | generation | paused | aborting | complete
     seq_slot: int | None = None
     max_tokens: int = 48
+    listed_after_abort: int = 0  # builds that listed it after the engine ended and aborted it
 
     @property
     def generated(self) -> list[int]:
         return self.tokens[len(self.prompt):]
 
-
-@dataclass(slots=True)
-class GuidedRequest:
-    """TensorRT-LLM's ``GuidedRequest`` (the fields GrammarRows reads, the two predicates verbatim)."""
-
-    guided_decoding_params: Guide | None
-    request_id: int
-    seq_slot: int | None
-    is_context_init_state: bool
-    is_last_context_chunk: bool
-    is_generation_in_progress_state: bool
-    new_token: int | None
-    is_draft: bool = False
-    draft_tokens: list[int] = field(default_factory=list)
-
-    @classmethod
-    def from_llm_request(cls, r: Request) -> GuidedRequest:
-        ctx = r.state == "context"
-        return cls(r.guide, r.request_id, r.seq_slot, ctx, ctx and r.chunk == r.chunks - 1,
-                   r.state == "generation", r.tokens[-1])
-
-    def require_matcher_init(self) -> bool:
-        if self.guided_decoding_params is None or self.is_draft:
-            return False
-        return self.is_context_init_state and self.is_last_context_chunk
-
-    def require_matcher_advance(self) -> bool:
-        if self.guided_decoding_params is None or self.is_draft:
-            return False
-        return self.is_generation_in_progress_state
-
-
-@dataclass
-class GuidedRequests:
-    """TensorRT-LLM's ``GuidedRequests`` (no draft tokens: one row per request)."""
-
-    requests: list[GuidedRequest]
-    num_contexts: int
+    @property
+    def guided_decoding_params(self) -> Guide | None:
+        return self.guide
 
     @property
-    def num_bitmask_tokens(self) -> int:
-        return len(self.requests)
+    def is_last_context_chunk(self) -> bool:
+        return self.chunk == self.chunks - 1
 
-    def valid_requests_with_offsets(self) -> Iterator[tuple[GuidedRequest, int]]:
-        for offset, req in enumerate(self.requests):
-            if req.guided_decoding_params is not None and req.seq_slot is not None:
-                yield req, offset
+    @property
+    def is_generation_in_progress_state(self) -> bool:
+        return self.state in ("generation", "aborting")
 
 
-def apply_rows(logits: torch.Tensor, bitmask: np.ndarray, token_mask: np.ndarray, vocab: int) -> None:
-    """``GuidedDecoder.execute`` after the build: the ``logits_bitmask`` kernel, rows with token_mask 1 only."""
-    rows = [i for i in range(logits.shape[0]) if token_mask[i]]
-    if rows:
-        xgr.apply_token_bitmask_inplace(logits, torch.from_numpy(bitmask[: logits.shape[0]]), vocab_size=vocab,
-                                        indices=rows)
+def allowed_tokens(row: np.ndarray, vocab: int) -> set[int]:
+    """The token ids a bitmask row leaves."""
+    return {t for t in range(vocab) if row[t // 32] >> (t % 32) & 1}
 
 
 class Executor:
@@ -179,31 +135,55 @@ class Executor:
     there leaves the batch's generation state); ``add_batch`` is called again
     and ``execute`` builds and applies the masks; then step N samples.
     Without overlap (``_executor_loop``) the tokens land before the forward.
+
+    ``abort_at``: the engine ends a request when it has this many tokens (a
+    stop string in them) and aborts it, calling ``on_abort`` as the token's
+    response reaches it.  The executor handles the abort only at a later
+    iteration (``_handle_canceled_requests``): the request stays in the
+    batch for :data:`ABORT_LAG` more builds, what it samples meanwhile is
+    dropped, and then it completes with its final (cancelled) output,
+    ``on_final``.  Every build's failed rows go to :attr:`failed`; with
+    ``strict`` (the default) any failure stops the run.
     """
 
-    def __init__(self, engine: TorchEngine, rows: GrammarRows, *, overlap: bool, max_slots: int = 16) -> None:
-        self.engine, self.rows, self.overlap = engine, rows, overlap
+    #: Builds that still list an aborted request (the issue's "builds N+1 and N+2").
+    ABORT_LAG = 2
+
+    def __init__(self, engine: TorchEngine, rows: GrammarRows, *, overlap: bool, max_slots: int = 16,
+                 strict: bool = True) -> None:
+        self.engine, self.rows, self.overlap, self.strict = engine, rows, overlap, strict
         width = bitmask_width(engine.vocab_size) + PAD_WORDS
         self.bitmask = np.full((max_slots, width), -1, dtype=np.int32)  # bitmask_host (stale rows on purpose)
         self.token_mask = np.ones(max_slots, dtype=np.int32)  # token_mask_host
         self.free = list(range(max_slots))
         self.builds = 0
+        self.failed: list[tuple[int, str]] = []
         self.pause_at: dict[int, tuple[int, int]] = {}  # request id -> (generated count, steps paused)
         self._paused_for: dict[int, int] = {}
+        self.abort_at: dict[int, int] = {}  # request id -> generated count at which the engine aborts it
+        self.on_abort: Callable[[Request], None] = lambda r: None
+        self.on_final: Callable[[Request], None] = lambda r: None
+        self.aborted_rows: list[set[int]] = []  # tokens each build left an aborting request
+
+    def _complete(self, r: Request) -> None:
+        r.state = "complete"
+        self.engine.release(r.request_id)
+        if r.seq_slot is not None:
+            self.free.append(r.seq_slot)
+            r.seq_slot = None
 
     def _update(self, reqs: list[Request], sampled: dict[int, int]) -> None:
         """``_update_requests``: the sampled tokens land; finished requests complete and free their slot."""
         for r in reqs:
             t = sampled.get(r.request_id)
-            if t is None or r.state == "complete":
+            if t is None or r.state in ("complete", "aborting"):
                 continue
             r.tokens.append(t)
             if t in self.engine.eos_token_ids or len(r.generated) >= r.max_tokens:
-                r.state = "complete"
-                self.engine.release(r.request_id)
-                if r.seq_slot is not None:
-                    self.free.append(r.seq_slot)
-                    r.seq_slot = None
+                self._complete(r)
+            elif self.abort_at.get(r.request_id) == len(r.generated):
+                r.state = "aborting"
+                self.on_abort(r)
             elif r.request_id in self.pause_at and len(r.generated) == self.pause_at[r.request_id][0]:
                 # _pause_requests: the KV cache is freed; the request comes back as a context of all its tokens.
                 r.state = "paused"
@@ -226,7 +206,8 @@ class Executor:
                     r.state, r.chunk, r.chunks = "context", 0, 1
                 else:
                     self._paused_for[rid] = left - 1
-            batch = [r for r in reqs if r.state == "context"] + [r for r in reqs if r.state == "generation"]
+            batch = ([r for r in reqs if r.state == "context"]
+                     + [r for r in reqs if r.state in ("generation", "aborting")])
             if not batch and not pending:
                 continue
             for r in batch:
@@ -234,7 +215,7 @@ class Executor:
                     r.seq_slot = self.free.pop(0)
             # The forward (launched before the previous tokens reach the host under overlap).
             logits_rows: dict[int, torch.Tensor] = {}
-            gen = [r for r in batch if r.state == "generation"]
+            gen = [r for r in batch if r.state in ("generation", "aborting")]
             if gen:
                 last = [pending.get(r.request_id, r.tokens[-1]) if self.overlap else r.tokens[-1] for r in gen]
                 for r, row in zip(gen, self.engine.decode([r.request_id for r in gen], last), strict=True):
@@ -251,18 +232,26 @@ class Executor:
             guided = GuidedRequests([GuidedRequest.from_llm_request(r) for r in batch],
                                     sum(r.state == "context" for r in batch))
             failed = self.rows.build(guided, self.bitmask, self.token_mask)
-            assert failed == []
+            self.failed += failed
+            assert not (self.strict and failed), failed
             self.builds += 1
             logits = torch.stack([logits_rows.get(r.request_id, torch.zeros(self.engine.vocab_size)) for r in batch])
             apply_rows(logits, self.bitmask, self.token_mask, self.engine.vocab_size)
-            for r in batch:
+            for i, r in enumerate(batch):
                 if r.state == "context":
                     if r.chunk < r.chunks - 1:
                         r.chunk += 1  # an earlier chunk: no token sampled
                         continue
                     r.state = "generation"
                 if r.state == "generation":
-                    pending[r.request_id] = int(logits[batch.index(r)].argmax())
+                    pending[r.request_id] = int(logits[i].argmax())
+                elif r.state == "aborting":
+                    r.listed_after_abort += 1
+                    self.aborted_rows.append(allowed_tokens(self.bitmask[i], self.engine.vocab_size)
+                                             if self.token_mask[i] else set(range(self.engine.vocab_size)))
+                    if r.listed_after_abort == self.ABORT_LAG:  # _handle_canceled_requests, then its final output
+                        self._complete(r)
+                        self.on_final(r)
             previous = [r for r in batch if r.request_id in pending]
 
 
@@ -361,6 +350,71 @@ def test_rows_past_the_vocabulary_stay_masked(engine: TorchEngine, provider: Cou
     check_outputs(engine, rows, reqs, ["regex"])
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["executor_loop", "executor_loop_overlap"])
+def test_a_request_the_engine_ended_is_listed_two_more_builds_without_failing(
+        engine: TorchEngine, provider: CountingProvider, grammar: GrammarEngine, overlap: bool) -> None:
+    """A stop string at step 3: the engine retires the row and aborts; builds 4 and 5 still list the request
+    (TensorRT-LLM drops it at a later iteration): end tokens only, no failure, no grammar step for it; its final
+    output removes the row; the other rows decode as without it."""
+    kinds: list[str | None] = ["json", "regex", "choice"]
+    plain_rows = rows_for(engine, CountingProvider(grammar))
+    plain = requests_for(engine, plain_rows, kinds)
+    Executor(engine, plain_rows, overlap=overlap).run(plain)
+    check_outputs(engine, plain_rows, plain, kinds)
+    rows = rows_for(engine, provider)
+    reqs = requests_for(engine, rows, kinds)
+    ex = Executor(engine, rows, overlap=overlap)
+    ex.abort_at = {100: 3}
+    retired: list[RowOutcome | None] = []
+    stepped_before = [0]
+
+    def abort(r: Request) -> None:  # TrtllmGenerator._deliver_finish(retire=True)
+        retired.append(rows.retire(1000))
+        stepped_before[0] = len(provider.step_rows)
+
+    def release(r: Request) -> None:  # TrtllmGenerator._release, at TensorRT-LLM's final output
+        rows.remove([1000])
+
+    ex.on_abort, ex.on_final = abort, release
+    ex.run(reqs)
+    assert ex.failed == [] and reqs[0].listed_after_abort == Executor.ABORT_LAG
+    assert retired == [RowOutcome(None, 0, False)] and grammar.active_count == 2
+    assert ex.aborted_rows == [set(engine.eos_token_ids)] * Executor.ABORT_LAG
+    # The retired sequence is never stepped again: only the two others are in the steps after it.
+    assert max(provider.step_rows[stepped_before[0]:]) <= 2
+    assert [r.generated for r in reqs[1:]] == [r.generated for r in plain[1:]]
+    assert (rows.row_count, rows.remove([1000])) == (2, [None])  # its final output removed it
+    assert [o is not None and o.error is None for o in rows.remove([1001, 1002])] == [True, True]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["executor_loop", "executor_loop_overlap"])
+def test_removing_the_row_at_the_abort_fails_the_builds_that_still_list_it(
+        engine: TorchEngine, provider: CountingProvider, overlap: bool) -> None:
+    """What retire() is for: the row removed as the engine ends the request (the old order) makes the next
+    build fail the request, which TensorRT-LLM turns into _handle_errors mid-iteration."""
+    rows = rows_for(engine, provider)
+    reqs = requests_for(engine, rows, ["regex"])
+    ex = Executor(engine, rows, overlap=overlap, strict=False)
+    ex.abort_at = {100: 2}
+    def remove(r: Request) -> None:  # the old order: removed as the engine ends the request
+        rows.remove([1000])
+
+    ex.on_abort = remove
+    ex.run(reqs)
+    assert ex.failed == [(100, "no grammar sequence for this request")] * Executor.ABORT_LAG
+
+
+def test_retire_is_idempotent_and_remove_after_it_ends_nothing_twice(engine: TorchEngine,
+                                                                     provider: CountingProvider,
+                                                                     grammar: GrammarEngine) -> None:
+    rows = rows_for(engine, provider)
+    rows.start(5, CONSTRAINTS["regex"][0])
+    assert rows.retire(5) == rows.retire(5) == RowOutcome(None, 0, False)
+    assert (grammar.active_count, rows.row_count, rows.retire(6)) == (0, 1, None)
+    assert rows.remove([5]) == [RowOutcome(None, 0, False)]
+    assert rows.row_count == 0
+
+
 def view(seq: int | None, *, slot: int = 0, init: bool = True, token: int | None = None,
          draft: list[int] | None = None) -> GuidedRequests:
     req = GuidedRequest(None if seq is None else Guide(f"constrained-llm-sequence-{seq}"), 7, slot, init, init,
@@ -385,7 +439,7 @@ def test_failed_rows_are_returned_and_left_only_end_tokens(engine: TorchEngine, 
     provider.fail_steps = case == "step fails"
     requests = view(99 if case == "unknown sequence" else 5, draft=[1] if case == "draft tokens" else None)
     assert rows.build(requests, bitmask, token_mask) == [(7, message)]
-    allowed = {t for t in range(engine.vocab_size) if bitmask[0, t // 32] >> (t % 32) & 1}
+    allowed = allowed_tokens(bitmask[0], engine.vocab_size)
     assert (allowed, token_mask.tolist()) == (set(engine.eos_token_ids), [1, 0])
     outcome = rows.remove([5])[0]
     assert outcome is not None and outcome.error == (None if case == "unknown sequence" else message)
@@ -401,7 +455,7 @@ def test_a_malformed_answer_fails_the_steps_rows(engine: TorchEngine, provider: 
     provider.short_masks = True
     message = f"bitmask must be int32 [1, {width}], got int32 (1, {width - 1})"
     assert rows.build(view(5), bitmask, token_mask) == [(7, message)]
-    allowed = {t for t in range(engine.vocab_size) if bitmask[0, t // 32] >> (t % 32) & 1}
+    allowed = allowed_tokens(bitmask[0], engine.vocab_size)
     assert allowed == set(engine.eos_token_ids)
     outcome = rows.remove([5])[0]
     assert outcome is not None and outcome.error == message
@@ -417,7 +471,7 @@ def test_a_terminated_row_keeps_only_end_tokens(engine: TorchEngine, provider: C
     for t in [*engine.tokenizer.encode("north").ids, tiny.eos_token_id]:
         assert rows.build(view(5, init=False, token=t), bitmask, token_mask) == []
     assert rows.outcome(5) == RowOutcome(None, 0, True)
-    allowed = {t for t in range(engine.vocab_size) if bitmask[0, t // 32] >> (t % 32) & 1}
+    allowed = allowed_tokens(bitmask[0], engine.vocab_size)
     assert allowed == set(engine.eos_token_ids)
     assert [o is not None and o.terminated for o in rows.remove([5, 6])] == [True, False]
 

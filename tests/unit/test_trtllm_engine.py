@@ -1,10 +1,9 @@
 """The TensorRT-LLM engine: what runs without the package, and the real thing where it is installed.
 
-The ``trtllm`` tests need ``tensorrt_llm``, a GPU (the NGC
-``trtllm-python-py3`` image, see deploy/gpu/README.md) and a checkpoint at
-``$TRTLLM_TEST_MODEL``; they skip cleanly elsewhere, and fail under
-``REQUIRE_ASSETS=1`` (``make test-gpu``).  The grammar logic they exercise is the shared processor, which
-tests/unit/test_grammar_hook.py drives with the real torch model everywhere.
+The engine over TensorRT-LLM's executor as emulated is
+tests/unit/test_trtllm_generator.py; the real package, on a GPU, in the image,
+is tests/gpu (``make test-gpu``, deploy/gpu/README.md).  The grammar rows are
+tests/unit/test_grammar_hook.py's, with the real torch model.
 """
 
 from __future__ import annotations
@@ -36,7 +35,6 @@ from llm_runtime.trtllm_engine import (
     occupancy,
     trtllm_sampling_kwargs,
 )
-from tests.support import assets
 from triton_support.params import from_parameters
 
 HAVE_TRTLLM = importlib.util.find_spec("tensorrt_llm") is not None
@@ -220,48 +218,6 @@ def test_sampler_type_checked() -> None:
 )
 def test_gpu_occupancy_gauges(live: int, compiling: int, max_batch: int, expected: tuple[int, int]) -> None:
     assert occupancy(live, compiling, max_batch) == expected
-
-
-@pytest.mark.trtllm
-@pytest.mark.gpu
-def test_trtllm_engine_decodes_a_schema_through_the_grammar_decoder() -> None:
-    """The real TensorRT-LLM PyTorch backend, masks from the in-process grammar engine (needs TRTLLM_TEST_MODEL)."""
-    model = str(assets.trtllm_test_model())
-    import threading
-
-    import xgrammar as xgr
-    from transformers import AutoTokenizer
-
-    from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
-    from llm_runtime.local_mask import LocalMaskProvider
-    from llm_runtime.scheduler import FinishEvent, GenerationRequest, TokenEvent
-    from llm_runtime.trtllm_engine import TrtllmGenerator
-
-    hf = AutoTokenizer.from_pretrained(model, local_files_only=True)
-    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
-    grammar = GrammarEngine(xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab), "t", GrammarEngineConfig())
-    gen = TrtllmGenerator(TrtllmConfig(model_dir=model, max_batch=8, max_seq_len=1024), LocalMaskProvider(grammar))
-    try:
-        schema = '{"type":"object","properties":{"n":{"type":"integer"}},"required":["n"],"additionalProperties":false}'
-        done = threading.Event()
-        events: list[TokenEvent | FinishEvent] = []
-
-        def on_event(event: TokenEvent | FinishEvent) -> None:
-            events.append(event)
-            if isinstance(event, FinishEvent):
-                done.set()
-
-        ids = hf.encode("Give a JSON object with an integer n.")
-        gen.submit(GenerationRequest(ids, constraint=ConstraintRequest("json_schema", schema, ""), max_tokens=32,
-                                     temperature=0.0), on_event)
-        assert done.wait(120)
-        fin = events[-1]
-        assert isinstance(fin, FinishEvent) and fin.finish_reason in ("stop", "length"), fin
-        assert set(json.loads(fin.text)) == {"n"}
-        assert gen.summary()["grammar_requests"] >= 1
-    finally:
-        gen.close()
-        grammar.close()
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,211 @@
+"""TrtllmGenerator, the llm model's TensorRT-LLM engine, over TensorRT-LLM's executor as emulated (no GPU here).
+
+The engine, its grammar decoder (``GrammarModelDecoder``, the real subclass)
+and the grammar rows are the project's code as it runs on a GPU host; below
+them, :mod:`tests.support.trtllm_emulation` stands in for the LLM API and the
+executor loop in TensorRT-LLM's order, with the tiny torch model's forward and
+the real grammar engine behind the rows.  What this cannot show (TensorRT-LLM's
+own timing, CUDA, the real package's private API) is the first GPU host's:
+``deploy/gpu/preflight.sh`` and ``make test-gpu``.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import xgrammar as xgr
+from transformers import AutoTokenizer
+
+import llm_runtime
+from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
+from grammar_backend.errors import ConfigError
+from llm_runtime import trtllm_engine
+from llm_runtime.engine import TorchEngine, TorchEngineConfig
+from llm_runtime.local_mask import LocalMaskProvider
+from llm_runtime.mask import ConstraintRequest
+from llm_runtime.scheduler import FinishEvent, GenerationRequest, TokenEvent
+from llm_runtime.trtllm_api import TRTLLM_VERSION
+from llm_runtime.trtllm_engine import TrtllmConfig, TrtllmGenerator
+from tests.support.poll import wait_for
+from tests.support.tiny_model import TinyModelInfo
+from tests.support.trtllm_emulation import GuidedDecoder, Trtllm, install
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+CHOICE = ConstraintRequest("choice", '["north", "south"]', "")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny: TinyModelInfo) -> TorchEngine:
+    return TorchEngine(tiny.path, TorchEngineConfig(max_batch_size=8, max_seq_len=320))
+
+
+@pytest.fixture
+def grammar(tiny: TinyModelInfo) -> Iterator[GrammarEngine]:
+    hf = AutoTokenizer.from_pretrained(str(tiny.path), local_files_only=True)
+    info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=tiny.vocab_size, stop_token_ids=[tiny.eos_token_id])
+    g = GrammarEngine(info, "tiny", GrammarEngineConfig(max_batch=8))
+    yield g
+    assert g.active_count == 0, "a grammar sequence leaked"
+    g.close()
+
+
+@pytest.fixture
+def trtllm(monkeypatch: pytest.MonkeyPatch, engine: TorchEngine) -> Iterator[Callable[..., Trtllm]]:
+    """Install the emulated package; the engine's import gate returns it (the real one also asks for CUDA)."""
+
+    def start(**kwargs: object) -> Trtllm:
+        made = install(monkeypatch, engine, **kwargs)  # type: ignore[arg-type]
+        monkeypatch.delattr(llm_runtime, "trtllm_decoder", raising=False)
+        monkeypatch.setattr(trtllm_engine, "import_tensorrt_llm", lambda: made.module)
+        return made
+
+    yield start
+    # The decoder module was imported against the emulated classes: never reuse it.
+    sys.modules.pop("llm_runtime.trtllm_decoder", None)
+    if hasattr(llm_runtime, "trtllm_decoder"):
+        delattr(llm_runtime, "trtllm_decoder")
+
+
+class Events:
+    """A request's events, and its finish."""
+
+    def __init__(self) -> None:
+        self.tokens: list[TokenEvent] = []
+        self.finish: FinishEvent | None = None
+        self.done = threading.Event()
+
+    def __call__(self, event: TokenEvent | FinishEvent) -> None:
+        if isinstance(event, FinishEvent):
+            self.finish = event
+            self.done.set()
+        else:
+            self.tokens.append(event)
+
+    def wait(self) -> FinishEvent:
+        assert self.done.wait(120), "no FinishEvent"
+        assert self.finish is not None
+        return self.finish
+
+
+def generator(tiny: TinyModelInfo, grammar: GrammarEngine) -> TrtllmGenerator:
+    return TrtllmGenerator(TrtllmConfig(model_dir=str(tiny.path), max_batch=8, max_seq_len=320),
+                           LocalMaskProvider(grammar))
+
+
+def ticked(executor: Any, events: Events) -> FinishEvent:
+    """Run the manual executor one iteration at a time, the engine reacting to each before the next, until
+    the request (the last one submitted) has its finish."""
+    while not events.done.is_set():
+        executor.tick()
+        if executor.results[-1].done:  # its final output was taken: the finish follows
+            break
+    return events.wait()
+
+
+def test_a_stop_string_ends_a_constrained_request_cleanly(trtllm: Callable[..., Trtllm], tiny: TinyModelInfo,
+                                                          grammar: GrammarEngine, engine: TorchEngine) -> None:
+    """A stop string inside a constrained output ends the request before TensorRT-LLM's final output: the
+    client gets its finish at once; the next iteration still schedules and builds the request (it fetches the
+    abort at its start), and fails nothing; its row goes when the final (cancelled) output comes."""
+    made = trtllm(manual=True)
+    gen = generator(tiny, grammar)
+    try:
+        executor = made.executor
+        assert executor is not None
+        prompt = engine.tokenizer.encode("hello world").ids
+        regex = ConstraintRequest("regex", "[a-z]{12,20}", "")
+        whole = Events()
+        gen.submit(GenerationRequest(prompt, constraint=regex, max_tokens=24, temperature=0.0), whole)
+        text = ticked(executor, whole).text
+        stop = text[5:7]  # greedy: the same output again, cut where this first appears
+        stopped = Events()
+        gen.submit(GenerationRequest(prompt, constraint=regex, max_tokens=24, temperature=0.0, stop=(stop,)),
+                   stopped)
+        fin = ticked(executor, stopped)
+        assert (fin.finish_reason, fin.stop_string, fin.error, fin.text) == ("stop", True, None,
+                                                                            text[:text.index(stop)])
+        assert gen._rows is not None
+        held = gen._rows.row_count  # retired, not removed: TensorRT-LLM still holds the request
+        executor.tick()  # fetches the abort, builds the request once more, sends its final output
+        assert (executor.failed, held) == ([], 1)
+        wait_for(lambda: gen._rows is not None and gen._rows.row_count == 0, 60, "the row removed at the final output")
+        assert grammar.active_count == 0
+    finally:
+        gen.close()
+
+
+def test_a_cancelled_constrained_request_ends_cancelled(trtllm: Callable[..., Trtllm], tiny: TinyModelInfo,
+                                                        grammar: GrammarEngine, engine: TorchEngine) -> None:
+    made = trtllm()
+    gen = generator(tiny, grammar)
+    try:
+        events = Events()
+        first = threading.Event()
+
+        def on_event(event: TokenEvent | FinishEvent) -> None:
+            events(event)
+            first.set()
+
+        regex = ConstraintRequest("regex", "[a-z ]{40,60}", "")
+        rid = gen.submit(GenerationRequest(engine.tokenizer.encode("yes no").ids, constraint=regex, max_tokens=64,
+                                           temperature=0.0), on_event)
+        assert first.wait(60)
+        assert gen.cancel(rid) is True
+        fin = events.wait()
+        assert (fin.finish_reason, fin.status, fin.error) == ("error", "CANCELLED", "request cancelled")
+        assert gen._rows is not None and gen._rows.row_count == 0
+        assert made.executor is not None and made.executor.failed == []
+    finally:
+        gen.close()
+
+
+class NoTokenMask(GuidedDecoder):
+    """A TensorRT-LLM whose decoder no longer makes ``token_mask_host`` (an instance attribute)."""
+
+    buffers = ("bitmask_host",)
+
+
+def test_the_grammar_decoder_refuses_a_decoder_without_its_host_buffers(trtllm: Callable[..., Trtllm],
+                                                                        tiny: TinyModelInfo,
+                                                                        grammar: GrammarEngine) -> None:
+    """check_trtllm_api reads the classes; the buffers are made in __init__: checked there, with the
+    configuration error, not an AttributeError on the first step."""
+    trtllm(decoder_cls=NoTokenMask)
+    with pytest.raises(ConfigError, match=rf"not the {TRTLLM_VERSION} API this engine hooks: "
+                                          r"GuidedDecoder\.token_mask_host is missing$"):
+        generator(tiny, grammar)
+
+
+@pytest.mark.parametrize(
+    ("buffers", "message"),
+    [
+        ({"bitmask_host": "cuda", "token_mask_host": (4,)}, r"GuidedDecoder\.bitmask_host is not a host tensor"),
+        ({"bitmask_host": (4, 2), "token_mask_host": (4,)}, r"bitmask_host has 2 words per row, the vocabulary needs 3"),
+        ({"bitmask_host": (4, 3), "token_mask_host": (5,)}, r"token_mask_host has 5 rows, bitmask_host 4"),
+        ({"bitmask_host": (4, 3, 1), "token_mask_host": (4,)},
+         r"bitmask_host is int32 \(4, 3, 1\), expected int32 with 2 dimensions"),
+    ],
+)
+def test_host_buffers_names_what_differs(buffers: dict[str, tuple[int, ...] | str], message: str) -> None:
+    import types
+
+    import torch
+
+    from llm_runtime.trtllm_api import host_buffers
+
+    decoder = types.SimpleNamespace(**{
+        name: types.SimpleNamespace(numpy=functools.partial(_cuda_numpy, name)) if isinstance(shape, str)
+        else torch.zeros(shape, dtype=torch.int32)
+        for name, shape in buffers.items()})
+    with pytest.raises(ConfigError, match=message):
+        host_buffers(decoder, 3)
+
+
+def _cuda_numpy(name: str) -> None:
+    raise TypeError(f"can't convert cuda:0 device type tensor {name} to numpy")
