@@ -6,7 +6,7 @@
 #   make render      build/model_repository from model_repository/ templates
 #   make serve       tritonserver in the foreground on $(HOST):$(GRPC_PORT) (Ctrl-C stops it)
 #   make test        unit then integration tests
-#   make test-gpu    the gpu/trtllm tests (inside the GPU image, see deploy/gpu/README.md)
+#   make test-gpu    tests/gpu: the served GPU ensemble (inside the GPU image, see deploy/gpu/README.md)
 #   make k8s-tools   build/k8s-tools: kubectl (kustomize), kubernetes-validate, checkov
 #   make lint        ruff + mypy
 #   make bench       grammar and MaskBench benchmarks on $(SHARED)/data/maskbench-dev
@@ -147,13 +147,13 @@ serve: venv model render
 test: venv model tokenizers k8s-tools
 	REQUIRE_ASSETS=1 $(PY) -m pytest tests -q -m "not gpu and not trtllm"
 
-# Inside the GPU image (deploy/docker/Dockerfile): its system python3 has
-# tensorrt_llm and CUDA torch; TRTLLM_TEST_MODEL names a Hugging Face folder.
-# REQUIRE_ASSETS=1: no CUDA, no tensorrt_llm or no TRTLLM_TEST_MODEL is an
-# error, not a run of skips.
-GPU_PY ?= python3
+# Inside the GPU image (deploy/docker/Dockerfile), as its user: tests/gpu in the
+# grammar environment with pytest layered over it, TensorRT-LLM in its own
+# (deploy/gpu/test_gpu.sh). TRTLLM_TEST_MODEL names a Hugging Face folder
+# (default /models/hf). REQUIRE_ASSETS=1: no GPU, no tensorrt_llm or no
+# checkpoint is an error, not a run of skips.
 test-gpu:
-	REQUIRE_ASSETS=1 $(GPU_PY) -m pytest tests -q -m "gpu or trtllm" -rs
+	bash deploy/gpu/test_gpu.sh
 
 # --------------------------------------------------------------------- lint
 # Settings in pyproject.toml (mypy strict on the packages). tests/ is a run of

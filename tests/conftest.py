@@ -3,11 +3,11 @@
 Markers
 -------
 ``triton``
-    Needs the ``tritonserver`` bundled in ``nvidia-pytriton``.
+    Needs a ``tritonserver`` (bundled in ``nvidia-pytriton``, or the image's).
 ``gpu``
-    Needs CUDA (``torch.cuda.is_available()``).
+    Needs an NVIDIA GPU (``nvidia-smi -L``).
 ``trtllm``
-    Needs the ``tensorrt_llm`` package (the NGC ``trtllm-python-py3`` image).
+    Needs the ``tensorrt_llm`` package in ``$TRTLLM_PYTHON`` (the NGC ``trtllm-python-py3`` image).
 ``slow``
     Takes more than a few seconds; deselect with ``-m "not slow"``.
 
@@ -24,16 +24,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-from deploy.server import ServerConfig, TritonServer
 from tests.support import assets
+
+if TYPE_CHECKING:
+    # Imported where a server starts: deploy.server imports the gateway (grpc_health, tritonclient), which
+    # TensorRT-LLM's environment lacks, and every test module collects under this file.
+    from deploy.server import TritonServer
 
 _MARKERS = {
     "triton": "needs the tritonserver bundled in nvidia-pytriton (skipped when missing; REQUIRE_ASSETS=1: an error)",
-    "gpu": "needs a CUDA device (skipped when missing; REQUIRE_ASSETS=1: an error)",
-    "trtllm": "needs the tensorrt_llm package (skipped when missing; REQUIRE_ASSETS=1: an error)",
+    "gpu": "needs an NVIDIA GPU (skipped when missing; REQUIRE_ASSETS=1: an error)",
+    "trtllm": "needs the tensorrt_llm package in $TRTLLM_PYTHON (skipped when missing; REQUIRE_ASSETS=1: an error)",
     "slow": "takes more than a few seconds (deselect with -m 'not slow')",
     "e2e": "the full ensemble on the real model over gRPC (select with -m e2e)",
 }
@@ -72,6 +77,8 @@ def start_triton(tmp_path: Path) -> Iterator[Callable[..., TritonServer]]:
     it returns a ready :class:`deploy.server.TritonServer`.  The log goes to
     ``tmp_path/tritonserver-<n>.log`` unless ``log_file`` is given.
     """
+    from deploy.server import ServerConfig, TritonServer
+
     servers: list[TritonServer] = []
 
     def start(model_repository: Path, **fields: object) -> TritonServer:

