@@ -451,7 +451,9 @@ class TlsFiles:
         self._lock = threading.Lock()
         self.reloads = 0
         self.reload_failures = 0
+        self.generation = 0  # of the pair in :attr:`pem` and :attr:`context`: +1 at each reload
         self._identity, self.pem, self.context = self._load()
+        self._failed: tuple[tuple[int, int, int, int], ...] | None = None  # files that did not load: not again
         self._checked = clock()
 
     def _paths(self) -> tuple[Path, ...]:
@@ -486,21 +488,31 @@ class TlsFiles:
         return before, pem, context
 
     def refresh(self) -> bool:
-        """Load the files again if they changed (at most once per ``check_interval_s``); True when it did."""
+        """Load the files again if they changed (at most once per ``check_interval_s``); True when it did.
+
+        Called from gRPC's threads and from the event loop (the SNI callback,
+        where the check is a ``stat`` per file at most once a second and a
+        load only when they changed).  Files that failed to load are not
+        tried again, nor counted again, until they change.
+        """
         now = self._clock()
         with self._lock:
             if now - self._checked < self._interval:
                 return False
             self._checked = now
+            identity = None
             try:
-                if self._stat() == self._identity:
+                identity = self._stat()
+                if identity in (self._identity, self._failed):
                     return False
                 self._identity, self.pem, self.context = self._load()
             except (OSError, GatewayError) as err:
+                self._failed = identity
                 self.reload_failures += 1
                 _log.error("tls: certificate not reloaded, serving the previous one: %s", err)
                 return False
             self.reloads += 1
+            self.generation += 1
         _log.info("tls: certificate reloaded from %s", self._cert)
         return True
 
@@ -510,10 +522,15 @@ class TlsFiles:
 
     def grpc_credentials(self) -> grpc.ServerCredentials:
         """gRPC server credentials whose certificate follows the files (checked at each new connection)."""
+        handed = [self.generation]  # the pair gRPC serves (another port's handshake may have reloaded)
 
         def fetch() -> Any:
             # gRPC asks at every handshake; None keeps the certificate it has.
-            return self._grpc_config() if self.refresh() else None
+            self.refresh()
+            if self.generation == handed[0]:
+                return None
+            handed[0] = self.generation
+            return self._grpc_config()
 
         return grpc.dynamic_ssl_server_credentials(self._grpc_config(), fetch,
                                                    require_client_authentication=self._ca is not None)

@@ -52,6 +52,7 @@ from typing import Final
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
+from packaging.version import InvalidVersion, Version
 
 __all__ = [
     "BLOCKED_IN_LLM",
@@ -199,6 +200,16 @@ def _unmet(req: Requirement, versions: Mapping[str, str]) -> str | None:
     return None
 
 
+def _same_version(a: str | None, b: str | None) -> bool:
+    """Equal as versions: ``pip list`` prints them normalized (25.7), metadata as written (25.07)."""
+    if a is None or b is None:
+        return a is b
+    try:
+        return Version(a) == Version(b)
+    except InvalidVersion:
+        return a == b
+
+
 def check_requirements_hold(requirements: Iterable[str], what: str, versions: Mapping[str, str]) -> None:
     """Each requirement string (as in a requirements file) is satisfied by ``versions``.
 
@@ -228,12 +239,17 @@ def check_changes(before: Mapping[str, str], env: Environment) -> list[str]:
         Naming each broken requirement and each owned package that changed.
     """
     after = env.versions
-    changed = {n for n in before.keys() | after.keys() if before.get(n) != after.get(n)}
+    changed = {n for n in before.keys() | after.keys() if not _same_version(before.get(n), after.get(n))}
     problems = [f"{n} changed ({before.get(n, 'absent')} -> {after.get(n, 'absent')}): TensorRT-LLM owns it"
                 for n in sorted(changed & TRTLLM_OWNED)]
     for dist in sorted(after):
         for text in env.requires[dist]:
-            req = Requirement(text)
+            try:
+                req = Requirement(text)
+            except InvalidRequirement as err:
+                if dist in changed:  # an unchanged distribution's metadata is not the install's to judge
+                    problems.append(f"{dist} {after[dist]} declares an invalid requirement {text!r}: {err}")
+                continue
             if (dist in changed or canonicalize_name(req.name) in changed) and _applies(req):
                 unmet = _unmet(req, after)
                 if unmet:

@@ -307,7 +307,7 @@ class GrammarRows:
 
     @property
     def row_count(self) -> int:
-        """Registered grammar sequences (constrained requests in flight)."""
+        """Rows registered: constrained requests in flight, retired ones included until :meth:`remove`."""
         with self._lock:
             return len(self._by_seq)
 
@@ -470,9 +470,10 @@ class GrammarRows:
         try:
             for req, offset in requests.valid_requests_with_offsets():
                 row = self._by_slot.get(req.seq_slot) if req.seq_slot is not None else None
-                if row is not None:
-                    row.error = row.error or error
-                failed.append((-1 if req.request_id is None else int(req.request_id), error))
+                if row is None or not row.retired:  # a retired row's abort is on its way: never failed
+                    if row is not None:
+                        row.error = row.error or error
+                    failed.append((-1 if req.request_id is None else int(req.request_id), error))
                 if self._end_row.shape[0] == bitmask.shape[1]:
                     self._write_end(bitmask, token_mask, offset)
         except Exception:  # noqa: BLE001 -- the rows are failed already; their requests end with the error

@@ -581,6 +581,13 @@ class TrtllmGenerator:
                 except StopAsyncIteration:
                     held = False
                     break
+                except EngineStalled:
+                    raise  # it may still hold the request: aborted below
+                except Exception:
+                    # An error response (the LLM API raises it): TensorRT-LLM has ended the
+                    # request and sends nothing more for it.
+                    held = False
+                    raise
                 held = not out.finished
                 done = False
                 for tok in out.outputs[0].token_ids_diff:
@@ -622,10 +629,14 @@ class TrtllmGenerator:
         if held:
             if outputs is not None:
                 await self._until_final(req, outputs)
-            await loop.run_in_executor(self._finishers, self._release, req)
+            try:
+                await loop.run_in_executor(self._finishers, self._release, req)
+            except RuntimeError:  # close() gave up waiting and shut the finishers down
+                self._release(req)
 
     async def _until_final(self, req: _Request, outputs: AsyncIterator[Any]) -> None:
-        """Wait for TensorRT-LLM's final output of an aborted request (bounded by the stall timeout)."""
+        """Wait for TensorRT-LLM's final output of an aborted request (no more than ``stall_timeout_s``
+        between two outputs)."""
         try:
             while not (await next_output(outputs, self._cfg.stall_timeout_s)).finished:
                 pass

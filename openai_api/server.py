@@ -178,7 +178,10 @@ class OpenAIServer:
         loop = self.gateway.loop
         if loop is None or not loop.is_running():
             raise OpenAIServerError("the gateway is not running")
-        context = self.config.ssl_context()
+        # The gateway's own certificate files where the port shares its TLS (the launcher's case): one
+        # reload for both ports, counted in the gateway's metrics.
+        shared = self.gateway.tls if self.config.security == self.gateway.config.security else None
+        context = self.config.ssl_context() if shared is None else shared.ssl_context()
         try:
             asyncio.run_coroutine_threadsafe(self._start(context), loop).result(timeout_s)
         except OSError as err:

@@ -136,7 +136,8 @@ def test_sixteen_constrained_streams_at_once_are_all_valid(served: TritonServer)
 
 
 def test_the_tests_run_beside_tensorrt_llm_not_in_its_environment() -> None:
-    """The image's split: TensorRT-LLM's interpreter is another one, and this one has no tensorrt_llm."""
-    assert Path(assets.TRTLLM_PYTHON).resolve() != Path(sys.executable).resolve()
+    """The image's split: TensorRT-LLM's environment is another one, and this one has no tensorrt_llm.
+    (Environments, not interpreters: every venv's python links to the same base interpreter.)"""
+    assert _prefix(assets.TRTLLM_PYTHON) != Path(sys.prefix)
     probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('tensorrt_llm') is None)"
     assert subprocess.run([sys.executable, "-c", probe], check=False).returncode == 1

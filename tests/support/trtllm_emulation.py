@@ -19,7 +19,8 @@ versions named in ``llm_runtime/trtllm_engine.py`` and ``deploy/gpu/README.md``)
   cancels -> schedule -> ``add_batch`` -> forward -> ``execute`` -> sample ->
   ``_handle_guided_decoder_errors`` (an error response; the request ends) ->
   ``_update_requests`` -> ``_handle_canceled_requests`` (finish reason
-  ``cancelled``, the token of that iteration included) -> ``_handle_responses``.
+  ``cancelled``, the token of that iteration included) -> ``_handle_responses``;
+  requests past ``max_batch_size`` wait for a slot.
   ``GenerationResult.abort()`` queues a cancel that the next iteration
   fetches, so that iteration still schedules and builds the request; ``async
   for`` over a result yields one output per iteration (``token_ids_diff``)
@@ -260,7 +261,8 @@ class GenerationResult:
         self._executor = executor
         self._queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
-        self.done = False  # the final output (or an error) was taken
+        self.done = False  # the final output was taken
+        self.errored = False  # an error response was taken (raised); like TensorRT-LLM's, not ``done``
         self.aborted = False
         self.sent = 0  # outputs sent (executor thread) and taken (the consumer's loop)
         self.taken = 0
@@ -269,7 +271,7 @@ class GenerationResult:
     @property
     def settled(self) -> bool:
         """The consumer took everything it was sent, and waits for more or is through."""
-        return self.taken == self.sent and (self.waiting or self.done)
+        return self.taken == self.sent and (self.waiting or self.done or self.errored)
 
     def abort(self) -> None:
         self.aborted = True
@@ -292,7 +294,9 @@ class GenerationResult:
             self.waiting = False
         self.taken += 1
         if kind == "error":
-            self.done = True
+            # TensorRT-LLM's result raises from its response handler before it marks itself done
+            # (executor/result.py): nothing more comes, and a further wait would never end.
+            self.errored = True
             raise RequestError(item)
         self.done = item.finished
         return item  # type: ignore[no-any-return]
@@ -350,7 +354,8 @@ class _Executor:
                 self._cv.wait_for(lambda: self._stop or ((self._new or self.active) and self._ticks != 0))
                 if self._stop:
                     return
-                new, self._new = self._new, []
+                # _fetch_and_activate_new_requests: as many as there are free slots; the rest wait.
+                new, self._new = self._new[:len(self.free)], self._new[len(self.free):]
                 cancels, self._cancels = set(self._cancels), []
             self._iterate(new, cancels)
             with self._cv:
@@ -359,10 +364,11 @@ class _Executor:
                     self._cv.notify_all()
 
     def _iterate(self, new: list[_Request], cancels: set[int]) -> None:
-        # _fetch_and_activate_new_requests (cancels of requests not active yet stay queued)
         for r in new:
             r.seq_slot = self.free.pop(0)
         self.active += new
+        # _handle_canceled_requests clears every cancel it fetched; one of a request still waiting for a
+        # slot is dropped with it (the stored py_executor.py does the same: no final output then).
         batch = [r for r in self.active if r.state == "context"] + [r for r in self.active if r.state == "generation"]
         self.decoder.add_batch(batch)
         vocab = self.engine.vocab_size

@@ -154,6 +154,8 @@ def nvidia_image(site: Path) -> None:
     put_dist(site, "typing_extensions", "4.15.0")
     put_dist(site, "jsonschema", "4.17.3", ["attrs>=17.4.0"])
     put_dist(site, "attrs", "25.3.0")
+    # Metadata as written, not normalized: `pip list` prints 25.7 for it; it did not change.
+    put_dist(site, "nvidia-modelopt", "0.37.00", ["torch>=2.6", "no such requirement!"])
     put_dist(site, "opencv-python-headless", "4.12.0.88", ["numpy>=2"])
     shutil.rmtree(next(site.glob("opencv_python_headless-*.dist-info")))  # pip3 uninstall -y opencv-python-headless
 

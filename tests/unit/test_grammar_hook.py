@@ -404,6 +404,27 @@ def test_removing_the_row_at_the_abort_fails_the_builds_that_still_list_it(
     assert ex.failed == [(100, "no grammar sequence for this request")] * Executor.ABORT_LAG
 
 
+def test_a_failed_step_fails_no_retired_row(engine: TorchEngine, provider: CountingProvider) -> None:
+    """A step that fails as a whole (here a bitmask too narrow) fails its rows, but not a retired one."""
+    rows = rows_for(engine, provider)
+    for seq in (5, 6):
+        rows.start(seq, CONSTRAINTS["regex"][0])
+    width = bitmask_width(engine.vocab_size)
+
+    def both(init: bool) -> GuidedRequests:
+        return GuidedRequests([GuidedRequest(Guide(rows.guide(seq)), rid, slot, init, init, not init,
+                                             None if init else 100)
+                               for seq, rid, slot in ((5, 7, 0), (6, 8, 1))], 2 if init else 0)
+
+    token_mask = np.zeros(2, dtype=np.int32)
+    assert rows.build(both(True), np.zeros((2, width), dtype=np.int32), token_mask) == []
+    rows.retire(6)
+    narrow = np.zeros((2, width - 1), dtype=np.int32)
+    message = f"grammar step failed: bitmask_host has {width - 1} words per row, the vocabulary needs {width}"
+    assert rows.build(both(False), narrow, token_mask) == [(7, message)]
+    assert [o is not None and o.error for o in rows.remove([5, 6])] == [message, None]
+
+
 def test_retire_is_idempotent_and_remove_after_it_ends_nothing_twice(engine: TorchEngine,
                                                                      provider: CountingProvider,
                                                                      grammar: GrammarEngine) -> None:

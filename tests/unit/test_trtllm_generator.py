@@ -112,7 +112,7 @@ def test_a_stop_string_ends_a_constrained_request_cleanly(trtllm: Callable[..., 
                                                           grammar: GrammarEngine, engine: TorchEngine) -> None:
     """A stop string inside a constrained output ends the request before TensorRT-LLM's final output: the
     client gets its finish at once; the next iteration still schedules and builds the request (it fetches the
-    abort at its start), and fails nothing; its row goes when the final (cancelled) output comes."""
+    abort at its start), and fails nothing; its row goes when TensorRT-LLM's final output for it comes."""
     made = trtllm(manual=True)
     gen = generator(tiny, grammar)
     try:
@@ -142,25 +142,60 @@ def test_a_stop_string_ends_a_constrained_request_cleanly(trtllm: Callable[..., 
 
 def test_a_cancelled_constrained_request_ends_cancelled(trtllm: Callable[..., Trtllm], tiny: TinyModelInfo,
                                                         grammar: GrammarEngine, engine: TorchEngine) -> None:
-    made = trtllm()
+    made = trtllm(manual=True)
     gen = generator(tiny, grammar)
     try:
+        executor = made.executor
+        assert executor is not None
         events = Events()
-        first = threading.Event()
-
-        def on_event(event: TokenEvent | FinishEvent) -> None:
-            events(event)
-            first.set()
-
         regex = ConstraintRequest("regex", "[a-z ]{40,60}", "")
         rid = gen.submit(GenerationRequest(engine.tokenizer.encode("yes no").ids, constraint=regex, max_tokens=64,
-                                           temperature=0.0), on_event)
-        assert first.wait(60)
-        assert gen.cancel(rid) is True
-        fin = events.wait()
+                                           temperature=0.0), events)
+        executor.tick()
+        executor.tick()
+        assert (len(events.tokens), gen.cancel(rid)) == (2, True)
+        fin = ticked(executor, events)  # the next iteration fetches the cancel and sends the final output
         assert (fin.finish_reason, fin.status, fin.error) == ("error", "CANCELLED", "request cancelled")
         assert gen._rows is not None and gen._rows.row_count == 0
-        assert made.executor is not None and made.executor.failed == []
+        assert executor.failed == []
+    finally:
+        gen.close()
+
+
+class FailingSteps(LocalMaskProvider):
+    """The grammar side failing its steps once ``fail`` is set (the grammar model gone, say)."""
+
+    fail = False
+
+    def step(self, seq_ids: Any, tokens: Any, counts: Any, jump_forward: bool = False) -> Any:
+        if self.fail:
+            raise RuntimeError("grammar model unreachable")
+        return super().step(seq_ids, tokens, counts, jump_forward)
+
+
+def test_a_failed_grammar_row_ends_its_request_at_once_with_the_rows_error(
+        trtllm: Callable[..., Trtllm], tiny: TinyModelInfo, grammar: GrammarEngine, engine: TorchEngine) -> None:
+    """The decoder fails the row; TensorRT-LLM answers with an error response and sends nothing more: the
+    request ends with the row's error and its row is removed, not retired to wait for a final output."""
+    made = trtllm(manual=True)
+    provider = FailingSteps(grammar)
+    gen = TrtllmGenerator(TrtllmConfig(model_dir=str(tiny.path), max_batch=8, max_seq_len=320), provider)
+    try:
+        executor = made.executor
+        assert executor is not None
+        events = Events()
+        gen.submit(GenerationRequest(engine.tokenizer.encode("yes no").ids,
+                                     constraint=ConstraintRequest("regex", "[a-z]{8,12}", ""), max_tokens=16,
+                                     temperature=0.0), events)
+        executor.tick()
+        provider.fail = True
+        executor.tick()
+        fin = events.wait()
+        assert (fin.finish_reason, fin.status, fin.error) == ("error", "INTERNAL",
+                                                              "grammar step failed: grammar model unreachable")
+        assert gen._rows is not None and gen._rows.row_count == 0  # removed with the finish, not retired
+        assert executor.failed == [(1, "grammar step failed: grammar model unreachable")]
+        assert not gen._live
     finally:
         gen.close()
 
