@@ -16,12 +16,16 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-__all__ = ["CHATML", "DEFAULT_CORPUS", "TinyModelInfo", "build_tiny_llama"]
+if TYPE_CHECKING:
+    from grammar_backend.engine import GrammarEngine
+
+__all__ = ["CHATML", "DEFAULT_CORPUS", "TinyModelInfo", "build_tiny_llama", "tiny_grammar"]
 
 # The corpus mixes ASCII, punctuation used by JSON, digits and multi-byte UTF-8
 # (2-, 3- and 4-byte sequences) so that the learned vocabulary contains both
@@ -66,6 +70,18 @@ class TinyModelInfo:
     tokenizer_size: int
     vocab_size: int
     eos_token_id: int
+
+
+def tiny_grammar(tiny: TinyModelInfo, max_batch: int = 8) -> GrammarEngine:
+    """The real grammar engine over the tiny model's own tokenizer and logits width (close it after use)."""
+    import xgrammar as xgr
+
+    from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
+
+    hf = AutoTokenizer.from_pretrained(str(tiny.path), local_files_only=True)
+    info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=tiny.vocab_size, stop_token_ids=[tiny.eos_token_id])
+    return GrammarEngine(info, "tiny", GrammarEngineConfig(max_batch=max_batch),
+                         encode=lambda text: hf.encode(text, add_special_tokens=False))
 
 
 def build_tiny_llama(

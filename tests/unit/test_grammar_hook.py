@@ -22,18 +22,16 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import pytest
 import torch
-import xgrammar as xgr
-from transformers import AutoTokenizer
 
 from contract import bitmask_width
-from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
+from grammar_backend.engine import GrammarEngine
 from grammar_backend.errors import GrammarError
 from llm_runtime.engine import TorchEngine, TorchEngineConfig
 from llm_runtime.errors import EngineError
 from llm_runtime.grammar_hook import GrammarRows, RowOutcome
 from llm_runtime.local_mask import LocalMaskProvider
 from llm_runtime.mask import ConstraintRequest, MaskStep
-from tests.support.tiny_model import TinyModelInfo
+from tests.support.tiny_model import TinyModelInfo, tiny_grammar
 from tests.support.trtllm_emulation import Guide, GuidedRequest, GuidedRequests, LlmRequestNames, apply_rows
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -72,9 +70,7 @@ def engine(tiny: TinyModelInfo) -> TorchEngine:
 
 @pytest.fixture
 def grammar(tiny: TinyModelInfo) -> Iterator[GrammarEngine]:
-    hf = AutoTokenizer.from_pretrained(str(tiny.path), local_files_only=True)
-    info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=tiny.vocab_size, stop_token_ids=[tiny.eos_token_id])
-    g = GrammarEngine(info, "tiny", GrammarEngineConfig(max_batch=16))
+    g = tiny_grammar(tiny, max_batch=16)
     yield g
     assert g.active_count == 0, "a grammar sequence leaked"
     g.close()

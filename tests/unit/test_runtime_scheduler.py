@@ -23,7 +23,7 @@ import pytest
 import xgrammar as xgr
 from transformers import AutoTokenizer
 
-from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
+from grammar_backend.engine import GrammarEngine
 from grammar_backend.errors import (
     CompileError,
     ConstraintError,
@@ -45,7 +45,7 @@ from llm_runtime.scheduler import (
 )
 from pipeline.finish import finish_json, read_finish
 from tests.support.poll import poll
-from tests.support.tiny_model import TinyModelInfo, build_tiny_llama
+from tests.support.tiny_model import TinyModelInfo, build_tiny_llama, tiny_grammar
 from triton_support.params import from_parameters
 
 TIMEOUT = 60.0
@@ -212,14 +212,6 @@ def sched(engine: TorchEngine, provider: XGrammarMaskProvider) -> Iterator[Sched
     yield s
     s.close()
     assert engine.live_count == 0
-
-
-def tiny_grammar(tiny: TinyModelInfo) -> GrammarEngine:
-    """The real grammar engine over the tiny model's vocabulary (close it after use)."""
-    hf = AutoTokenizer.from_pretrained(str(tiny.path), local_files_only=True)
-    info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=tiny.vocab_size, stop_token_ids=[tiny.eos_token_id])
-    return GrammarEngine(info, "tiny", GrammarEngineConfig(max_batch=8),
-                         encode=lambda text: hf.encode(text, add_special_tokens=False))
 
 
 def prompt(engine: TorchEngine, text: str) -> list[int]:

@@ -18,11 +18,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-import xgrammar as xgr
-from transformers import AutoTokenizer
 
 import llm_runtime
-from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
+from grammar_backend.engine import GrammarEngine
 from grammar_backend.errors import ConfigError
 from llm_runtime import trtllm_engine
 from llm_runtime.engine import TorchEngine, TorchEngineConfig
@@ -32,7 +30,7 @@ from llm_runtime.scheduler import FinishEvent, GenerationRequest, TokenEvent
 from llm_runtime.trtllm_api import TRTLLM_VERSION
 from llm_runtime.trtllm_engine import TrtllmConfig, TrtllmGenerator
 from tests.support.poll import wait_for
-from tests.support.tiny_model import TinyModelInfo
+from tests.support.tiny_model import TinyModelInfo, tiny_grammar
 from tests.support.trtllm_emulation import GuidedDecoder, Trtllm, install
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -47,9 +45,7 @@ def engine(tiny: TinyModelInfo) -> TorchEngine:
 
 @pytest.fixture
 def grammar(tiny: TinyModelInfo) -> Iterator[GrammarEngine]:
-    hf = AutoTokenizer.from_pretrained(str(tiny.path), local_files_only=True)
-    info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=tiny.vocab_size, stop_token_ids=[tiny.eos_token_id])
-    g = GrammarEngine(info, "tiny", GrammarEngineConfig(max_batch=8))
+    g = tiny_grammar(tiny, max_batch=8)
     yield g
     assert g.active_count == 0, "a grammar sequence leaked"
     g.close()
