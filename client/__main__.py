@@ -174,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
                                "occurs in the output (0: off)")
     sampling.add_argument("--min-p", type=float, metavar="M",
                           help="in 0..1: sample only tokens at least M times as likely as the most likely (0: off)")
+    sampling.add_argument("--logprobs", type=int, metavar="K",
+                          help=f"in 0..{contract.MAX_TOP_LOGPROBS}: report each token's log probability and its K "
+                               "most likely alternatives (printed by --print-result, as RESULT's logprobs)")
 
     output = parser.add_argument_group("output")
     output.add_argument("--print-result", action="store_true", help="print the final RESULT JSON after the text")
@@ -334,7 +337,10 @@ def reasoning_from_args(args: argparse.Namespace) -> Reasoning | bool | dict[str
 
 def _print_result(result: Result | None, out: TextIO) -> None:
     if result is not None:
-        out.write(json.dumps(dict(result.raw), ensure_ascii=False) + "\n")
+        doc = dict(result.raw)
+        if result.logprobs is not None:  # streamed with the text, not in RESULT: shown with it here
+            doc["logprobs"] = [entry.to_openai() for entry in result.logprobs]
+        out.write(json.dumps(doc, ensure_ascii=False) + "\n")
 
 
 def main(argv: Sequence[str] | None = None, *, stdin: TextIO | None = None, stdout: TextIO | None = None,

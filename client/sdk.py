@@ -68,11 +68,14 @@ __all__ = [
     "Reasoning",
     "RequestFields",
     "Result",
+    "TokenLogprob",
+    "TopLogprob",
     "Unenforced",
     "Usage",
     "Violation",
     "as_request",
     "build_inputs",
+    "parse_logprobs",
     "parse_result",
 ]
 
@@ -87,7 +90,6 @@ FINISH_REASONS: Final = frozenset(contract.FINISH_REASONS)
 CLOSE_REASONS: Final = frozenset(contract.CLOSE_REASONS)
 #: Kinds whose RESULT carries a JSON report.
 _JSON_KINDS: Final = frozenset(contract.JSON_KINDS)
-_MESSAGE_KEYS: Final = frozenset({"role", "content"})
 # Safety net behind the gRPC stream deadline: the deadline normally ends a late
 # call first (as DEADLINE_EXCEEDED); the local wait only catches a stream that
 # neither answers nor fails.
@@ -143,6 +145,63 @@ class Unenforced:
 
     pointer: str
     keyword: str
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    """One of the most likely tokens at an output position (:attr:`TokenLogprob.top_logprobs`).
+
+    Attributes
+    ----------
+    token : str
+        Its text: its UTF-8 ``bytes`` decoded, U+FFFD where they hold part of a character.
+    bytes : list of int
+        Its UTF-8 bytes (a byte-level token may hold part of a character).
+    logprob : float
+        Its log probability (<= 0).
+    """
+
+    token: str
+    bytes: list[int]
+    logprob: float
+
+    def to_openai(self) -> dict[str, Any]:
+        """OpenAI's ``top_logprobs`` entry: ``{"token", "logprob", "bytes"}``."""
+        return {"token": self.token, "logprob": self.logprob, "bytes": list(self.bytes)}
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One output token's log probability and its most likely alternatives (request field ``logprobs``).
+
+    Taken after the grammar mask and the penalties, before temperature and
+    ``top_k``/``top_p``/``min_p`` (:func:`contract.check_logprobs`): the
+    alternatives are tokens the grammar allowed, most likely first, at most
+    the request's ``logprobs`` of them; a token the server appended without
+    sampling (jump-forward) or the grammar forced has ``logprob`` 0.0.
+
+    Attributes
+    ----------
+    token : str
+        Its text: its UTF-8 ``bytes`` decoded, U+FFFD where they hold part of
+        a character (the ``bytes`` of all entries, joined, are the output's).
+    bytes : list of int
+        Its UTF-8 bytes.
+    logprob : float
+        Its log probability (<= 0).
+    top_logprobs : tuple of TopLogprob
+        The most likely tokens at its position, most likely first.
+    """
+
+    token: str
+    bytes: list[int]
+    logprob: float
+    top_logprobs: tuple[TopLogprob, ...]
+
+    def to_openai(self) -> dict[str, Any]:
+        """OpenAI's chat ``logprobs.content`` entry: ``{"token", "logprob", "bytes", "top_logprobs"}``."""
+        return {"token": self.token, "logprob": self.logprob, "bytes": list(self.bytes),
+                "top_logprobs": [top.to_openai() for top in self.top_logprobs]}
 
 
 @dataclass(frozen=True)
@@ -228,6 +287,14 @@ class Result:
         (``max_reasoning_tokens``, or to leave room for the answer).
     reasoning_ended : bool
         The end marker was written, so the answer began (true without a thinking section).
+    seed : int or None
+        The seed the output's draws used: the request's, or the one the server
+        drew for a request without one (send it as ``seed`` to replay the
+        output); None for a request refused before generation.
+    logprobs : list of TokenLogprob or None
+        With the request field ``logprobs``: one entry per output token, in
+        order (the end token that ended the output has none), joined from the
+        streamed chunks' (:attr:`Chunk.logprobs`); None when not asked for.
     raw : Mapping[str, Any]
         The ``RESULT`` object as received.
     """
@@ -250,6 +317,8 @@ class Result:
     reasoning_tokens: int | None = None
     reasoning_cut: bool = False
     reasoning_ended: bool = True
+    seed: int | None = None
+    logprobs: list[TokenLogprob] | None = None
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
 
@@ -268,11 +337,19 @@ class Chunk:
         The thinking section's delta ("" without one, or when this piece is
         all answer).  The deltas of each part, joined, are the result's
         ``reasoning`` and ``text``.
+    logprobs : list of TokenLogprob or None
+        With the request field ``logprobs``: the entries of the tokens the
+        server delivered with this piece (None when not asked for).  They
+        follow the text closely, not exactly: a token whose text the server
+        holds back (part of a UTF-8 character, or text that may begin a stop
+        string) can have its entry in an earlier chunk than its text.  The
+        chunks' entries, joined, are :attr:`Result.logprobs`.
     """
 
     text: str
     result: Result | None = None
     reasoning: str = ""
+    logprobs: list[TokenLogprob] | None = None
 
 
 def _malformed(path: str, reason: str) -> GenerationError:
@@ -387,6 +464,7 @@ def parse_result(text: str, kind: str | None) -> Result:
         backend=backend,
         value_retries=_get(obj, "value_retries", int, "RESULT") if "value_retries" in obj else 0,
         value_dropped_tokens=_get(obj, "value_dropped_tokens", int, "RESULT") if "value_dropped_tokens" in obj else 0,
+        seed=_get(obj, "seed", int, "RESULT", nullable=True) if "seed" in obj else None,
         raw=MappingProxyType(obj),
         **_reasoning_fields(obj),
     )
@@ -405,6 +483,50 @@ def parse_result(text: str, kind: str | None) -> Result:
                                   f"constraint but is a JSON {type(parsed).__name__}, not an object", result=result)
         result = dataclasses.replace(result, parsed=parsed)
     return result
+
+
+def _bad_logprobs(path: str, reason: str) -> GenerationError:
+    return GenerationError(f"malformed response from server: {path}: {reason}")
+
+
+def _logprob_entry(obj: object, path: str) -> tuple[str, list[int], float]:
+    """``token``, ``bytes`` and ``logprob`` of one entry of a ``TOKEN_LOGPROBS`` tensor."""
+    if not isinstance(obj, dict):
+        raise _bad_logprobs(path, f"expected an object, got {type(obj).__name__}")
+    token, raw, logprob = obj.get("token"), obj.get("bytes"), obj.get("logprob")
+    if not isinstance(token, str):
+        raise _bad_logprobs(f"{path}.token", f"expected a string, got {type(token).__name__}")
+    if not isinstance(raw, list) or not all(type(b) is int and 0 <= b <= 255 for b in raw):
+        raise _bad_logprobs(f"{path}.bytes", "expected a list of byte values")
+    if isinstance(logprob, bool) or not isinstance(logprob, (int, float)) or not logprob <= 0.0:  # NaN fails too
+        raise _bad_logprobs(f"{path}.logprob", f"expected a number <= 0, got {logprob!r}")
+    return token, raw, float(logprob)
+
+
+def parse_logprobs(data: bytes) -> list[TokenLogprob]:
+    """Parse one response's ``TOKEN_LOGPROBS`` (a JSON array of OpenAI chat ``logprobs.content`` entries).
+
+    Raises
+    ------
+    GenerationError
+        It is not UTF-8 JSON of that shape.
+    """
+    try:
+        doc = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise _bad_logprobs("TOKEN_LOGPROBS", f"not a UTF-8 JSON array: {err}") from err
+    if not isinstance(doc, list):
+        raise _bad_logprobs("TOKEN_LOGPROBS", f"expected an array, got {type(doc).__name__}")
+    out = []
+    for i, item in enumerate(doc):
+        path = f"TOKEN_LOGPROBS[{i}]"
+        token, raw, logprob = _logprob_entry(item, path)
+        tops = item.get("top_logprobs")
+        if not isinstance(tops, list):
+            raise _bad_logprobs(f"{path}.top_logprobs", f"expected an array, got {type(tops).__name__}")
+        out.append(TokenLogprob(token, raw, logprob, tuple(
+            TopLogprob(*_logprob_entry(top, f"{path}.top_logprobs[{j}]")) for j, top in enumerate(tops))))
+    return out
 
 
 def _reasoning_fields(obj: Mapping[str, Any]) -> dict[str, Any]:
@@ -447,17 +569,19 @@ def _messages_json(messages: object) -> str:
         where = f"messages[{index}]"
         if not isinstance(message, Mapping):
             raise InvalidRequest(where, f"must be a mapping with role and content, got {type(message).__name__}")
-        unknown = sorted(set(message) - _MESSAGE_KEYS)
+        unknown = sorted(set(message) - set(contract.MESSAGE_KEYS))
         if unknown:
-            raise InvalidRequest(f"{where}.{unknown[0]}", "unknown key; expected role, content")
-        for key in ("role", "content"):
+            raise InvalidRequest(f"{where}.{unknown[0]}", f"unknown key; expected {', '.join(contract.MESSAGE_KEYS)}")
+        for key in contract.MESSAGE_KEYS:
             if key not in message:
+                if key == "name":
+                    continue
                 raise InvalidRequest(f"{where}.{key}", "is required")
             if not isinstance(message[key], str):
                 raise InvalidRequest(f"{where}.{key}", f"must be a string, got {type(message[key]).__name__}")
         if not message["role"]:
             raise InvalidRequest(f"{where}.role", "must not be empty")
-        out.append({"role": message["role"], "content": message["content"]})
+        out.append({key: message[key] for key in contract.MESSAGE_KEYS if key in message})
     return json.dumps(out, ensure_ascii=False, separators=(",", ":"))
 
 
@@ -496,6 +620,7 @@ class RequestFields(TypedDict, total=False):
     frequency_penalty: float | None
     presence_penalty: float | None
     min_p: float | None
+    logprobs: int | None
     reasoning: Reasoning | bool | Mapping[str, Any] | None
     require_complete: bool
 
@@ -562,6 +687,11 @@ class GenerateRequest:
     min_p : float, optional
         In [0, 1]; 0 is off.  Sample only tokens at least ``min_p`` times as
         likely as the most likely one.
+    logprobs : int, optional
+        In [0, 20] (``contract.MAX_TOP_LOGPROBS``): report each output
+        token's log probability and this many most likely alternatives
+        (:attr:`Chunk.logprobs`, :attr:`Result.logprobs`, see
+        :class:`TokenLogprob`); None (default) reports none.
     reasoning : Reasoning, bool or mapping, optional
         The model thinks first (:mod:`contract.reasoning`): the constraint
         applies after the thinking's end marker, and the result carries the
@@ -601,6 +731,7 @@ class GenerateRequest:
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     min_p: float | None = None
+    logprobs: int | None = None
     reasoning: Reasoning | bool | Mapping[str, Any] | None = None
     require_complete: bool = True
     # The checked tensors, computed once by __post_init__ (not a request field).
@@ -660,6 +791,12 @@ class GenerateRequest:
             raise InvalidRequest(err.field, err.reason) from err
         if thinking is not None:
             wire.append(_utf8("REASONING", [thinking]))
+        try:  # the server's own check, as for the sampling fields
+            logprobs = contract.check_logprobs(self.logprobs)
+        except contract.ContractError as err:
+            raise InvalidRequest(err.field, err.reason) from err
+        if logprobs is not None:
+            wire.append(("LOGPROBS", "INT32", (logprobs,)))
         return wire
 
     @property
@@ -677,7 +814,8 @@ class GenerateRequest:
         ``MAX_TOKENS`` (INT32); ``TEMPERATURE`` (FP32); ``TOP_P`` (FP32);
         ``TOP_K`` (INT32); ``SEED`` (UINT64); ``REPETITION_PENALTY``,
         ``FREQUENCY_PENALTY``, ``PRESENCE_PENALTY``, ``MIN_P`` (FP32); ``STOP`` (BYTES ``[n]``);
-        ``REASONING`` (BYTES, JSON: ``contract.reasoning.reasoning_wire``).
+        ``REASONING`` (BYTES, JSON: ``contract.reasoning.reasoning_wire``);
+        ``LOGPROBS`` (INT32).
 
         Returns
         -------
@@ -793,6 +931,10 @@ class StreamAssembler:
         self._finish_reason: str | None = None
         self._tail = ""
         self._thinking_tail = ""
+        # With log probabilities (TOKEN_LOGPROBS on each response of a request that asked): all entries so far,
+        # and those of the responses since the last chunk handed out.
+        self._logprobs: list[TokenLogprob] | None = None
+        self._tail_logprobs: list[TokenLogprob] | None = None
         self.done = False
 
     def feed(self, response: grpcclient.InferResult) -> Chunk | None:
@@ -822,6 +964,13 @@ class StreamAssembler:
         raw_result = _first_str(response, "RESULT")
         raw_finish = _first_str(response, "FINISH_REASON")
         raw_thinking = _first_str(response, "REASONING_TEXT")  # sent only when the thinking has a delta
+        raw_logprobs = _first_str(response, "TOKEN_LOGPROBS")  # sent only to a request that asked for them
+        if raw_logprobs is not None:
+            entries = parse_logprobs(raw_logprobs)
+            if self._logprobs is None or self._tail_logprobs is None:
+                self._logprobs, self._tail_logprobs = [], []
+            self._logprobs.extend(entries)
+            self._tail_logprobs.extend(entries)
         try:
             delta = self._decoder.decode(raw_text or b"", final=final)
         except UnicodeDecodeError as err:
@@ -844,7 +993,10 @@ class StreamAssembler:
             self._tail += delta
             self._thinking_tail += thinking
             return None
-        return Chunk(delta, reasoning=thinking) if delta or thinking else None
+        if not (delta or thinking):
+            return None  # its entries (if any) wait for the next chunk
+        logprobs, self._tail_logprobs = self._tail_logprobs, None if self._tail_logprobs is None else []
+        return Chunk(delta, reasoning=thinking, logprobs=logprobs)
 
     def finish(self) -> Chunk:
         """Return the final chunk once :attr:`done` is true.
@@ -870,7 +1022,9 @@ class StreamAssembler:
                 "RESULT.finish_reason",
                 f"{result.finish_reason!r} disagrees with FINISH_REASON {self._finish_reason!r}",
             )
-        return Chunk(self._tail, result, self._thinking_tail)
+        if self._logprobs is not None:
+            result = dataclasses.replace(result, logprobs=self._logprobs)
+        return Chunk(self._tail, result, self._thinking_tail, self._tail_logprobs)
 
 
 def check_result(result: Result, *, require_complete: bool) -> None:

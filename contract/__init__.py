@@ -29,6 +29,7 @@ __all__ = [
     "JSON_OBJECT_SCHEMA",
     "JSON_OPTION_KINDS",
     "JSON_OPTION_NAMES",
+    "MAX_CHOICES",
     "MAX_CONSTRAINT_BYTES",
     "MAX_CONSTRAINT_DEPTH",
     "MAX_INDENT",
@@ -40,8 +41,11 @@ __all__ = [
     "MAX_STOP_STRINGS",
     "MAX_TEMPERATURE",
     "MAX_TOP_K",
+    "MAX_TOP_LOGPROBS",
     "MAX_VALUE_RETRIES",
     "MAX_WHITESPACE_RUN",
+    "MESSAGE_KEYS",
+    "MESSAGE_ROLES",
     "OPTION_NAMES",
     "PENALTY_FIELDS",
     "POLICIES",
@@ -51,6 +55,7 @@ __all__ = [
     "CloseState",
     "ContractError",
     "bitmask_width",
+    "check_logprobs",
     "check_options",
     "check_sampling",
 ]
@@ -140,6 +145,18 @@ MAX_MAX_TOKENS: Final = 2**31 - 1
 SEED_LIMIT: Final = 2**64
 MAX_STOP_STRINGS: Final = 8
 MAX_STOP_CHARS: Final = 256
+#: ``n`` of the OpenAI-compatible endpoint: choices per request, each one independent sequence with its
+#: own grammar row (and its own stream slot against an API key's ``max_streams``).  OpenAI allows 128;
+#: 16 keeps one request from filling the in-flight batch (``max_batch_size`` 16-64) by itself.
+MAX_CHOICES: Final = 16
+#: ``top_logprobs`` (alternatives reported per output token) is in ``[0, MAX_TOP_LOGPROBS]``, OpenAI's bound.
+MAX_TOP_LOGPROBS: Final = 20
+
+#: A chat message on the wire (MESSAGES): ``role`` (one of :data:`MESSAGE_ROLES`) and ``content``, both
+#: strings, and optionally ``name``, the speaker's name (OpenAI's message ``name``), which preprocessing
+#: hands to the chat template with the message: a template that renders names shows it to the model.
+MESSAGE_ROLES: Final = ("system", "user", "assistant")
+MESSAGE_KEYS: Final = ("role", "content", "name")
 
 FINISH_REASONS: Final = ("stop", "length", "error")
 #: Why the grammar side forced a completion (RESULT ``close_reason``).
@@ -304,6 +321,45 @@ def check_sampling(
             raise ContractError(name, f"must be a number in -{MAX_PENALTY:g}..{MAX_PENALTY:g} (0 = off), got {value!r}")
     if not _number_in(min_p, 0.0, 1.0):
         raise ContractError("min_p", f"must be a number in 0..1 (0 = off), got {min_p!r}")
+
+
+def check_logprobs(logprobs: object) -> int | None:
+    """Check ``logprobs``: ``None`` (off) or how many alternatives to report per output token.
+
+    What is reported, for every token of the output (the end token that
+    ends it excepted, as its text is not part of the output): the token's
+    log probability and its ``logprobs`` most likely alternatives, most
+    likely first.  They are read from the distribution the grammar allows,
+    after the grammar mask and the penalties (:data:`PENALTY_FIELDS`) and
+    before temperature, ``top_k``, ``top_p`` and ``min_p`` narrow it: the
+    log-softmax of the masked logits.  So a token the grammar forbids is
+    never an alternative (fewer than ``logprobs`` are listed where the
+    grammar allows fewer tokens), and a token the grammar forces (the only
+    one it allows) has log probability 0.  Tokens the server appends without
+    sampling (jump-forward) are reported the same way: log probability 0,
+    themselves their only alternative.
+
+    Parameters
+    ----------
+    logprobs : object
+        The request's value.
+
+    Returns
+    -------
+    int or None
+        The value, checked.
+
+    Raises
+    ------
+    ContractError
+        Naming ``logprobs``: not ``None`` nor an integer in ``[0, MAX_TOP_LOGPROBS]``.
+    """
+    if logprobs is None:
+        return None
+    if isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise ContractError("logprobs", f"must be null (off) or an integer in 0..{MAX_TOP_LOGPROBS} (alternatives "
+                                        f"per token), got {logprobs!r}")
+    return logprobs
 
 
 def _number_in(value: object, lo: float, hi: float) -> bool:

@@ -46,6 +46,9 @@ class FinishEvent:
     tracks it, a constrained request; None elsewhere); ``reasoning_cut``: the
     server ended the thinking by forcing the end marker.  Both count within
     ``completion_tokens``.
+    ``seed``: the seed the request's draws used (the request's, or one drawn
+    for it when it gave none), so the output can be replayed; None for a
+    request refused before generation.
 
     The field names and their order are the keys of the ``FINISH`` document.
     """
@@ -63,6 +66,7 @@ class FinishEvent:
     value_dropped_tokens: int = 0
     reasoning_tokens: int | None = None
     reasoning_cut: bool = False
+    seed: int | None = None
 
     @classmethod
     def rejected(cls, err: BaseException) -> FinishEvent:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Final, Protocol
 
+from tokenizers import Tokenizer
+
 from grammar_backend.errors import ConfigError
 from triton_support.metrics import Snapshot
 
@@ -34,6 +36,8 @@ class Generator(Protocol):
     def cancel(self, request_id: str) -> bool: ...
     def close(self, timeout: float | None = 30.0) -> None: ...
     def summary(self) -> dict[str, float | int]: ...
+    @property
+    def tokenizer(self) -> Tokenizer: ...
 
 
 @dataclass(frozen=True)

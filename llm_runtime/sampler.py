@@ -1,5 +1,9 @@
 """Token sampling: grammar mask -> penalties -> temperature -> top-k -> min-p -> top-p -> seeded draw.
 
+Log probabilities (request field ``logprobs``, :meth:`Sampler.logprobs`) are
+read between the penalties and the temperature: from the distribution the
+grammar allows, not from the narrowed one a draw uses.
+
 Masking touches the rows that carry a constraint only: float32 logits on the
 CPU through :func:`mask_logits_cpu` (numpy, vectorized), others through
 ``xgrammar.apply_token_bitmask_inplace`` (its CUDA kernel on a GPU).  Masked
@@ -87,6 +91,9 @@ class SamplingParams:
     repetition_penalty, frequency_penalty, presence_penalty, min_p : float
         See :data:`contract.PENALTY_FIELDS` (their neutral values turn them off;
         the penalties apply at temperature 0 too, before the argmax).
+    logprobs : int or None
+        Report each output token's log probability and this many alternatives
+        (:meth:`Sampler.logprobs`); None: off.
 
     Trusted: the scheduler checked them against the request contract
     (:func:`contract.check_sampling`) before they got here.
@@ -100,6 +107,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     min_p: float = 0.0
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -301,6 +309,47 @@ class Sampler:
                 continue
             tokens[i] = self._draw(logits[i], p, generators[i])
         return tokens, dead
+
+    def logprobs(self, logits: torch.Tensor, rows: Sequence[int], tokens: np.ndarray,
+                 k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Log probabilities of the drawn tokens and the ``k`` most likely ones, for ``rows`` (after :meth:`sample`).
+
+        The log-softmax of ``logits`` as :meth:`sample` left them: masked
+        (:meth:`apply_mask`), ids past ``token_limit`` at ``-inf``, penalized;
+        temperature, top-k, top-p and min-p only narrow the draw and are not
+        applied (:func:`contract.check_logprobs`).  One batched computation
+        for all the rows that asked; nothing for a step where none did (the
+        caller does not call it).
+
+        Parameters
+        ----------
+        logits : torch.Tensor
+            float32 ``[B, vocab_size]``, as :meth:`sample` left them.
+        rows : sequence of int
+            The batch rows that report log probabilities (ascending).
+        tokens : np.ndarray
+            int64 ``[B]``: the tokens :meth:`sample` returned.
+        k : int
+            Alternatives per row (the largest any of the rows asked for; 0: none).
+
+        Returns
+        -------
+        chosen : np.ndarray
+            float32 ``[R]``: each row's drawn token's log probability.
+        top_ids, top_logprobs : np.ndarray
+            int64 and float32 ``[R, k]``: the ``k`` most likely tokens, most likely
+            first; where the mask allows fewer than ``k`` tokens the rest have
+            ``-inf`` log probabilities (disallowed tokens: never report them).
+        """
+        idx = torch.as_tensor(rows, dtype=torch.int64, device=logits.device)
+        lp = torch.log_softmax(logits.index_select(0, idx), dim=-1)
+        drawn = torch.as_tensor(tokens[list(rows)], dtype=torch.int64, device=logits.device)
+        chosen = lp.gather(1, drawn.unsqueeze(1)).squeeze(1)
+        if k:
+            vals, ids = torch.topk(lp, min(k, lp.shape[1]), dim=-1)  # sorted, descending
+            return chosen.cpu().numpy(), ids.cpu().numpy(), vals.cpu().numpy()
+        empty = np.empty((len(rows), 0))
+        return chosen.cpu().numpy(), empty.astype(np.int64), empty.astype(np.float32)
 
     def _draw(self, row: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
         x = row / p.temperature

@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, Final, Self
 
 import numpy as np
 import torch
+from tokenizers import Tokenizer
 
 import contract
 from contract import CLOSE_STATE_REASONS, REASONING_STATES, CloseState
@@ -79,6 +80,7 @@ from .errors import (
     status_of,
 )
 from .grammar_phase import GrammarPhase, JumpPolicy
+from .logprobs import TokenLogprobs, forced
 from .mask import ROW_DROP, ROW_ERROR, ROW_STOP, ConstraintRequest, MaskProvider, bitmask_width
 from .sampler import Sampler, SamplingParams, TokenCounts
 
@@ -260,9 +262,13 @@ class GenerationRequest:
     max_tokens : int
         Most tokens to generate (the end token counts).
     temperature, top_k, top_p, seed, repetition_penalty, frequency_penalty, presence_penalty, min_p
-        See :class:`llm_runtime.sampler.SamplingParams`.
+        See :class:`llm_runtime.sampler.SamplingParams` (``seed`` None: one is
+        drawn, and :attr:`FinishEvent.seed` reports it).
     stop : tuple of str
         Stop strings; the output ends right before the first one.
+    logprobs : int or None
+        Report each output token's log probability and this many alternatives
+        (:func:`contract.check_logprobs`) in :attr:`TokenEvent.logprobs`; None: off.
     """
 
     prompt_token_ids: Sequence[int]
@@ -278,6 +284,7 @@ class GenerationRequest:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     min_p: float = 0.0
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -285,11 +292,16 @@ class TokenEvent:
     """Text streamed for a request.
 
     ``token_ids`` are the tokens sampled for it (empty when the event only
-    flushes held-back text); ``text_delta`` may be empty.
+    flushes held-back text); ``text_delta`` may be empty.  ``logprobs``
+    (a request that asked for them; None otherwise): one entry per token of
+    ``token_ids``, in order.  The text of a token the detokenizer holds back
+    (part of a character, or of what may be a stop string) comes in a later
+    event than its entry.
     """
 
     text_delta: str
     token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 EventCallback = Callable[[TokenEvent | FinishEvent], None]
@@ -456,6 +468,9 @@ class _Seq:
     # A thinking section (contract.reasoning; the grammar side tracks it and says so in CLOSING):
     reasoning_tokens: int | None = None  # tokens sampled inside it (None: never in one)
     reasoning_cut: bool = False  # its end marker was forced
+    # Log probabilities (request field logprobs; None: not asked): the entries of the output's tokens not
+    # streamed yet, aligned with them (with out[committed:] where value checks hold tokens back).
+    lps: list[TokenLogprobs] | None = None
 
 
 @dataclass(frozen=True)
@@ -512,11 +527,14 @@ def check_request(
                                 stop=stop, repetition_penalty=req.repetition_penalty,
                                 frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
                                 min_p=req.min_p)
+        logprobs = contract.check_logprobs(req.logprobs)
     except contract.ContractError as err:
         raise RequestError(err.field, err.reason) from err
-    params = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed,
+    # Unseeded is random, and the seed drawn is reported (FinishEvent.seed) so the output can be replayed.
+    seed = secrets.randbelow(contract.SEED_LIMIT) if req.seed is None else req.seed
+    params = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=seed,
                             repetition_penalty=req.repetition_penalty, frequency_penalty=req.frequency_penalty,
-                            presence_penalty=req.presence_penalty, min_p=req.min_p)
+                            presence_penalty=req.presence_penalty, min_p=req.min_p, logprobs=logprobs)
     # The budget rides with the constraint: the grammar side closes the output before it runs out.
     constraint = None if req.constraint is None else dataclasses.replace(req.constraint, budget=mt)
     return CheckedRequest(prompt, params, stop, constraint)
@@ -600,6 +618,7 @@ class Scheduler:
         self._last_step_s = 0.0
         self._ready: deque[_Seq] = deque()
         self._active: list[_Seq] = []
+        self._logprobs = False  # a row of the batch reports log probabilities (updated as the batch changes)
         self._stats = _Stats(cfg.stats_capacity)
         self._on_metrics = on_metrics
         self._lat_step = LatencyWindow()
@@ -633,6 +652,11 @@ class Scheduler:
     def config(self) -> SchedulerConfig:
         """The settings in force."""
         return self._cfg
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The engine's tokenizer (what its token ids mean)."""
+        return self._tokenizer
 
     def stats(self) -> SchedulerStats:
         """A snapshot of the per-step counters."""
@@ -793,6 +817,7 @@ class Scheduler:
             detok=IncrementalDetokenizer(self._tokenizer, stop=checked.stop, special_ids=self._special),
             counts=(TokenCounts(self._sampler.vocab_size, checked.prompt, self._sampler.device)
                     if checked.params.penalized else None),
+            lps=None if checked.params.logprobs is None else [],
         )
 
     # -- the loop -------------------------------------------------------------------
@@ -878,7 +903,9 @@ class Scheduler:
             wider = max(width, len(self._ready[0].prompt))
             if rows and (rows + 1) * wider > budget:
                 return
-            self._active.append(self._ready.popleft())
+            seq = self._ready.popleft()
+            self._active.append(seq)
+            self._logprobs = self._logprobs or seq.lps is not None
             rows, width = rows + 1, wider
 
     def _await_starts(self) -> None:
@@ -1015,6 +1042,7 @@ class Scheduler:
         tokens, dead = self._sampler.sample(logits, [s.params for s in order], [s.gen for s in order],
                                             [len(s.jump) for s in order],
                                             [s.counts for s in order] if any(s.counts is not None for s in order) else None)
+        step_lps = self._step_logprobs(order, logits, tokens, dead) if self._logprobs else None
         outputs = jumped = 0
         for i, s in enumerate(order):
             if s.finished or s.refeed:
@@ -1036,9 +1064,11 @@ class Scheduler:
             s.last_token = tok
             if s.counts is not None:
                 s.counts.add((tok,))
-            if tok in self._eos:
+            if tok in self._eos:  # not part of the output (nor of its log probabilities)
                 self._finish(s, "stop", ends)
                 continue
+            if s.lps is not None and step_lps is not None:
+                s.lps.append(step_lps[i])
             sent: tuple[int, ...] = (tok,)
             if s.out is None:
                 delta = s.detok.push(tok)
@@ -1051,7 +1081,7 @@ class Scheduler:
             elif s.generated >= s.max_tokens:
                 self._finish(s, "length", ends, delta=delta, tokens=sent)
             elif sent:
-                self._deliver(s, TokenEvent(delta, sent))
+                self._deliver(s, self._event(s, delta, sent))
         step_s = self._record(t_step, fwd_s, phase if c else None, b, c, joined, outputs, jumped)
         if c and not joined:
             # What a step of this width costs, whole (forward, grammar, masking, streaming),
@@ -1068,6 +1098,36 @@ class Scheduler:
         self._lat_loop.add(math.nan if phase is None else phase.loop_s)
         self._stats.record(step_s, fwd_s, phase, b, c, joined, outputs, jumped)
         return step_s
+
+    def _step_logprobs(self, order: list[_Seq], logits: torch.Tensor, tokens: np.ndarray,
+                       dead: np.ndarray) -> dict[int, TokenLogprobs]:
+        """The entry of each drawn token whose request asked for log probabilities, by batch row.
+
+        One batched :meth:`Sampler.logprobs` for those rows (rows that jump
+        append forced tokens instead: :func:`~llm_runtime.logprobs.forced`);
+        alternatives the mask disallows (``-inf``) are left out.
+        """
+        rows = [i for i, s in enumerate(order)
+                if s.lps is not None and not (s.jump or s.finished or s.refeed or dead[i])]
+        if not rows:
+            return {}
+        ks = [order[i].params.logprobs or 0 for i in rows]
+        chosen, top_ids, top_lps = self._sampler.logprobs(logits, rows, tokens, max(ks))
+        finite = np.isfinite(top_lps).sum(axis=1).tolist()
+        ids, lps, drawn = top_ids.tolist(), top_lps.tolist(), chosen.tolist()
+        return {i: TokenLogprobs(int(tokens[i]), drawn[j], tuple(zip(ids[j][:n], lps[j][:n], strict=True)))
+                for j, (i, n) in enumerate(zip(rows, (min(k, f) for k, f in zip(ks, finite, strict=True)),
+                                               strict=True))}
+
+    def _event(self, s: _Seq, delta: str, sent: tuple[int, ...]) -> TokenEvent:
+        """The event streaming ``sent`` (and ``delta``): with their log-probability entries where asked."""
+        lps = s.lps
+        if lps is None or not sent:
+            return TokenEvent(delta, sent)
+        n = len(sent)
+        entries = tuple(lps[:n])
+        del lps[:n]
+        return TokenEvent(delta, sent, entries)
 
     def _apply_grammar(self, order: list[_Seq], constrained: list[int], logits: torch.Tensor,
                        ends: list[int]) -> None:
@@ -1171,6 +1231,8 @@ class Scheduler:
                 upto = n + 1
                 s.generated -= len(out) - upto
                 del out[upto:]
+                if s.lps is not None:  # aligned with out[start:]
+                    del s.lps[upto - start:]
                 break
         s.committed = upto
         return delta, tuple(out[start:upto])
@@ -1185,6 +1247,8 @@ class Scheduler:
             return
         if s.counts is not None:
             s.counts.add(out[keep:], -1.0)
+        if s.lps is not None:  # aligned with out[committed:]
+            del s.lps[keep - s.committed:]
         del out[keep:]
         s.generated -= count
         s.retries += 1
@@ -1201,6 +1265,9 @@ class Scheduler:
         toks = s.jump
         if s.counts is not None:
             s.counts.add(toks)
+        if s.lps is not None:
+            k = s.params.logprobs or 0
+            s.lps.extend(forced(t, k) for t in toks)
         if s.out is not None:
             s.out.extend(toks)
             s.generated += len(toks)
@@ -1213,7 +1280,7 @@ class Scheduler:
             if s.detok.stopped:
                 self._finish(s, "stop", ends, delta=delta, tokens=sent, stop_string=True)
             elif sent:
-                self._deliver(s, TokenEvent(delta, sent))
+                self._deliver(s, self._event(s, delta, sent))
             return len(toks)
         delta = ""
         for n, tok in enumerate(toks, 1):
@@ -1224,7 +1291,7 @@ class Scheduler:
                 return n
         s.generated += len(toks)
         s.last_token = toks[-1]
-        self._deliver(s, TokenEvent(delta, toks))
+        self._deliver(s, self._event(s, delta, toks))
         return len(toks)
 
     def _publish_metrics(self) -> None:
@@ -1294,7 +1361,7 @@ class Scheduler:
             self._live.pop(seq.rid, None)
         text_delta = delta + tail
         if text_delta or tokens:
-            self._deliver(seq, TokenEvent(text_delta, tokens))
+            self._deliver(seq, self._event(seq, text_delta, tokens))
         text = seq.detok.text
         self._deliver(
             seq,
@@ -1312,6 +1379,7 @@ class Scheduler:
                 value_dropped_tokens=seq.dropped,
                 reasoning_tokens=seq.reasoning_tokens,
                 reasoning_cut=seq.reasoning_cut,
+                seed=seq.params.seed,
             ),
         )
 
@@ -1327,6 +1395,7 @@ class Scheduler:
     def _purge(self) -> None:
         if any(s.finished for s in self._active):
             self._active = [s for s in self._active if not s.finished]
+            self._logprobs = any(s.lps is not None for s in self._active)
         if any(s.finished for s in self._ready):
             self._ready = deque(s for s in self._ready if not s.finished)
 

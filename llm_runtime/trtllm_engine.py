@@ -110,6 +110,7 @@ from .trtllm_api import import_tensorrt_llm
 
 __all__ = [
     "TRTLLM_GRAMMAR_MODES",
+    "TRTLLM_LOGPROBS_REFUSAL",
     "TRTLLM_SAMPLERS",
     "TrtllmConfig",
     "TrtllmGenerator",
@@ -121,6 +122,18 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 TRTLLM_GRAMMAR_MODES: Final = ("processor", "native")
+#: Why a request with ``logprobs`` is refused (at admission, by name): TensorRT-LLM's
+#: ``SamplingParams.logprobs`` is not this field.  Read (the project's search tool):
+#: ``sampling_params.py`` (1.0.0rc4) turns ``logprobs=0`` into no log probabilities
+#: (``return_log_probs = bool(self.logprobs)``), and ``_torch/pyexecutor/sampler.py``'s
+#: TorchSampler takes the log-softmax of the logits as the guided decoder masked them
+#: (the same numbers, "not reflect temperature scaling, top-k/top-p masking") only for
+#: requests whose ``py_num_logprobs`` is non-zero; TRTLLMSampler's come from the C++
+#: decoder.  Neither is checked against 1.2.1 on a GPU, so none is passed off as this field.
+TRTLLM_LOGPROBS_REFUSAL: Final = (
+    "not served by the tensorrt_llm engine (TensorRT-LLM 1.2.1's log probabilities are not checked to be this "
+    "field's: taken after the grammar mask and before temperature and truncation, with logprobs=0 reporting the "
+    "token's own); use engine torch")
 #: TensorRT-LLM's ``sampler_type`` values this engine takes (``auto`` is TorchSampler without beam search).
 TRTLLM_SAMPLERS: Final = ("TorchSampler", "TRTLLMSampler")
 
@@ -276,7 +289,8 @@ def trtllm_sampling_kwargs(
     so every engine cuts text the same way.
 
     ``penalties`` (the request's checked :class:`SamplingParams`) map to the
-    fields of the same names.  TensorRT-LLM counts the prompt for all three
+    fields of the same names; its ``logprobs`` is refused
+    (:data:`TRTLLM_LOGPROBS_REFUSAL`).  TensorRT-LLM counts the prompt for all three
     penalties unless ``prompt_ignore_length`` says how many prompt tokens to
     skip for frequency and presence (PR 8127, in 1.2): it is the prompt's
     length, so those two count the output only, as the torch engine and
@@ -286,7 +300,7 @@ def trtllm_sampling_kwargs(
     ------
     RequestError
         A penalty or ``min_p`` under ``TorchSampler``, which does not apply them
-        (see :attr:`TrtllmConfig.sampler_type`).
+        (see :attr:`TrtllmConfig.sampler_type`); ``logprobs`` under either sampler.
     """
     ends = sorted(end_ids)
     kwargs: dict[str, Any] = {
@@ -303,6 +317,8 @@ def trtllm_sampling_kwargs(
         kwargs.update(temperature=float(temperature), top_k=top_k or None, top_p=float(top_p))
     if seed is not None:
         kwargs["seed"] = seed
+    if penalties is not None and penalties.logprobs is not None:
+        raise RequestError("logprobs", TRTLLM_LOGPROBS_REFUSAL)
     if penalties is not None:
         asked = {name: getattr(penalties, name) for name, neutral in contract.PENALTY_FIELDS.items()
                  if getattr(penalties, name) != neutral}
@@ -444,6 +460,11 @@ class TrtllmGenerator:
         self._thread.start()
 
     # -- the Scheduler surface ------------------------------------------------
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The checkpoint's tokenizer (the output is detokenized here)."""
+        return self._tokenizer
+
     def summary(self) -> dict[str, float | int]:
         """Figures logged by the ``llm`` model at shutdown."""
         out: dict[str, float | int] = {"max_live": self._max_live}
@@ -681,7 +702,8 @@ class TrtllmGenerator:
                                      prompt_tokens=int(req.prompt.shape[0]), completion_tokens=req.generated,
                                      error=error, status=status, close_reason=close_reason,
                                      stop_string=stop_string, backend=req.backend,
-                                     reasoning_tokens=reasoning_tokens, reasoning_cut=reasoning_cut))
+                                     reasoning_tokens=reasoning_tokens, reasoning_cut=reasoning_cut,
+                                     seed=req.sampling.get("seed")))
         except Exception:  # noqa: BLE001 -- a caller's bug must not stop the loop; logged
             _log.exception("event callback of request %s raised", req.rid)
 

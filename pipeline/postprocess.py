@@ -64,6 +64,9 @@ def build_result(final: FinishEvent, constraint: dict[str, str] | None,
     (None where not counted), ``reasoning_cut`` (the server forced its end
     marker) and ``reasoning_ended`` (the end marker was written: the answer
     began).  Without it the RESULT is exactly as before the option existed.
+    ``seed`` is the seed the draws used (None for a request refused before
+    generation).  Log probabilities are not in RESULT: each response carries
+    its tokens' entries (``TOKEN_LOGPROBS``), so the last message stays bounded.
     """
     if final.finish_reason not in FINISH_REASONS:
         raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {final.finish_reason!r}")
@@ -91,6 +94,8 @@ def build_result(final: FinishEvent, constraint: dict[str, str] | None,
         "error": cut_error(final.error),
         "status": final.status,
         "json": None,
+        # The seed the output's draws used (drawn for an unseeded request): sent back as SEED, it replays them.
+        "seed": final.seed,
     }
     if reasoning is not None:
         result.update(reasoning=thinking, reasoning_tokens=final.reasoning_tokens,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import secrets
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -20,7 +21,6 @@ from grammar_backend.fidelity import validator_for
 from grammar_backend.lru import Lru
 from grammar_backend.spec import ConstraintSpec, SpecLimits, parse_constraint
 
-_ROLES = ("system", "user", "assistant")
 #: How a request becomes prompt tokens: ``chat`` applies the tokenizer's chat template to MESSAGES (PROMPT is
 #: one user message); ``plain`` passes PROMPT through as text (with the tokenizer's own special tokens, e.g.
 #: BOS) and refuses MESSAGES: for base checkpoints, which have no template.
@@ -97,11 +97,18 @@ class RawRequest:
     presence_penalty: float | None = None
     min_p: float | None = None
     reasoning: bytes | None = None
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True)
 class GenerationParams:
-    """Validated generation parameters, passed to ``llm`` and ``postprocessing`` as JSON."""
+    """Validated generation parameters, passed to ``llm`` and ``postprocessing`` as JSON.
+
+    ``seed`` is always set: the request's, or a fresh one drawn here for a
+    request without one (so unseeded requests differ, and RESULT ``seed``
+    says which seed replays the output).  ``logprobs``: None (off) or how
+    many alternatives to report per output token (:func:`contract.check_logprobs`).
+    """
 
     max_tokens: int
     temperature: float = 0.0
@@ -115,15 +122,19 @@ class GenerationParams:
     presence_penalty: float = 0.0
     min_p: float = 0.0
     reasoning: Reasoning | None = None
+    logprobs: int | None = None
 
     def to_json(self) -> str:
-        """Serialize for the REQUEST tensor (``reasoning`` only when the request has a thinking section)."""
+        """Serialize for the REQUEST tensor (``reasoning`` only when the request has a thinking section,
+        ``logprobs`` only when it asks for them)."""
         doc: dict[str, Any] = {
             "max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
             "top_k": self.top_k, "seed": self.seed, "stop": list(self.stop), "constraint": self.constraint,
             **{name: getattr(self, name) for name in contract.PENALTY_FIELDS}}
         if self.reasoning is not None:
             doc["reasoning"] = self.reasoning.as_dict()
+        if self.logprobs is not None:
+            doc["logprobs"] = self.logprobs
         return json.dumps(doc, ensure_ascii=False)
 
     @classmethod
@@ -140,11 +151,13 @@ class GenerationParams:
         if rejected is not None:
             raise RejectedRequest(rejected["message"], rejected["status"])
         reasoning = doc.get("reasoning")
+        logprobs = doc.get("logprobs")
         return cls(
             max_tokens=int(doc["max_tokens"]), temperature=float(doc["temperature"]), top_p=float(doc["top_p"]),
             top_k=int(doc["top_k"]), seed=int(doc["seed"]), stop=tuple(doc["stop"]), constraint=doc["constraint"],
             **{name: float(doc[name]) for name in contract.PENALTY_FIELDS},
             reasoning=None if reasoning is None else Reasoning(**reasoning),
+            logprobs=None if logprobs is None else int(logprobs),
         )
 
 
@@ -191,12 +204,14 @@ def parse_messages(raw: RawRequest) -> list[dict[str, str]]:
     if not isinstance(doc, list) or not doc:
         raise InvalidArgument("messages", "must be a non-empty JSON array of {role, content}")
     for i, msg in enumerate(doc):
-        if not isinstance(msg, dict) or set(msg) != {"role", "content"}:
-            raise InvalidArgument(f"messages[{i}]", "must be an object with exactly role and content")
-        if msg["role"] not in _ROLES:
-            raise InvalidArgument(f"messages[{i}].role", f"must be one of {', '.join(_ROLES)}, got {msg['role']!r}")
-        if not isinstance(msg["content"], str):
-            raise InvalidArgument(f"messages[{i}].content", "must be a string")
+        if not isinstance(msg, dict) or not {"role", "content"} <= set(msg) <= set(contract.MESSAGE_KEYS):
+            raise InvalidArgument(f"messages[{i}]", "must be an object with role and content (and optionally name)")
+        if msg["role"] not in contract.MESSAGE_ROLES:
+            raise InvalidArgument(f"messages[{i}].role",
+                                  f"must be one of {', '.join(contract.MESSAGE_ROLES)}, got {msg['role']!r}")
+        for key in ("content", "name"):
+            if key in msg and not isinstance(msg[key], str):
+                raise InvalidArgument(f"messages[{i}].{key}", "must be a string")
         _check_encodable(f"messages[{i}].content", msg["content"])
     return doc
 
@@ -266,6 +281,7 @@ def parse_params(raw: RawRequest, config: PreprocessConfig) -> tuple[GenerationP
     try:
         contract.check_sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=raw.seed, stop=stop,
                                 **penalties)
+        logprobs = contract.check_logprobs(raw.logprobs)
     except contract.ContractError as err:
         raise InvalidArgument(err.field, err.reason) from err
     try:
@@ -290,10 +306,13 @@ def parse_params(raw: RawRequest, config: PreprocessConfig) -> tuple[GenerationP
         # Without a constraint no grammar state exists to count the thinking and force its end.
         raise InvalidArgument("reasoning.max_reasoning_tokens", "needs a constraint (the grammar side forces the "
                                                                 "end marker); without one the output is only split")
+    # Unseeded is random: a fresh seed per request (a fixed default made every unseeded request at a
+    # temperature above 0 the same), reported in RESULT ``seed`` so the output can be replayed.
+    seed = secrets.randbelow(contract.SEED_LIMIT) if raw.seed is None else raw.seed
     params = GenerationParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-        seed=0 if raw.seed is None else raw.seed, stop=stop, constraint=constraint, **penalties,
-        reasoning=reasoning,
+        seed=seed, stop=stop, constraint=constraint, **penalties,
+        reasoning=reasoning, logprobs=logprobs,
     )
     return params, spec
 

@@ -11,6 +11,7 @@ import io
 import json
 import re
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from client import Client, Constraint
 from client.__main__ import EXIT_CLOSED, EXIT_TRUNCATED
 from client.__main__ import main as client_main
 from client.errors import ClosedEarly, InvalidConstraint, TruncatedOutput
+from client.sdk import Chunk
 from deploy.server import TritonServer
 from tests.integration.served import (
     NEVER_ENDS,
@@ -302,3 +304,54 @@ def test_cancelled_stream_frees_its_matcher(client: Client, server: TritonServer
     assert grammar_active(server) == 1
     stream.close()  # cancels the gRPC call; the gateway cancels the request inside the server
     assert_cancelled(server, outputs_before)
+
+
+def test_unseeded_requests_are_random_and_replay_by_their_seed(client: Client) -> None:
+    """No seed: each request draws its own (reported in RESULT seed), so outputs at temperature 1 differ;
+    sent back as SEED, a reported seed replays its output."""
+    prompt = "Write one short sentence about the sea."
+    results = [client.generate(prompt, max_tokens=24, temperature=1.0, require_complete=False) for _ in range(3)]
+    seeds = [r.seed for r in results]
+    assert all(isinstance(s, int) and 0 <= s < 2**64 for s in seeds) and len(set(seeds)) == 3, seeds
+    assert len({r.text for r in results}) >= 2, [r.text for r in results]
+    replay = client.generate(prompt, max_tokens=24, temperature=1.0, seed=seeds[0], require_complete=False)
+    assert (replay.text, replay.seed) == (results[0].text, seeds[0])
+
+
+def test_logprobs_over_grpc_one_entry_per_token_beside_a_request_without(client: Client) -> None:
+    """logprobs=3 on constrained requests: one entry per output token (the end token that ended it has
+    none), their bytes joined are the text, each logprob <= 0, alternatives (1 to 3, most likely first);
+    the chunks' entries join to the result's.  A greedy request without logprobs in the same batch gets
+    none and writes what it writes alone."""
+    constraint = Constraint.json_schema(_schema("person"))
+    plain_prompt = "Count to five."
+    alone = client.generate(plain_prompt, max_tokens=24, require_complete=False)
+    assert alone.logprobs is None
+
+    def asked(i: int) -> list[Chunk]:
+        return list(client.stream(f"{PROMPTS[i]} Reply with JSON.", constraint=constraint, max_tokens=64,
+                                  temperature=1.0, seed=i, logprobs=3, require_complete=False))
+
+    def plain() -> list[Chunk]:
+        return list(client.stream(plain_prompt, max_tokens=24, require_complete=False))
+
+    with ThreadPoolExecutor(3) as pool:
+        jobs = [pool.submit(asked, 0), pool.submit(plain), pool.submit(asked, 1)]
+        runs = [job.result(timeout=300) for job in jobs]
+    beside = runs.pop(1)
+    final = beside[-1].result
+    assert final is not None and final.text == alone.text and final.logprobs is None
+    assert all(chunk.logprobs is None for chunk in beside)
+    for chunks in runs:
+        result = chunks[-1].result
+        assert result is not None and result.logprobs is not None and result.finish_reason != "error", result
+        assert result.logprobs == [e for chunk in chunks for e in chunk.logprobs or ()]
+        cut = result.finish_reason == "length" and not result.closed_early  # cut at max_tokens: no end token
+        assert len(result.logprobs) == result.usage.completion_tokens - (0 if cut else 1)
+        assert b"".join(bytes(e.bytes) for e in result.logprobs) == result.text.encode()
+        if not any("\ufffd" in e.token for e in result.logprobs):
+            assert "".join(e.token for e in result.logprobs) == result.text
+        for e in result.logprobs:
+            tops = [t.logprob for t in e.top_logprobs]
+            assert e.logprob <= 0.0 and 1 <= len(tops) <= 3 and tops == sorted(tops, reverse=True), e
+            assert all(t <= 0.0 for t in tops)

@@ -49,9 +49,12 @@ from client.sdk import (
     REQUEST_FIELDS,
     RequestFields,
     StreamAssembler,
+    TokenLogprob,
+    TopLogprob,
     as_request,
     build_inputs,
     check_result,
+    parse_logprobs,
     parse_result,
 )
 
@@ -181,7 +184,8 @@ REJECT_CASES: list[tuple[dict[str, Any], str]] = [
         ({"messages": "hi"}, r"^messages: must be a list of \{role, content\} objects, got str$"),
         ({"messages": [("user", "hi")]}, r"^messages\[0\]: must be a mapping with role and content, got tuple$"),
         ({"messages": [{"role": "user"}]}, r"^messages\[0\]\.content: is required$"),
-        ({"messages": [{"role": "user", "content": "a", "name": "x"}]}, r"^messages\[0\]\.name: unknown key"),
+        ({"messages": [{"role": "user", "content": "a", "tool_calls": "x"}]}, r"^messages\[0\]\.tool_calls: unknown key"),
+        ({"messages": [{"role": "user", "content": "a", "name": 1}]}, r"^messages\[0\]\.name: must be a string"),
         ({"messages": [{"role": 1, "content": "a"}]}, r"^messages\[0\]\.role: must be a string, got int$"),
         ({"messages": [{"role": "", "content": "a"}]}, r"^messages\[0\]\.role: must not be empty$"),
         ({"prompt": "a", "constraint": "regex"}, r"^constraint: must be a Constraint, got str$"),
@@ -242,7 +246,7 @@ def test_request_fields_are_the_dataclass_fields() -> None:
     assert RequestFields.__required_keys__ == frozenset()
     assert REQUEST_FIELDS == ("prompt", "messages", "constraint", "max_tokens", "temperature", "top_p", "top_k",
                               "seed", "stop", "repetition_penalty", "frequency_penalty", "presence_penalty",
-                              "min_p", "reasoning", "require_complete")
+                              "min_p", "logprobs", "reasoning", "require_complete")
 
 
 def test_build_inputs_takes_the_request_fields() -> None:
@@ -251,13 +255,13 @@ def test_build_inputs_takes_the_request_fields() -> None:
                                                   ("fields", inspect.Parameter.VAR_KEYWORD)]
     every: dict[str, Any] = {"constraint": Constraint.regex("[a-z]+"), "max_tokens": 9, "temperature": 0.5,
                              "top_p": 0.9, "top_k": 3, "seed": 1, "stop": ["\n"], "repetition_penalty": 1.1,
-                             "frequency_penalty": 0.5, "presence_penalty": -0.5, "min_p": 0.1,
+                             "frequency_penalty": 0.5, "presence_penalty": -0.5, "min_p": 0.1, "logprobs": 2,
                              "reasoning": {"max_reasoning_tokens": 8}, "require_complete": False}
     assert set(every) | {"prompt", "messages"} == set(REQUEST_FIELDS)
     expected = tensors(GenerateRequest("hi", **every).inputs())
     assert tensors(build_inputs("hi", **every)) == expected
     assert tensors(build_inputs(prompt="hi", **every)) == expected
-    assert len(expected) == 14  # every optional tensor is there
+    assert len(expected) == 15  # every optional tensor is there
 
 
 def test_generate_request_is_frozen_and_replace_checks_again() -> None:
@@ -720,3 +724,102 @@ def test_client_tls_and_api_key_reach_the_gateway(tmp_path: Path, monkeypatch: p
         assert gateway.refusals["UNAUTHENTICATED"] == 1
     finally:
         gateway.stop()
+
+
+# ----------------------------------------------------------------------------- seed and log probabilities
+@pytest.mark.parametrize(("overrides", "seed"), [({"seed": 0}, 0), ({"seed": 2**64 - 1}, 2**64 - 1),
+                                                 ({"seed": None}, None), ({}, None)])
+def test_parse_result_reads_the_seed(overrides: dict[str, Any], seed: int | None) -> None:
+    assert parse_result(_result_json(json=None, **overrides), None).seed == seed
+
+
+def test_parse_result_refuses_a_seed_that_is_not_an_integer() -> None:
+    with pytest.raises(GenerationError, match=r"^malformed RESULT from server: RESULT\.seed: expected int, got str$"):
+        parse_result(_result_json(json=None, seed="7"), None)
+
+
+def lp_response(text: bytes, logprobs: list[dict[str, Any]] | bytes | None, result: str = "", *,
+                final: bool = False) -> grpcclient.InferResult:
+    """A response as the ensemble streams it to a request with log probabilities (TOKEN_LOGPROBS on each)."""
+    message = service_pb2.ModelInferResponse(model_name="constrained_llm", id="r1")
+    raw = logprobs if isinstance(logprobs, bytes) or logprobs is None else json.dumps(logprobs).encode()
+    for name, value in (("TEXT", text), ("FINISH_REASON", b"stop" if result else b""), ("RESULT", result.encode()),
+                        ("TOKEN_LOGPROBS", raw)):
+        if value is None:
+            continue
+        tensor = message.outputs.add()
+        tensor.name = name
+        tensor.datatype = "BYTES"
+        tensor.shape.extend([1])
+        message.raw_output_contents.append(serialize_byte_tensor(np.array([value], dtype=np.object_)).item())
+    message.parameters["triton_final_response"].bool_param = final
+    return grpcclient.InferResult(message)
+
+
+def _entry(token: str, logprob: float, *top: tuple[str, float]) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode()),
+            "top_logprobs": [{"token": t, "logprob": v, "bytes": list(t.encode())} for t, v in top]}
+
+
+def test_logprobs_chunks_carry_their_entries_and_the_result_all_of_them() -> None:
+    assembler = StreamAssembler(None)
+    a, b, c = _entry("He", -0.5, ("He", -0.5), ("Hi", -1.25)), _entry("llo", 0.0, ("llo", 0.0)), _entry("!", -2.0)
+    chunks = list(run(assembler, [lp_response(b"He", [a]),
+                                  lp_response(b"", [b]),  # held text: its entry waits for the next chunk
+                                  lp_response(b"llo", []),
+                                  lp_response(b"!", [c], RESULT_STOP, final=True)]))
+    assert [None if ch is None else (ch.text, ch.logprobs) for ch in chunks] == [
+        ("He", [TokenLogprob("He", [72, 101], -0.5, (TopLogprob("He", [72, 101], -0.5),
+                                                     TopLogprob("Hi", [72, 105], -1.25)))]),
+        None,
+        ("llo", [TokenLogprob("llo", [108, 108, 111], 0.0, (TopLogprob("llo", [108, 108, 111], 0.0),))]),
+        None,
+    ]
+    final = assembler.finish()
+    assert final.logprobs == [TokenLogprob("!", [33], -2.0, ())]
+    assert final.result is not None and final.result.logprobs is not None
+    assert [e.to_openai() for e in final.result.logprobs] == [a, b, c]  # OpenAI's chat logprobs.content entries
+
+
+def test_logprobs_are_none_when_not_asked_and_a_list_when_asked_for_none() -> None:
+    plain = StreamAssembler(None)
+    assert list(run(plain, [response(b"Hi"), response(b"", b"stop", RESULT_STOP, final=True)])) == [Chunk("Hi"), None]
+    final = plain.finish()
+    assert final.logprobs is None and final.result is not None and final.result.logprobs is None
+    asked = StreamAssembler(None)
+    list(run(asked, [lp_response(b"", [], RESULT_STOP, final=True)]))
+    final = asked.finish()
+    assert final.logprobs == [] and final.result is not None and final.result.logprobs == []
+
+
+def test_logprobs_to_openai_is_openais_entry_shape() -> None:
+    entry = TokenLogprob("\ufffd", [0xE2], -0.125, (TopLogprob("\ufffd", [0xE2], -0.125), TopLogprob("a", [97], -3.0)))
+    assert entry.to_openai() == {"token": "\ufffd", "logprob": -0.125, "bytes": [226],
+                                 "top_logprobs": [{"token": "\ufffd", "logprob": -0.125, "bytes": [226]},
+                                                  {"token": "a", "logprob": -3.0, "bytes": [97]}]}
+
+
+@pytest.mark.parametrize(("raw", "message"), [
+    (b"{", r"^malformed response from server: TOKEN_LOGPROBS: not a UTF-8 JSON array: "),
+    (b"\xff", r"^malformed response from server: TOKEN_LOGPROBS: not a UTF-8 JSON array: "),
+    (b"{}", r"^malformed response from server: TOKEN_LOGPROBS: expected an array, got dict$"),
+    (b"[1]", r"^malformed response from server: TOKEN_LOGPROBS\[0\]: expected an object, got int$"),
+    (json.dumps([{**_entry("a", -1.0), "token": 3}]).encode(),
+     r"^malformed response from server: TOKEN_LOGPROBS\[0\]\.token: expected a string, got int$"),
+    (json.dumps([{**_entry("a", -1.0), "bytes": [256]}]).encode(),
+     r"^malformed response from server: TOKEN_LOGPROBS\[0\]\.bytes: expected a list of byte values$"),
+    (json.dumps([{**_entry("a", -1.0), "bytes": [True]}]).encode(),
+     r"^malformed response from server: TOKEN_LOGPROBS\[0\]\.bytes: expected a list of byte values$"),
+    (json.dumps([_entry("a", 0.5)]).encode(),
+     r"^malformed response from server: TOKEN_LOGPROBS\[0\]\.logprob: expected a number <= 0, got 0\.5$"),
+    (b'[{"token": "a", "bytes": [97], "logprob": NaN, "top_logprobs": []}]',
+     r"^malformed response from server: TOKEN_LOGPROBS\[0\]\.logprob: expected a number <= 0, got nan$"),
+    (json.dumps([{**_entry("a", -1.0), "top_logprobs": None}]).encode(),
+     r"^malformed response from server: TOKEN_LOGPROBS\[0\]\.top_logprobs: expected an array, got NoneType$"),
+    (json.dumps([_entry("a", -1.0, ("b", True))]).encode(),
+     (r"^malformed response from server: TOKEN_LOGPROBS\[0\]\.top_logprobs\[0\]\.logprob: expected a number <= 0, "
+      r"got True$")),
+])
+def test_logprobs_malformed_are_refused_by_path(raw: bytes, message: str) -> None:
+    with pytest.raises(GenerationError, match=message):
+        parse_logprobs(raw)

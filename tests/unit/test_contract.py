@@ -217,6 +217,48 @@ def test_penalty_tensors_are_the_fields_in_capitals() -> None:
         assert got[name.upper()] == "FP32"
 
 
+_LOGPROBS_REFUSAL = "logprobs: must be null (off) or an integer in 0..20 (alternatives per token), got {!r}"
+# (value, verdict): None = accepted, else the exact message, the same from the contract, the SDK and preprocessing.
+LOGPROBS_CASES: list[tuple[Any, str | None]] = [
+    (None, None), (0, None), (1, None), (contract.MAX_TOP_LOGPROBS, None),
+    (-1, _LOGPROBS_REFUSAL.format(-1)), (contract.MAX_TOP_LOGPROBS + 1, _LOGPROBS_REFUSAL.format(21)),
+    (True, _LOGPROBS_REFUSAL.format(True)), (2.0, _LOGPROBS_REFUSAL.format(2.0)), ("3", _LOGPROBS_REFUSAL.format("3")),
+]
+
+
+@pytest.mark.parametrize(("value", "verdict"), LOGPROBS_CASES, ids=[repr(v) for v, _ in LOGPROBS_CASES])
+def test_client_and_server_give_logprobs_its_verdict(value: Any, verdict: str | None) -> None:
+    contract_says = _message_or_none(lambda: contract.check_logprobs(value), (contract.ContractError,))
+    client = _message_or_none(lambda: build_inputs("hi", logprobs=value), (InvalidRequest,))
+    server = _message_or_none(lambda: parse_params(RawRequest(prompt=b"hi", logprobs=value),
+                                                   PreprocessConfig(tokenizer="unused")), (InvalidArgument,))
+    assert (contract_says, client, server) == (verdict, verdict, verdict)
+    if verdict is None:
+        assert contract.check_logprobs(value) == value
+
+
+def test_logprobs_tensors_are_declared_end_to_end() -> None:
+    """LOGPROBS: an INT32 request input (SDK -> ensemble -> preprocessing); TOKEN_LOGPROBS: BYTES, llm ->
+    postprocessing -> client."""
+    (tensor,) = [i for i in build_inputs("hi", logprobs=3) if i.name() == "LOGPROBS"]
+    assert tensor.datatype() == "INT32"
+    assert "LOGPROBS" not in {i.name() for i in build_inputs("hi")}  # absent: off, the request as before
+    repo = REPO / "model_repository"
+    line = '{ name: "LOGPROBS", data_type: TYPE_INT32, dims: [ 1 ], optional: true }'
+    assert line in (repo / "constrained_llm/config.pbtxt.in").read_text()
+    assert line in (repo / "preprocessing/config.pbtxt.in").read_text()
+    # The entries come back as TOKEN_LOGPROBS (an ensemble's tensors share one namespace, so not LOGPROBS).
+    out = '{ name: "TOKEN_LOGPROBS", data_type: TYPE_STRING, dims: [ 1 ] }'
+    for model in ("constrained_llm", "llm", "postprocessing"):
+        assert out in (repo / f"{model}/config.pbtxt.in").read_text(), model
+    ensemble = (repo / "constrained_llm/config.pbtxt.in").read_text()
+    for mapping in ('input_map { key: "LOGPROBS" value: "LOGPROBS" }',
+                    'output_map { key: "TOKEN_LOGPROBS" value: "_TOKEN_LOGPROBS" }',
+                    'input_map { key: "TOKEN_LOGPROBS" value: "_TOKEN_LOGPROBS" }',
+                    'output_map { key: "TOKEN_LOGPROBS" value: "TOKEN_LOGPROBS" }'):
+        assert mapping in ensemble, mapping
+
+
 def test_every_layer_reads_the_contract() -> None:
     """One home: the server modules hold the contract's own objects, not copies."""
     from client import constraints, sdk

@@ -197,13 +197,14 @@ def test_finished_output_labels(final: FinishEvent, failed: bool) -> None:
 #: The keys of the FINISH document, in order: the wire between ``llm`` and ``postprocessing``.
 FINISH_KEYS = ["finish_reason", "text", "prompt_tokens", "completion_tokens", "error", "status", "close_reason",
                "stop_string", "backend", "value_retries", "value_dropped_tokens", "reasoning_tokens", "reasoning_cut",
-               "constraint"]
+               "seed", "constraint"]
 
 
 @pytest.mark.parametrize(
     ("final", "constraint"),
     [
         (FinishEvent("stop", "free text", 3, 2), None),
+        (FinishEvent("stop", "seeded", 3, 2, seed=2**64 - 1), None),
         (FinishEvent(finish_reason="length", text='{"name":"Al","age":0}', prompt_tokens=5, completion_tokens=12,
                      error=None, status=None, close_reason="budget", stop_string=False, backend="llguidance",
                      value_retries=2, value_dropped_tokens=7), PERSON),

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import contract
 from grammar_backend.errors import ConfigError, ConstraintError, InvalidArgument
 from pipeline.preprocess import (
     GenerationParams,
@@ -38,7 +40,12 @@ def pre() -> Preprocessor:
         (RawRequest(prompt=b"  "), InvalidArgument, r"^prompt: is empty$"),
         (RawRequest(messages=b'[{"role": "bot", "content": "x"}]'), InvalidArgument,
          r"^messages\[0\].role: must be one of system, user, assistant, got 'bot'$"),
-        (RawRequest(messages=b"[1]"), InvalidArgument, r"^messages\[0\]: must be an object with exactly role and content$"),
+        (RawRequest(messages=b"[1]"), InvalidArgument,
+         r"^messages\[0\]: must be an object with role and content \(and optionally name\)$"),
+        (RawRequest(messages=b'[{"role": "user", "content": "x", "tool_calls": []}]'), InvalidArgument,
+         r"^messages\[0\]: must be an object with role and content \(and optionally name\)$"),
+        (RawRequest(messages=b'[{"role": "user", "content": "x", "name": 7}]'), InvalidArgument,
+         r"^messages\[0\].name: must be a string$"),
         (RawRequest(messages=b"[{"), InvalidArgument, r"^messages: invalid JSON at line 1 column 3"),
         (RawRequest(prompt=b"x", max_tokens=0), InvalidArgument, r"^max_tokens: must be in 1..100, got 0$"),
         (RawRequest(prompt=b"x", max_tokens=101), InvalidArgument, r"^max_tokens: must be in 1..100, got 101$"),
@@ -74,7 +81,8 @@ def test_prompt_gets_the_chat_template(pre: Preprocessor) -> None:
     ids, params = pre(RawRequest(prompt=b"Hi"))
     text = pre.tokenizer.decode(ids)
     assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
-    assert params == GenerationParams(max_tokens=CONFIG.default_max_tokens)
+    # Every default but the seed, which is drawn for an unseeded request (test_unseeded_requests_draw_fresh_seeds).
+    assert dataclasses.replace(params, seed=0) == GenerationParams(max_tokens=CONFIG.default_max_tokens)
 
 
 def test_every_kind_carries_its_decoding_policies(pre: Preprocessor) -> None:
@@ -181,3 +189,32 @@ def test_plain_prompt_format_passes_the_prompt_through(base_model: Path) -> None
 def test_prompt_format_is_checked() -> None:
     with pytest.raises(ConfigError, match=r"^preprocessing: prompt_format must be one of chat, plain, got 'raw'$"):
         PreprocessConfig(tokenizer="unused", prompt_format="raw")
+
+
+def test_unseeded_requests_draw_fresh_seeds(pre: Preprocessor) -> None:
+    # A fixed default made every unseeded request at temperature 1 the same; the seed drawn travels in REQUEST.
+    seeds = [pre(RawRequest(prompt=b"hi", temperature=1.0))[1].seed for _ in range(2)]
+    assert seeds[0] != seeds[1]
+    assert all(0 <= seed < contract.SEED_LIMIT for seed in seeds)
+
+
+@pytest.mark.parametrize("seed", [0, 7, 2**64 - 1])
+def test_a_seeded_request_keeps_its_seed(pre: Preprocessor, seed: int) -> None:
+    _, params = pre(RawRequest(prompt=b"hi", temperature=1.0, seed=seed))
+    assert params.seed == seed
+    assert GenerationParams.from_json(params.to_json()).seed == seed
+
+
+@pytest.mark.parametrize("logprobs", [None, 0, 3, 20])
+def test_logprobs_travel_in_request(pre: Preprocessor, logprobs: int | None) -> None:
+    _, params = pre(RawRequest(prompt=b"hi", logprobs=logprobs))
+    assert params.logprobs == logprobs
+    assert ("logprobs" in json.loads(params.to_json())) == (logprobs is not None)  # absent: REQUEST as before
+    assert GenerationParams.from_json(params.to_json()) == params
+
+
+@pytest.mark.parametrize("logprobs", [-1, 21, 2**31 - 1])
+def test_logprobs_out_of_range_are_refused_by_name(pre: Preprocessor, logprobs: int) -> None:
+    with pytest.raises(InvalidArgument, match=rf"^logprobs: must be null \(off\) or an integer in 0\.\.20 "
+                                              rf"\(alternatives per token\), got {logprobs}$"):
+        pre(RawRequest(prompt=b"hi", logprobs=logprobs))

@@ -192,5 +192,6 @@ def test_reasoning_result_is_unchanged_without_the_option(engine: TorchEngine, g
     assert "reasoning" not in finish
     result = json.loads(result_of_finish(finish_json(fin, constraint).encode()).result)
     assert list(result) == ["finish_reason", "complete", "closed_early", "close_reason", "stop_string", "backend",
-                            "value_retries", "value_dropped_tokens", "text", "usage", "error", "status", "json"]
-    assert result["text"] == fin.text
+                            "value_retries", "value_dropped_tokens", "text", "usage", "error", "status", "json",
+                            "seed"]
+    assert (result["text"], result["seed"]) == (fin.text, 5)

@@ -339,3 +339,65 @@ def test_min_p_samples_only_tokens_near_the_best(min_p: float) -> None:
     seen = {int(sampler.sample(logits.clone(), [p], [gen])[0][0]) for _ in range(400)}
     assert seen <= keep
     assert len(seen) >= min(len(keep), 2)
+
+
+# -- log probabilities (request field logprobs) -----------------------------------------------------------------
+LOGPROB_PARAMS = [
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.3, top_k=2),
+    SamplingParams(temperature=1.0, top_p=0.5, min_p=0.2),
+    SamplingParams(temperature=2.0),
+]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_logprobs_are_the_masked_distribution_before_temperature(seed: int) -> None:
+    """Over the tokens the mask allows they sum to one, masked tokens are never among them, the drawn
+    token's is its own, and they are the same whatever the temperature, top-k, top-p and min-p."""
+    sampler = Sampler(V)
+    logits, allowed = random_case(seed)
+    sampler.apply_mask(logits, torch.from_numpy(pack(allowed)), range(4))
+    expected = torch.log_softmax(logits, dim=-1)  # masked, untempered, untruncated
+    gens = [sampler.generator(i) for i in range(4)]
+    tokens, dead = sampler.sample(logits, LOGPROB_PARAMS, gens)
+    assert not dead.any()
+    chosen, ids, lps = sampler.logprobs(logits, [0, 1, 2, 3], tokens, V)
+    assert ids.shape == lps.shape == (4, V)
+    for r in range(4):
+        finite = np.isfinite(lps[r])
+        assert set(ids[r][finite].tolist()) == set(np.flatnonzero(allowed[r]).tolist())  # masked: never there
+        assert math.isclose(float(np.exp(lps[r][finite].astype(np.float64)).sum()), 1.0, rel_tol=1e-5)
+        assert (np.diff(lps[r][finite]) <= 0).all()  # most likely first
+        assert np.allclose(lps[r], expected[r, torch.from_numpy(ids[r])].numpy(), atol=1e-6)
+        assert chosen[r] == pytest.approx(float(expected[r, tokens[r]]), abs=1e-6)
+        assert chosen[r] <= 0.0
+    assert chosen[0] == pytest.approx(float(lps[0, 0]), abs=1e-6)  # greedy draws the most likely
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_logprobs_top_k_and_rows(k: int) -> None:
+    """Only the rows that ask are computed (one batched pass), k alternatives each; k=0: none."""
+    sampler = Sampler(V)
+    logits, _ = random_case(7, b=3, density=1.0)
+    tokens, _ = sampler.sample(logits, [SamplingParams(temperature=0.0)] * 3, [sampler.generator(0)] * 3)
+    chosen, ids, lps = sampler.logprobs(logits, [0, 2], tokens, k)
+    assert chosen.shape == (2,) and ids.shape == lps.shape == (2, k)
+    assert (ids.dtype, lps.dtype) == (np.int64, np.float32)
+    best = torch.topk(torch.log_softmax(logits[[0, 2]], -1), k)
+    assert ids.tolist() == best.indices.tolist()
+    assert np.allclose(lps, best.values.numpy())
+
+
+def test_logprobs_follow_the_penalties_and_padding() -> None:
+    """Read after the penalties (and with ids past token_limit at -inf): the logits a draw starts from."""
+    sampler = Sampler(V, token_limit=V - 6)
+    logits = torch.zeros(1, V)
+    logits[0, 3], logits[0, 4] = 5.0, 4.0
+    p = SamplingParams(temperature=0.0, frequency_penalty=2.0)
+    tokens, _ = sampler.sample(logits, [p], [sampler.generator(0)], None, [_counts([], [3])])
+    chosen, _, lps = sampler.logprobs(logits, [0], tokens, V)
+    penalized = torch.zeros(V - 6)
+    penalized[3], penalized[4] = 3.0, 4.0
+    assert tokens.tolist() == [4]
+    assert chosen[0] == pytest.approx(float(torch.log_softmax(penalized, -1)[4]), abs=1e-6)
+    assert int(np.isfinite(lps[0]).sum()) == V - 6  # padding ids are never alternatives

@@ -34,6 +34,7 @@ from llm_runtime.engine import TorchEngine, TorchEngineConfig
 from llm_runtime.errors import Overloaded, RequestError, SchedulerClosed
 from llm_runtime.grammar_phase import JumpPolicy
 from llm_runtime.local_mask import LocalMaskProvider
+from llm_runtime.logprobs import TokenLogprobs, TokenText, forced
 from llm_runtime.mask import ConstraintRequest, MaskStep
 from llm_runtime.model_config import LlmModelConfig
 from llm_runtime.scheduler import (
@@ -1121,3 +1122,71 @@ def test_penalties_ride_through_value_retries(engine: TorchEngine, tiny: TinyMod
         assert grammar.active_count == 0 and engine.live_count == 0
     finally:
         grammar.close()
+
+
+# -- seeds and log probabilities ---------------------------------------------------------------------------------
+def test_unseeded_requests_report_their_seed_and_replay(engine: TorchEngine, sched: Scheduler) -> None:
+    """No seed: one is drawn per request (so outputs differ) and reported; sent back, it replays the output."""
+    req = GenerationRequest(prompt(engine, "hello world"), max_tokens=16, temperature=1.0)
+    first, second = submit(sched, req), submit(sched, req)
+    fins = [first.wait(), second.wait()]
+    seeds = [f.seed for f in fins]
+    assert seeds[0] != seeds[1] and all(s is not None and 0 <= s < 2**64 for s in seeds)
+    assert first.token_ids != second.token_ids
+    replay = submit(sched, GenerationRequest(req.prompt_token_ids, max_tokens=16, temperature=1.0, seed=seeds[0]))
+    assert replay.wait().seed == seeds[0]
+    assert replay.token_ids == first.token_ids
+
+
+def _entries(r: Result) -> list[TokenLogprobs]:
+    return [lp for e in r.events if isinstance(e, TokenEvent) for lp in (e.logprobs or ())]
+
+
+@pytest.mark.parametrize("retries", [0, 8], ids=["streamed", "value-checked"])
+@pytest.mark.parametrize("k", [0, 3])
+def test_logprobs_one_entry_per_output_token(engine: TorchEngine, tiny: TinyModelInfo, retries: int, k: int) -> None:
+    """Constrained rows with logprobs: one entry per streamed token (the end token has none), aligned with
+    the events' tokens, their bytes joined are the text; forced (jumped) tokens are certain; a free row in
+    the same batch without logprobs gets none and draws exactly what it draws alone."""
+    grammar = tiny_grammar(tiny)
+    options = json.dumps({"on_repeat": "continue", "value_retries": retries})
+    free = GenerationRequest(prompt(engine, "hello world"), max_tokens=24, temperature=1.0, seed=99)
+    try:
+        with Scheduler(engine, LocalMaskProvider(grammar), SchedulerConfig(max_batch_size=8)) as s:
+            alone = submit(s, free)
+            alone.wait()
+            asked = [submit(s, GenerationRequest(prompt(engine, p), max_tokens=120, temperature=1.0, seed=i,
+                                                 logprobs=k, constraint=ConstraintRequest("json_schema", JUMP_SCHEMA,
+                                                                                          options)))
+                     for i, p in enumerate(PROMPTS[:3])]
+            beside = submit(s, free)
+            finals = [r.wait() for r in asked]
+            beside.wait()
+        assert beside.token_ids == alone.token_ids
+        assert all(e.logprobs is None for e in beside.events if isinstance(e, TokenEvent))
+        text = TokenText(engine.tokenizer)
+        for r, fin in zip(asked, finals, strict=True):
+            assert re.fullmatch(JUMP_PATTERN, fin.text), fin.text
+            entries = _entries(r)
+            assert [e.token for e in entries] == r.token_ids
+            assert fin.completion_tokens == len(entries) + 1  # + the end token: not part of the output
+            assert b"".join(bytes(text.piece(e.token)[1]) for e in entries) == fin.text.encode()
+            for e in entries:
+                values = [v for _, v in e.top]
+                assert e.logprob <= 0.0 and (1 <= len(e.top) <= k if k else not e.top)
+                assert all(math.isfinite(v) and v <= 0.0 for v in values) and values == sorted(values, reverse=True)
+                if e.token in dict(e.top):
+                    assert dict(e.top)[e.token] == pytest.approx(e.logprob, abs=1e-6)
+            assert any(e.logprob < 0.0 for e in entries)  # sampled at temperature 1 somewhere
+            if retries == 0:  # events of several tokens are jumps (value checks hold tokens back otherwise)
+                jumped = [lp for ev in r.events if isinstance(ev, TokenEvent) and len(ev.token_ids) > 1
+                          for lp in ev.logprobs or ()]
+                assert jumped and all(lp == forced(lp.token, k) for lp in jumped)
+        assert grammar.active_count == 0 and engine.live_count == 0
+    finally:
+        grammar.close()
+
+
+def test_logprobs_refused_out_of_range(engine: TorchEngine, sched: Scheduler) -> None:
+    with pytest.raises(RequestError, match=r"^logprobs: must be null \(off\) or an integer in 0\.\.20 "):
+        sched.submit(GenerationRequest(prompt(engine, "x"), logprobs=21), Result())

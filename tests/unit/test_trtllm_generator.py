@@ -24,6 +24,7 @@ from grammar_backend.engine import GrammarEngine
 from grammar_backend.errors import ConfigError
 from llm_runtime import trtllm_engine
 from llm_runtime.engine import TorchEngine, TorchEngineConfig
+from llm_runtime.errors import RequestError
 from llm_runtime.local_mask import LocalMaskProvider
 from llm_runtime.mask import ConstraintRequest
 from llm_runtime.scheduler import FinishEvent, GenerationRequest, TokenEvent
@@ -240,3 +241,25 @@ def test_host_buffers_names_what_differs(buffers: dict[str, tuple[int, ...] | st
 
 def _cuda_numpy(name: str) -> None:
     raise TypeError(f"can't convert cuda:0 device type tensor {name} to numpy")
+
+
+@pytest.mark.parametrize("seed", [None, 5])
+def test_the_seed_is_reported_and_logprobs_refused_by_name(trtllm: Callable[..., Trtllm], tiny: TinyModelInfo,
+                                                           grammar: GrammarEngine, engine: TorchEngine,
+                                                           seed: int | None) -> None:
+    """The seed TensorRT-LLM samples with (drawn where the request has none) is the finish's; logprobs are
+    refused at admission, naming the field and why, rather than passed off (trtllm_engine.TRTLLM_LOGPROBS_REFUSAL)."""
+    trtllm()
+    gen = generator(tiny, grammar)
+    try:
+        prompt = engine.tokenizer.encode("hello world").ids
+        with pytest.raises(RequestError, match=r"^logprobs: not served by the tensorrt_llm engine \(TensorRT-LLM "
+                                               r"1\.2\.1's log probabilities are not checked to be this field's: "):
+            gen.submit(GenerationRequest(prompt, constraint=CHOICE, max_tokens=8, logprobs=0), Events())
+        events = Events()
+        gen.submit(GenerationRequest(prompt, constraint=CHOICE, max_tokens=8, temperature=1.0, seed=seed), events)
+        fin = events.wait()
+        assert fin.finish_reason == "stop" and fin.text in ("north", "south")
+        assert fin.seed == seed if seed is not None else isinstance(fin.seed, int) and 0 <= fin.seed < 2**64
+    finally:
+        gen.close()

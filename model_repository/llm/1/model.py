@@ -27,6 +27,12 @@ Outputs (streamed; the last response carries the FINAL flag)
                             plus constraint (the constraint rides on the last response only, so
                             postprocessing can validate without a copy of the schema on every
                             streamed token) and, with a thinking section, reasoning
+    TOKEN_LOGPROBS BYTES [1] "" unless the request asked for log probabilities (REQUEST logprobs);
+                            then a JSON array of OpenAI chat logprobs.content entries {token,
+                            logprob, bytes, top_logprobs: [{token, logprob, bytes}]}, one per
+                            output token the generator delivered since the previous response
+                            (llm_runtime.logprobs; its text may come in a later response, where
+                            the detokenizer holds back part of a character or of a stop string)
 
 Each request joins the in-flight batch at a step boundary. Per step, one BLS
 request to ``grammar`` computes the bitmask of every constrained row while
@@ -49,6 +55,7 @@ from contract.errors import InvalidArgument, ServingError
 from contract.finish import FinishEvent
 from contract.reasoning import Reasoning, ReasoningSplitter
 from llm_runtime.errors import CANCELLED
+from llm_runtime.logprobs import TokenLogprobs, TokenText, logprobs_json
 from llm_runtime.mask import ConstraintRequest
 from llm_runtime.model_config import LlmModelConfig, bls_generator
 from llm_runtime.scheduler import GenerationRequest, TokenEvent
@@ -88,6 +95,7 @@ def _to_request(request: Any) -> tuple[dict[str, str] | None, Reasoning | None, 
         frequency_penalty=params.frequency_penalty,
         presence_penalty=params.presence_penalty,
         min_p=params.min_p,
+        logprobs=params.logprobs,
     )
 
 
@@ -98,18 +106,22 @@ class _Stream:
     jobs; every ``pb_utils`` call runs on the outbox's thread, in order.
     """
 
-    __slots__ = ("coalescer", "constraint", "events", "outbox", "parts", "reasoning", "rid", "scheduler", "sender")
+    __slots__ = ("coalescer", "constraint", "events", "lps", "outbox", "parts", "reasoning", "rid", "scheduler",
+                 "sender", "token_text")
 
-    def __init__(self, sender: Any, scheduler: Any, outbox: Outbox, interval_s: float) -> None:
+    def __init__(self, sender: Any, scheduler: Any, outbox: Outbox, interval_s: float, token_text: TokenText) -> None:
         self.sender = sender
         self.scheduler = scheduler
         self.outbox = outbox
+        self.token_text = token_text  # the model's one instance: used on the outbox's thread only
         self.coalescer = DeltaCoalescer(interval_s)
         self.rid = ""
         self.constraint: dict[str, str] | None = None
         self.events = 0
         self.reasoning: Reasoning | None = None
         self.parts: PartCoalescer | None = None  # with a thinking section: deltas split into its two parts
+        # With log probabilities: the entries not sent yet; they go with the next response (None: not asked).
+        self.lps: list[TokenLogprobs] | None = None
 
     def reasons(self, reasoning: Reasoning | None, interval_s: float) -> None:
         """The request has a thinking section: stream it apart from the answer."""
@@ -122,14 +134,16 @@ class _Stream:
             self.events += 1
             if self.events % CANCEL_POLL_EVERY == 0:
                 self.outbox.put(self._poll_cancel)
+            if self.lps is not None and event.logprobs:
+                self.lps.extend(event.logprobs)
             if self.parts is not None:
                 parts = self.parts.push(event.text_delta)
                 if parts is not None:
-                    self.outbox.put(functools.partial(self._send_delta, parts[1], parts[0]))
+                    self.outbox.put(functools.partial(self._send_delta, parts[1], parts[0], self._take_lps()))
                 return
             text = self.coalescer.push(event.text_delta)
             if text is not None:
-                self.outbox.put(functools.partial(self._send_delta, text))
+                self.outbox.put(functools.partial(self._send_delta, text, "", self._take_lps()))
             return
         if event.status == CANCELLED:
             # Cancelled through CANCEL: the client has left, an empty final response ends the request.
@@ -140,7 +154,15 @@ class _Stream:
     def finish(self, final: FinishEvent) -> None:
         """Queue the last response (with any text not sent yet)."""
         thinking, text = self.parts.finish() if self.parts is not None else ("", self.coalescer.take())
-        self.outbox.put(functools.partial(self._send_final, final, text, thinking))
+        self.outbox.put(functools.partial(self._send_final, final, text, thinking, self._take_lps()))
+
+    def _take_lps(self) -> list[TokenLogprobs] | None:
+        """The entries the next response carries (None: the request did not ask)."""
+        lps = self.lps
+        if lps is None:
+            return None
+        self.lps = []
+        return lps
 
     # -- on the outbox's thread -------------------------------------------------------
     def _poll_cancel(self) -> None:
@@ -152,22 +174,29 @@ class _Stream:
         if self.sender.is_cancelled():
             self.scheduler.cancel(self.rid)
 
-    def _send_delta(self, text: str, thinking: str = "") -> None:
+    def _logprobs(self, lps: list[TokenLogprobs] | None) -> Any:
+        if lps is None:
+            return pb_utils.Tensor("TOKEN_LOGPROBS", _EMPTY)
+        entries = logprobs_json(lps, self.token_text).encode("utf-8")
+        return pb_utils.Tensor("TOKEN_LOGPROBS", np.array([entries], np.object_))
+
+    def _send_delta(self, text: str, thinking: str = "", lps: list[TokenLogprobs] | None = None) -> None:
         self._send(pb_utils.InferenceResponse(output_tensors=[
             pb_utils.Tensor("TEXT_DELTA", np.array([text.encode("utf-8")], np.object_)),
             pb_utils.Tensor("REASONING_DELTA", np.array([thinking.encode("utf-8")], np.object_)),
-            pb_utils.Tensor("FINISH", _EMPTY)]), 0)
+            pb_utils.Tensor("FINISH", _EMPTY), self._logprobs(lps)]), 0)
 
     def _send_cancelled(self) -> None:
         self._send(None, pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
-    def _send_final(self, final: FinishEvent, text: str, thinking: str = "") -> None:
+    def _send_final(self, final: FinishEvent, text: str, thinking: str = "",
+                    lps: list[TokenLogprobs] | None = None) -> None:
         # Errors are data in FINISH (pipeline.postprocess), never an error response.
         finish = finish_json(final, self.constraint, self.reasoning)
         self._send(pb_utils.InferenceResponse(output_tensors=[
             pb_utils.Tensor("TEXT_DELTA", np.array([text.encode("utf-8")], np.object_)),
             pb_utils.Tensor("REASONING_DELTA", np.array([thinking.encode("utf-8")], np.object_)),
-            pb_utils.Tensor("FINISH", np.array([finish.encode("utf-8")], np.object_))]),
+            pb_utils.Tensor("FINISH", np.array([finish.encode("utf-8")], np.object_)), self._logprobs(lps)]),
             pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
     def _send(self, response: Any, flags: int) -> None:
@@ -197,6 +226,8 @@ class TritonPythonModel:
         # IPC with tritonserver, which the decode loop must not wait for.
         self.scheduler, self.provider = bls_generator(
             config, pb_utils, lambda snap: self.outbox.put(functools.partial(self.metrics.publish, snap, force=True)))
+        # Token ids -> text and bytes for TOKEN_LOGPROBS (cached per id; used on the outbox's thread).
+        self.token_text = TokenText(self.scheduler.tokenizer)
 
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
@@ -205,10 +236,13 @@ class TritonPythonModel:
                 self.scheduler.cancel(bytes(cancel.as_numpy().reshape(-1)[0]).decode("utf-8", "replace"))
                 request.get_response_sender().send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
-            stream = _Stream(request.get_response_sender(), self.scheduler, self.outbox, self.stream_interval_s)
+            stream = _Stream(request.get_response_sender(), self.scheduler, self.outbox, self.stream_interval_s,
+                             self.token_text)
             try:
                 stream.constraint, reasoning, gen_request = _to_request(request)
                 stream.reasons(reasoning, self.stream_interval_s)
+                if gen_request.logprobs is not None:
+                    stream.lps = []
                 stream.rid = self.scheduler.submit(gen_request, stream)
             except ServingError as err:
                 stream.finish(FinishEvent.rejected(err))

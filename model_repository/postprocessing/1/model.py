@@ -7,6 +7,8 @@ Inputs
     REASONING_DELTA BYTES [1] UTF-8 delta of the thinking section ("" without one)
     FINISH         BYTES [1]  "" on intermediate responses; on the last one a JSON object
                               {finish_reason, text, prompt_tokens, completion_tokens, error, constraint}
+    TOKEN_LOGPROBS BYTES [1]  "" unless the request asked for log probabilities; then the JSON array of
+                              the entries of the tokens llm delivered since its previous response
 Outputs
     TEXT           BYTES [1]  the text delta, passed through
     REASONING_TEXT BYTES [1]  the thinking delta, passed through; sent only when not empty, so the
@@ -14,6 +16,9 @@ Outputs
     FINISH_REASON  BYTES [1]  "" or stop | length | error
     RESULT         BYTES [1]  "" or the final result JSON (see README, "Responses"); errors are
                               data here (finish_reason "error", status, error), never an error response
+    TOKEN_LOGPROBS BYTES [1]  the entries, passed through; sent only for a request that asked for them
+                              (on each of its responses, "[]" when it has none), so the responses of
+                              other requests are as they were
 """
 
 from __future__ import annotations
@@ -58,6 +63,9 @@ class TritonPythonModel:
             parts = [text]
             if thinking:
                 parts.append(pb_utils.Tensor("REASONING_TEXT", np.array([thinking], np.object_)))
+            logprobs = _bytes(request, "TOKEN_LOGPROBS")
+            if logprobs:
+                parts.append(pb_utils.Tensor("TOKEN_LOGPROBS", np.array([logprobs], np.object_)))
             finish = _bytes(request, "FINISH")
             if not finish:
                 responses.append(pb_utils.InferenceResponse(output_tensors=[

@@ -12,6 +12,8 @@ Inputs
     REPETITION_PENALTY, FREQUENCY_PENALTY, PRESENCE_PENALTY, MIN_P   FP32 [1] (contract.PENALTY_FIELDS)
     STOP             BYTES [N]   stop strings
     REASONING        BYTES [1]   JSON: true, false or {start, end, max_reasoning_tokens} (contract.reasoning)
+    LOGPROBS         INT32 [1]   alternatives to report per output token, 0..contract.MAX_TOP_LOGPROBS
+                                 (absent: no log probabilities; contract.check_logprobs)
 Outputs
     INPUT_IDS        INT32 [T]   prompt token ids ([0] when the request is refused)
     REQUEST          BYTES [1]   validated parameters + canonical constraint (JSON), or
@@ -68,6 +70,7 @@ def _to_raw(request: Any) -> RawRequest:
         stop=() if stop is None else tuple(bytes(s) for s in stop.as_numpy().reshape(-1)),
         **{name: _first(request, name.upper()) for name in contract.PENALTY_FIELDS},
         reasoning=_first(request, "REASONING"),
+        logprobs=_first(request, "LOGPROBS"),
     )
 
 
