@@ -164,8 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if server.openai is not None:
         print(f"server: openai: {server.openai.url}", flush=True)
-        for line in try_lines(server.openai.url, cfg.public_models[0], keys=cfg.gateway_security.api_keys_file
-                              is not None):
+        for line in try_lines(server.openai.url, cfg.public_models[0],
+                              keys=cfg.gateway_security.api_keys_file is not None, python=sys.executable):
             print(f"server: try: {line}", flush=True)
     if args.client_hint:
         print(f"server: try: {args.client_hint}", flush=True)

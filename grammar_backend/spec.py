@@ -13,7 +13,7 @@ import dataclasses
 import enum
 import hashlib
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
@@ -561,12 +561,32 @@ def _normalize_structural_tag(doc: Any) -> dict[str, Any]:
     try:
         xgr.StructuralTag.model_validate(doc)
     except ValidationError as err:
-        first = err.errors()[0]
-        pointer = json_pointer(first["loc"])
-        raise ConstraintError(f"grammar#{pointer}", f"invalid structural tag: {first['msg']}") from err
+        errors = [(_document_pointer(doc, e["loc"]), e["msg"]) for e in err.errors()]
+        pointer = errors[0][0]
+        # One field of a union fails once per branch (a json_schema is a bool, a string or an object).
+        reasons = list(dict.fromkeys(msg for at, msg in errors if at == pointer))
+        raise ConstraintError(f"grammar#{pointer}", f"invalid structural tag: {'; or '.join(reasons)}") from err
     for pointer, schema in embedded_schemas(doc, ""):
         check_schema(schema, f"grammar#{pointer}")
     return dict(doc)
+
+
+def _document_pointer(doc: Any, loc: Sequence[str | int]) -> str:
+    """The JSON pointer into ``doc`` of a pydantic error location.
+
+    pydantic's ``loc`` also names the union branches it tried (a
+    discriminator's value, ``tag``; a type, ``bool``), which are no place in
+    the client's document: only the steps that exist in ``doc`` are kept.
+    """
+    steps: list[str | int] = []
+    node = doc
+    for step in loc:
+        in_dict = isinstance(node, dict) and isinstance(step, str) and step in node
+        if not (in_dict or isinstance(node, list) and isinstance(step, int) and 0 <= step < len(node)):
+            continue
+        node = node[step]
+        steps.append(step)
+    return json_pointer(steps)
 
 
 def embedded_schemas(node: Any, pointer: str = "") -> list[tuple[str, Any]]:

@@ -16,7 +16,7 @@ server's, not known gaps (``bench/maskbench.py`` measures those).
 
 The ``openai`` task sends JSON jobs to the OpenAI-compatible endpoint
 (``--openai-url``) through the ``openai`` package: :func:`chat_request` is
-its strict ``json_schema`` request (schemas that OpenAI's strict mode takes:
+its strict ``json_schema`` request (schemas the endpoint's strict mode takes:
 :func:`strict_ok`), :class:`ChatStream` reads its chunks and
 :func:`judge_chat` judges them as :func:`judge` does a gRPC result, plus
 OpenAI's stream shape and the endpoint's report.  Without ``--openai-url``
@@ -67,8 +67,8 @@ _OWN_PROMPTS: Final[dict[str, str]] = {
                         "on 2025-06-02, economy.",
     "contact_extraction": "Extract the contact: Dr. Ana Ruiz, ana.ruiz@example.org, +34 600 123 456, "
                           "works at Nimbus Labs.",
-    # The one own schema in OpenAI's strict subset (closed, all required, nullable eta): the openai task's
-    # schema even when no MaskBench sample is taken.
+    # Closed, all required, nullable eta: OpenAI's strict subset, so the openai task's schema could also
+    # be sent to OpenAI itself.
     "order_status": "Report the order: ORD-104233 shipped with 3 items, arriving on 2025-07-14.",
 }
 _MASKBENCH_PROMPT: Final = "Produce one realistic JSON instance of this schema: {schema}"
@@ -186,7 +186,8 @@ class SchemaCheck:
 
 
 def strict_ok(schema: dict[str, Any]) -> bool:
-    """Whether OpenAI's strict mode takes ``schema``: the endpoint's own rule, :func:`openai_api.strict.check_strict`."""
+    """Whether the endpoint's strict mode takes ``schema`` (every keyword enforced while decoding):
+    :func:`openai_api.strict.check_strict`."""
     # Imported here: the gRPC-only load test needs none of the OpenAI endpoint's modules.
     from openai_api.errors import BadRequest
     from openai_api.strict import check_strict
@@ -202,7 +203,7 @@ def maskbench_sample(data: Path, count: int, seed: int, check: SchemaCheck, *,
                      strict: bool = False) -> list[tuple[str, dict[str, Any]]]:
     """``count`` small (file name, schema) of ``data``, seeded, that ``check`` finds usable.
 
-    ``strict``: only schemas that OpenAI's strict mode takes (:func:`strict_ok`,
+    ``strict``: only schemas the endpoint's strict mode takes (:func:`strict_ok`,
     tested before the costlier ``check``), in the same seeded order.
     """
     files = sorted(data.glob("*.json"))

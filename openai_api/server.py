@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP server, on the gateway's event loop.
 
-``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``
-and ``GET /v1/models/{id}``; the launcher starts it with ``--openai-port``.
+``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``,
+``GET /v1/models`` and ``GET /v1/models/{id}``, and ``GET /health`` for load
+balancers (no key; 200 when ready, else 503): every other route answers 503
+until the ensemble is ready.  The launcher starts it with ``--openai-port``.
 
 Why aiohttp on the gateway's loop
 ---------------------------------
@@ -35,10 +37,11 @@ import asyncio
 import collections
 import json
 import logging
+import shlex
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Protocol, TypeVar
 
 import tritonclient.grpc as grpcclient
 from aiohttp import web
@@ -51,12 +54,15 @@ from contract import errors as status
 from deploy.gateway import ApiKey, Gateway, GatewayError, GatewaySecurity, Refused, bearer_key
 from openai_api.errors import BadRequest, OpenAIError, from_status
 from openai_api.request import Plan, client_error_param, parse_chat, parse_completion
-from openai_api.response import Renderer
+from openai_api.response import ChatOutput
+from openai_api.responses import ResponsesOutput, ResponseStore, parse_responses
 
 __all__ = ["OpenAIConfig", "OpenAIServer", "OpenAIServerError", "try_lines"]
 
 _log = logging.getLogger(__name__)
 
+#: The readiness route (vLLM's and SGLang's path): the one route answered before the ensemble is ready.
+HEALTH_PATH: Final = "/health"
 #: How long :meth:`OpenAIServer.stop` lets requests in flight finish, beyond which they are cancelled.
 STOP_GRACE_S: Final = 5.0
 _SSE_HEADERS: Final = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -69,20 +75,22 @@ _EXAMPLE_SCHEMA: Final = {"type": "object", "properties": {"name": {"type": "str
                           "required": ["name", "age"], "additionalProperties": False}
 
 
-def try_lines(url: str, model: str, *, keys: bool) -> tuple[str, str]:
+def try_lines(url: str, model: str, *, keys: bool, python: str = "python") -> tuple[str, str]:
     """A ``curl`` line and a Python ``openai`` line that work against ``url`` (the launcher prints them).
 
-    With ``keys``, both read the key from ``$CONSTRAINED_LLM_API_KEY``.
+    With ``keys``, both read the key from ``$CONSTRAINED_LLM_API_KEY``.  ``python`` is the interpreter
+    the Python line runs: the launcher gives its own (the project's virtualenv, which has ``openai``; a
+    system ``python`` may have none).
     """
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "strict": True, "schema": _EXAMPLE_SCHEMA}}
     body = {"model": model, "messages": [{"role": "user", "content": "Invent a person."}], "response_format": fmt}
     auth = ' -H "Authorization: Bearer $CONSTRAINED_LLM_API_KEY"' if keys else ""
     curl = f"curl -s {url}/chat/completions -H 'Content-Type: application/json'{auth} -d '{json.dumps(body)}'"
     key = "os.environ['CONSTRAINED_LLM_API_KEY']" if keys else "'none'"
-    python = (f'python -c "import os, openai; c = openai.OpenAI(base_url=\'{url}\', api_key={key}); '
+    line = (f'{shlex.quote(python)} -c "import os, openai; c = openai.OpenAI(base_url=\'{url}\', api_key={key}); '
               f"print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': "
               f"'Invent a person.'}}], response_format={fmt!r}).choices[0].message.content)\"")
-    return curl, python
+    return curl, line
 
 
 class OpenAIServerError(RuntimeError):
@@ -103,6 +111,9 @@ class OpenAIConfig:
         TLS (the gateway's certificate and key, optionally mutual).
     default_max_tokens : int
         Chat budget when a request gives none (the SDK's default).
+    max_stored_responses, max_stored_bytes : int
+        The Responses API's store (:class:`~openai_api.responses.ResponseStore`): responses kept per API
+        key, and bytes in all.
     """
 
     host: str = "127.0.0.1"
@@ -110,12 +121,16 @@ class OpenAIConfig:
     models: tuple[str, ...] = ("constrained_llm",)
     security: GatewaySecurity = field(default_factory=GatewaySecurity)
     default_max_tokens: int = DEFAULT_MAX_TOKENS
+    max_stored_responses: int = 1000
+    max_stored_bytes: int = 256 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if not 1 <= self.port <= 65535:  # the launcher picks a free one for its 0
             raise OpenAIServerError(f"port: must be in [1, 65535], got {self.port}")
         if not self.models:
             raise OpenAIServerError("models: must not be empty")
+        if self.max_stored_responses < 1 or self.max_stored_bytes < 1:
+            raise OpenAIServerError("max_stored_responses, max_stored_bytes: must be positive")
         if not 1 <= self.default_max_tokens <= contract.MAX_MAX_TOKENS:
             raise OpenAIServerError(f"default_max_tokens: must be in [1, {contract.MAX_MAX_TOKENS}], "
                                     f"got {self.default_max_tokens}")
@@ -165,6 +180,7 @@ class OpenAIServer:
         self._runner: web.AppRunner | None = None
         self.requests: collections.Counter[tuple[str, int]] = collections.Counter()
         self.open = 0
+        self.store = ResponseStore(config.max_stored_responses, config.max_stored_bytes)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, timeout_s: float = 30.0) -> None:
@@ -193,6 +209,10 @@ class OpenAIServer:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/v1/models/{model}", self._model)
+        app.router.add_post("/v1/responses", self._responses)
+        app.router.add_get("/v1/responses/{id}", self._stored)
+        app.router.add_delete("/v1/responses/{id}", self._forget)
+        app.router.add_get(HEALTH_PATH, self._health)
         # handler_cancellation: a departed client cancels its handler, so its request is cancelled.
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=STOP_GRACE_S)
         await runner.setup()
@@ -241,6 +261,8 @@ class OpenAIServer:
         """Every answer, errors included, as OpenAI's JSON; counted by endpoint and status."""
         self.open += 1
         try:
+            if request.path != HEALTH_PATH:
+                self._ready()
             response = await handler(request)
         except OpenAIError as err:
             response = web.json_response(err.body(), status=err.http_status)
@@ -274,6 +296,13 @@ class OpenAIServer:
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
             raise BadRequest("body", f"is not JSON: {err}") from err
 
+    def _ready(self) -> None:
+        """Refuse (503) while the ensemble is not ready: every route, so that a load balancer that probes
+        ``/v1/models`` sends no traffic early either."""
+        ready, reason = self.gateway.health
+        if not ready:
+            raise OpenAIError(status.UNAVAILABLE, f"the server is not ready ({reason}); retry shortly")
+
     def _served(self, model: str) -> None:
         if model not in self.config.models:
             raise OpenAIError(status.NOT_FOUND, f"model {model!r} does not exist; served: "
@@ -281,6 +310,12 @@ class OpenAIServer:
                               code="model_not_found")
 
     # ------------------------------------------------------------------ routes
+    async def _health(self, request: web.Request) -> web.Response:
+        """Readiness for load balancers (no key needed): 200 when the ensemble serves, else 503 and why."""
+        ready, reason = self.gateway.health
+        return web.json_response({"status": "ready" if ready else "not ready", "reason": None if ready else reason},
+                                 status=200 if ready else 503)
+
     async def _models(self, request: web.Request) -> web.Response:
         self._key(request)
         return web.json_response({"object": "list", "data": [self._model_object(m) for m in self.config.models]})
@@ -304,23 +339,51 @@ class OpenAIServer:
         plan = parse_completion(await self._body(request))
         return await self._serve(request, plan, key)
 
-    async def _serve(self, request: web.Request, plan: Plan, key: ApiKey | None) -> web.StreamResponse:
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        key = self._key(request)
+        body = await self._body(request)
+        owner = None if key is None else key.id
+        previous = body.get("previous_response_id") if isinstance(body, dict) else None
+        items = None
+        if previous is not None:
+            if not isinstance(previous, str):
+                raise BadRequest("previous_response_id", "must be a string")
+            items = self.store.get(owner, previous).items
+        parsed = parse_responses(body, self.config.default_max_tokens, items)
+        output = ResponsesOutput(parsed)
+        answer = await self._serve(request, parsed.plan, key, output)
+        if output.response is not None:
+            self.store.put(owner, parsed, output.response)
+        return answer
+
+    async def _stored(self, request: web.Request) -> web.Response:
+        key = self._key(request)
+        stored = self.store.get(None if key is None else key.id, request.match_info["id"])
+        return web.json_response(stored.response)
+
+    async def _forget(self, request: web.Request) -> web.Response:
+        key = self._key(request)
+        response_id = request.match_info["id"]
+        self.store.delete(None if key is None else key.id, response_id)
+        return web.json_response({"id": response_id, "object": "response.deleted", "deleted": True})
+
+    async def _serve(self, request: web.Request, plan: Plan, key: ApiKey | None,
+                     output: Output | None = None) -> web.StreamResponse:
+        """Run ``plan``'s choices (one gateway request each, concurrently) and answer with ``output``."""
         self._served(plan.model)
-        ready, reason = self.gateway.health
-        if not ready:
-            raise OpenAIError(status.UNAVAILABLE, f"the server is not ready ({reason}); retry shortly")
-        # An async generator: a refusal (key over its streams, draining) raises on its first step.
-        responses = self.gateway.infer(plan.infer_request(plan.model), key)
-        renderer = Renderer(plan)
+        out: Output = ChatOutput(plan) if output is None else output
+        # Async generators: a refusal (key over its streams, draining) raises on its first step.
+        streams = [self.gateway.infer(plan.infer_request(plan.model, i), key) for i in range(plan.n)]
         try:
             if not plan.stream:
-                result, _ = await self._collect(plan, responses, None)
-                return web.json_response(renderer.body(result))
-            return await self._stream(request, plan, renderer, responses)
+                outcomes = await _together(self._collect(plan, s, None) for s in streams)
+                return web.json_response(out.body([result for result, _ in outcomes]))
+            return await self._stream(request, plan, out, streams)
         except Refused as err:
             raise OpenAIError(err.code, str(err)) from err
         finally:
-            await responses.aclose()
+            for stream in streams:
+                await stream.aclose()
 
     async def _collect(self, plan: Plan, responses: AsyncIterator[Any],
                        on_chunk: Callable[[Chunk], Awaitable[None]] | None) -> tuple[Result, Chunk]:
@@ -354,30 +417,75 @@ class OpenAIServer:
             raise _mapped(plan, error_for_status(result.status, result.error or "no reason given", result=result))
         return result, final
 
-    async def _stream(self, request: web.Request, plan: Plan, renderer: Renderer,
-                      responses: AsyncIterator[Any]) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, plan: Plan, out: Output,
+                      streams: Sequence[AsyncIterator[Any]]) -> web.StreamResponse:
         sse: web.StreamResponse | None = None
+        lock = asyncio.Lock()  # choices stream concurrently: one event is written whole
 
-        async def send(chunks: list[dict[str, Any]]) -> web.StreamResponse:
+        async def send(events: list[dict[str, Any]]) -> web.StreamResponse:
             nonlocal sse
-            if sse is None:  # the headers wait for the first token: an early failure keeps its status
-                sse = web.StreamResponse(status=200, headers=_SSE_HEADERS)
-                await sse.prepare(request)
-            for chunk in chunks:
-                await sse.write(b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n")
-            return sse
+            async with lock:
+                if sse is None:  # the headers wait for the first token: an early failure keeps its status
+                    sse = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+                    await sse.prepare(request)
+                    events = [*out.start(), *events]
+                for event in events:
+                    await sse.write(out.frame(event))
+                return sse
 
-        async def on_chunk(chunk: Chunk) -> None:
-            await send(renderer.chunks(chunk.text, chunk.reasoning))
+        async def choice(i: int) -> Result:
+            async def on_chunk(chunk: Chunk) -> None:
+                await send(out.piece(i, chunk))
+
+            result, last = await self._collect(plan, streams[i], on_chunk)
+            await send(out.finish(i, result, last))
+            return result
 
         try:
-            result, last = await self._collect(plan, responses, on_chunk)
+            results = await _together(choice(i) for i in range(plan.n))
         except OpenAIError as err:
             if sse is None:
                 raise
-            await sse.write(b"data: " + json.dumps(err.body()).encode() + b"\n\n")
+            for event in out.failed(err.body()):
+                await sse.write(out.frame(event))
             return sse
-        out = await send(renderer.final_chunks(last.text, result, last.reasoning))
-        await out.write(b"data: [DONE]\n\n")
-        await out.write_eof()
-        return out
+        response = await send(out.end(results))
+        if out.done:
+            await response.write(out.done)
+        await response.write_eof()
+        return response
+
+
+class Output(Protocol):
+    """What one endpoint sends for a request's results (:class:`~openai_api.response.ChatOutput`,
+    :class:`~openai_api.responses.ResponsesOutput`): the server runs the choices, this shapes them."""
+
+    done: bytes
+
+    def start(self) -> list[dict[str, Any]]: ...
+    def piece(self, choice: int, chunk: Chunk) -> list[dict[str, Any]]: ...
+    def finish(self, choice: int, result: Result, last: Chunk) -> list[dict[str, Any]]: ...
+    def end(self, results: list[Result]) -> list[dict[str, Any]]: ...
+    def body(self, results: list[Result]) -> dict[str, Any]: ...
+    def failed(self, error: dict[str, Any]) -> list[dict[str, Any]]: ...
+    def frame(self, event: dict[str, Any]) -> bytes: ...
+
+
+_T = TypeVar("_T")
+
+
+async def _together(coroutines: Iterable[Coroutine[Any, Any, _T]]) -> list[_T]:
+    """Run ``coroutines`` concurrently; their results in order.  The first to fail cancels the others
+    (a choice that fails fails the request) and its exception is raised as it is."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks:
+            if task.done() and not task.cancelled() and (error := task.exception()) is not None:
+                raise error
+        return [task.result() for task in tasks]
+    finally:
+        for task in tasks:
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

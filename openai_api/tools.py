@@ -88,8 +88,9 @@ def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
 
 
-def tools_prompt(tools: Sequence[Tool], mode: ToolMode) -> str:
-    """The system text that offers ``tools`` and states the one call format the grammar enforces."""
+def tools_prompt(tools: Sequence[Tool], mode: ToolMode, *, answer_schema: Mapping[str, Any] | None = None) -> str:
+    """The system text that offers ``tools`` and states the one call format the grammar enforces
+    (and, with ``answer_schema`` under ``auto``, the one answer format: :func:`tool_constraint`)."""
     lines = ["You can call functions. The functions, with a JSON Schema of their arguments:"]
     for tool in tools:
         entry: dict[str, Any] = {"name": tool.name}
@@ -103,6 +104,9 @@ def tools_prompt(tools: Sequence[Tool], mode: ToolMode) -> str:
         lines.append("Answer with function calls only.")
     elif mode == "named":
         lines.append(f"Call {tools[0].name} now.")
+    elif answer_schema is not None:
+        lines.append("Call a function only when it helps; otherwise answer with one JSON document of this JSON "
+                     f"Schema: {json.dumps(answer_schema, ensure_ascii=False, separators=(',', ':'))}")
     else:
         lines.append("Call a function only when it helps; otherwise answer in text.")
     return "\n".join(lines)
@@ -114,7 +118,8 @@ def _tag(tool: Tool) -> dict[str, Any]:
             "end": CALL_SUFFIX}
 
 
-def tool_constraint(tools: Sequence[Tool], mode: ToolMode, *, parallel: bool) -> Constraint:
+def tool_constraint(tools: Sequence[Tool], mode: ToolMode, *, parallel: bool,
+                    answer_schema: Mapping[str, Any] | None = None) -> Constraint:
     """The structural tag for ``tools`` under ``mode`` (``named``: ``tools`` holds the named function only).
 
     Parameters
@@ -125,6 +130,11 @@ def tool_constraint(tools: Sequence[Tool], mode: ToolMode, *, parallel: bool) ->
         ``tool_choice``.
     parallel : bool
         ``parallel_tool_calls``: more than one call per response.
+    answer_schema : mapping, optional
+        The schema of the answer when the request also constrains the text (``response_format``,
+        ``text.format``: an agent with tools and a structured final output).  Under ``auto`` the output
+        is then either calls or one JSON document of this schema; under ``required`` and a named
+        function it is calls, and the schema waits for the turn that answers.
 
     Returns
     -------
@@ -135,9 +145,11 @@ def tool_constraint(tools: Sequence[Tool], mode: ToolMode, *, parallel: bool) ->
     fmt: dict[str, Any]
     if mode == "named":
         fmt = tags[0]
-    elif mode == "required":
+    elif mode == "required" or answer_schema is not None:
         fmt = {"type": "tags_with_separator", "tags": tags, "separator": CALL_SEPARATOR,
                "at_least_one": True, "stop_after_first": not parallel}
+        if mode == "auto":
+            fmt = {"type": "or", "elements": [fmt, {"type": "json_schema", "json_schema": answer_schema}]}
     else:
         fmt = {"type": "triggered_tags", "triggers": [CALL_OPEN], "tags": tags,
                "at_least_one": False, "stop_after_first": not parallel}

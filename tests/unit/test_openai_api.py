@@ -20,7 +20,7 @@ import ssl
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import pytest
@@ -28,7 +28,7 @@ import xgrammar as xgr
 from tritonclient.utils import deserialize_bytes_tensor
 
 from client.errors import InvalidRequest, ServerUnavailable
-from client.sdk import Result, Usage
+from client.sdk import JsonReport, Result, Usage
 from contract import errors as status
 from deploy.gateway import _REFUSAL_CODES, GatewaySecurity
 from grammar_backend.compile import compile_spec
@@ -221,7 +221,17 @@ def _calls(*pairs: tuple[str, str]) -> list[dict[str, Any]]:
                  [{"role": "system", "content": "S"}, {"role": "assistant", "content": f"Let me see.{CALL_W}{CALL_T}"}],
                  id="assistant-text-and-two-calls"),
     pytest.param([{"role": "assistant", "content": [{"type": "text", "text": ""}], "refusal": "no"}],
-                 [{"role": "assistant", "content": ""}], id="assistant-refusal"),
+                 [{"role": "assistant", "content": "no"}], id="assistant-refusal"),
+    pytest.param([{"role": "user", "content": "hi", "name": "alice"}, {"role": "developer", "content": "D", "name": "ops"},
+                  {"role": "assistant", "content": "x", "name": "bot", "audio": None, "function_call": None,
+                   "tool_calls": None, "parsed": {"a": 1}, "annotations": [], "reasoning_content": "hmm"}],
+                 [{"role": "user", "content": "hi", "name": "alice"}, {"role": "system", "content": "D", "name": "ops"},
+                  {"role": "assistant", "content": "x", "name": "bot"}], id="names-and-read-back-fields"),
+    pytest.param([{"role": "assistant", "content": None, "function_call": {"name": "get_weather",
+                                                                           "arguments": '{"city": "Paris"}'}},
+                  {"role": "function", "name": "get_weather", "content": "sunny"}],
+                 [{"role": "assistant", "content": CALL_W},
+                  {"role": "user", "content": "<tool_response>\nsunny\n</tool_response>"}], id="deprecated-function-call"),
 ])
 def test_messages_translation(messages: list[dict[str, Any]], expected: list[dict[str, str]]) -> None:
     assert values(parse_chat(chat(messages=messages), DEFAULT))["MESSAGES"] == [expected]
@@ -263,12 +273,23 @@ BAD = [
     ("completions", completion(top_logprobs=0), "top_logprobs", "unrecognized request argument", "unknown_parameter"),
     ("chat", {"messages": MSG}, "model", "is required", "invalid_argument"),
     ("chat", chat(model=5), "model", "must be a string, got integer", "invalid_argument"),
-    ("chat", chat(n=2), "n", "only 1 choice per request is supported; got 2", "unsupported_parameter"),
-    ("chat", chat(n=True), "n", "only 1 choice per request is supported; got true", "unsupported_parameter"),
-    ("chat", chat(logprobs=True), "logprobs", "log probabilities are not returned by this server; got true",
-     "unsupported_parameter"),
-    ("chat", chat(top_logprobs=3), "top_logprobs", "log probabilities are not returned by this server; got 3",
-     "unsupported_parameter"),
+    ("chat", chat(n=0), "n", "must be an integer in [1, 16], got 0", "invalid_argument"),
+    ("chat", chat(n=17), "n", "must be an integer in [1, 16], got 17", "invalid_argument"),
+    ("chat", chat(n=True), "n", "must be an integer in [1, 16], got true", "invalid_argument"),
+    ("chat", chat(logprobs=1), "logprobs", "must be a boolean, got integer", "invalid_argument"),
+    ("chat", chat(top_logprobs=3), "top_logprobs", "needs logprobs set to true", "invalid_argument"),
+    ("chat", chat(logprobs=True, top_logprobs=21), "top_logprobs", "must be an integer in [0, 20], got 21",
+     "invalid_argument"),
+    ("completions", completion(logprobs=True), "logprobs", "must be an integer in [0, 20], got true",
+     "invalid_argument"),
+    ("completions", completion(n=17), "n", "must be an integer in [1, 16], got 17", "invalid_argument"),
+    ("chat", chat(top_k=1.5), "top_k", "must be an integer, got number", "invalid_argument"),
+    ("chat", chat(top_k=-1), "top_k", "must be in [0, 2147483647], got -1", "invalid_argument"),
+    ("chat", chat(min_p=0.5, **{EXTENSION: {"min_p": 0.2}}), "min_p",
+     "differs from constrained_llm.min_p; give one of them", "invalid_argument"),
+    ("completions", completion(response_format={"type": "json_object"}, **{EXTENSION: {"regex": "a"}}),
+     "constrained_llm.regex", "give one constraint: response_format or the extension's, not both",
+     "invalid_argument"),
     ("chat", chat(presence_penalty=2.5), "presence_penalty", "must be a number in -2..2 (0 = off), got 2.5",
      "invalid_argument"),
     ("chat", chat(frequency_penalty="1"), "frequency_penalty", "must be a number, got string", "invalid_argument"),
@@ -302,16 +323,33 @@ BAD = [
     ("chat", {"model": "m"}, "messages", "must be a non-empty array", "invalid_argument"),
     ("chat", chat(messages=["hi"]), "messages[0]", "must be an object, got string", "invalid_argument"),
     ("chat", chat(messages=[{"role": "bot", "content": "x"}]), "messages[0].role",
-     "must be one of system, developer, user, assistant, tool, got 'bot'", "invalid_argument"),
-    ("chat", chat(messages=[{"role": "user", "content": "x", "name": "n"}]), "messages[0].name",
-     "not supported on a user message", "invalid_argument"),
+     "must be one of system, developer, user, assistant, tool, function, got 'bot'", "invalid_argument"),
+    ("chat", chat(messages=[{"role": "user", "content": "x", "tool_call_id": "n"}]), "messages[0].tool_call_id",
+     "not a field of a user message; expected role, content, name", "invalid_argument"),
+    ("chat", chat(messages=[{"role": "user", "content": "x", "name": 5}]), "messages[0].name",
+     "must be a string, got integer", "invalid_argument"),
     ("chat", chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages[0].content[0].type",
-     "only text parts are supported, got 'image_url'", "invalid_argument"),
+     "must be one of text (this model reads text only), got 'image_url'", "invalid_argument"),
     ("chat", chat(messages=[{"role": "user", "content": 5}]), "messages[0].content",
-     "must be a string or an array of text parts, got integer", "invalid_argument"),
+     "must be a string or an array of content parts, got integer", "invalid_argument"),
+    ("chat", chat(messages=[{"role": "assistant", "content": "x", "audio": {"id": "audio_1"}}]), "messages[0].audio",
+     "audio output is not supported, so no earlier audio can be referenced", "invalid_argument"),
+    ("chat", chat(messages=[{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{"}}]}]),
+     "messages[0].tool_calls[0].function.arguments",
+     ("is not JSON (Expecting property name enclosed in double quotes at column 2): a call's arguments are one "
+     "JSON object"), "invalid_argument"),
+    ("chat", chat(messages=[{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]),
+     "messages[0].tool_calls[0].function.arguments",
+     "must be a JSON object (a call's arguments are one JSON object)", "invalid_argument"),
+    ("chat", chat(messages=[{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "custom", "custom": {"name": "f", "input": "x"}}]}]), "messages[0].tool_calls[0].type",
+     "only function calls are supported, got 'custom'", "invalid_argument"),
     ("chat", chat(messages=[{"role": "tool", "content": "r"}]), "messages[0].tool_call_id",
      "must be a string, got null", "invalid_argument"),
-    ("chat", chat(messages=[{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}]),
+    ("chat", chat(messages=[{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f",
+                                                                                         "arguments": {}}}]}]),
      "messages[0].tool_calls[0].function.arguments", "must be a string, got object", "invalid_argument"),
     ("chat", chat(max_tokens=0), "max_tokens", "must be in [1, 2147483647], got 0", "invalid_argument"),
     ("chat", chat(max_completion_tokens=0), "max_completion_tokens", "must be in [1, 2147483647], got 0",
@@ -359,9 +397,12 @@ BAD = [
     ("chat", chat(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": []}}),
      "response_format.json_schema.schema", "must be an object, got array", "invalid_argument"),
     ("chat", chat(response_format={"type": "json_schema", "json_schema": {  # strict mode: one smoke case
-        "name": "a", "strict": True, "schema": {"type": "object", "properties": {}}}}),
-     "response_format.json_schema.schema.additionalProperties", "strict mode: must be false for every object",
-     "invalid_argument"),
+        "name": "a", "strict": True, "schema": {"type": "object", "properties": {"a": {
+            "type": "array", "uniqueItems": True}}}}}),
+     "response_format.json_schema.schema.properties.a.uniqueItems",
+     ("strict mode: keyword 'uniqueItems' is not enforced by either grammar backend (xgrammar: uniqueItems is ignored "
+     "by xgrammar; llguidance: not implemented by llguidance (ignored while decoding)); remove it, or set strict to "
+     "false to decode without it and have the report name it"), "invalid_argument"),
     ("chat", chat(tool_choice="auto"), "tool_choice", "needs tools", "invalid_argument"),
     ("chat", chat(tools=[]), "tools", "must be a non-empty array of function tools", "invalid_argument"),
     ("chat", chat(tools=[{"type": "retrieval"}]), "tools[0].type",
@@ -387,11 +428,8 @@ BAD = [
      'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}', "invalid_argument"),
     ("chat", chat(tools=[WEATHER], tool_choice="sometimes"), "tool_choice",
      'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}', "invalid_argument"),
-    ("chat", chat(tools=[WEATHER], response_format={"type": "json_object"}), "response_format",
-     'a constraint on the text cannot be combined with tool calls; set tool_choice to "none" to use it',
-     "invalid_argument"),
-    ("chat", chat(tools=[WEATHER], **{EXTENSION: {"regex": "a"}}), "tool_choice",
-     'a constraint on the text cannot be combined with tool calls; set tool_choice to "none" to use it',
+    ("chat", chat(tools=[WEATHER], **{EXTENSION: {"regex": "a"}}), "constrained_llm.regex",
+     'the extension\'s constraints cannot be combined with tool calls; set tool_choice to "none" to use one',
      "invalid_argument"),
     ("chat", chat(response_format={"type": "json_object"}, **{EXTENSION: {"regex": "a"}}), "constrained_llm.regex",
      "give one constraint: response_format or the extension's, not both", "invalid_argument"),
@@ -655,7 +693,7 @@ def result(text: str, finish: str = "stop", **fields: Any) -> Result:
     return Result(text=text, finish_reason=finish, usage=Usage(11, 4), parsed=None, json=None, error=None, **fields)
 
 
-REPORT = {"complete": True, "closed_early": False, "close_reason": None, "stop_string": False, "backend": None,
+REPORT = {"complete": True, "closed_early": False, "close_reason": None, "stop_string": False, "backend": None, "seed": None,
           "value_retries": 0, "json": None, "tool_calls": None}
 USAGE = {"prompt_tokens": 11, "completion_tokens": 4, "total_tokens": 15}
 
@@ -722,11 +760,16 @@ FINISHES = [
     ("auto", CALL_W, "stop", {"stop_string": True}, "tool_calls", None, [("get_weather", '{"city": "Paris"}')]),
     ("auto", f'x {call_prefix("get_time")}{{"tz": 1', "length", {}, "length", "x ", [("get_time", '{"tz": 1')]),
     ("auto", f'x {call_prefix("get_time")}{{"tz": 1', "stop", {}, "stop", "x ", [("get_time", '{"tz": 1')]),
-    ("auto", CALL_T, "length", {"closed_early": True, "close_reason": "budget", "complete": False}, "length", None,
-     [("get_time", '{"tz": 1}')]),
+    ("auto", CALL_T, "length", {"closed_early": True, "close_reason": "budget", "complete": False}, "tool_calls",
+     None, [("get_time", '{"tz": 1}')]),
+    (None, '{"a": 1}', "length", {"closed_early": True, "close_reason": "budget", "complete": False}, "stop",
+     '{"a": 1}', []),
     ("required", f"{CALL_W}\n{CALL_T}", "stop", {}, "tool_calls", None,
      [("get_weather", '{"city": "Paris"}'), ("get_time", '{"tz": 1}')]),
     ("named", CALL_W, "stop", {}, "tool_calls", None, [("get_weather", '{"city": "Paris"}')]),
+    # auto with a text format (an agent's turn): the separators between calls are no content
+    ("auto", f"{CALL_W}\n{CALL_T}\n", "stop", {}, "tool_calls", None,
+     [("get_weather", '{"city": "Paris"}'), ("get_time", '{"tz": 1}')]),
 ]
 
 
@@ -773,7 +816,7 @@ def test_report_fields_and_call_validation() -> None:
                  backend="llguidance", value_retries=2, raw={"json": json_report})
     assert Renderer(parse_chat(chat(), DEFAULT)).report(res) == {
         "complete": False, "closed_early": True, "close_reason": "budget", "stop_string": True,
-        "backend": "llguidance", "value_retries": 2, "json": json_report, "tool_calls": None}
+        "backend": "llguidance", "value_retries": 2, "json": json_report, "tool_calls": None, "seed": None}
     renderer = Renderer(_plan("auto"))
     body = renderer.body(result(f"{CALL_W}{BAD_ARG}{call_prefix('get_time')}{{}}}}</tool_call>"))
     assert body[EXTENSION]["tool_calls"] == [
@@ -783,10 +826,22 @@ def test_report_fields_and_call_validation() -> None:
     assert renderer.tool_calls() == body["choices"][0]["message"]["tool_calls"]
 
 
-@pytest.mark.parametrize(("finish", "calls", "expected"), [
-    ("stop", 0, "stop"), ("stop", 2, "tool_calls"), ("length", 0, "length"), ("length", 1, "length")])
-def test_finish_reason_and_usage(finish: str, calls: int, expected: str) -> None:
-    assert finish_reason(result("", finish), calls) == expected
+_CLOSED: Final = {"closed_early": True, "close_reason": "budget", "complete": False}
+
+
+@pytest.mark.parametrize(("finish", "calls", "fields", "expected"), [
+    ("stop", 0, {}, "stop"), ("stop", 2, {}, "tool_calls"), ("length", 0, {}, "length"), ("length", 1, {}, "length"),
+    ("length", 0, _CLOSED, "stop"), ("length", 1, _CLOSED, "tool_calls"),
+    ("length", 0, {**_CLOSED, "json": JsonReport(parsed=True, parse_error=None, valid=True, violations=(),
+                                                 unenforced=())}, "stop"),
+    ("length", 0, {**_CLOSED, "json": JsonReport(parsed=True, parse_error=None, valid=False, violations=(),
+                                                 unenforced=())}, "length"),
+    ("length", 0, {**_CLOSED, "reasoning": "", "reasoning_ended": False}, "length"),
+])
+def test_finish_reason_and_usage(finish: str, calls: int, fields: dict[str, Any], expected: str) -> None:
+    res = Result(text="", finish_reason=finish, usage=Usage(11, 4), parsed=None, error=None,
+                 **{"json": None, "complete": finish == "stop", **fields})
+    assert finish_reason(res, calls) == expected
     assert usage(result("", finish)) == USAGE
 
 

@@ -75,7 +75,12 @@ def test_valid_constraints_are_canonical(kind: str, payload: str, expected_paylo
          '{"triggers": ["<f"], "tags": [{"begin": "<f>", "schema": {"type": 5}, "end": "</f>"}]}', None,
          r"^grammar#/format/tags/0/content/json_schema/type: not a valid JSON Schema"),
         ("structural_tag", '{"type": "structural_tag", "format": {"type": "nope"}}', None,
-         r"^grammar#/format.*: invalid structural tag"),
+         r"^grammar#/format: invalid structural tag: Input tag 'nope' found using 'type' does not match"),
+        # pydantic's own steps (the union branch tried: tag, bool) are no place in the document.
+        ("structural_tag", ('{"type": "structural_tag", "format": {"type": "tag", "begin": "<a>", "end": "</a>", '
+                            '"content": {"type": "json_schema", "json_schema": 5}}}'), None,
+         (r"^grammar#/format/content/json_schema: invalid structural tag: Input should be a valid boolean, unable "
+         r"to interpret input; or Input should be a valid dictionary$")),
         # A schema that provably admits no instance (grammar_backend.satisfiable), refused before any compile.
         ("json_schema", ('{"type": "object", "required": ["tags"], "properties": {"tags": {"type": "array", '
                          '"items": {"enum": ["a", "b"]}, "minItems": 3, "uniqueItems": true}}}'), None,
