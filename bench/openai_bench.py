@@ -23,19 +23,21 @@ What it does, in one run on one server:
    that launcher process, apart from this client, so the client's own work
    (``openai``'s pydantic chunks, gRPC's callbacks) does not take the
    gateway's GIL.
-2. Sends the SAME chat messages (one user message per prompt) over both
+2. Sends the SAME chat messages (one user message per prompt) over three
    transports, greedy, the same ``max_tokens``: gRPC through
-   :class:`client.Client` streams (``messages=``), OpenAI through
-   ``openai.OpenAI(...).chat.completions.create(stream=True,
-   stream_options={"include_usage": True})``.  Two modes: unconstrained, and
+   :class:`client.Client` streams (``messages=``), OpenAI's chat completions
+   through ``openai.OpenAI(...).chat.completions.create(stream=True,
+   stream_options={"include_usage": True})`` and OpenAI's Responses API
+   through ``.responses.create(stream=True)`` (``text.format`` for the
+   schema).  Two modes: unconstrained, and
    constrained by a strict JSON schema (a person: name, age, city; every
    property required, ``additionalProperties: false``), given as
    :meth:`client.Constraint.json_schema` over gRPC and as
    ``response_format={"type": "json_schema", "json_schema": {..., "strict": true}}``
    over OpenAI.
 3. Interleaves so that machine noise hits both sides alike: at concurrency 1
-   each (prompt, mode) runs on both transports back to back, the transport
-   order flipping per prompt, mode and round; at concurrency 8 each mode's
+   each (prompt, mode) runs on every transport back to back, the transport
+   order rotating per prompt, mode and round; at concurrency 8 each mode's
    batch runs once per transport, back to back, the order flipping too.
    Concurrency N is N threads released together by a barrier, each with its
    own client (its own gRPC channel, its own HTTP connection pool).  One
@@ -48,7 +50,8 @@ What it does, in one run on one server:
    p50/p99, CPU seconds per 1,000 tokens of the launcher process (gateway +
    OpenAI endpoint), of every server process, and of this client (read from
    psutil CPU times around each batch, ``path_bench.CpuMeter``); and the
-   ratios openai/grpc.
+   ratios openai/grpc (the HTTP front) and responses/openai (the Responses
+   API against chat completions).
 5. Checks every output: each constrained one must parse and validate
    (``jsonschema``, Draft 2020-12) on both sides; failures are counted and
    printed, and make the exit status 1.  It also counts pairs (same mode,
@@ -82,6 +85,7 @@ from typing import Any, Final
 import jsonschema
 import openai
 from openai.types.chat import ChatCompletionMessageParam
+from openai.types.responses import ResponseTextConfigParam
 from openai.types.shared_params import ResponseFormatJSONSchema
 
 REPO: Final = Path(__file__).resolve().parents[1]
@@ -95,15 +99,16 @@ from path_bench import CLIENT_LABEL, TINY_DIR, CpuMeter, Served, launched, tiny_
 from client import Client, Constraint
 from deploy.render import load_values, render_repository
 
-TRANSPORTS: Final = ("grpc", "openai")
+#: ``openai`` is chat completions; ``responses`` the Responses API, on the same endpoint.
+TRANSPORTS: Final = ("grpc", "openai", "responses")
 MODES: Final = ("unconstrained", "constrained")
 CONCURRENCIES: Final = (1, 8)
 #: The launcher process's label in ``path_bench.server_processes``: the gateway and the OpenAI endpoint.
 GATEWAY_LABEL: Final = "launcher + gateway"
 SCHEMA_NAME: Final = "person"
 
-#: Strict mode's subset (``openai_api.strict``): every property required, no
-#: additional properties, no ``maxLength`` (strict refuses it).
+#: OpenAI's strict subset (every property required, no additional properties), which this endpoint's
+#: strict mode takes too (``openai_api.strict``), so the requests could go to OpenAI unchanged.
 SCHEMA: Final[dict[str, Any]] = {
     "type": "object",
     "properties": {
@@ -255,6 +260,45 @@ def openai_send(conn: openai.OpenAI, mode: str, prompt: int, max_tokens: int) ->
                   deltas, finish, closed_early, "".join(parts))
 
 
+def responses_send(conn: openai.OpenAI, mode: str, prompt: int, max_tokens: int) -> Record:
+    """Stream one Responses API request through the ``openai`` client and time it (TTFT = first non-empty
+    ``response.output_text.delta``).
+
+    Raises
+    ------
+    openai.APIError
+        On any failure, an error status or an ``error`` event included.
+    RuntimeError
+        The stream ended without ``response.completed`` or ``response.incomplete``.
+    """
+    text: ResponseTextConfigParam | openai.Omit = openai.omit
+    if mode == "constrained":
+        text = {"format": {"type": "json_schema", "name": SCHEMA_NAME, "strict": True, "schema": SCHEMA}}
+    parts: list[str] = []
+    final = None
+    t0 = time.perf_counter()
+    ttft = math.nan
+    deltas = 0
+    stream = conn.responses.create(model=ENSEMBLE, input=PROMPTS[prompt % len(PROMPTS)], max_output_tokens=max_tokens,
+                                   temperature=0.0, stream=True, text=text, store=False)
+    with stream:
+        for event in stream:
+            if event.type == "response.output_text.delta" and event.delta:
+                deltas += 1
+                parts.append(event.delta)
+                if math.isnan(ttft):
+                    ttft = time.perf_counter() - t0
+            elif event.type in ("response.completed", "response.incomplete"):
+                final = event.response
+    latency = time.perf_counter() - t0
+    if final is None or final.usage is None:
+        raise RuntimeError(f"responses {mode} prompt {prompt}: the stream ended without its final response")
+    report = (final.model_extra or {}).get("constrained_llm") or {}
+    finish = "stop" if final.status == "completed" else "length"
+    return Record("responses", mode, 0, 0, 0, prompt, t0, ttft, latency, final.usage.input_tokens,
+                  final.usage.output_tokens, deltas, finish, bool(report.get("closed_early", False)), "".join(parts))
+
+
 @dataclass
 class Pools:
     """One client per thread and transport, opened once for the run."""
@@ -263,9 +307,12 @@ class Pools:
     openai_clients: list[openai.OpenAI]
 
     def send(self, transport: str, i: int, mode: str, prompt: int, max_tokens: int) -> Record:
-        """One request over ``transport`` on client ``i`` (see :func:`grpc_send`, :func:`openai_send`)."""
+        """One request over ``transport`` on client ``i`` (:func:`grpc_send`, :func:`openai_send`,
+        :func:`responses_send`)."""
         if transport == "grpc":
             return grpc_send(self.grpc_clients[i], mode, prompt, max_tokens)
+        if transport == "responses":
+            return responses_send(self.openai_clients[i], mode, prompt, max_tokens)
         return openai_send(self.openai_clients[i], mode, prompt, max_tokens)
 
     def close(self) -> None:
@@ -306,7 +353,9 @@ def batch(pools: Pools, transport: str, mode: str, n: int, prompts: Sequence[int
 
 
 def _order(k: int) -> tuple[str, ...]:
-    return TRANSPORTS if k % 2 == 0 else TRANSPORTS[::-1]
+    """The transports rotated by ``k``: each goes first, last and in between as often."""
+    k %= len(TRANSPORTS)
+    return TRANSPORTS[k:] + TRANSPORTS[:k]
 
 
 def run_load(served: Served, rounds: int, max_tokens: int) -> dict[str, Any]:
@@ -403,12 +452,14 @@ def _div(num: float, den: float) -> float:
     return num / den if den and not (math.isnan(num) or math.isnan(den)) else math.nan
 
 
-def ratios(summary: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per (mode, concurrency): openai/grpc of tokens/s, TTFT p50/p99 and gateway CPU per token; TTFT p50 delta."""
+def ratios(summary: Mapping[str, Mapping[str, Any]], over: str = "grpc", of: str = "openai",
+           ) -> dict[str, dict[str, float]]:
+    """Per (mode, concurrency): ``of``/``over`` of tokens/s, TTFT p50/p99 and gateway CPU per token; TTFT p50
+    delta (openai/grpc: what the HTTP front costs; responses/openai: the Responses API against chat)."""
     out: dict[str, dict[str, float]] = {}
     for mode in MODES:
         for conc in CONCURRENCIES:
-            o, g = summary.get(f"openai/{mode}@{conc}"), summary.get(f"grpc/{mode}@{conc}")
+            o, g = summary.get(f"{of}/{mode}@{conc}"), summary.get(f"{over}/{mode}@{conc}")
             if o is None or g is None:
                 continue
             out[f"{mode}@{conc}"] = {
@@ -423,7 +474,8 @@ def ratios(summary: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, floa
 
 
 def pair_checks(records: Sequence[Record]) -> dict[str, dict[str, int]]:
-    """Per concurrency: request pairs (same mode, round, slot) over both transports, and how many differ."""
+    """Per concurrency and HTTP path: request pairs (same mode, round, slot) over gRPC and that path, and how
+    many differ."""
     by: dict[tuple[str, int, int, int], dict[str, Record]] = {}
     for r in records:
         by.setdefault((r.mode, r.concurrency, r.round, r.slot if r.concurrency > 1 else r.prompt), {})[r.transport] = r
@@ -431,11 +483,12 @@ def pair_checks(records: Sequence[Record]) -> dict[str, dict[str, int]]:
     for (_, conc, _, _), pair in by.items():
         if len(pair) != len(TRANSPORTS):
             continue
-        g, o = pair["grpc"], pair["openai"]
-        c = out.setdefault(str(conc), {"pairs": 0, "prompt_tokens_differ": 0, "text_differs": 0})
-        c["pairs"] += 1
-        c["prompt_tokens_differ"] += g.prompt_tokens != o.prompt_tokens
-        c["text_differs"] += g.text != o.text
+        g = pair["grpc"]
+        for o in (pair[t] for t in TRANSPORTS[1:]):
+            c = out.setdefault(f"{conc}/{o.transport}", {"pairs": 0, "prompt_tokens_differ": 0, "text_differs": 0})
+            c["pairs"] += 1
+            c["prompt_tokens_differ"] += g.prompt_tokens != o.prompt_tokens
+            c["text_differs"] += g.text != o.text
     return out
 
 
@@ -445,7 +498,8 @@ def _f(value: float, fmt: str) -> str:
 
 def print_report(summary: Mapping[str, Mapping[str, Any]], rat: Mapping[str, Mapping[str, float]],
                  pairs: Mapping[str, Mapping[str, int]], failures: Sequence[Record], warm: Mapping[str, Record],
-                 model: Path, max_tokens: int, rounds: int) -> None:
+                 model: Path, max_tokens: int, rounds: int, rat_responses: Mapping[str, Mapping[str, float]],
+                 ) -> None:
     """The tables, the pair checks and every failed output."""
     print(f"\n== openai vs grpc, {ENSEMBLE}, {model.name}, greedy, max_tokens={max_tokens}, "
           f"{len(PROMPTS)} prompts, {rounds} round(s) ==")
@@ -467,21 +521,24 @@ def print_report(summary: Mapping[str, Mapping[str, Any]], rat: Mapping[str, Map
                       f"{_f(s['client_cpu_s_per_1k_tokens'], '10.3f'):>10s}")
     print("  (gw: the launcher process, gateway + OpenAI endpoint; srv: every server process; cli: this client; "
           "CPU ms per streamed token)")
-    print("\nratio openai / grpc:")
-    for conc in CONCURRENCIES:
-        for mode in MODES:
-            r = rat.get(f"{mode}@{conc}")
-            if r is None:
-                continue
-            print(f"  {mode:13s} conc {conc}: tok/s {_f(r['tokens_per_s'], '.3f')}   "
-                  f"ttft p50 {_f(r['ttft_s_p50'], '.3f')} ({_f(r['ttft_p50_delta_s'] * 1e3, '+.1f')} ms)   "
-                  f"ttft p99 {_f(r['ttft_s_p99'], '.3f')}   gateway cpu/token {_f(r['gateway_cpu_per_token'], '.3f')}"
-                  f"   client cpu/token {_f(r['client_cpu_per_token'], '.3f')}")
+    for title, table in (("openai (chat) / grpc", rat), ("responses / openai (chat)", rat_responses)):
+        print(f"\nratio {title}:")
+        for conc in CONCURRENCIES:
+            for mode in MODES:
+                r = table.get(f"{mode}@{conc}")
+                if r is None:
+                    continue
+                print(f"  {mode:13s} conc {conc}: tok/s {_f(r['tokens_per_s'], '.3f')}   "
+                      f"ttft p50 {_f(r['ttft_s_p50'], '.3f')} ({_f(r['ttft_p50_delta_s'] * 1e3, '+.1f')} ms)   "
+                      f"ttft p99 {_f(r['ttft_s_p99'], '.3f')}   "
+                      f"gateway cpu/token {_f(r['gateway_cpu_per_token'], '.3f')}"
+                      f"   client cpu/token {_f(r['client_cpu_per_token'], '.3f')}")
     print("  warm-up (not counted): " + ", ".join(f"{k} ttft {v.ttft_s * 1e3:.1f} ms" for k, v in warm.items()))
-    print("\nsame request over both transports (greedy):")
-    for level, c in sorted(pairs.items(), key=lambda kv: int(kv[0])):
-        print(f"  conc {level}: {c['pairs']} pairs, prompt tokens differ in {c['prompt_tokens_differ']}, "
-              f"text differs in {c['text_differs']}")
+    print("\nsame request over grpc and each HTTP path (greedy):")
+    for level, c in sorted(pairs.items()):
+        level_conc, transport = level.split("/")
+        print(f"  conc {level_conc} grpc vs {transport}: {c['pairs']} pairs, prompt tokens differ in "
+              f"{c['prompt_tokens_differ']}, text differs in {c['text_differs']}")
     print(f"\nconstrained outputs that do not parse or validate: {len(failures)}")
     for f in failures:
         print(f"  {f.transport} conc {f.concurrency} round {f.round} prompt {f.prompt} slot {f.slot} "
@@ -542,13 +599,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     records: list[Record] = run["records"]
     summary = summarize(records, run["walls"], run["cpu"])
     rat = ratios(summary)
+    rat_responses = ratios(summary, over="openai", of="responses")
     pairs = pair_checks(records)
     failures = [r for r in records if r.valid is False]
-    print_report(summary, rat, pairs, failures, run["warmup"], model, args.max_tokens, args.rounds)
+    print_report(summary, rat, pairs, failures, run["warmup"], model, args.max_tokens, args.rounds, rat_responses)
     if args.json is not None:
         payload = {"model_dir": str(model), "max_tokens": args.max_tokens, "rounds": args.rounds,
                    "values": values, "schema": SCHEMA, "prompts": list(PROMPTS), "summary": summary,
-                   "openai_over_grpc": rat, "pairs": pairs, "failures": len(failures),
+                   "openai_over_grpc": rat, "responses_over_openai": rat_responses, "pairs": pairs,
+                   "failures": len(failures),
                    "warmup": {k: asdict(v) for k, v in run["warmup"].items()},
                    "records": [asdict(r) for r in records]}
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -558,6 +617,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     free = rat.get(f"unconstrained@{top}", {}).get("tokens_per_s", math.nan)
     cons = rat.get(f"constrained@{top}", {}).get("tokens_per_s", math.nan)
     print(f"openai at concurrency {top}: openai/grpc tokens/s {free:.2f} (unconstrained), {cons:.2f} (constrained)")
+    for conc in CONCURRENCIES:
+        r = [rat_responses.get(f"{mode}@{conc}", {}) for mode in MODES]
+        print(f"responses at concurrency {conc}: responses/chat tokens/s "
+              f"{r[0].get('tokens_per_s', math.nan):.3f} (unconstrained), {r[1].get('tokens_per_s', math.nan):.3f} "
+              f"(constrained); ttft p50 {r[0].get('ttft_s_p50', math.nan):.3f}, {r[1].get('ttft_s_p50', math.nan):.3f}")
     return 1 if failures else 0
 
 
