@@ -128,7 +128,9 @@ class Renderer:
         self._pending: list[TokenLogprob] = []  # entries not yet sent: their chunk had no text to hand out
 
     # ------------------------------------------------------------------ pieces
-    def _events(self, text: str, *, last: bool) -> list[Event]:
+    def events(self, text: str, *, last: bool) -> list[Event]:
+        """The text and call events of the output's next delta (``last``: the output ended), as the request's
+        tool mode hands them out (the Responses API's output builds its items from them)."""
         if self._parser is None:
             return [TextDelta(text)] if text else []
         events = self._parser.feed(text)
@@ -191,7 +193,7 @@ class Renderer:
         if reasoning and self.plan.endpoint == "chat":
             out.append(self._chunk(self._choice({"reasoning_content": reasoning}, None)))
         entries = self._take(logprobs)
-        for event in self._events(text, last=False):
+        for event in self.events(text, last=False):
             out.append(self._chunk(self._choice(self._delta(event), None, entries)))
             entries = [] if entries is not None else None
         if entries:
@@ -208,10 +210,10 @@ class Renderer:
         if reasoning_tail and self.plan.endpoint == "chat":
             out.append(self._chunk(self._choice({"reasoning_content": reasoning_tail}, None)))
         entries = self._take(logprobs)
-        for event in self._events(tail, last=True):
+        for event in self.events(tail, last=True):
             out.append(self._chunk(self._choice(self._delta(event), None, entries)))
             entries = [] if entries is not None else None
-        calls = self._complete_calls()
+        calls = self.complete_calls()
         out.append(self._chunk(self._choice({}, finish_reason(result, calls), entries or None),
                                **{EXTENSION: self.report(result)}))
         if self.plan.include_usage and self.plan.n == 1:
@@ -226,9 +228,9 @@ class Renderer:
     # ------------------------------------------------------------------ whole
     def body(self, result: Result) -> dict[str, Any]:
         """The whole response for ``result`` (``stream: false``; :func:`body` joins the choices of ``n``)."""
-        for event in self._events(result.text, last=True):
+        for event in self.events(result.text, last=True):
             self._delta(event)
-        calls = self._complete_calls()
+        calls = self.complete_calls()
         reason = finish_reason(result, calls)
         content = "".join(self._content)
         logprobs = None if self.plan.logprobs is None else self._logprobs.render(result.logprobs or [])
@@ -248,6 +250,12 @@ class Renderer:
                 "system_fingerprint": None, "choices": [choice], "usage": usage(result),
                 EXTENSION: self.report(result)}
 
+    def call(self, index: int) -> tuple[str, str]:
+        """Call ``index``'s function name and arguments text so far."""
+        if self._parser is None:
+            raise IndexError(f"call {index}: the request has no tools")
+        return self._parser.calls[index]
+
     def tool_calls(self) -> list[dict[str, Any]]:
         """The calls of the output, OpenAI's ``message.tool_calls``."""
         if self._parser is None:
@@ -255,7 +263,8 @@ class Renderer:
         return [{"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
                 for call_id, (name, arguments) in zip(self._ids, self._parser.calls, strict=True)]
 
-    def _complete_calls(self) -> int:
+    def complete_calls(self) -> int:
+        """How many calls of the output are complete so far."""
         return 0 if self._parser is None else self._parser.complete_calls
 
     def report(self, result: Result) -> dict[str, Any]:

@@ -442,7 +442,8 @@ def parse_responses(body: Any, default_max_tokens: int,
 # --------------------------------------------------------------------------- output
 @dataclass
 class _Item:
-    """An output item being built: its object and, while streaming, whether ``added`` was sent."""
+    """An output item being built: its object, its place in ``output``, and its text and log probabilities
+    so far (a message's or a reasoning item's)."""
 
     body: dict[str, Any]
     index: int
@@ -487,7 +488,7 @@ class ResponsesOutput:
                 "total_tokens": prompt + completion}
 
     def _final(self, result: Result) -> dict[str, Any]:
-        calls = self._renderer._complete_calls()
+        calls = self._renderer.complete_calls()
         incomplete = finish_reason(result, calls) == "length"
         for item in self._items:
             if item.body["type"] == "message" and incomplete:
@@ -534,8 +535,8 @@ class ResponsesOutput:
         item = self._call_items.pop(index, None)
         if item is None:
             return []
-        name, arguments = self._renderer._parser.calls[index] if self._renderer._parser else ("", "")
-        complete = self._renderer._complete_calls() > index
+        name, arguments = self._renderer.call(index)
+        complete = self._renderer.complete_calls() > index
         item.body.update(arguments=arguments, status="completed" if complete else "incomplete")
         return [self._event("response.function_call_arguments.done", item_id=item.body["id"],
                             output_index=item.index, name=name, arguments=arguments),
@@ -574,7 +575,7 @@ class ResponsesOutput:
     def _pieces(self, text: str, reasoning: str, entries: list[Any] | None, *, last: bool) -> list[dict[str, Any]]:
         events = self._reasoning(reasoning)
         logprobs, self._pending = self._pending + [e.to_openai() for e in entries or []], []
-        for event in self._renderer._events(text, last=last):
+        for event in self._renderer.events(text, last=last):
             if isinstance(event, TextDelta):
                 events += self._text(event.text, logprobs)
                 logprobs = []
