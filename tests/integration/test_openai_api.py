@@ -352,7 +352,9 @@ def _ext(response: Any) -> dict[str, Any]:
 
 def test_unseeded_requests_vary_and_a_reported_seed_replays(client: openai.OpenAI) -> None:
     """Without a seed the server draws one per request and reports it; sending it back gives the same output."""
-    kwargs: dict[str, Any] = {"model": "constrained_llm", "messages": ASK, "max_tokens": 12, "temperature": 1.0}
+    # open-ended and 24 tokens at temperature 1: three equal outputs would take a near-deterministic model
+    kwargs: dict[str, Any] = {"model": "constrained_llm", "max_tokens": 24, "temperature": 1.0,
+                              "messages": [{"role": "user", "content": "Write one short sentence about the sea."}]}
     answers = [client.chat.completions.create(**kwargs) for _ in range(3)]
     seeds = [_ext(a)["seed"] for a in answers]
     assert all(isinstance(s, int) and 0 <= s < 2**64 for s in seeds) and len(set(seeds)) == 3
@@ -365,8 +367,11 @@ def test_unseeded_requests_vary_and_a_reported_seed_replays(client: openai.OpenA
 def test_n_choices_are_independent_sequences(client: openai.OpenAI) -> None:
     """``n`` choices, each valid under the schema, indexed, with its own report; a seeded request's choice i
     replays alone with seed + i; usage counts the prompt once and every completion."""
+    # Without jump-forward: its widths follow measured step costs, the one thing a seed does not replay
+    # (llm_runtime/sampler.py).
     kwargs: dict[str, Any] = {"model": "constrained_llm", "messages": [{"role": "user", "content": "A person?"}],
-                              "response_format": _person_format(), "max_tokens": 24, "temperature": 1.0}
+                              "response_format": _person_format(), "max_tokens": 24, "temperature": 1.0,
+                              "extra_body": {"constrained_llm": {"options": {"jump_forward": False}}}}
     response = client.chat.completions.create(**kwargs, n=3, seed=7)
     assert [c.index for c in response.choices] == [0, 1, 2]
     for choice in response.choices:
