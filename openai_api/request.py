@@ -416,24 +416,26 @@ def _response_format(body: dict[str, Any], backend: str) -> tuple[Constraint | N
     if kind == "json_object":
         return Constraint.json_object(), "response_format"
     spec = _object(fmt.get("json_schema"), "response_format.json_schema")
-    return schema_format(spec, "response_format.json_schema", ("name", "description", "schema", "strict"), backend)
+    return schema_format(spec, "response_format.json_schema", backend)
 
 
-def schema_format(spec: dict[str, Any], where: str, fields: Sequence[str], backend: str,
-                  ) -> tuple[Constraint, str]:
-    """A ``json_schema`` text format (chat's ``response_format.json_schema``, the Responses API's
-    ``text.format``): its constraint and the body path of its schema.
-
-    ``fields`` are the keys ``spec`` may have; ``strict`` defaults to false in both APIs.
-    """
-    for name in spec:
-        if name not in fields:
-            raise BadRequest(f"{where}.{name}", f"unknown field; expected {', '.join(fields)}")
+def _named(spec: dict[str, Any], where: str, known: Sequence[str]) -> tuple[str, str]:
+    """The ``name`` and ``description`` of a schema format or a function, its keys checked against ``known``."""
+    for key in spec:
+        if key not in known:
+            raise BadRequest(f"{where}.{key}", f"unknown field; expected {', '.join(known)}")
     name = _string(spec.get("name"), f"{where}.name")
     if not _SCHEMA_NAME.match(name):
         raise BadRequest(f"{where}.name", "must be 1-64 characters of a-z, A-Z, 0-9, _ and -")
-    if spec.get("description") is not None:
-        _string(spec["description"], f"{where}.description", empty=True)
+    description = spec.get("description")
+    return name, "" if description is None else _string(description, f"{where}.description", empty=True)
+
+
+def schema_format(spec: dict[str, Any], where: str, backend: str) -> tuple[Constraint, str]:
+    """A ``json_schema`` text format (chat's ``response_format.json_schema``, the Responses API's
+    ``text.format``): its constraint and the body path of its schema (``strict`` defaults to false in both).
+    """
+    _named(spec, where, ("name", "description", "schema", "strict"))
     strict = spec.get("strict")
     strict = False if strict is None else _bool(strict, f"{where}.strict")
     param = f"{where}.schema"
@@ -447,25 +449,16 @@ def schema_format(spec: dict[str, Any], where: str, fields: Sequence[str], backe
     return constraint, param
 
 
-def function_tool(fn: dict[str, Any], where: str, fields: Sequence[str], backend: str, *,
-                  strict_default: bool, taken: Sequence[Tool]) -> Tool:
-    """A function definition (chat's ``tools[i].function``, the Responses API's ``tools[i]``).
+def function_tool(fn: dict[str, Any], where: str, backend: str, *, strict_default: bool,
+                  taken: Sequence[Tool]) -> Tool:
+    """A function definition (chat's ``tools[i].function``, the Responses API's ``tools[i]`` less its type).
 
-    ``fields`` are the keys it may have besides ``name``, ``description``, ``parameters`` and
-    ``strict``; ``strict_default`` is false in chat, true in the Responses API (OpenAI's defaults);
-    ``taken`` the functions defined before it (names are unique).
+    ``strict_default`` is false in chat, true in the Responses API (OpenAI's defaults); ``taken`` the
+    functions defined before it (names are unique).
     """
-    known = ("name", "description", "parameters", "strict", *fields)
-    for name in fn:
-        if name not in known:
-            raise BadRequest(f"{where}.{name}", f"unknown field; expected {', '.join(known)}")
-    name = _string(fn.get("name"), f"{where}.name")
-    if not _SCHEMA_NAME.match(name):
-        raise BadRequest(f"{where}.name", "must be 1-64 characters of a-z, A-Z, 0-9, _ and -")
+    name, description = _named(fn, where, ("name", "description", "parameters", "strict"))
     if any(t.name == name for t in taken):
         raise BadRequest(f"{where}.name", f"{name!r} is defined twice")
-    description = fn.get("description")
-    description = "" if description is None else _string(description, f"{where}.description", empty=True)
     strict = fn.get("strict")
     strict = strict_default if strict is None else _bool(strict, f"{where}.strict")
     param = f"{where}.parameters"
@@ -503,7 +496,7 @@ def _tools(body: dict[str, Any], backend: str) -> tuple[tuple[Tool, ...], ToolMo
             if name not in ("type", "function"):
                 raise BadRequest(f"{where}.{name}", "unknown field; expected type, function")
         fn = _object(entry.get("function"), f"{where}.function")
-        tools.append(function_tool(fn, f"{where}.function", (), backend, strict_default=False, taken=tools))
+        tools.append(function_tool(fn, f"{where}.function", backend, strict_default=False, taken=tools))
     if choice is None or choice == "auto":
         return tuple(tools), "auto", parallel
     if choice == "none":

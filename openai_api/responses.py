@@ -243,7 +243,7 @@ def _text_format(body: dict[str, Any], backend: str) -> tuple[Constraint | None,
                 raise BadRequest(f"text.format.{name}", f"unknown field for type {kind}")
         return (None if kind == "text" else Constraint.json_object()), "text.format", echo
     spec = {k: v for k, v in fmt.items() if k != "type"}
-    constraint, param = schema_format(spec, "text.format", ("name", "description", "schema", "strict"), backend)
+    constraint, param = schema_format(spec, "text.format", backend)
     return constraint, param, echo
 
 
@@ -266,7 +266,7 @@ def _tools(body: dict[str, Any], backend: str) -> tuple[tuple[Tool, ...], ToolMo
         if kind != "function":
             raise BadRequest(f"{where}.type", f"only function tools are supported, got {kind!r}")
         fn = {k: v for k, v in entry.items() if k != "type"}
-        tool = function_tool(fn, where, (), backend, strict_default=True, taken=tools)
+        tool = function_tool(fn, where, backend, strict_default=True, taken=tools)
         tools.append(tool)
         echo.append({"type": "function", "name": tool.name, "description": tool.description or None,
                      "parameters": tool.parameters, "strict": tool.strict})
