@@ -4,8 +4,9 @@ Usage (from the repository root, after ``make model``)::
 
     .venv/bin/python bench/budget_bench.py ../shared/data/maskbench-dev             # ~15 min on 2 cores
     .venv/bin/python bench/budget_bench.py ../shared/data/maskbench-dev --quick     # ~5 min
+    .venv/bin/python bench/budget_bench.py ../shared/data/maskbench-dev --kinds-only  # part 2c, ~10 s
 
-Four parts, in one run:
+Five parts, in one run:
 
 1. **Search** (in process, no server).  For a seeded sample of MaskBench
    schemas with a valid test instance: the instance is tokenized with the
@@ -22,8 +23,15 @@ Four parts, in one run:
    issue's misses: large MaskBench schemas (3-20k characters), a scripted
    "model" that writes the start of the valid instance up to its first string
    value, then runs away (an aperiodic digit run, ``1234567890...``,
-   ``1000...``, prose without a short unit), at ``--replay-tokens`` (384);
-   where the mask refuses its token it takes the closing one.
+   ``1000...``, prose without a short unit, invented keys), at
+   ``--replay-tokens`` (384); where the mask refuses its token it takes the
+   closing one.  The engine has llguidance, which ``backend: auto`` serves JSON with.
+2c. **Kinds** (in process, the real engine, both backends).  One output of
+   each constraint kind (regex, a regex with escapes, EBNF, Lark, choice,
+   three parallel tool calls in a structural tag), written by a scripted model
+   (``tests/support/scripted.py``) at 50 %, 80 % and 100 % of its length in
+   tokens: complete by the model, closed early, or truncated, and whether the
+   constraint's shortest output fits (where it does, nothing may be truncated).
 3. **Served** (a real tritonserver on loopback, 4 streams at a time, greedy).
    The project's own schemas (``tests/fixtures/schemas``) and a seeded
    sample of small MaskBench schemas, each with the prompt "Produce one
@@ -96,6 +104,9 @@ RUNAWAYS: Final[dict[str, str]] = {
     "period10": "1234567890" * 40,
     "zeros": "1" + "0" * 400,
     "prose": "",  # filled below: 400 words in a seeded random order
+    # Invented keys after the string value ends (issue 47: "xzx":1,"yzx":1,... in an open object): no short
+    # period; where the object is closed the mask refuses the key and the model takes the closer's token.
+    "keys": 'a",' + "".join(f'"{a}{b}{c}":1,' for a in "xyz" for b in "xyz" for c in "xyzw"),
 }
 _WORDS: Final = ("the", "quick", "brown", "fox", "jumps", "over", "lazy", "dogs", "while", "seven", "wizards",
                  "judge", "boxing", "matches", "near", "ancient", "harbors", "filled", "with", "curious",
@@ -287,14 +298,17 @@ def replay_part(model_dir: Path, schemas: Sequence[tuple[str, dict[str, Any], An
     closing token (calm rows) or the only allowed one (forced rows), as greedy sampling would.
     """
     from grammar_backend.bitmask import allowed_tokens
+    from grammar_backend.llg import LlgBackend
     from grammar_backend.workers import WorkerConfig
 
     bundle = load_tokenizer(str(model_dir))
     encode = bundle.hf.encode
     # These schemas' compiles may pass the serving default (1 GiB) on a loaded host: the closing is measured.
+    # With llguidance, as served: backend auto picks it for JSON.
     engine = GrammarEngine(bundle.info, bundle.fingerprint,
                            GrammarEngineConfig(max_batch=1, workers=WorkerConfig(memory_bytes=4096 << 20)),
-                           encode=bundle.encode)
+                           encode=bundle.encode,
+                           llg=LlgBackend(bundle.hf, bundle.info.vocab_size, bundle.info.stop_token_ids))
     stop = int(bundle.info.stop_token_ids[0])
     vocab = bundle.info.vocab_size
     calm = np.array(engine.closer.calm_tokens(), dtype=allowed_dtype())
@@ -352,6 +366,82 @@ def replay_part(model_dir: Path, schemas: Sequence[tuple[str, dict[str, Any], An
     by_kind = {kind: dict(Counter(r["outcome"] for r in records if r["run"] == kind)) for kind in RUNAWAYS}
     return {"records": records, "outcomes": by_kind, "step_us_p50": pct(step_s, 50) * 1e6,
             "step_us_p99": pct(step_s, 99) * 1e6}
+
+
+#: Part 2c's outputs, one per constraint kind: (name, kind, payload, what the scripted model writes).  The
+#: model writes the text and then stops, so at 100 % of its length (plus the stop token) it fits.
+_METRIC = {"type": "object", "properties": {"names": {"type": "array", "items": {"type": "string"}},
+                                            "window": {"type": "integer"}},
+           "required": ["names", "window"], "additionalProperties": False}
+KINDS: Final[list[tuple[str, str, str, str]]] = [
+    ("regex", "regex", r"([0-9]{3}-[0-9]{4}\n)+", "".join(f"555-{1000 + 37 * i}\n" for i in range(12))),
+    ("regex-escapes", "regex", r'\{\n   "name": "[\w]+",\n   "population": [\d]+\n\}',
+     '{\n   "name": "Paris",\n   "population": 2148271\n}'),
+    ("ebnf", "ebnf", 'root ::= expr "\\n"\nexpr ::= term (("+" | "-") term)*\nterm ::= [0-9]+ | "(" expr ")"',
+     "(12+34)-(56+(7-8))+(91-(23+45))-(67+89)+(10-(11+12))\n"),
+    ("lark", "lark", 'start: row+\nrow: /[a-z]+/ "," /[0-9]+/ "\\n"',
+     "".join(f"{w},{n}\n" for w, n in zip(("apple", "pear", "plum", "fig", "lime", "kiwi", "date", "peach"),
+                                         range(3, 80, 9)))),
+    ("choice", "choice", json.dumps(["no", "the second and much longer answer of the two"]),
+     "the second and much longer answer of the two"),
+    ("tool-calls", "structural_tag", "", ""),  # filled below: three parallel calls under tool_choice required
+]
+#: Part 2c's budgets, in shares of the output's length in tokens.
+SHARES: Final = (0.5, 0.8, 1.0)
+
+
+def _tool_calls() -> tuple[str, str]:
+    from openai_api.tools import CALL_CLOSE, Tool, call_prefix, tool_constraint
+
+    tool = Tool("get_metrics", "", _METRIC, True)
+    calls = "\n".join(call_prefix(tool.name) + json.dumps({"names": [f"metric_{i}_{j}" for j in range(4)],
+                                                           "window": 30}) + "}" + CALL_CLOSE for i in range(3))
+    return tool_constraint([tool], "required", parallel=True).payload, calls
+
+
+def kinds_part(model_dir: Path) -> dict[str, Any]:
+    """Part 2c: every constraint kind at 50/80/100 % of its output's length (issue 47), through the real
+    engine with a scripted model (``tests.support.scripted``): it writes the output, where the mask refuses
+    its token it takes the closer's.  Per kind and share: complete by the model (``valid``), closed early
+    (``closed``), ended without the grammar's stop (``truncated``); ``fits``: the shortest output of the
+    constraint fits the budget, where every output must end complete."""
+    from grammar_backend.llg import LlgBackend
+    from tests.support.scripted import replay
+
+    bundle = load_tokenizer(str(model_dir))
+    engine = GrammarEngine(bundle.info, bundle.fingerprint, GrammarEngineConfig(max_batch=1), encode=bundle.encode,
+                           llg=LlgBackend(bundle.hf, bundle.info.vocab_size, bundle.info.stop_token_ids))
+    compiler = xgr.GrammarCompiler(bundle.info, max_threads=1)
+
+    def encode(text: str) -> list[int]:
+        return list(bundle.hf.encode(text, add_special_tokens=False))
+
+    def decode(tokens: list[int]) -> str:
+        return str(bundle.hf.decode(tokens))
+
+    table: dict[str, dict[str, Any]] = {}
+    seq_id = 0
+    try:
+        for name, kind, payload, text in KINDS:
+            if kind == "structural_tag":
+                payload, text = _tool_calls()
+            length = len(encode(text)) + 1  # the stop token
+            for backend in ("xgrammar", "llguidance") if kind != "structural_tag" else ("xgrammar",):
+                spec = parse_constraint(kind, payload, {"backend": backend})
+                shortest = engine.closer.complete(xgr.GrammarMatcher(compile_spec(compiler, spec)), shortest=True) or ()
+                for share in SHARES:
+                    seq_id += 1
+                    budget = max(1, round(length * share))
+                    out = replay(engine, decode, encode, seq_id, spec, text, "", budget)
+                    outcome = ("truncated" if not out.stopped else "closed" if out.closed is not None
+                               else "valid")
+                    row = table.setdefault(f"{name}/{backend}", {})
+                    row[f"{share:.0%}"] = {"outcome": outcome, "budget": budget,
+                                            "fits": len(shortest) + 1 <= budget, "tokens": out.tokens,
+                                            "tail": out.text[-60:]}
+    finally:
+        engine.close()
+    return table
 
 
 def one(url: str, schema: dict[str, Any], options: dict[str, str], max_tokens: int) -> dict[str, Any]:
@@ -470,6 +560,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="100 search, 6 replayed and 16 served schemas, 256 tokens")
     parser.add_argument("--misses", type=Path, default=None,
                         help="only print the misses of an earlier run's --json file (and why), then exit")
+    parser.add_argument("--kinds-only", action="store_true", help="only part 2c (every kind; about a minute)")
     parser.add_argument("--model-dir", type=Path, default=MODEL_DIR)
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")
     args = parser.parse_args(argv)
@@ -489,6 +580,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{part}: {print_misses(records, by_name, args.model_dir)} misses where a completion fitted")
         return 0
     t_all = time.perf_counter()
+    kinds = kinds_part(args.model_dir)
+    print("kinds: outcome at 50 % / 80 % / 100 % of the output's length (* : the shortest output fits)")
+    for key, row in kinds.items():
+        print(f"  {key:24s} " + "  ".join(f"{share} {r['outcome']}{'*' if r['fits'] else ''} ({r['tokens']}/{r['budget']})"
+                                          for share, r in row.items()), flush=True)
+    misses = [(key, share, r) for key, row in kinds.items() for share, r in row.items()
+              if r["fits"] and r["outcome"] == "truncated"]
+    print(f"kinds: {len(misses)} truncated where the shortest output fits"
+          + "".join(f"\n  {k} {sh}: ...{r['tail']!r}" for k, sh, r in misses), flush=True)
+    if args.kinds_only:
+        return 0
     search = search_part(args.model_dir, sample(args.data, args.search_schemas, args.seed), args.seed)
     print(f"search: {search['found']}/{search['tried']} prefixes completed "
           f"({100 * search['found'] / max(search['tried'], 1):.1f} %), {search['valid']} validate; "
@@ -526,7 +628,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           "valid instance fitted", flush=True)
     print(f"total {time.perf_counter() - t_all:.0f} s")
     if args.json is not None:
-        args.json.write_text(json.dumps({"search": search, "steps": steps, "replay": replay, "served": served},
+        args.json.write_text(json.dumps({"kinds": kinds, "search": search, "steps": steps, "replay": replay,
+                                         "served": served},
                                         indent=2))
 
     def share(key: str) -> str:

@@ -51,6 +51,7 @@ __all__ = [
     "POLICIES",
     "REASONING_STATES",
     "SEED_LIMIT",
+    "TAG_WHITESPACE_RUN",
     "VALUE_RETRIES",
     "CloseState",
     "ContractError",
@@ -107,6 +108,11 @@ OPTION_NAMES: Final = (*JSON_OPTION_NAMES, *POLICIES, *DECODING_FLAGS, "value_re
 #: Bound on a whitespace run when the policy is an integer (larger bounds let a
 #: model loop on whitespace, which the ``"compact"`` default prevents).
 MAX_WHITESPACE_RUN: Final = 64
+#: Bound on a whitespace run in the JSON a structural tag embeds (tool-call
+#: arguments), where its ``json_schema`` format sets no ``max_whitespace_cnt``
+#: of its own: the JSON kinds' ``"compact"`` has no counterpart there, and 1 is
+#: the least xgrammar takes (``{"a": [1, 2]}`` passes, a run of newlines does not).
+TAG_WHITESPACE_RUN: Final = 1
 MAX_INDENT: Final = 16
 #: Largest constraint payload, UTF-8 bytes.
 MAX_CONSTRAINT_BYTES: Final = 2 * 1024 * 1024

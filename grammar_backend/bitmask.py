@@ -121,6 +121,13 @@ class BitmaskBuffer:
         """Whether ``row`` allows ``token``."""
         return bool(self.buffer[row, token >> 5] & _bit(token))
 
+    def keep(self, row: int, tokens: Sequence[int], token: int) -> None:
+        """Make ``tokens`` and ``token`` the only allowed tokens of ``row``."""
+        words = self.buffer[row]
+        words.fill(0)
+        for t in (*tokens, token):
+            words[t >> 5] |= _bit(t)
+
     def restrict(self, row: int, allowed: np.ndarray, token: int) -> None:
         """Keep only the tokens of ``row`` that ``allowed`` (a packed row) also allows, plus ``token``."""
         words = self.buffer[row]
@@ -143,6 +150,20 @@ def pack_tokens(tokens: Sequence[int] | np.ndarray, vocab_size: int) -> np.ndarr
     bits = np.zeros(bitmask_width(vocab_size) * 32, dtype=bool)
     bits[np.asarray(tokens, dtype=np.int64)] = True
     return np.packbits(bits, bitorder="little").view(np.int32)
+
+
+def few_allowed(row: np.ndarray, most: int) -> np.ndarray | None:
+    """The token ids one packed row allows where they are at most ``most``, else None.
+
+    Reads only the row's nonzero words (a calm row near its budget: 10-30 us
+    over Qwen3's 4,748 words, against 0.35 ms for :func:`allowed_tokens`).
+    """
+    words = np.flatnonzero(row)
+    if len(words) > most:
+        return None
+    bits = np.unpackbits(row[words].view(np.uint8).reshape(-1, 4), axis=1, bitorder="little").astype(bool)
+    ids = (words[:, None] * 32 + np.arange(32))[bits]
+    return ids if len(ids) <= most else None
 
 
 def allowed_tokens(row: np.ndarray, vocab_size: int) -> np.ndarray:

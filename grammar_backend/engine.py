@@ -14,7 +14,7 @@ import numpy as np
 import xgrammar as xgr
 
 import contract
-from grammar_backend.bitmask import BitmaskBuffer, Matcher, pack_tokens
+from grammar_backend.bitmask import BitmaskBuffer, Matcher, few_allowed, pack_tokens
 from grammar_backend.cache import CacheConfig, CompileCache
 from grammar_backend.closing import Closer, ClosingConfig
 from grammar_backend.compile import XGRAMMAR_VERSION
@@ -36,6 +36,12 @@ from grammar_backend.sequences import FREE, GrammarSequence, SequenceTable, Tabl
 from grammar_backend.spec import ConstraintSpec, SpecLimits
 from grammar_backend.values import ValueChecks, rules_for
 from grammar_backend.workers import CompileWorkers, WorkerConfig
+
+#: Most tokens a calm row of a regex, a grammar or a choice is screened over (:meth:`GrammarSequence.screen`:
+#: one completion search each); where its grammar allows more (free text), the completion's next token alone.
+_SCREEN_MOST = 16
+#: Packed calm rows kept (two per set of structural-tag segment openers: :meth:`GrammarEngine._calm_row`).
+_CALM_ROWS = 16
 
 log = logging.getLogger(__name__)
 
@@ -209,8 +215,10 @@ class GrammarEngine:
         self._forced_rows: list[tuple[int, int]] = []  # reused: (row, token) forced this step
         self._calm_rows: list[tuple[int, int, GrammarSequence]] = []  # reused: (row, completion token, its sequence)
         self.closer = Closer(tokenizer_info, config.closing.search)
-        self._calm_row = pack_tokens(self.closer.calm_tokens(), self.vocab_size)
-        self._calm_whole_row = pack_tokens(self.closer.calm_tokens(whole_chars=True), self.vocab_size)
+        #: Packed calm rows by (whole characters only, more openers): see :meth:`Closer.calm_tokens`.
+        self._calm: Lru[tuple[bool, bytes], np.ndarray] = Lru(_CALM_ROWS)
+        for whole in (False, True):  # every constraint but a structural tag uses these two
+            self._calm_row(whole, b"")
         stops = [int(t) for t in tokenizer_info.stop_token_ids]
         if not stops:
             raise ConfigError("engine: the tokenizer has no stop token (closing forces one)")
@@ -361,6 +369,9 @@ class GrammarEngine:
                 seq = self.table.start(seq_id, spec, self._matcher(compiled), backend, budget, self.config.closing)
                 if rules is not None:
                     seq.check_values(self.values, rules, retries)
+                if seq.closes and seq.openers:
+                    for whole in (False, True):
+                        self._calm_row(whole, seq.openers)
                 thinking = spec.options.reasoning
                 if thinking is not None:
                     seq.think(self.marker_table(thinking.end), thinking.max_reasoning_tokens or 0,
@@ -389,6 +400,15 @@ class GrammarEngine:
                 limit = min(limit, self.config.auto_timeout_s)
             deadline = self._deadlines.call_later(limit, on_deadline)
         future.add_done_callback(on_compiled)
+
+    def _calm_row(self, whole_chars: bool, openers: bytes) -> np.ndarray:
+        """The packed row of :meth:`Closer.calm_tokens` (built once per set of openers: 43 ms over Qwen3's
+        vocabulary with a structural tag's ``<`` and ``\n``, so a sequence's start builds it, not its step)."""
+        key = (whole_chars, openers)
+        row = self._calm.get(key)
+        if row is None:
+            row = self._calm.put(key, pack_tokens(self.closer.calm_tokens(*key), self.vocab_size))
+        return row
 
     def marker_table(self, end: str) -> MarkerTable:
         """The table of the end marker ``end`` over this engine's vocabulary (built once, kept in an LRU)."""
@@ -568,8 +588,23 @@ class GrammarEngine:
                     errors[i] = _row_error(id_list[i], err)
                     continue
                 closing[i] = seq.close_state
-            if token != FREE:
-                self.bitmask.restrict(i, self._calm_whole_row if seq.whole_chars_only else self._calm_row, token)
+            if token == FREE:
+                continue
+            if seq.calm_ok:
+                self.bitmask.restrict(i, self._calm_row(seq.whole_chars_only, seq.openers), token)
+                continue
+            allowed = few_allowed(bitmask[i], _SCREEN_MOST)
+            if allowed is None:
+                self.bitmask.force(i, token)  # this step only: the next one screens again
+                continue
+            try:
+                kept = seq.screen(self.closer, allowed.tolist(), self._stop_token)
+            except MatcherFailed as err:
+                if errors is None:
+                    errors = [None] * rows
+                errors[i] = _row_error(id_list[i], err)
+                continue
+            self.bitmask.keep(i, kept, token)
         for i, keep in ban_rows:
             np.bitwise_and(bitmask[i], keep, out=bitmask[i])
         forced = self._no_forced[:rows]

@@ -51,6 +51,9 @@ class TableConfig:
             raise ConfigError("sequences: capacity must be positive and idle_ttl_s >= 0")
 
 
+#: Node bound of each search of :meth:`GrammarSequence.screen` (which does not widen the alphabet either:
+#: a token after which nothing is found is left out): a completion that fits near the budget is short.
+_SCREEN_NODES = 64
 #: :meth:`GrammarSequence.plan` result of a row the grammar mask decides alone.
 FREE = -1
 #: JSON Schema types whose value is one scalar token run (see :meth:`GrammarSequence._value_check`).
@@ -87,10 +90,10 @@ class GrammarSequence:
     """
 
     __slots__ = (
-        "backend", "budget", "checks", "close_state", "closing", "completion", "completion_at", "completion_kept",
+        "backend", "budget", "calm_ok", "checks", "close_state", "closing", "completion", "completion_at", "completion_kept",
         "completion_len", "created", "digit_run", "dropped", "forced", "forced_at", "growth", "last_used", "matcher",
-        "new_tokens", "next_check", "next_repeat_check", "reasoning", "repeats", "retries_left", "scalar_tokens",
-        "seq_id", "spec", "steps", "thinking", "tokens_accepted", "utf8_need", "values",
+        "new_tokens", "next_check", "next_repeat_check", "openers", "reasoning", "repeats", "retries_left",
+        "scalar_tokens", "segment", "seq_id", "spec", "steps", "thinking", "tokens_accepted", "utf8_need", "values",
     )
 
     def __init__(
@@ -132,6 +135,16 @@ class GrammarSequence:
         #: check to the next (:meth:`plan` widens the calm zone by it).
         self.completion_len = -1
         self.growth = 0
+        #: What opening one more tagged segment adds to the completion (-1: not measured yet; see
+        #: :meth:`Closer.segment`), and the bytes that open one (a calm row takes no token holding one).
+        self.openers = spec.segments.openers
+        self.segment = -1 if self.openers else 0
+        #: Whether calm tokens cannot grow the completion: JSON's structure opens only with the bytes
+        #: calm tokens lack (and a structural tag's segments with :attr:`openers`).  A regex, a grammar or a
+        #: choice opens its own way (a regex's "(...)+" with a digit, an EBNF's "(", a choice's longer
+        #: word), so its calm rows are screened token by token instead (:meth:`screen`; budget_bench's
+        #: kinds part: calm rows let "([0-9]{3}-[0-9]{4}\n)+" open a new line past its budget).
+        self.calm_ok = spec.kind.is_json or bool(self.openers)
         #: The ASCII digits ending the output (runaway closing only: :meth:`RepeatDetector.repeating`).
         self.digit_run = 0
         #: A top-level scalar's tokens so far (None: the output is not one), so that a completion
@@ -481,10 +494,15 @@ class GrammarSequence:
         # by the most it grew between two checks so far: in the replay part of
         # budget_bench, '"],"ordered_related_items":["' (a uuid item) took a
         # completion from 3 to 38 tokens with 25 left, after earlier uuid items.
-        calm_at = self.closing.margin + (len(found) + self.growth if found is not None else 0)
+        # And a structural tag's output may open a whole new segment (a tool call) wherever it is complete.
+        if self.segment < 0:
+            self.segment = (closer.segment((self.backend, self.spec), self.matcher, self.spec.segments)
+                            if accepted == 0 else 0)
+        calm_at = self.closing.margin + (len(found) + max(self.growth, self.segment) if found is not None else 0)
         if found is not None and spare <= calm_at:
             self.close_state = CloseState.CALM
-            self.next_check = accepted + max(1, (spare - 1) // 2)
+            # A screened row (see screen) is checked at every token: its screen reads the spare then.
+            self.next_check = accepted + (max(1, (spare - 1) // 2) if self.calm_ok else 1)
             return self._calm_token(stop_token)
         self.next_check = accepted + max(1, (spare - calm_at) // 4)
         return FREE
@@ -567,6 +585,43 @@ class GrammarSequence:
             self.next_check = self.tokens_accepted + 1
             return FREE
         return found[0] if found else stop_token
+
+    def screen(self, closer: Closer, allowed: Sequence[int], stop_token: int) -> list[int]:
+        """The tokens of ``allowed`` (the grammar's, at a calm row that is not :attr:`calm_ok`) after which a
+        completion still fits the budget.
+
+        Each one is taken, a completion of the state after it searched
+        (:meth:`Closer.complete`: a choice's or a regex's, 10-100 us), and
+        rolled back: kept when that completion and the stop token fit in
+        what the budget leaves after it.  The stop token, where allowed,
+        always fits.  So near its budget a regex may still write its own
+        ending, and a choice its own alternative, where either fits.
+
+        Raises
+        ------
+        MatcherFailed
+            The matcher failed during a search.
+        """
+        room = self.budget - self.tokens_accepted - 2  # after the token: the completion and the stop token
+        matcher = self.matcher
+        last = self.completion
+        kept: list[int] = []
+        for token in allowed:
+            if token == stop_token:
+                kept.append(token)
+                continue
+            if not matcher.accept_token(token):
+                continue
+            try:
+                # A tail of the current completion mostly still ends it (a digit more, then the same tail).
+                found = closer.resume(matcher, last) if last else None
+                if found is None:
+                    found = closer.complete(matcher, max_nodes=_SCREEN_NODES, widen=False)
+            finally:
+                matcher.rollback(1)
+            if found is not None and len(found) <= room:
+                kept.append(token)
+        return kept
 
     def _calm_token(self, stop_token: int) -> int:
         """The token a calm row may take besides calm ones: the completion's next one (the stop token once

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import hashlib
 import json
 from collections.abc import Iterator, Mapping, Sequence
@@ -193,6 +194,16 @@ class ConstraintSpec:
         if self.kind is ConstraintKind.JSON_OBJECT:
             return json.loads(contract.JSON_OBJECT_SCHEMA)  # type: ignore[no-any-return]
         return None
+
+    @functools.cached_property
+    def segments(self) -> Segments:
+        """Where a structural tag's output may open a new tagged segment (:class:`Segments`; empty for other kinds)."""
+        if self.kind is not ConstraintKind.STRUCTURAL_TAG:
+            return Segments((), ())
+        begins: list[str] = []
+        separators: list[str] = []
+        _collect_segments(self.document, begins, separators)
+        return Segments(tuple(dict.fromkeys(begins)), tuple(dict.fromkeys(separators)))
 
     def wire(self) -> dict[str, str]:
         """The validated constraint as preprocessing passes it on: ``{kind, payload, options}``.
@@ -568,7 +579,26 @@ def _normalize_structural_tag(doc: Any) -> dict[str, Any]:
         raise ConstraintError(f"grammar#{pointer}", f"invalid structural tag: {'; or '.join(reasons)}") from err
     for pointer, schema in embedded_schemas(doc, ""):
         check_schema(schema, f"grammar#{pointer}")
+    _bound_whitespace(doc)
     return dict(doc)
+
+
+def _bound_whitespace(node: Any) -> None:
+    """Bound every whitespace run of the JSON a structural tag embeds (in place; see
+    :data:`contract.TAG_WHITESPACE_RUN`), where its format does not bound it itself.
+
+    xgrammar's own default lets a run go on without end: a tool call's arguments
+    measured ``[\n "metrics",\n \n \n ...`` to ``max_tokens``.
+    """
+    if isinstance(node, dict):
+        if node.get("type") == "json_schema" and node.get("max_whitespace_cnt") is None:
+            node["max_whitespace_cnt"] = contract.TAG_WHITESPACE_RUN
+        for key, value in node.items():
+            if key != "json_schema":
+                _bound_whitespace(value)
+    elif isinstance(node, list):
+        for value in node:
+            _bound_whitespace(value)
 
 
 def _document_pointer(doc: Any, loc: Sequence[str | int]) -> str:
@@ -587,6 +617,41 @@ def _document_pointer(doc: Any, loc: Sequence[str | int]) -> str:
         node = node[step]
         steps.append(step)
     return json_pointer(steps)
+
+
+@dataclass(frozen=True)
+class Segments:
+    """The text that opens a new tagged segment of a structural tag (a tool call).
+
+    Attributes
+    ----------
+    begins : tuple of str
+        Every tag's ``begin`` (a trigger is a prefix of the begins it triggers).
+    separators : tuple of str
+        The ``separator`` between the tags of every ``tags_with_separator``.
+    """
+
+    begins: tuple[str, ...]
+    separators: tuple[str, ...]
+
+    @property
+    def openers(self) -> bytes:
+        """The first UTF-8 byte of every begin and separator: a token holding one may open a segment."""
+        return bytes(sorted({text.encode("utf-8")[0] for text in (*self.begins, *self.separators) if text}))
+
+
+def _collect_segments(node: Any, begins: list[str], separators: list[str]) -> None:
+    if isinstance(node, dict):
+        if node.get("type") == "tag" and isinstance(node.get("begin"), str):
+            begins.append(node["begin"])
+        if node.get("type") == "tags_with_separator" and isinstance(node.get("separator"), str):
+            separators.append(node["separator"])
+        for key, value in node.items():
+            if key != "json_schema":
+                _collect_segments(value, begins, separators)
+    elif isinstance(node, list):
+        for value in node:
+            _collect_segments(value, begins, separators)
 
 
 def embedded_schemas(node: Any, pointer: str = "") -> list[tuple[str, Any]]:

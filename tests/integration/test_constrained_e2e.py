@@ -94,6 +94,27 @@ def test_text_constraints_match(client: Client, constraint: Constraint, pattern:
     assert result.backend == "xgrammar"  # backend: auto, and xgrammar compiles all of these
 
 
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+@pytest.mark.parametrize(
+    ("constraint", "pattern"),
+    [
+        (Constraint.regex(r"\{[0-9]+\n\}"), r"\{[0-9]+\n\}"),
+        (Constraint.regex(r"\{[0-9]+\tX"), r"\{[0-9]+\tX"),
+        (Constraint.ebnf('root ::= "{" [0-9]+ "\\n}"'), r"\{[0-9]+\n\}"),
+    ],
+)
+def test_a_runaway_number_before_a_forced_control_character_is_closed(client: Client, constraint: Constraint,
+                                                                       pattern: str, backend: str) -> None:
+    """The model writes digits without end (greedy ``1111...``); the ending the grammar forces holds a ``\\n`` or
+    a ``\\t``, which the completion search once never tried: the output ran to ``max_tokens`` broken.  Now it
+    ends complete under its constraint, by the model or closed (repetition, else the budget)."""
+    result = client.generate("Write one very long number in braces.", constraint=constraint.with_policies(
+        backend=backend), max_tokens=64, require_complete=False)
+    assert re.fullmatch(pattern, result.text), result
+    assert result.complete or result.close_reason in ("repetition", "budget"), result
+    assert result.usage.completion_tokens <= 64
+
+
 @pytest.mark.parametrize(
     ("constraint", "backend", "pattern"),
     [

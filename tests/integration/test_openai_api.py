@@ -163,6 +163,35 @@ def test_forced_tool_call(client: openai.OpenAI, choice: Any) -> None:
     assert (response.model_extra or {})["constrained_llm"]["tool_calls"] == [{"valid": True, "violations": []}]
 
 
+@pytest.mark.parametrize("max_tokens", [100, 160, 256])
+@pytest.mark.parametrize("ask", ["Get the weather for Paris, London, Berlin, Madrid and Rome.",
+                                 "Weather in Tokyo, Osaka, Kyoto please, in celsius."])
+def test_several_required_calls_cut_by_the_budget_are_each_complete(client: openai.OpenAI, ask: str,
+                                                                    max_tokens: int) -> None:
+    """Parallel calls under ``tool_choice: required`` (the default model writes 2 to 8 calls for these): wherever
+    ``max_tokens`` falls, every call returned has arguments that parse and validate (the one open at the budget
+    is closed; none is opened that cannot fit), and so do the streamed arguments of each call, joined.
+    Before, the Tokyo request at 256 tokens opened an eighth call it could not close (``finish_reason: length``)."""
+    kwargs: Any = {"model": "constrained_llm", "messages": [{"role": "user", "content": ask}], "tools": [WEATHER],
+                   "tool_choice": "required", "parallel_tool_calls": True, "max_tokens": max_tokens, "temperature": 0}
+    response = client.chat.completions.create(**kwargs)
+    calls = response.choices[0].message.tool_calls
+    assert calls, response
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    assert (response.model_extra or {})["constrained_llm"]["tool_calls"] == [{"valid": True, "violations": []}] * len(
+        calls)
+    assert response.usage is not None and response.usage.completion_tokens <= max_tokens
+    streamed: dict[int, str] = {}
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            streamed[delta.index] = streamed.get(delta.index, "") + ((delta.function.arguments or "")
+                                                                     if delta.function else "")
+    assert sorted(streamed) == list(range(len(streamed))) and streamed
+    for arguments in streamed.values():
+        jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
+
+
 def test_forced_tool_call_streaming(client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(
         model="constrained_llm", messages=ASK, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False,

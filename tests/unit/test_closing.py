@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import xgrammar as xgr
 
-from grammar_backend.bitmask import BitmaskBuffer, allowed_tokens, pack_tokens
+from grammar_backend.bitmask import BitmaskBuffer, allowed_tokens, few_allowed, pack_tokens
 from grammar_backend.closing import (
     Closer,
     CloserConfig,
@@ -365,9 +365,9 @@ def test_the_first_completion_is_searched_once_per_constraint(
     searches: list[int] = []
     complete = closer.complete
 
-    def counted(matcher: Any, check: Any = None) -> tuple[int, ...] | None:
+    def counted(matcher: Any, check: Any = None, *, shortest: bool = False) -> tuple[int, ...] | None:
         searches.append(1)
-        return complete(matcher, check)
+        return complete(matcher, check, shortest=shortest)
 
     monkeypatch.setattr(closer, "complete", counted)
     spec = parse_constraint("json_schema", json.dumps(PERSON))
@@ -466,6 +466,29 @@ def test_bitmask_allows(qwen_info: xgr.TokenizerInfo) -> None:
     buffer.fill([None])
     buffer.restrict(0, pack_tokens([5, 64], vocab), 100)
     assert [buffer.allows(0, t) for t in (5, 6, 64, 100, vocab - 1)] == [True, False, True, True, False]
+
+
+@pytest.mark.parametrize(
+    ("tokens", "most", "found"),
+    [
+        ([5, 64, 100], 3, [5, 64, 100]),
+        ([5, 64, 100], 2, None),  # more tokens than most
+        ([0, 31, 32, 63], 4, [0, 31, 32, 63]),
+        (list(range(0, 1000, 10)), 16, None),  # more words than most: decided before unpacking
+        ([], 4, []),
+    ],
+)
+def test_few_allowed_lists_a_short_row_only(tokens: list[int], most: int, found: list[int] | None) -> None:
+    row = pack_tokens(tokens, 151_936)
+    out = few_allowed(row, most)
+    assert (None if out is None else out.tolist()) == found
+
+
+def test_bitmask_keep_allows_exactly_the_tokens_given() -> None:
+    buffer = BitmaskBuffer(1, 4096)
+    buffer.fill([None])
+    buffer.keep(0, [3, 40], 4095)
+    assert allowed_tokens(buffer.buffer[0], 4096).tolist() == [3, 40, 4095]
 
 
 # --------------------------------------------------------------------------- misses where a completion fits

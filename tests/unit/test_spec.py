@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
+import contract
 from grammar_backend import spec as spec_module
 from grammar_backend.errors import ConfigError, ConstraintError
 from grammar_backend.spec import (
     OPTION_NAMES,
     ConstraintKind,
     ConstraintOptions,
+    Segments,
     SpecLimits,
     constraint_spec,
     json_depth,
@@ -146,9 +149,36 @@ def test_structural_tag_short_form_is_normalized() -> None:
             "type": "triggered_tags",
             "triggers": ["<tool_call>"],
             "tags": [{"type": "tag", "begin": "<tool_call>", "end": "</tool_call>",
-                      "content": {"type": "json_schema", "json_schema": schema}}],
+                      "content": {"type": "json_schema", "json_schema": schema,
+                                  "max_whitespace_cnt": contract.TAG_WHITESPACE_RUN}}],
         },
     }
+
+
+@pytest.mark.parametrize(
+    ("content", "bound"),
+    [
+        ({"type": "json_schema", "json_schema": {"type": "object"}}, 1),  # the server's bound
+        ({"type": "json_schema", "json_schema": {"type": "object"}, "max_whitespace_cnt": None}, 1),
+        ({"type": "json_schema", "json_schema": {"type": "object"}, "max_whitespace_cnt": 6}, 6),  # the client's
+    ],
+)
+def test_every_json_a_structural_tag_embeds_bounds_its_whitespace(content: dict[str, Any], bound: int) -> None:
+    doc = {"type": "structural_tag", "format": {"type": "tags_with_separator", "separator": "\n", "tags": [
+        {"type": "tag", "begin": "<a>", "content": content, "end": "</a>"},
+        {"type": "tag", "begin": "<b>", "content": {"type": "or", "elements": [content]}, "end": "</b>"}]}}
+    spec = parse_constraint("structural_tag", json.dumps(doc))
+    tags = spec.document["format"]["tags"]
+    assert [tags[0]["content"]["max_whitespace_cnt"], tags[1]["content"]["elements"][0]["max_whitespace_cnt"]] == [
+        bound, bound]
+    assert spec.segments == Segments(("<a>", "<b>"), ("\n",))
+    assert spec.segments.openers == b"\n<"
+
+
+@pytest.mark.parametrize("kind", ["json_schema", "regex", "choice"])
+def test_only_a_structural_tag_has_segments(kind: str) -> None:
+    payload = {"json_schema": '{"type": "object"}', "regex": "a+", "choice": '["a"]'}[kind]
+    assert parse_constraint(kind, payload).segments == Segments((), ())
 
 
 @pytest.mark.parametrize("kind", ["regex", "json_schema"])
