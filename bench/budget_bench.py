@@ -105,8 +105,9 @@ RUNAWAYS: Final[dict[str, str]] = {
     "zeros": "1" + "0" * 400,
     "prose": "",  # filled below: 400 words in a seeded random order
     # Invented keys after the string value ends (issue 47: "xzx":1,"yzx":1,... in an open object): no short
-    # period; where the object is closed the mask refuses the key and the model takes the closer's token.
-    "keys": 'a",' + "".join(f'"{a}{b}{c}":1,' for a in "xyz" for b in "xyz" for c in "xyzw"),
+    # period, and no key twice within the budget (256 keys; repeated keys are the value checks', which this
+    # part leaves off); where the object is closed the mask refuses the key and the model takes the closer's.
+    "keys": 'a",' + "".join(f'"{a}{b}{c}{d}":1,' for a in "xyzw" for b in "xyzw" for c in "xyzw" for d in "xyzw"),
 }
 _WORDS: Final = ("the", "quick", "brown", "fox", "jumps", "over", "lazy", "dogs", "while", "seven", "wizards",
                  "judge", "boxing", "matches", "near", "ancient", "harbors", "filled", "with", "curious",
@@ -282,36 +283,32 @@ def print_misses(records: Sequence[dict[str, Any]], schemas: dict[str, dict[str,
     return len(misses)
 
 
-def allowed_dtype() -> Any:
-    """The dtype of :func:`grammar_backend.bitmask.allowed_tokens` (for a set difference against it)."""
-    from grammar_backend.bitmask import allowed_tokens
-
-    return allowed_tokens(np.zeros(1, np.int32), 32).dtype
-
-
 def replay_part(model_dir: Path, schemas: Sequence[tuple[str, dict[str, Any], Any]],
                 budget: int) -> dict[str, Any]:
     """Part 2b: the issue's runaways on large schemas, through the real engine (no server, no model).
 
     A scripted "model" writes the start of each schema's valid instance up to its first string value,
-    then a runaway of each kind in :data:`RUNAWAYS`; where the mask refuses its token it takes the
-    closing token (calm rows) or the only allowed one (forced rows), as greedy sampling would.
+    then a runaway of each kind in :data:`RUNAWAYS` (``tests.support.scripted``: where the mask refuses its
+    token it takes the closer's).
     """
-    from grammar_backend.bitmask import allowed_tokens
     from grammar_backend.llg import LlgBackend
     from grammar_backend.workers import WorkerConfig
+    from tests.support.scripted import replay
 
     bundle = load_tokenizer(str(model_dir))
-    encode = bundle.hf.encode
+
+    def encode(text: str) -> list[int]:
+        return list(bundle.hf.encode(text, add_special_tokens=False))
+
+    def decode(tokens: list[int]) -> str:
+        return str(bundle.hf.decode(tokens))
+
     # These schemas' compiles may pass the serving default (1 GiB) on a loaded host: the closing is measured.
     # With llguidance, as served: backend auto picks it for JSON.
     engine = GrammarEngine(bundle.info, bundle.fingerprint,
                            GrammarEngineConfig(max_batch=1, workers=WorkerConfig(memory_bytes=4096 << 20)),
                            encode=bundle.encode,
                            llg=LlgBackend(bundle.hf, bundle.info.vocab_size, bundle.info.stop_token_ids))
-    stop = int(bundle.info.stop_token_ids[0])
-    vocab = bundle.info.vocab_size
-    calm = np.array(engine.closer.calm_tokens(), dtype=allowed_dtype())
     records: list[dict[str, Any]] = []
     step_s: list[float] = []
     seq_id = 0
@@ -326,41 +323,18 @@ def replay_part(model_dir: Path, schemas: Sequence[tuple[str, dict[str, Any], An
             for kind, runaway in RUNAWAYS.items():
                 seq_id += 1
                 try:
-                    engine.start(seq_id, spec, budget=budget, timeout_s=600)
+                    out = replay(engine, decode, encode, seq_id, spec, text[:cut + 3], runaway, budget, step_s)
                 except GrammarError as err:
                     records.append({"run": kind, "schema": name, "shortest": 0, "budget": budget,
                                     "outcome": f"error: {err}"[:120], "tokens": 0, "text": "", "close_reason": None})
                     break
-                head = encode(text[:cut + 3], add_special_tokens=False)
-                body = encode(runaway, add_special_tokens=False)
-                taken: list[int] = []
-                k = 0  # the next token the scripted model wants
-                ids = np.array([seq_id], np.uint64)
-                state = 0
-                while len(taken) < budget:
-                    last = taken[-1:]
-                    t0 = time.perf_counter()
-                    out = engine.step(ids, np.array([last or [0]], np.int32), np.array([len(last)], np.int32))
-                    step_s.append(time.perf_counter() - t0)
-                    state = int(out.closing[0]) if int(out.closing[0]) in CLOSE_REASONS else state
-                    allowed = allowed_tokens(out.bitmask[0], vocab)
-                    wanted = head[k] if k < len(head) else body[(k - len(head)) % len(body)]
-                    if bool(np.isin(wanted, allowed)):
-                        token, k = wanted, k + 1
-                    else:  # forced: its one token; calm: the completion's (the one that is not calm)
-                        closing = np.setdiff1d(allowed, calm, assume_unique=True) if len(allowed) > 1 else allowed
-                        token = int(closing[0]) if len(closing) == 1 else int(allowed[0])
-                    taken.append(int(token))
-                    if token == stop:
-                        break
-                engine.end([seq_id])
-                body = bundle.hf.decode([t for t in taken if t != stop])
+                body, state = out.text, out.closed
                 report = validate_output(schema, body)
-                outcome = (("valid_closed" if state else "valid") if report.valid
+                outcome = (("valid_closed" if state is not None else "valid") if report.valid
                            else "parsed_invalid" if report.parsed else "truncated")
                 records.append({"run": kind, "schema": name, "shortest": minimal, "budget": budget,
-                                "outcome": outcome, "tokens": len(taken), "text": body,
-                                "close_reason": CLOSE_REASONS.get(state)})
+                                "outcome": outcome, "tokens": out.tokens, "text": body,
+                                "close_reason": None if state is None else CLOSE_REASONS[state]})
     finally:
         engine.close()
     by_kind = {kind: dict(Counter(r["outcome"] for r in records if r["run"] == kind)) for kind in RUNAWAYS}

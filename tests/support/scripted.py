@@ -13,6 +13,7 @@ Used by the closing tests (``tests/unit/test_closing_kinds.py``) and
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -47,9 +48,17 @@ class Replay:
 
 
 def replay(engine: GrammarEngine, decode: Callable[[list[int]], str], encode: Callable[[str], list[int]],
-           seq_id: int, spec: ConstraintSpec, script: str, loop: str, budget: int) -> Replay:
+           seq_id: int, spec: ConstraintSpec, script: str, loop: str, budget: int,
+           step_s: list[float] | None = None) -> Replay:
     """Write ``script`` then ``loop`` forever (nothing more once the script ends, with ``loop`` empty: the stop
-    token) under ``spec`` with ``max_tokens`` = ``budget``; see the module docstring."""
+    token) under ``spec`` with ``max_tokens`` = ``budget``; see the module docstring.  ``step_s``: each
+    :meth:`GrammarEngine.step`'s wall time is appended there.
+
+    Raises
+    ------
+    GrammarError
+        The start failed (a compile error or limit), or a step reported the row's error.
+    """
     head, body = encode(script), encode(loop)
     stop = int(engine.tokenizer_info.stop_token_ids[0])
     engine.start(seq_id, spec, budget=budget, timeout_s=600)
@@ -60,7 +69,10 @@ def replay(engine: GrammarEngine, decode: Callable[[list[int]], str], encode: Ca
     try:
         while len(taken) < budget:
             last = taken[-1:]
+            t0 = time.perf_counter()
             out = engine.step(ids, np.array([last or [0]], np.int32), np.array([len(last)], np.int32))
+            if step_s is not None:
+                step_s.append(time.perf_counter() - t0)
             if out.errors[0] is not None:
                 raise out.errors[0]
             if int(out.closing[0]) in CLOSE_REASONS:
