@@ -38,7 +38,9 @@ class FinishEvent:
     ``backend``: the grammar backend that served the constraint (None: no
     constraint, or it failed to start).
     ``value_retries``: times a completed value broke the schema and its tokens
-    were dropped and generated again (:mod:`grammar_backend.values`);
+    were dropped, to be generated again or, once per output with the
+    ``value_retries`` option spent and ``on_repeat: close``, to close the
+    output before them (:mod:`grammar_backend.values`);
     ``value_dropped_tokens``: how many tokens that dropped in all (sampled,
     so spent, but not in ``completion_tokens``).
     ``reasoning_tokens``: tokens sampled inside the thinking section, its end

@@ -93,7 +93,8 @@ class GrammarSequence:
         "backend", "budget", "calm_ok", "checks", "close_state", "closing", "completion", "completion_at", "completion_kept",
         "completion_len", "created", "digit_run", "dropped", "forced", "forced_at", "growth", "last_used", "matcher",
         "new_tokens", "next_check", "next_repeat_check", "openers", "reasoning", "repeats", "retries_left",
-        "scalar_tokens", "segment", "seq_id", "spec", "steps", "thinking", "tokens_accepted", "utf8_need", "values",
+        "scalar_tokens", "segment", "seq_id", "spec", "spent", "steps", "thinking", "tokens_accepted", "utf8_need",
+        "values",
     )
 
     def __init__(
@@ -157,6 +158,9 @@ class GrammarSequence:
         self.values: ValueScanner | None = None
         self.checks: ValueChecks | None = None
         self.retries_left = 0
+        #: Whether a value broke the schema once more with the retries spent (runaway closing only):
+        #: :meth:`plan` closes the output before it.
+        self.spent = False
         #: Tokens the last :meth:`accept` dropped to retry a value that broke the schema (0: none).
         self.dropped = 0
         #: The thinking section in front of the matcher (None: none, or over; :meth:`think`).
@@ -345,21 +349,34 @@ class GrammarSequence:
     def _retry(self, values: ValueScanner, found: Violation | None, *, at_end: bool) -> None:
         """Retry the value ``found`` says breaks the schema (``at_end``: the top-level number, were the output to
         end here), while the budget lasts.  A backtrack may leave a top-level number that breaks the schema in
-        turn (``19`` back to ``1`` under ``not: {enum: [1, 19]}``): its end is refused too."""
+        turn (``19`` back to ``1`` under ``not: {enum: [1, 19]}``): its end is refused too.
+
+        With the budget spent, a value that breaks the schema once more stands, unless runaway closing is
+        on: a model that keeps writing values the schema refuses is a runaway no period shows (budget_bench's
+        served part: invented keys in an open object, each new one refused as a duplicate of an earlier one).
+        That value is dropped like the others, and :meth:`plan` closes the output before it (:attr:`spent`).
+        """
         checks = self.checks
-        while found is not None and checks is not None and self.retries_left > 0:
+        while found is not None and checks is not None:
+            spent = not self.retries_left
+            if spent and (at_end or self.repeats is None):
+                return  # the value stands
             dropped = (checks.refuse_end(self.matcher, values, found) if at_end
                        else checks.backtrack(self.matcher, values, found) or None)
             if dropped is None:  # no choice point in reach: the value stands
                 return
-            self.retries_left -= 1
-            if not dropped:
+            if not spent:
+                self.retries_left -= 1
+            if not dropped:  # (never once spent: only an end's refusal drops nothing)
                 # The end is banned here: the number must grow.  The scanner stays, even with the budget
-                # spent, so that the ban holds; it checks nothing more (the loop's condition).
+                # spent, so that the ban holds.
                 return
             self._rolled_back(dropped)
             self.dropped += dropped
-            if not self.retries_left:  # the budget is spent: what completes now stands
+            if spent:
+                self.values, self.spent = None, True
+                return
+            if not self.retries_left and self.repeats is None:  # the budget is spent: what completes now stands
                 self.values = None
                 return
             found, at_end = self._pending(values), True
@@ -452,6 +469,13 @@ class GrammarSequence:
                 return self.forced[self.forced_at]
             return stop_token
         accepted = self.tokens_accepted
+        if self.spent:
+            # The value retries are spent and the model wrote one more value the schema refuses, now
+            # dropped (:meth:`_retry`): ended here, where the output still holds only values that pass.
+            self.spent = False
+            found = self._completion(closer)
+            if found is not None and (not self.budget or len(found) < self.budget - accepted):
+                return self._force(found, CloseState.REPETITION, stop_token)
         if self.utf8_need:
             # Inside a character no completion can start (the search would run
             # to its node limit for nothing): every check waits for its end.

@@ -29,7 +29,9 @@ output.  Here, while a sequence decodes:
    where that token also closed the value, every token spelling the same
    ending) and reports how many tokens the engine must drop.  Each sequence
    has a retry budget (the ``value_retries`` option); after it, or where the
-   value has no choice point, the value stands and post-validation reports it.
+   value has no choice point, the value stands and post-validation reports it,
+   except that with ``on_repeat: close`` the next violation after the budget is
+   dropped too and the output closed before it (a runaway no period shows).
 
 Only engines that can drop tokens use this (the embedded scheduler): a
 logits processor or TensorRT-LLM's native decoder cannot take tokens back, so

@@ -12,6 +12,7 @@ import xgrammar as xgr
 
 from contract.finish import FinishEvent
 from grammar_backend.bitmask import allowed_tokens
+from grammar_backend.closing import CloseState
 from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
 from grammar_backend.fidelity import UnenforcedKeyword
 from grammar_backend.llg import LlgBackend
@@ -254,21 +255,27 @@ def test_a_date_that_does_not_exist_goes_back_to_its_last_choice(engine: Grammar
         engine.end([1])
 
 
-@pytest.mark.parametrize(("retries", "checks", "drops"), [(1, True, [2, 0]), (0, True, [0, 0]), (8, False, [0, 0])],
-                         ids=["budget-of-one", "option-off", "caller-cannot-drop"])
+@pytest.mark.parametrize(
+    ("retries", "checks", "on_repeat", "drops", "closing"),
+    [(1, True, "continue", [2, 0], CloseState.OPEN), (1, True, "close", [2, 2], CloseState.REPETITION),
+     (0, True, "close", [0, 0], CloseState.OPEN), (8, False, "close", [0, 0], CloseState.OPEN)],
+    ids=["budget-of-one", "budget-of-one-then-closed", "option-off", "caller-cannot-drop"])
 def test_the_retry_budget_and_who_can_drop(engine: GrammarEngine, qwen_tokenizer: Any, retries: int, checks: bool,
-                                           drops: list[int]) -> None:
+                                           on_repeat: str, drops: list[int], closing: CloseState) -> None:
+    """With the budget spent, a repeat stands; or, with runaway closing on, it goes too and the output closes
+    before it (``[1,2,`` then the shortest item and ``]``)."""
     spec = parse_constraint("json_schema", '{"type":"array","uniqueItems":true}',
-                            {"backend": "llguidance", "value_retries": retries})
-    one = qwen_tokenizer.convert_tokens_to_ids("1")
-    comma = qwen_tokenizer.convert_tokens_to_ids(",")
+                            {"backend": "llguidance", "value_retries": retries, "on_repeat": on_repeat})
+    one, comma, two = (qwen_tokenizer.convert_tokens_to_ids(t) for t in ("1", ",", "2"))
     engine.start(1, spec, value_checks=checks)
     try:
         _feed(engine, [qwen_tokenizer.convert_tokens_to_ids("["), one, comma])
-        got = []
-        for _ in range(2):  # a repeat, twice: the second stands once the budget is spent
-            got.append(_feed(engine, [qwen_tokenizer.convert_tokens_to_ids("2"), comma, one, comma])[-1][0])
+        got = [_feed(engine, [two, comma, one, comma])[-1][0], _feed(engine, [two, comma])[-1][0]]
         assert got == drops
+        seq = engine.table.get(1)
+        assert seq.close_state == closing
+        if closing == CloseState.REPETITION:
+            assert (seq.tokens_accepted, qwen_tokenizer.decode(seq.forced)) == (5, '""]')  # after "[1,2,"
     finally:
         engine.end([1])
 
