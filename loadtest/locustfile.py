@@ -11,9 +11,9 @@ Each user keeps one stream in flight (closed loop) through the project's SDK
 cooperative with ``grpc.experimental.gevent``).  Per request three kinds of
 locust entries are fired: ``grpc <kind>`` (whole request; its size is the
 completion tokens), ``ttft <kind>`` (time to the first text) and ``itl
-<kind>`` (each gap between text deltas).  The first users run each kind
-in the mix once before the weighted draw begins, so a short run still
-measures all of them.  A request is a success only when
+<kind>`` (each gap between text deltas).  The users run each kind in the
+mix once (``--min-per-kind`` N: N times) before the weighted draw begins,
+so a short run still measures all of them.  A request is a success only when
 :func:`loadtest.workload.judge` accepts its output (or, for a bad input, its
 exact status); anything else is a locust failure with the reason, and locust
 then exits 1.
@@ -33,7 +33,17 @@ quarter of ``-u`` with a full ``-u`` burst in the middle fifth),
 ``--openai-url`` as many again that OpenAI's strict mode takes, for the
 ``openai`` task), ``--model-dir`` (tokenizer used to pre-compile them),
 ``--outputs-json`` (per-kind counts of valid, closed-early and failed
-outputs), ``--openai-url``.
+outputs), ``--openai-url``, ``--max-requests`` (stop after that many
+requests in all), ``--min-per-kind`` and ``--deadline``.
+
+A run ends at ``-t`` (the shape's end), or earlier at ``--max-requests``.
+With ``--min-per-kind N`` counts end it instead, not the host's speed: past
+``-t`` the shape holds its last level until every kind in the mix (the
+tasks left after ``--tags``/``--exclude-tags``) has ended N requests,
+whatever their outcome (a failure fails the run, it does not prolong it);
+``-t`` is then the least run time (a spike always runs its burst) and
+``--deadline`` (default 15m) the most, which only a hang reaches: the run
+then stops and fails, naming the kinds still short.
 """
 
 from __future__ import annotations
@@ -45,17 +55,19 @@ grpc_gevent.init_gevent()
 
 import json
 import queue
+import random
 import sys
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-import gevent
 import openai
 import tritonclient.grpc as grpcclient
 from locust import LoadTestShape, User, constant, events, tag, task
 from locust.env import Environment
+from locust.runners import Runner
+from locust.util.timespan import parse_timespan
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
@@ -76,6 +88,7 @@ from loadtest.workload import (
     judge,
     judge_chat,
     judge_refusal,
+    kinds_short,
     openai_base_url,
     shape_tick,
 )
@@ -91,8 +104,16 @@ FAILURES: defaultdict[str, Counter[str]] = defaultdict(Counter)
 #: never reach ``on_stop``; a channel left open keeps grpc's gevent threads
 #: (and the locust process) alive at exit, so the last ones close at quitting.
 OPEN_CLIENTS: set[Any] = set()
-#: The tasks (the class's functions) some user has already queued for its first requests.
-COVERED: set[Any] = set()
+#: kind -> its requests running now (see :meth:`ConstrainedLlmUser._next_task`).
+RUNNING: Counter[str] = Counter()
+#: kind -> its requests that ended: judged (success or failure) or raised; not one a stop cut off.
+ENDED: Counter[str] = Counter()
+
+
+def _kind(fn: Any) -> str:
+    """The kind of a task function: its one locust tag."""
+    (kind,) = fn.locust_tag_set
+    return str(kind)
 
 
 class Failure(Exception):
@@ -113,6 +134,13 @@ def _options(parser: Any) -> None:
     parser.add_argument("--openai-url", default="",
                         help="base URL of the OpenAI-compatible endpoint (http://HOST:PORT/v1) for the openai "
                              "task; none: that task is off")
+    parser.add_argument("--min-per-kind", type=int, default=0,
+                        help="end on counts: past -t (then the least run time; the shape holds its last level) "
+                             "run until every kind in the mix has ended this many requests, whatever their "
+                             "outcome; 0: end at -t")
+    parser.add_argument("--deadline", default="15m",
+                        help="with --min-per-kind: the most run time (20s, 15m, 1h), which only a hang reaches; "
+                             "the run then stops and fails")
 
 
 @events.init.add_listener
@@ -140,20 +168,37 @@ def _build_workload(environment: Environment, **_: Any) -> None:
         print(f"loadtest: openai task on {url}, {len(workload.strict)} strict JSON schemas: "
               f"{', '.join(name for name, _, _ in workload.strict)}")
     _STATE["sent"] = 0
+    if opts.min_per_kind < 0:
+        raise SystemExit(f"--min-per-kind {opts.min_per_kind}: must be 0 (off) or more")
+    _STATE["least"] = max(1, opts.min_per_kind)
+    if opts.min_per_kind:
+        try:
+            _STATE["deadline_s"] = deadline = parse_timespan(opts.deadline)
+        except ValueError as err:
+            raise SystemExit(f"--deadline {opts.deadline!r}: {err}") from err
+        if deadline <= (opts.run_time or 60):
+            raise SystemExit(f"--deadline {opts.deadline}: must be later than -t ({opts.run_time or 60} s), "
+                             "the least run time of a run that ends on counts")
     if opts.max_requests:
-        environment.events.request.add_listener(_bound(environment, opts.max_requests))
+        environment.events.request.add_listener(_bound(opts.max_requests))
 
 
-def _bound(environment: Environment, limit: int) -> Any:
-    """A request listener that stops the run after ``limit`` requests (``--max-requests``)."""
+def _bound(limit: int) -> Any:
+    """A request listener that ends the run after ``limit`` requests (``--max-requests``).
+
+    The shape's next tick ends it (:class:`SelectedShape`), as at ``-t``: the
+    one way a run stops.  A second ``runner.quit()`` beside the shape's own
+    (this listener's, once) stopped the users twice ("Tried to stop User in
+    an unexpected state: stopping").
+    """
 
     def count(request_type: str, **_: Any) -> None:
         if request_type not in REQUEST_TYPES:
             return
         _STATE["sent"] += 1
-        if _STATE["sent"] == limit and environment.runner is not None:
-            # Not from this greenlet: quitting stops the users, the caller among them.
-            gevent.spawn(environment.runner.quit)
+        if _STATE["sent"] == limit:
+            print(f"loadtest: {limit} requests (--max-requests); stopping")
+            _STATE["bounded"] = True
 
     return count
 
@@ -196,17 +241,44 @@ class ConstrainedLlmUser(User):
         if self.chat is not None:
             self.clients.append(self.chat)
         OPEN_CLIENTS.update(self.clients)
-        # Every kind in the mix runs at least once however short the run: the
-        # first users queue, heaviest weight first, each task no user has queued
-        # yet, and the weighted draw starts after them.  Drawn alone, a 45 s CI
-        # smoke of 13 requests got no openai task (weight 3 of 17: p = 0.08).
         taskset = self._taskset_instance
         if taskset is None:  # locust's User.run makes it before on_start
             raise RuntimeError("on_start ran before locust made the user's task set")
-        for fn in sorted(dict.fromkeys(self.tasks), key=self.tasks.count, reverse=True):
-            if fn not in COVERED:
-                COVERED.add(fn)
-                taskset.schedule_task(fn)
+        #: The tasks of the mix (left after --tags/--exclude-tags), one per kind, heaviest weight first.
+        self.coverage = sorted(dict.fromkeys(self.tasks), key=self.tasks.count, reverse=True)
+        taskset.get_next_task = self._next_task  # type: ignore[method-assign]
+
+    def _next_task(self) -> Any:
+        """The next task: first each kind of the mix, then the weighted draw.
+
+        Every kind runs at least once (``--min-per-kind`` N: N times) however
+        short the run: a user's next task is, heaviest weight first, a kind
+        with fewer requests ended or running than that, before any weighted
+        draw.  Drawn alone, a 45 s CI smoke of 13 requests got no openai task
+        (weight 3 of 17: p = 0.08).  Counted across users when the request
+        runs, not when a user queues it: a user the shape stops (a spike's
+        ramp-down) leaves nothing owed, and a request a stop cuts off
+        (``--stop-timeout``) is owed again to the users that remain.
+        """
+        least = _STATE.get("least", 1)
+        owed = [fn for fn in self.coverage if ENDED[_kind(fn)] + RUNNING[_kind(fn)] < least]
+        fn: Any = owed[0] if owed else random.choice(self.tasks)
+        kind = _kind(fn)
+
+        def counted(user: ConstrainedLlmUser) -> None:
+            RUNNING[kind] += 1
+            ended = False
+            try:
+                fn(user)
+                ended = True
+            except Exception:  # the error report has it: it ended all the same
+                ended = True
+                raise
+            finally:  # GreenletExit (a stop's kill) is no Exception: not ended, owed again
+                RUNNING[kind] -= 1
+                ENDED[kind] += ended
+
+        return counted
 
     def on_stop(self) -> None:
         for client in self.clients:
@@ -349,12 +421,44 @@ class ConstrainedLlmUser(User):
         OUTPUTS[job.tag]["refused as expected" if reason is None else "failed"] += 1
 
 
+def _counted(runner: Runner, least: int, now: float) -> bool:
+    """Whether a run with ``--min-per-kind`` ends now (past ``-t``): every kind in the mix has its count.
+
+    A kind still short at ``--deadline`` fails the run (exit status 1).
+    """
+    mix = {_kind(fn) for fn in ConstrainedLlmUser.tasks}  # the tasks left after --tags/--exclude-tags
+    short = kinds_short(ENDED, mix, least)
+    if not short:
+        ended = {kind: ENDED[kind] for kind in sorted(mix)}
+        print(f"loadtest: every kind ended {least} or more requests after {now:.0f} s: {ended}; stopping")
+        return True
+    if now >= _STATE["deadline_s"]:
+        print(f"loadtest: --deadline {_STATE['deadline_s']} s reached with kinds short of {least} requests: "
+              f"{short}; stopping, failed", file=sys.stderr)
+        runner.environment.process_exit_code = 1
+        return True
+    return False
+
+
 class SelectedShape(LoadTestShape):
-    """``--shape`` over locust's own ``-u`` (peak users), ``-r`` and ``-t`` (default 60 s)."""
+    """``--shape`` over locust's own ``-u`` (peak users), ``-r`` and ``-t`` (default 60 s).
+
+    With ``--min-per-kind``, ``-t`` is the shape's length and the least run
+    time: the shape then holds its last level until :func:`_counted`.
+    """
 
     reuse_parameters = True
 
     def tick(self) -> tuple[int, float] | None:
-        opts: Any = self.runner.environment.parsed_options  # type: ignore[union-attr]
-        return shape_tick(opts.shape, self.get_run_time(), float(opts.run_time or 60), int(opts.num_users or 1),
-                          float(opts.spawn_rate or 1))
+        runner = self.runner
+        if runner is None:  # locust sets it before the first tick
+            raise RuntimeError("the shape ticked before locust gave it its runner")
+        opts: Any = runner.environment.parsed_options
+        if _STATE.get("bounded"):  # --max-requests
+            return None
+        now, total = self.get_run_time(), float(opts.run_time or 60)
+        counting = bool(opts.min_per_kind)
+        if counting and now >= total and _counted(runner, opts.min_per_kind, now):
+            return None
+        return shape_tick(opts.shape, now, total, int(opts.num_users or 1), float(opts.spawn_rate or 1),
+                          hold=counting)

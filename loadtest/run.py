@@ -8,7 +8,10 @@ endpoint on that port (the server in use must serve it; the embedded one is
 started with it).  Writes under
 ``--out``: locust's CSV files and HTML report, ``outputs.json`` (valid,
 closed-early and failed outputs per kind), ``summary.json`` and
-``summary.png``.
+``summary.png``.  The run ends at ``--time``; with ``--min-per-kind N`` on
+counts instead, once every kind in the mix has ended N requests
+(``--time`` is then the least run time, ``--deadline`` the most: only a
+hang reaches it), so a slow host runs longer rather than fewer kinds.
 
 Exit status: locust's (1 on any failure: every request is checked, see
 ``loadtest/locustfile.py``), or 1 when the server (or its OpenAI-compatible
@@ -46,6 +49,8 @@ GAUGES: Final = ("grammar_active_sequences", "llm_live_requests")
 STOP_TIMEOUT_S: Final = 120
 #: Locust's own start (imports, schema checks) and exit on top of run time and stop timeout.
 LOCUST_OVERHEAD_S: Final = 120
+#: The most run time of a run that ends on counts (``--min-per-kind``): only a hang reaches it.
+DEADLINE: Final = "15m"
 
 
 def ready(url: str) -> bool:
@@ -96,8 +101,16 @@ def settle(metrics_url: str, timeout_s: float = 30.0) -> dict[str, float]:
 
 def locust_command(host: str, out: Path, users: int, run_time: str, shape: str, *, tags: Sequence[str] = (),
                    max_tokens: int = 96, sample: int = 12, data_dir: str | None = None,
-                   max_requests: int = 0, openai_url: str = "") -> list[str]:
-    """The headless locust command line of one run (``openai_url``: also the ``openai`` task, against it)."""
+                   max_requests: int = 0, openai_url: str = "", min_per_kind: int = 0,
+                   deadline: str = DEADLINE) -> list[str]:
+    """The headless locust command line of one run (``openai_url``: also the ``openai`` task, against it).
+
+    ``min_per_kind``: the run ends on counts, once every kind in the mix has
+    ended that many requests (``run_time`` is then the least run time,
+    ``deadline`` the most, which only a hang reaches; give :func:`run` the
+    :func:`exit_deadline` of ``deadline``).  ``max_requests``: it stops after
+    that many requests in all, whichever comes first.
+    """
     cmd = [
         sys.executable, "-m", "locust", "-f", str(REPO / "loadtest" / "locustfile.py"), "--headless",
         "--host", host, "-u", str(users), "-r", str(users), "-t", run_time, "--shape", shape,
@@ -113,6 +126,8 @@ def locust_command(host: str, out: Path, users: int, run_time: str, shape: str, 
         cmd += ["--openai-url", openai_url]
     if tags:
         cmd += ["--tags", *tags]
+    if min_per_kind:
+        cmd += ["--min-per-kind", str(min_per_kind), "--deadline", deadline]
     return cmd
 
 
@@ -208,15 +223,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tags", nargs="*", default=())
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--sample", type=int, default=12)
+    parser.add_argument("--min-per-kind", type=int, default=0,
+                        help="end on counts: run past --time (the least run time) until every kind in the mix has "
+                             "ended this many requests, whatever their outcome; 0: end at --time")
+    parser.add_argument("--deadline", default=DEADLINE,
+                        help=f"with --min-per-kind: the most run time (30s, 15m, 1h; default {DEADLINE}), which "
+                             "only a hang reaches")
     args = parser.parse_args(argv)
     host = f"{args.host}:{args.grpc_port}"
     metrics_url = f"http://{args.host}:{args.metrics_port}/metrics"
     url = openai_endpoint(args.host, args.openai_port)
     cmd = locust_command(host, args.out, args.users, args.time, args.shape, tags=args.tags,
-                         max_tokens=args.max_tokens, sample=args.sample, openai_url=url)
+                         max_tokens=args.max_tokens, sample=args.sample, openai_url=url,
+                         min_per_kind=args.min_per_kind, deadline=args.deadline)
+    timeout_s = exit_deadline(args.deadline if args.min_per_kind else args.time)
     if ready(host):
         print(f"loadtest: using the server on {host}")
-        return run(host, metrics_url, args.out, cmd, exit_deadline(args.time), url)
+        return run(host, metrics_url, args.out, cmd, timeout_s, url)
     print(f"loadtest: no server on {host}; starting the embedded default")
     server = TritonServer(ServerConfig(
         model_repository=args.repository, host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
@@ -226,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     server.start()
     try:
         server.wait_ready()
-        return run(host, metrics_url, args.out, cmd, exit_deadline(args.time), url)
+        return run(host, metrics_url, args.out, cmd, timeout_s, url)
     finally:
         server.stop()
 

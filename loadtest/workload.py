@@ -30,7 +30,7 @@ import math
 import random
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -320,24 +320,39 @@ def _maskbench_prompt(schema: dict[str, Any]) -> str:
 SHAPES: Final = ("steady", "ramp", "spike")
 
 
-def shape_tick(shape: str, now: float, total: float, users: int, rate: float) -> tuple[int, float] | None:
+def shape_tick(shape: str, now: float, total: float, users: int, rate: float, *,
+               hold: bool = False) -> tuple[int, float] | None:
     """Users and spawn rate at ``now`` seconds of a ``total``-second run peaking at ``users`` (None: stop).
 
     ``steady``: all users throughout.  ``ramp``: from 1 to all over the first
     80 % of the run, then held (capacity is read from its history).
     ``spike``: a quarter of the users, all of them in the middle fifth, then
-    a quarter again (spawned at once, a burst of new streams).
+    a quarter again (spawned at once, a burst of new streams).  ``hold``:
+    past ``total`` the shape keeps its last level instead of stopping (a run
+    that ends on counts, ``--min-per-kind``: :func:`kinds_short`).
     """
     if shape not in SHAPES:
         raise ValueError(f"shape must be one of {SHAPES}, got {shape!r}")
     if now >= total:
-        return None
+        if not hold:
+            return None
+        now = total
     if shape == "ramp":
         return max(1, math.ceil(users * min(1.0, now / (0.8 * total)))), rate
     if shape == "spike":
         burst = 0.4 * total <= now < 0.6 * total
         return (users if burst else max(1, users // 4)), max(rate, float(users))
     return users, rate
+
+
+def kinds_short(ended: Mapping[str, int], kinds: Iterable[str], least: int) -> dict[str, int]:
+    """The kinds among ``kinds`` with fewer than ``least`` ended requests, with their counts.
+
+    ``ended``: kind -> requests that ended, whatever their outcome (``ENDED``
+    of the locustfile).  Empty: every kind has its count, and a run with
+    ``--min-per-kind`` may end.
+    """
+    return {kind: n for kind in sorted(kinds) if (n := ended.get(kind, 0)) < least}
 
 
 _FORMATS: Final = jsonschema.Draft202012Validator.FORMAT_CHECKER

@@ -434,10 +434,9 @@ def test_drain_sends_goaway_refuses_new_streams_and_lets_open_ones_finish(keyed:
         gateway.begin_drain()
         assert gateway.health == (False, "draining")
         _wait(lambda: "gateway_draining 1\n" in gateway.metrics_text())
-        time.sleep(0.2)  # the GOAWAY reaches the client
-        # A new stream on the same (already connected) channel is refused.
-        late = _OpenStream(channel, _auth("key-two"))
-        assert late.close() == grpc.StatusCode.UNAVAILABLE
+        # A new stream on the same (already connected) channel is refused, once the gateway's loop has run the
+        # drain (begin_drain only schedules it) and the GOAWAY reached the client: waited for, not slept on.
+        _wait(lambda: _OpenStream(channel, _auth("key-two")).close() == grpc.StatusCode.UNAVAILABLE, 60)
         # The stream in flight still works and ends normally.
         assert in_flight.close() == grpc.StatusCode.OK
         assert gateway.streams_open == 0

@@ -24,7 +24,7 @@ from openai.types.chat import ChatCompletionChunk
 from client import Result, Usage
 from client.constraints import Constraint
 from grammar_backend.fidelity import unenforced_keywords
-from loadtest.run import exit_deadline, locust_command, openai_endpoint, openai_ready
+from loadtest.run import DEADLINE, exit_deadline, locust_command, openai_endpoint, openai_ready
 from loadtest.summary import percentile, render, summarize
 from loadtest.workload import (
     OWN_SCHEMAS,
@@ -36,6 +36,7 @@ from loadtest.workload import (
     judge,
     judge_chat,
     judge_refusal,
+    kinds_short,
     openai_base_url,
     schema_name,
     shape_tick,
@@ -135,7 +136,33 @@ def test_shapes(shape: str, now: float, expected: tuple[int, float] | None) -> N
     assert shape_tick(shape, now, 60.0, 8, 2.0) == expected
 
 
-@pytest.mark.parametrize(("run_time", "seconds"), [("45s", 285.0), ("2m", 360.0), ("1h", 3840.0), ("90", 330.0)])
+@pytest.mark.parametrize(
+    ("shape", "now", "expected"),
+    [("steady", 60, (8, 2.0)), ("steady", 600, (8, 2.0)), ("ramp", 600, (8, 2.0)), ("spike", 24, (8, 8.0)),
+     ("spike", 60, (2, 8.0)), ("spike", 600, (2, 8.0))],
+)
+def test_a_shape_that_holds_keeps_its_last_level_past_its_end(shape: str, now: float,
+                                                             expected: tuple[int, float]) -> None:
+    """A run that ends on counts (--min-per-kind): past -t the shape holds instead of stopping."""
+    assert shape_tick(shape, now, 60.0, 8, 2.0, hold=True) == expected
+
+
+@pytest.mark.parametrize(
+    ("ended", "least", "short"),
+    [
+        ({}, 1, {"bad": 0, "constrained": 0, "openai": 0}),
+        ({"constrained": 3, "bad": 1}, 1, {"openai": 0}),
+        # Only the kinds in the mix count (regex is not in it here).
+        ({"constrained": 2, "bad": 2, "openai": 1, "regex": 9}, 2, {"openai": 1}),
+        ({"constrained": 2, "bad": 5, "openai": 2}, 2, {}),
+    ],
+)
+def test_kinds_short(ended: dict[str, int], least: int, short: dict[str, int]) -> None:
+    assert kinds_short(ended, ("openai", "constrained", "bad"), least) == short
+
+
+@pytest.mark.parametrize(("run_time", "seconds"), [("45s", 285.0), ("2m", 360.0), ("1h", 3840.0), ("90", 330.0),
+                                                   (DEADLINE, 1140.0)])
 def test_exit_deadline(run_time: str, seconds: float) -> None:
     assert exit_deadline(run_time) == seconds
 
@@ -420,6 +447,15 @@ def test_locust_command_passes_the_openai_url(tmp_path: Path, url: str) -> None:
     cmd = locust_command("127.0.0.1:8001", tmp_path, 4, "30s", "steady", tags=["openai"], openai_url=url)
     tail = cmd[cmd.index("--max-requests") + 2:]
     assert tail == ([] if not url else ["--openai-url", url]) + ["--tags", "openai"]
+
+
+def test_locust_command_ends_on_counts_only_when_asked(tmp_path: Path) -> None:
+    timed = locust_command("127.0.0.1:8001", tmp_path, 4, "20s", "spike", max_requests=60)
+    assert "--min-per-kind" not in timed and "--deadline" not in timed
+    assert timed[timed.index("--max-requests") + 1] == "60" and timed[timed.index("-t") + 1] == "20s"
+    counted = locust_command("127.0.0.1:8001", tmp_path, 4, "20s", "spike", min_per_kind=2)
+    assert counted[-4:] == ["--min-per-kind", "2", "--deadline", DEADLINE]
+    assert counted[counted.index("-t") + 1] == "20s"  # the least run time (the spike's length)
 
 
 def test_openai_ready_without_an_endpoint() -> None:
