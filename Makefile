@@ -49,7 +49,7 @@ OPENAI_PORT  ?= 8080
 # of its composing models).
 SERVE_MODELS ?= constrained_llm
 
-LINT_PACKAGES := contract pipeline grammar_backend triton_support llm_runtime client openai_api deploy bench loadtest
+LINT_PACKAGES := contract pipeline grammar_backend triton_support llm_runtime client openai_api deploy bench loadtest standins
 
 VENV_STAMP      := $(BUILD)/.stamp-venv
 K8S_TOOLS       := $(BUILD)/k8s-tools
@@ -135,7 +135,7 @@ render: $(VENV_STAMP)
 # --------------------------------------------------------------------- serve
 serve: export CLIENT_HINT := $(CLIENT_HINT)
 serve: venv model render
-	$(PY) -m deploy.server --model-repository $(REPO_DST) --host $(HOST) \
+	$(PY) -m deploy --model-repository $(REPO_DST) --host $(HOST) \
 		--grpc-port $(GRPC_PORT) --http-port $(HTTP_PORT) --metrics-port $(METRICS_PORT) \
 		--openai-port $(OPENAI_PORT) $(addprefix --model ,$(SERVE_MODELS)) --log-file $(BUILD)/logs/tritonserver.log \
 		--client-hint "$$CLIENT_HINT"

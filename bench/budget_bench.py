@@ -29,7 +29,7 @@ Five parts, in one run:
 2c. **Kinds** (in process, the real engine, both backends).  One output of
    each constraint kind (regex, a regex with escapes, EBNF, Lark, choice,
    three parallel tool calls in a structural tag), written by a scripted model
-   (``tests/support/scripted.py``) at 50 %, 80 % and 100 % of its length in
+   (``standins/scripted.py``) at 50 %, 80 % and 100 % of its length in
    tokens: complete by the model, closed early, or truncated, and whether the
    constraint's shortest output fits (where it does, nothing may be truncated).
 3. **Served** (a real tritonserver on loopback, 4 streams at a time, greedy).
@@ -288,12 +288,12 @@ def replay_part(model_dir: Path, schemas: Sequence[tuple[str, dict[str, Any], An
     """Part 2b: the issue's runaways on large schemas, through the real engine (no server, no model).
 
     A scripted "model" writes the start of each schema's valid instance up to its first string value,
-    then a runaway of each kind in :data:`RUNAWAYS` (``tests.support.scripted``: where the mask refuses its
+    then a runaway of each kind in :data:`RUNAWAYS` (``standins.scripted``: where the mask refuses its
     token it takes the closer's).
     """
     from grammar_backend.llg import LlgBackend
     from grammar_backend.workers import WorkerConfig
-    from tests.support.scripted import replay
+    from standins.scripted import replay
 
     bundle = load_tokenizer(str(model_dir))
 
@@ -375,12 +375,12 @@ def _tool_calls() -> tuple[str, str]:
 
 def kinds_part(model_dir: Path) -> dict[str, Any]:
     """Part 2c: every constraint kind at 50/80/100 % of its output's length (issue 47), through the real
-    engine with a scripted model (``tests.support.scripted``): it writes the output, where the mask refuses
+    engine with a scripted model (``standins.scripted``): it writes the output, where the mask refuses
     its token it takes the closer's.  Per kind and share: complete by the model (``valid``), closed early
     (``closed``), ended without the grammar's stop (``truncated``); ``fits``: the shortest output of the
     constraint fits the budget, where every output must end complete."""
     from grammar_backend.llg import LlgBackend
-    from tests.support.scripted import replay
+    from standins.scripted import replay
 
     bundle = load_tokenizer(str(model_dir))
     engine = GrammarEngine(bundle.info, bundle.fingerprint, GrammarEngineConfig(max_batch=1), encode=bundle.encode,

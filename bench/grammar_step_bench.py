@@ -23,7 +23,7 @@ one run, interleaved by round:
 * ``bls tensor`` and ``channel``: the served ``grammar`` model (rendered with the Qwen3 tokenizer,
   ``MAX_BATCH`` = B), called by a bench-only Triton model
   (``bench/triton/grammar_driver``) through the same
-  :class:`llm_runtime.bls.BlsMaskProvider` the ``llm`` model uses: the
+  :class:`llm_runtime.remote_mask.RemoteMaskProvider` the ``llm`` model uses: the
   round trip the decode loop waits on; ``bls tensor``: each step over BLS,
   the masks back as a BLS output tensor; ``channel``: each step over the
   grammar channel (:mod:`grammar_backend.channel`) with the masks in the

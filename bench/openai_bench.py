@@ -10,14 +10,14 @@ Usage (from the repository root, after ``make venv model``)::
 The default model is the embedded SmolLM2-135M (``build/models/smollm2-135m-instruct``,
 ``make model``; 40-80 ms a decode step here), as in ``e2e_bench.py``.
 ``--tiny`` serves the tiny random Llama of ``path_bench.py`` instead
-(``tests.support.tiny_model``, built once under ``build/models/tiny-llama``,
+(``standins.tiny_model``, built once under ``build/models/tiny-llama``,
 one torch thread): a few-ms forward, a GPU step's stand-in, behind which
 no serving cost hides.
 
 What it does, in one run on one server:
 
 1. Renders ``model_repository/`` (``deploy/values.json`` and the model
-   folder) and starts ``python -m deploy.server --openai-port P`` as a child
+   folder) and starts ``python -m deploy --openai-port P`` as a child
    process on free loopback ports, as ``make serve`` does: the gateway and
    the OpenAI endpoint (``openai_api/``, on the gateway's event loop) run in
    that launcher process, apart from this client, so the client's own work

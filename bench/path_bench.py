@@ -8,7 +8,7 @@ Usage (from the repository root, after ``make venv``)::
     .venv/bin/python bench/path_bench.py --quick --hold 60 --backend xgrammar   # the other grammar backend
     .venv/bin/python bench/path_bench.py --model-dir build/models/smollm2-135m-instruct --quick
 
-The default model is a tiny random Llama (``tests.support.tiny_model``: hidden
+The default model is a tiny random Llama (``standins.tiny_model``: hidden
 64, 2 layers, a ChatML template; built once under ``build/models/tiny-llama``)
 whose forward takes a few milliseconds on this CPU: a stand-in for a GPU
 step, behind which no serving cost hides.  It runs on one torch thread
@@ -21,7 +21,7 @@ SmolLM2-135M, takes 40-80 ms a step).
 What it does, in one run:
 
 1. Renders ``model_repository/`` (``deploy/values.json``, the model folder,
-   ``--set KEY=VALUE`` overrides) and starts ``python -m deploy.server`` as a
+   ``--set KEY=VALUE`` overrides) and starts ``python -m deploy`` as a
    child process on free loopback ports, as ``make serve`` does: the gateway
    runs in that launcher process, apart from this client.
 2. At each concurrency (1, 8, 16, and 32 when ``MAX_BATCH`` allows), sends
@@ -122,7 +122,7 @@ def tiny_checkpoint(path: Path = TINY_DIR) -> Path:
     """The tiny stand-in checkpoint, built once (``build_tiny_llama`` with a ChatML template)."""
     if (path / TINY_MARKER).is_file():
         return path
-    from tests.support.tiny_model import CHATML, build_tiny_llama
+    from standins.tiny_model import CHATML, build_tiny_llama
 
     # The llm model's context is 2,048 tokens (llm_runtime.model_config): the
     # checkpoint must take as many positions.
@@ -221,7 +221,7 @@ def free_ports(n: int) -> list[int]:
 
 @contextlib.contextmanager
 def launched(repo: Path, log: Path, *, openai: bool = False) -> Iterator[Served]:
-    """``python -m deploy.server`` on free loopback ports for the block; stopped (SIGTERM) after.
+    """``python -m deploy`` on free loopback ports for the block; stopped (SIGTERM) after.
 
     ``openai``: with the OpenAI-compatible endpoint too (the launcher's
     ``--openai-port 0`` means off, so a free port is picked here); ready once
@@ -234,7 +234,7 @@ def launched(repo: Path, log: Path, *, openai: bool = False) -> Iterator[Served]
         The launcher exited, or was not ready within :data:`READY_TIMEOUT_S`.
     """
     grpc, http, metrics, oai = free_ports(4)
-    cmd = [sys.executable, "-m", "deploy.server", "--model-repository", str(repo), "--grpc-port", str(grpc),
+    cmd = [sys.executable, "-m", "deploy", "--model-repository", str(repo), "--grpc-port", str(grpc),
            "--http-port", str(http), "--metrics-port", str(metrics), "--model", ENSEMBLE, "--log-file", str(log)]
     if openai:
         cmd += ["--openai-port", str(oai)]

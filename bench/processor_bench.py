@@ -15,7 +15,7 @@ greedy requests:
 Figures are per decode step at a fixed live batch (only steps where every row
 was live count), so different output lengths between modes do not mix in.
 The grammar side is in-process here (no BLS): the served processor adds the
-BLS round trip on top (README, "Measured").  Run::
+BLS round trip on top (docs/benchmarks.md).  Run::
 
     python bench/processor_bench.py [MODEL_DIR] [--batch 1 8] [--tokens 48] [--rounds 3] [--json out.json]
         [--device cuda --dtype bfloat16] [--backend llguidance]

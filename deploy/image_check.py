@@ -70,9 +70,10 @@ __all__ = [
 
 REPO: Final = Path(__file__).resolve().parents[1]
 #: What the grammar-side models, the launcher and the gateway import (each must load in their
-#: environment); ``deploy.server`` pulls in the gateway and its ``grpc.health.v1`` service.
+#: environment); ``deploy.launch`` (``python -m deploy``) pulls in the server, the supervisor, the
+#: gateway and its ``grpc.health.v1`` service.
 GRAMMAR_IMPORTS: Final = ("numpy", "torch", "xgrammar", "llguidance", "jsonschema", "tokenizers", "transformers",
-                          "grpc", "tritonclient.grpc", "grpc_health.v1", "deploy.server")
+                          "grpc", "tritonclient.grpc", "grpc_health.v1", "deploy.launch")
 #: TensorRT-LLM's copies of these are left alone: the ``llm`` model must import none of them.
 BLOCKED_IN_LLM: Final = ("xgrammar", "llguidance", "transformers", "tvm_ffi")
 #: Packages TensorRT-LLM pins that the llm-side additions must never name.

@@ -1,8 +1,7 @@
 """The launcher's command line: run a supervised ``tritonserver`` in the foreground.
 
-``python -m deploy.server`` (the command the Makefile, the images' entrypoint
-and README use) runs :func:`main`, as does ``python -m deploy.launch``.  It
-lives apart from deploy/server.py so that the modules' imports form no circle:
+``python -m deploy`` (the command the Makefile, the images' entrypoint and
+the docs use; deploy/__main__.py) runs :func:`main`.  It lives apart from deploy/server.py so that the modules' imports form no circle:
 :mod:`deploy.supervisor` needs :mod:`deploy.server`'s ``TritonServer`` and
 ``ServerError``, and the launcher needs all three (deploy.server ->
 deploy.gateway; deploy.supervisor -> deploy.server; deploy.launch -> both and
@@ -10,7 +9,7 @@ deploy.health).
 
 Usage::
 
-    python -m deploy.server --model-repository build/model_repository --grpc-port 8001
+    python -m deploy --model-repository build/model_repository --grpc-port 8001
 """
 
 from __future__ import annotations
@@ -66,7 +65,7 @@ def gateway_security(args: argparse.Namespace) -> GatewaySecurity:
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m deploy.server",
+        prog="python -m deploy",
         description="Run the tritonserver bundled in nvidia-pytriton in the foreground.",
     )
     parser.add_argument("--model-repository", type=Path, required=True)
@@ -208,6 +207,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"server: stopped (tritonserver exit status {code})", flush=True)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

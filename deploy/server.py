@@ -25,7 +25,7 @@ Usage::
                                    models=("constrained_llm",))) as server:
         client = tritonclient.grpc.InferenceServerClient(server.grpc_url)
 
-    python -m deploy.server --model-repository build/model_repository --grpc-port 8001
+    python -m deploy --model-repository build/model_repository --grpc-port 8001  (deploy/launch.py)
 """
 
 from __future__ import annotations
@@ -924,12 +924,3 @@ class TritonServer:
     ) -> None:
         self.stop()
 
-
-if __name__ == "__main__":
-    # `python -m deploy.server` runs the launcher of deploy/launch.py.  This file
-    # runs here as `__main__`, a module apart from the `deploy.server` that
-    # deploy.launch and deploy.supervisor import (so deploy.supervisor catches
-    # that module's ServerError, and no import goes round in a circle).
-    from deploy.launch import main
-
-    sys.exit(main())

@@ -40,14 +40,11 @@ tokens per row)::
             start (2; flags 1 = validated, 2 = value checks; B = 1, K = 0)
                   seq_id u64, budget i32, u32 lengths of kind, payload, options, their UTF-8 bytes
             end   (3; K = 0)                   seq_ids u64[B]
-    reply   u8 status (0 ok, 1 error) u8 flags u16 0 u32 seq u32 B u32 F u32 active
-            f32 seconds (the step's time in the grammar model), then by op:
-            step  terminated u8[B], closing i8[B],
-                  [dropped i32[B]]                                  (flags & 4)
-                  [hold i32[B]]                                     (flags & 8)
-                  [forced_counts i32[B], forced_tokens i32[B*F]]   (flags & 1)
-                  [forced_safe i32[B]]                              (flags & 16)
-                  [row errors: JSON list of B strings]              (flags & 2)
+    reply   u8 status (0 ok, 1 error) u8 0 u16 flags u32 seq u32 B u32 F i32 active (-1: not
+            reported) f32 seconds (the step's time in the grammar model; NaN: not measured), then by op:
+            step  each field of grammar_backend.protocol.STEP_FIELDS, in order, where
+                  flags & (1 << its index): B values of its dtype (B*F where it is wide;
+                  bool as u8), the row errors a JSON list of B strings ("": none)
             start the backend's name (UTF-8)
             end   nothing
     error   the reply header with status 1, then JSON {"status": name, "message": text}
@@ -68,14 +65,15 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, Protocol, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
 import numpy as np
 
 from grammar_backend.errors import INTERNAL, INVALID_ARGUMENT, UNAVAILABLE, GrammarError, RemoteGrammarError, status_of
+from grammar_backend.protocol import STEP_FIELDS, MaskStep, Sent
 
 __all__ = [
-    "SOCKET_DIR", "ChannelBroken", "ChannelClient", "ChannelHandler", "ChannelReply", "ChannelServer",
+    "NO_MASK", "SOCKET_DIR", "ChannelBroken", "ChannelClient", "ChannelHandler", "ChannelServer",
     "ChannelStart", "ChannelStep",
 ]
 
@@ -84,19 +82,16 @@ _T = TypeVar("_T")
 
 SOCKET_DIR: Final = Path("/dev/shm")
 _PREFIX: Final = "cgrammar-channel"
-HELLO_MAGIC: Final = b"CGC1"
+HELLO_MAGIC: Final = b"CGC2"
 OP_STEP, OP_START, OP_END = 1, 2, 3
 _OP_NAMES: Final = {OP_STEP: "step", OP_START: "start", OP_END: "end"}
 _FLAG_JUMP: Final = 1
 _FLAG_VALIDATED: Final = 1
 _FLAG_VALUE_CHECKS: Final = 2
-_REPLY_FORCED: Final = 1
-_REPLY_ROW_ERRORS: Final = 2
-_REPLY_DROPPED: Final = 4
-_REPLY_HOLD: Final = 8
-_REPLY_FORCED_SAFE: Final = 16
+#: Each field of a step's answer: its flag bit, the field and its bytes per value.
+_FIELD_BITS: Final = tuple((1 << i, f, np.dtype(f.dtype).itemsize) for i, f in enumerate(STEP_FIELDS))
 _REQUEST = struct.Struct("<BBHIII")
-_REPLY = struct.Struct("<BBHIIIIf")
+_REPLY = struct.Struct("<BxHIIIif")
 _START = struct.Struct("<QiIII")
 #: Linux's SO_TIMESTAMPNS (the socket module does not name it): each message received carries
 #: its arrival time as a ``struct timespec`` (CLOCK_REALTIME, ``time.time()``'s clock).
@@ -111,6 +106,8 @@ MAX_MESSAGE: Final = 4 * 1024 * 1024
 #: channel up (they take milliseconds; this only catches a grammar model that
 #: hangs).  A start waits for its compile, which the grammar model bounds itself.
 DEFAULT_TIMEOUT_S: Final = 60.0
+#: The bitmask of a decoded step answer: none (the mask is in the caller's buffer; :func:`decode_reply`).
+NO_MASK: Final = np.zeros((0, 0), np.int32)
 
 
 @dataclass(frozen=True)
@@ -137,30 +134,11 @@ class ChannelStart:
     value_checks: bool
 
 
-# Not frozen: one is built every decode step, and a frozen dataclass's __init__ (object.__setattr__
-# per field) costs 0.8 us against 0.2 us for these ten fields.
-@dataclass(slots=True)
-class ChannelReply:
-    """The answer of a step: the step fields of a :class:`~triton_support.service.GrammarReply`,
-    None where that reply sends nothing (no row dropped, held or failed; no jump asked)."""
-
-    active: int
-    terminated: np.ndarray
-    closing: np.ndarray
-    dropped: np.ndarray | None = None
-    hold: np.ndarray | None = None
-    row_errors: tuple[str, ...] = ()
-    forced_tokens: np.ndarray | None = None
-    forced_counts: np.ndarray | None = None
-    forced_safe: np.ndarray | None = None
-    seconds: float = 0.0  # the step's time in the grammar model (accept, fill, copy)
-
-
 class ChannelHandler(Protocol):
     """What serves the channel's requests (the grammar service); each raises :class:`GrammarError` for a
     request-level error, which the caller gets with its status."""
 
-    def channel_step(self, step: ChannelStep) -> ChannelReply: ...
+    def channel_step(self, step: ChannelStep) -> MaskStep: ...
     def channel_start(self, start: ChannelStart) -> str: ...
     def channel_end(self, seq_ids: Sequence[int]) -> int: ...
 
@@ -178,44 +156,46 @@ def _socket_options(sock: socket.socket) -> None:
 
 
 # ------------------------------------------------------------------------- wire format
-def encode_reply(seq: int, reply: ChannelReply) -> bytes:
-    """The reply message of step request ``seq``."""
-    rows = len(reply.terminated)
+def encode_reply(seq: int, answer: MaskStep) -> bytes:
+    """The reply message of step request ``seq``: the answer's fields but its bitmask (the caller's buffer
+    holds it).
+
+    Raises
+    ------
+    GrammarError
+        The answer lacks a field the protocol always sends.
+    """
+    rows = len(answer.terminated)
     flags = 0
     forced_width = 0
-    parts = [np.ascontiguousarray(reply.terminated, np.uint8).tobytes(),
-             np.ascontiguousarray(reply.closing, np.int8).tobytes()]
-    if reply.dropped is not None:
-        flags |= _REPLY_DROPPED
-        parts.append(np.ascontiguousarray(reply.dropped, np.int32).tobytes())
-    if reply.hold is not None:
-        flags |= _REPLY_HOLD
-        parts.append(np.ascontiguousarray(reply.hold, np.int32).tobytes())
-    if reply.forced_tokens is not None and reply.forced_counts is not None:
-        flags |= _REPLY_FORCED
-        forced_width = int(reply.forced_tokens.shape[1])
-        parts.append(np.ascontiguousarray(reply.forced_counts, np.int32).tobytes())
-        parts.append(np.ascontiguousarray(reply.forced_tokens, np.int32).tobytes())
-    if reply.forced_safe is not None:
-        flags |= _REPLY_FORCED_SAFE
-        parts.append(np.ascontiguousarray(reply.forced_safe, np.int32).tobytes())
-    if reply.row_errors:
-        flags |= _REPLY_ROW_ERRORS
-        parts.append(json.dumps(list(reply.row_errors)).encode())
-    return _REPLY.pack(0, flags, 0, seq, rows, forced_width, reply.active, reply.seconds) + b"".join(parts)
+    parts = []
+    for bit, f, _ in _FIELD_BITS:
+        value = getattr(answer, f.name)
+        if f.sent is Sent.ERRORS:
+            if any(e is not None for e in value):
+                flags |= bit
+                parts.append(json.dumps([e or "" for e in value]).encode())
+        elif value is not None:
+            flags |= bit
+            if f.wide:
+                forced_width = int(value.shape[1])
+            parts.append(np.ascontiguousarray(value, f.dtype).tobytes())
+        elif f.sent is Sent.ALWAYS:
+            raise GrammarError(f"grammar channel: a step answer without {f.name}")
+    return _REPLY.pack(0, flags, seq, rows, forced_width, answer.active, answer.grammar_s) + b"".join(parts)
 
 
 def encode_error(seq: int, err: BaseException) -> bytes:
     """The error reply of request ``seq``: ``err``'s status and message."""
     doc = json.dumps({"status": status_of(err), "message": str(err)}).encode()
-    return _REPLY.pack(1, 0, 0, seq, 0, 0, 0, 0.0) + doc
+    return _REPLY.pack(1, 0, seq, 0, 0, 0, 0.0) + doc
 
 
 def _reply_body(data: memoryview, seq: int) -> tuple[int, int, int, int, float, memoryview]:
     """The reply header's fields and the body; raises the remote error of an error reply."""
     if len(data) < _REPLY.size:
         raise ChannelBroken(f"grammar channel: a reply of {len(data)} bytes")
-    status, flags, _, got, rows, fw, active, seconds = _REPLY.unpack_from(data)
+    status, flags, got, rows, fw, active, seconds = _REPLY.unpack_from(data)
     if got != seq:
         raise ChannelBroken(f"grammar channel: reply {got} to request {seq}")
     body = data[_REPLY.size:]
@@ -225,8 +205,10 @@ def _reply_body(data: memoryview, seq: int) -> tuple[int, int, int, int, float, 
     return flags, rows, fw, active, seconds, body
 
 
-def decode_reply(data: memoryview, seq: int) -> ChannelReply:
-    """A step's reply message as arrays (views of ``data``: valid until its buffer is reused).
+def decode_reply(data: memoryview, seq: int) -> MaskStep:
+    """A step's reply message as the answer, its arrays views of ``data`` (valid until its buffer is reused).
+
+    Its bitmask is :data:`NO_MASK`: the mask is in the caller's buffer, whose rows the caller sets.
 
     Raises
     ------
@@ -238,35 +220,28 @@ def decode_reply(data: memoryview, seq: int) -> ChannelReply:
     flags, rows, fw, active, seconds, body = _reply_body(data, seq)
     # The arrays' sizes, known from the header, are checked at once; each
     # array is then one frombuffer (this runs on the decode loop every step).
-    i32 = 4 * rows
-    size = 2 * rows + i32 * (((flags & _REPLY_DROPPED) != 0) + ((flags & _REPLY_HOLD) != 0)
-                             + ((flags & _REPLY_FORCED_SAFE) != 0)) + ((i32 + i32 * fw) if flags & _REPLY_FORCED else 0)
+    size = sum(rows * (fw if f.wide else 1) * itemsize
+               for bit, f, itemsize in _FIELD_BITS if flags & bit and f.sent is not Sent.ERRORS)
     if len(body) < size:
         raise ChannelBroken(f"grammar channel: a reply of {rows} rows needs {size} bytes of arrays, got {len(body)}")
-    terminated = np.frombuffer(body, np.bool_, rows, 0)
-    closing = np.frombuffer(body, np.int8, rows, rows)
-    at = 2 * rows
-    dropped = hold = forced_tokens = forced_counts = forced_safe = None
-    if flags & _REPLY_DROPPED:
-        dropped = np.frombuffer(body, np.int32, rows, at)
-        at += i32
-    if flags & _REPLY_HOLD:
-        hold = np.frombuffer(body, np.int32, rows, at)
-        at += i32
-    if flags & _REPLY_FORCED:
-        forced_counts = np.frombuffer(body, np.int32, rows, at)
-        forced_tokens = np.frombuffer(body, np.int32, rows * fw, at + i32).reshape(rows, fw)
-        at += i32 + i32 * fw
-    if flags & _REPLY_FORCED_SAFE:
-        forced_safe = np.frombuffer(body, np.int32, rows, at)
-        at += i32
-    errors: tuple[str, ...] = ()
-    if flags & _REPLY_ROW_ERRORS:
-        errors = tuple(str(e) for e in json.loads(bytes(body[at:])))
-        if len(errors) != rows:
-            raise ChannelBroken(f"grammar channel: {len(errors)} row errors for {rows} rows")
-    return ChannelReply(active, terminated, closing, dropped, hold, errors, forced_tokens, forced_counts,
-                        forced_safe, seconds)
+    fields: dict[str, Any] = {}
+    at = 0
+    for bit, f, itemsize in _FIELD_BITS:
+        if not flags & bit:
+            if f.sent is Sent.ALWAYS:
+                raise ChannelBroken(f"grammar channel: a step reply without {f.name}")
+            fields[f.name] = (None,) * rows if f.sent is Sent.ERRORS else None
+        elif f.sent is Sent.ERRORS:
+            errors = json.loads(bytes(body[at:]))
+            if len(errors) != rows:
+                raise ChannelBroken(f"grammar channel: {len(errors)} row errors for {rows} rows")
+            fields[f.name] = tuple(str(e) or None for e in errors)
+        else:
+            count = rows * (fw if f.wide else 1)
+            value = np.frombuffer(body, f.dtype, count, at)
+            fields[f.name] = value.reshape(rows, fw) if f.wide else value
+            at += count * itemsize
+    return MaskStep(bitmask=NO_MASK, grammar_s=seconds, active=active, **fields)
 
 
 def _decode_start(view: memoryview, at: int, n: int, flags: int) -> ChannelStart:
@@ -423,12 +398,12 @@ class ChannelServer:
             at = _REQUEST.size
             if op == OP_START:
                 backend = self._handler.channel_start(_decode_start(view, at, n, flags))
-                return _REPLY.pack(0, 0, 0, seq, 1, 0, 0, 0.0) + backend.encode(), name
+                return _REPLY.pack(0, 0, seq, 1, 0, 0, 0.0) + backend.encode(), name
             if op == OP_END:
                 if n != at + 8 * rows:
                     raise GrammarError(f"grammar channel: an end of {rows} rows needs {at + 8 * rows} bytes, got {n}")
                 active = self._handler.channel_end([int(s) for s in np.frombuffer(view, np.uint64, rows, at)])
-                return _REPLY.pack(0, 0, 0, seq, 0, 0, active, 0.0), name
+                return _REPLY.pack(0, 0, seq, 0, 0, active, 0.0), name
             need = at + rows * (8 + 4 + 4 * width)
             if n != need:
                 raise GrammarError(f"grammar channel: {rows} rows of {width} tokens need {need} bytes, got {n}")
@@ -512,8 +487,9 @@ class ChannelClient:
             self._sock.close()
             raise RemoteGrammarError(f"grammar channel {path}: {err}", UNAVAILABLE) from err
 
-    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray, jump_forward: bool) -> ChannelReply:
-        """One step, sent and waited for; the returned arrays are views valid until the next call.
+    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray, jump_forward: bool) -> MaskStep:
+        """One step, sent and waited for; the returned arrays are views valid until the next call, and its
+        bitmask :data:`NO_MASK` (the masks are in the mask buffer).
 
         Raises
         ------
@@ -555,7 +531,7 @@ class ChannelClient:
             )), self._timeout)
             self._in_flight = seq
 
-    def receive_step(self) -> tuple[ChannelReply, float]:
+    def receive_step(self) -> tuple[MaskStep, float]:
         """The reply of the step :meth:`send_step` sent, and its round trip in seconds.
 
         The round trip runs from the send to the reply's arrival (the

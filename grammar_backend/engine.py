@@ -28,9 +28,10 @@ from grammar_backend.errors import (
     MatcherFailed,
     SequenceError,
 )
-from grammar_backend.jump import Encoder, JumpForward, PrefixIndex
+from grammar_backend.jump import Encoder, JumpForward, PrefixIndex, pack_forced
 from grammar_backend.llg import LLGUIDANCE_VERSION, LlgBackend, LlgCompiled, refusal
 from grammar_backend.lru import Lru
+from grammar_backend.protocol import MaskStep
 from grammar_backend.reasoning import MarkerTable, ReasoningConfig
 from grammar_backend.sequences import FREE, GrammarSequence, SequenceTable, TableConfig
 from grammar_backend.spec import ConstraintSpec, SpecLimits
@@ -140,6 +141,35 @@ class StepResult:
     dropped: np.ndarray
     hold: np.ndarray
     forced_safe: np.ndarray
+
+    def answer(self, *, jump_forward: bool, copy: bool, bitmask: np.ndarray | None = None,
+               seconds: float = float("nan"), active: int = -1) -> MaskStep:
+        """This result as the step protocol's answer (:mod:`grammar_backend.protocol`), the one conversion.
+
+        ``jump_forward``: the step asked for forced tokens.  ``copy``: copy the
+        per-row arrays out of the engine's reused buffers (an answer sent by
+        another thread after the next step may have run); the bitmask is
+        ``bitmask`` where given (the caller's mask buffer, filled already),
+        else the engine's (copied too, with ``copy``).  ``dropped`` and
+        ``hold`` are None where no row has any, as the protocol sends them.
+        """
+        def own(a: np.ndarray) -> np.ndarray:
+            return a.copy() if copy else a
+
+        forced_tokens, forced_counts = pack_forced(self.forced) if jump_forward else (None, None)
+        return MaskStep(
+            bitmask=bitmask if bitmask is not None else own(self.bitmask),
+            terminated=own(self.terminated),
+            errors=tuple(None if e is None else str(e) for e in self.errors),
+            closing=own(self.closing),
+            forced_tokens=forced_tokens,
+            forced_counts=forced_counts,
+            dropped=own(self.dropped) if self.dropped.any() else None,
+            hold=own(self.hold) if self.hold.any() else None,
+            forced_safe=own(self.forced_safe) if jump_forward else None,
+            grammar_s=seconds,
+            active=active,
+        )
 
 
 class GrammarEngine:
@@ -463,6 +493,30 @@ class GrammarEngine:
         jump_forward: bool = False,
     ) -> StepResult:
         """Accept each row's new tokens, then fill the mask of each row's next token.
+
+        The order matters; each phase reads what the ones before it left:
+
+        1. Per row: accept the tokens (:meth:`GrammarSequence.accept`: the
+           matcher, then the value scanner, which may drop a value that
+           breaks the schema and roll the matcher back); then the thinking
+           section's plan (:meth:`~GrammarSequence.reason`) or the closer's
+           (:meth:`~GrammarSequence.plan`: forced, calm or free). A row that
+           fails here is an error row and does no more.
+        2. Per row, what the answer says: terminated; dropped and hold
+           (value checks); a ban of the retried value's token (none under a
+           forced token: the closer's plan wins); the close state. A forcing
+           row's mask will be its one token, a calm row's is restricted after
+           the fill; jump-forward is asked of every other row with the option
+           on and no ban (a forced text spelled with the banned token would
+           bring the value back).
+        3. The batched fill of every row's matcher (one call to the backend).
+        4. Forced rows: one bit. Calm rows: the completion's next token is
+           rechecked against the filled mask, then the row restricted to
+           tokens that open nothing (JSON kinds, structural tags) or screened
+           token by token (:meth:`GrammarSequence.screen`).
+        5. Bans (thinking rows' masks, value retries) and-ed into the rows.
+        6. Jump-forward: each asking row's forced tokens, and how many of an
+           output's first forced tokens stream at once.
 
         Parameters
         ----------

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from grammar_backend.engine import GrammarEngine
-from grammar_backend.jump import pack_forced
 from grammar_backend.spec import constraint_spec
 from llm_runtime.mask import ConstraintRequest, MaskStep
 
@@ -37,19 +36,7 @@ class LocalMaskProvider:
         """Accept new tokens and fill the next masks."""
         t0 = time.perf_counter()
         out = self.engine.step(seq_ids, tokens, counts, jump_forward=jump_forward)
-        forced_tokens, forced_counts = pack_forced(out.forced) if jump_forward else (None, None)
-        return MaskStep(
-            bitmask=out.bitmask,
-            terminated=out.terminated,
-            errors=tuple(None if e is None else str(e) for e in out.errors),
-            closing=out.closing,
-            forced_tokens=forced_tokens,
-            forced_counts=forced_counts,
-            dropped=out.dropped if out.dropped.any() else None,
-            hold=out.hold if out.hold.any() else None,
-            forced_safe=out.forced_safe if jump_forward else None,
-            grammar_s=time.perf_counter() - t0,
-        )
+        return out.answer(jump_forward=jump_forward, copy=False, seconds=time.perf_counter() - t0)
 
     def end(self, seq_ids: Sequence[int]) -> None:
         """Free the matchers."""

@@ -12,8 +12,8 @@ from tokenizers import Tokenizer
 from grammar_backend.errors import ConfigError
 from triton_support.metrics import Snapshot
 
-from .bls import BlsMaskProvider
 from .mask import MaskProvider
+from .remote_mask import RemoteMaskProvider
 from .scheduler import (
     SCHEDULER_GRAMMAR_MODES,
     EventCallback,
@@ -58,7 +58,7 @@ class LlmModelConfig:
     last response, and at the end (:class:`llm_runtime.streaming.DeltaCoalescer`;
     0: every token).  Each response costs IPC in two processes, an ensemble
     step and a gateway message, so a longer interval trades the smoothness
-    of the stream for throughput at GPU token rates (README, "Measured").
+    of the stream for throughput at GPU token rates (docs/benchmarks.md).
     ``max_prefill_tokens`` (torch only; None: the scheduler's default for the device) bounds
     the prompt positions one step prefills
     (:attr:`~llm_runtime.scheduler.SchedulerConfig.max_prefill_tokens`;
@@ -128,12 +128,12 @@ class LlmModelConfig:
         return Scheduler(engine, mask_provider, limits, on_metrics=on_metrics)
 
 
-def bls_generator(config: LlmModelConfig, pb_utils: ModuleType,
-                  on_metrics: Callable[[Snapshot], None] | None = None) -> tuple[Generator, BlsMaskProvider]:
+def served_generator(config: LlmModelConfig, pb_utils: ModuleType,
+                     on_metrics: Callable[[Snapshot], None] | None = None) -> tuple[Generator, RemoteMaskProvider]:
     """The generator of the Triton model and its provider (close it after the generator).
 
-    Masks come from ``config.grammar_model`` over BLS, through a shared-memory
-    mask buffer of ``max_batch`` rows (:mod:`triton_support.maskbuf`).
+    Masks come from ``config.grammar_model`` over its channel (BLS where the channel cannot be opened),
+    through a shared-memory mask buffer of ``max_batch`` rows (:mod:`triton_support.maskbuf`).
     """
-    provider = BlsMaskProvider(pb_utils, config.grammar_model, max_rows=config.max_batch)
+    provider = RemoteMaskProvider(pb_utils, config.grammar_model, max_rows=config.max_batch)
     return config.build(provider, on_metrics), provider

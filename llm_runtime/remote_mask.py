@@ -1,4 +1,4 @@
-"""MaskProvider over Triton BLS: the ``llm`` model asks the ``grammar`` model for masks.
+"""MaskProvider of the served ``grammar`` model: the ``llm`` model asks it for masks over its channel.
 
 The module takes the ``triton_python_backend_utils`` module as an argument
 instead of importing it, so the package stays importable (and type-checked)
@@ -29,6 +29,7 @@ import numpy as np
 
 from grammar_backend.channel import ChannelClient
 from grammar_backend.errors import INTERNAL, UNAVAILABLE, GrammarError, RemoteGrammarError
+from grammar_backend.protocol import BITMASK_TENSOR, JUMP_TENSORS, STEP_TENSORS, answer_from_tensors
 from llm_runtime.mask import ConstraintRequest, MaskStep
 from triton_support.maskbuf import MaskBuffer
 
@@ -38,8 +39,6 @@ _log = logging.getLogger(__name__)
 # errors as data, because Triton 2.51's BLS resets error codes to INTERNAL
 # (triton-inference-server/server#7804) and a bad constraint must reach the
 # client as INVALID_ARGUMENT.
-_ROW_OUTPUTS = ["TERMINATED", "ROW_ERROR", "CLOSING", "DROPPED", "HOLD", "ERROR"]
-_FORCED_OUTPUTS = ["FORCED_TOKENS", "FORCED_COUNT", "FORCED_SAFE"]
 _CONTROL_OUTPUTS = ["ACTIVE_SEQUENCES", "ERROR"]
 _START_OUTPUTS = [*_CONTROL_OUTPUTS, "BACKEND"]
 _CHANNEL_OUTPUTS = [*_CONTROL_OUTPUTS, "CHANNEL"]
@@ -61,8 +60,8 @@ CHANNEL_RETRY_S = 5.0
 RETAIN_S = 5.0
 
 
-class BlsMaskProvider:
-    """Implements :class:`llm_runtime.mask.MaskProvider` with BLS calls.
+class RemoteMaskProvider:
+    """Implements :class:`llm_runtime.mask.MaskProvider` with calls to the ``grammar`` model (channel, else BLS).
 
     Parameters
     ----------
@@ -217,39 +216,27 @@ class BlsMaskProvider:
             pb.Tensor("TOKENS", np.ascontiguousarray(tokens, np.int32)),
             pb.Tensor("TOKEN_COUNT", np.ascontiguousarray(counts, np.int32)),
         ]
-        outputs = list(_ROW_OUTPUTS)
+        outputs = [*STEP_TENSORS, "ERROR"]
         if buffer is not None:
             inputs.append(pb.Tensor("BITMASK_BUFFER", np.array([buffer.name.encode()], np.object_)))
         else:
-            outputs.append("BITMASK")
+            outputs.append(BITMASK_TENSOR)
         if jump_forward:
             inputs.append(pb.Tensor("JUMP_FORWARD", np.array([True])))
-            outputs += _FORCED_OUTPUTS
+            outputs += JUMP_TENSORS
         reply = self._call(inputs, outputs)
 
         def output(name: str) -> np.ndarray | None:
             tensor = pb.get_output_tensor_by_name(reply, name)
             return None if tensor is None else tensor.as_numpy()
 
-        errors_out = output("ROW_ERROR")  # sent only when a row failed
-        errors = tuple((bytes(e).decode() or None) for e in errors_out) if errors_out is not None else ()
         if buffer is not None:
             bitmask = buffer.array[:rows]
         else:
-            bitmask = pb.get_output_tensor_by_name(reply, "BITMASK").as_numpy()
+            bitmask = pb.get_output_tensor_by_name(reply, BITMASK_TENSOR).as_numpy()
             if self._max_rows and self._buffer is None:
                 self._open_buffer(int(bitmask.shape[1]) * 32)
-        return MaskStep(
-            bitmask=bitmask,
-            terminated=pb.get_output_tensor_by_name(reply, "TERMINATED").as_numpy(),
-            errors=errors or (None,) * rows,
-            closing=output("CLOSING"),
-            forced_tokens=output("FORCED_TOKENS"),
-            forced_counts=output("FORCED_COUNT"),
-            forced_safe=output("FORCED_SAFE"),
-            dropped=output("DROPPED"),
-            hold=output("HOLD"),
-        )
+        return answer_from_tensors(output, rows, bitmask)
 
     def _channel_failed(self, channel: ChannelClient, err: RemoteGrammarError) -> None:
         if channel.closed:
@@ -350,11 +337,11 @@ class BlsMaskProvider:
 
 
 class _ChannelPending:
-    """A step sent over the grammar channel (:meth:`BlsMaskProvider.send_step`), answered by :meth:`result`."""
+    """A step sent over the grammar channel (:meth:`RemoteMaskProvider.send_step`), answered by :meth:`result`."""
 
     __slots__ = ("_buffer", "_channel", "_provider", "_rows")
 
-    def __init__(self, provider: BlsMaskProvider, channel: ChannelClient, buffer: MaskBuffer, rows: int) -> None:
+    def __init__(self, provider: RemoteMaskProvider, channel: ChannelClient, buffer: MaskBuffer, rows: int) -> None:
         self._provider = provider
         self._channel = channel
         self._buffer = buffer
@@ -363,20 +350,9 @@ class _ChannelPending:
     def result(self) -> tuple[MaskStep, float]:
         """The grammar model's answer (the bitmask a view of the mask buffer) and the round trip."""
         try:
-            reply, round_trip = self._channel.receive_step()
+            answer, round_trip = self._channel.receive_step()
         except RemoteGrammarError as err:
             self._provider._channel_failed(self._channel, err)
             raise
-        rows = self._rows
-        return MaskStep(
-            bitmask=self._buffer.array[:rows],
-            terminated=reply.terminated,
-            errors=tuple(e or None for e in reply.row_errors) if reply.row_errors else (None,) * rows,
-            closing=reply.closing,
-            forced_tokens=reply.forced_tokens,
-            forced_counts=reply.forced_counts,
-            forced_safe=reply.forced_safe,
-            dropped=reply.dropped,
-            hold=reply.hold,
-            grammar_s=reply.seconds,
-        ), round_trip
+        answer.bitmask = self._buffer.array[: self._rows]
+        return answer, round_trip

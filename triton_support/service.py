@@ -18,11 +18,11 @@ import numpy as np
 import contract
 from contract import bitmask_width
 from grammar_backend.cache import STORE_MAX_BYTES, CacheConfig
-from grammar_backend.channel import ChannelReply, ChannelServer, ChannelStart, ChannelStep
+from grammar_backend.channel import ChannelServer, ChannelStart, ChannelStep
 from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
 from grammar_backend.errors import ConstraintError, GrammarError
-from grammar_backend.jump import pack_forced
 from grammar_backend.llg import LlgBackend
+from grammar_backend.protocol import MaskStep
 from grammar_backend.sequences import TableConfig
 from grammar_backend.spec import ConstraintSpec, SpecLimits, constraint_spec
 from grammar_backend.tokenizer import load_tokenizer
@@ -137,19 +137,14 @@ class GrammarReply:
     """The tensors of one response; None fields are not sent."""
 
     active: int
-    bitmask: np.ndarray | None = None
-    terminated: np.ndarray | None = None
-    row_errors: list[str] = field(default_factory=list)  # empty: no row failed
-    forced_tokens: np.ndarray | None = None
-    forced_counts: np.ndarray | None = None
-    forced_safe: np.ndarray | None = None  # step with jump forward: see StepResult.forced_safe
-    closing: np.ndarray | None = None
-    dropped: np.ndarray | None = None  # step: sent only when a row dropped tokens
-    hold: np.ndarray | None = None  # step: sent only when a row holds tokens back
+    #: step: the answer (:mod:`grammar_backend.protocol`); its bitmask is the caller's mask buffer where
+    #: the step named one (``bitmask_in_buffer``: not sent as a tensor).
+    step: MaskStep | None = None
+    bitmask_in_buffer: bool = False
+    row_errors: list[str] = field(default_factory=list)  # rollback: empty where no row failed
     stats: str | None = None
     backend: str | None = None  # start: the backend that serves the sequence
     channel: str | None = None  # channel: the grammar channel's socket (grammar_backend.channel)
-    seconds: float | None = None  # step: how long the step took here (accept, fill, copy)
 
 
 class GrammarService:
@@ -191,16 +186,13 @@ class GrammarService:
             self._channel = None
 
     # -- the grammar channel's requests (grammar_backend.channel.ChannelHandler) ----------
-    def channel_step(self, step: ChannelStep) -> ChannelReply:
+    def channel_step(self, step: ChannelStep) -> MaskStep:
         """A step that came over the channel: exactly :meth:`handle`'s ``step``."""
         reply = self.handle(GrammarRequest(op="step", seq_ids=step.seq_ids, tokens=step.tokens, counts=step.counts,
                                            jump_forward=step.jump_forward, mask_buffer=step.mask_buffer))
-        if reply.terminated is None or reply.closing is None:
-            raise GrammarError("grammar: a step reply without TERMINATED or CLOSING")
-        return ChannelReply(active=reply.active, terminated=reply.terminated, closing=reply.closing,
-                            dropped=reply.dropped, hold=reply.hold, row_errors=tuple(reply.row_errors),
-                            forced_tokens=reply.forced_tokens, forced_counts=reply.forced_counts,
-                            forced_safe=reply.forced_safe, seconds=reply.seconds or 0.0)
+        if reply.step is None:
+            raise GrammarError("grammar: a step without its answer")
+        return reply.step
 
     def channel_start(self, start: ChannelStart) -> str:
         """A start that came over the channel: :meth:`start_async`, waited for; returns the backend.
@@ -306,8 +298,8 @@ class GrammarService:
         ------
         GrammarError
             A request-level error (bad constraint, compile failure or timeout,
-            duplicate start, malformed batch); row errors of a step are not
-            raised but returned in ``row_errors``.
+            duplicate start, malformed batch); row errors are not raised but
+            returned (a step's in its answer's ``errors``, a rollback's in ``row_errors``).
         """
         eng = self.engine
         if req.op not in OPS:
@@ -352,26 +344,8 @@ class GrammarService:
             np.copyto(buffer, out.bitmask)
         seconds = time.perf_counter() - t0
         self.step_latency.add(seconds)
-        forced_tokens = forced_counts = forced_safe = None
-        if req.jump_forward:
-            forced_tokens, forced_counts = pack_forced(out.forced)
-            forced_safe = out.forced_safe.copy()
-        # The per-row arrays are copied (B bytes each): the engine's buffers are
-        # the next step's, which another caller's thread may run before this
-        # reply is sent.  The bitmask is the exception: it is only returned
-        # to a caller without a mask buffer, and copied into a tensor at once.
-        return GrammarReply(
-            active=eng.active_count,
-            bitmask=None if buffer is not None else out.bitmask.copy(),
-            terminated=out.terminated.copy(),
-            # Sent only when a row failed: an all-empty BYTES tensor of B rows cost
-            # the BLS round trip ~0.1 ms at B = 64 for nothing.
-            row_errors=[str(e) if e else "" for e in out.errors] if any(out.errors) else [],
-            forced_tokens=forced_tokens,
-            forced_counts=forced_counts,
-            forced_safe=forced_safe,
-            closing=out.closing.copy(),
-            dropped=out.dropped.copy() if out.dropped.any() else None,
-            hold=out.hold.copy() if out.hold.any() else None,
-            seconds=seconds,
-        )
+        # The per-row arrays are copied (B bytes each): the engine's buffers are the next step's, which
+        # another caller's thread may run before this reply is sent.
+        answer = out.answer(jump_forward=req.jump_forward, copy=True, bitmask=buffer, seconds=seconds,
+                            active=eng.active_count)
+        return GrammarReply(active=answer.active, step=answer, bitmask_in_buffer=buffer is not None)

@@ -20,7 +20,7 @@
 #                     reason); with them every request thinks first unless it says reasoning false
 #   GRAMMAR_STORE_MAX_BYTES  bound of the compiled-grammar store (empty: the grammar model's default, 2 GiB)
 #   GATEWAY_TLS_CERT, GATEWAY_TLS_KEY, GATEWAY_TLS_CLIENT_CA, GATEWAY_API_KEYS_FILE
-#                     TLS and API keys of the public ports (read by deploy.server; empty: off)
+#                     TLS and API keys of the public ports (read by the launcher, python -m deploy; empty: off)
 #   OPENAI_PORT       the OpenAI-compatible API (openai_api/; default 8080, 0: off); same TLS and keys
 #   RENDER_ONLY=1     render into $RENDER_DIR and exit (inspect the configuration)
 # Extra arguments go to tritonserver.
@@ -45,7 +45,7 @@ if [[ "${RENDER_ONLY:-0}" == 1 ]]; then
     exit 0
 fi
 stub_env="$(python3 -c 'import sys; print(sys.prefix)')"
-exec "${LAUNCHER_PYTHON:-python3}" -m deploy.server --model-repository "$repo" --host 0.0.0.0 --python-env "$stub_env" \
+exec "${LAUNCHER_PYTHON:-python3}" -m deploy --model-repository "$repo" --host 0.0.0.0 --python-env "$stub_env" \
     --grpc-port 8001 --http-port 8000 --metrics-port 8002 --health-port 8003 --openai-port "${OPENAI_PORT:-8080}" \
     --model constrained_llm \
     --ready-timeout "${READY_TIMEOUT_S:-1800}" -- "$@"

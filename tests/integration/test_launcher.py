@@ -1,4 +1,4 @@
-"""``python -m deploy.server`` as the containers run it: probe endpoints, SIGTERM after a drain, Triton's log on stdout.
+"""``python -m deploy`` as the containers run it: probe endpoints, SIGTERM after a drain, Triton's log on stdout.
 
 The container entrypoint (deploy/docker/entrypoint.sh) starts exactly this
 command with ``--health-port 8003``; the Kubernetes probes read those paths
@@ -42,7 +42,7 @@ def test_launcher_serves_probes_drains_and_stops_on_sigterm(tmp_path: Path) -> N
     render_repository(REPO / "model_repository", tmp_path / "repo", values)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "deploy.server", "--model-repository", str(tmp_path / "repo"),
+        [sys.executable, "-m", "deploy", "--model-repository", str(tmp_path / "repo"),
          "--model", "constrained_llm", "--health-port", "0"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:

@@ -15,8 +15,8 @@ import pytest
 
 from client import Client, Constraint, InvalidConstraint
 from deploy.server import ServerStartError
+from standins.tiny_model import build_tiny_llama
 from tests.integration.served import start_ensemble
-from tests.support.tiny_model import build_tiny_llama
 
 pytestmark = pytest.mark.triton
 

@@ -13,7 +13,7 @@ import xgrammar as xgr
 from tests.support import assets
 
 if TYPE_CHECKING:
-    from tests.support.tiny_model import TinyModelInfo
+    from standins.tiny_model import TinyModelInfo
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMAS = REPO / "tests" / "fixtures" / "schemas"
@@ -45,12 +45,12 @@ def one_torch_thread() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModelInfo:
-    """The tiny random Llama checkpoint (:func:`tests.support.tiny_model.build_tiny_llama`, seed 0), built once.
+    """The tiny random Llama checkpoint (:func:`standins.tiny_model.build_tiny_llama`, seed 0), built once.
 
     Read-only: every test that loads it shares the folder.
     """
     # Imported here: torch and transformers cost seconds, and most unit tests need neither.
-    from tests.support.tiny_model import build_tiny_llama
+    from standins.tiny_model import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
 

@@ -325,7 +325,7 @@ def test_in_process_reference_runs_beside_the_served_side(monkeypatch: pytest.Mo
     import e2e_bench
     import torch
 
-    from tests.support.tiny_model import CHATML, build_tiny_llama
+    from standins.tiny_model import CHATML, build_tiny_llama
 
     model = build_tiny_llama(tmp_path / "model", chat_template=CHATML, max_position_embeddings=2048).path
     threads = torch.get_num_threads()

@@ -27,11 +27,11 @@ from grammar_backend.channel import (
     HELLO_MAGIC,
     ChannelBroken,
     ChannelClient,
-    ChannelReply,
     decode_reply,
     encode_reply,
 )
 from grammar_backend.errors import RemoteGrammarError
+from grammar_backend.protocol import MaskStep
 from tests.unit.conftest import TINY_VOCAB_SIZE
 from triton_support.maskbuf import SHM_DIR, MaskBuffer
 from triton_support.service import GrammarRequest, GrammarService
@@ -69,11 +69,13 @@ def test_steps_over_the_channel_equal_steps_over_bls(channel_service: GrammarSer
         reply = client.step(np.array([1, 2], np.uint64), tokens, counts, jump_forward=True)
         bls = channel_service.handle(GrammarRequest("step", np.array([3], np.uint64), tokens[:1], counts[:1],
                                             jump_forward=True))
-        assert bls.bitmask is not None
-        assert np.array_equal(buffer.array[0], bls.bitmask[0]) and np.array_equal(buffer.array[1], bls.bitmask[0])
-        assert reply.terminated.tolist() == [bool(bls.terminated[0])] * 2  # type: ignore[index]
-        assert reply.closing.tolist() == [int(bls.closing[0])] * 2  # type: ignore[index]
-        assert reply.active == 3 and reply.row_errors == () and reply.seconds > 0
+        assert bls.step is not None and not bls.bitmask_in_buffer
+        want = bls.step
+        assert np.array_equal(buffer.array[0], want.bitmask[0]) and np.array_equal(buffer.array[1], want.bitmask[0])
+        assert reply.terminated.tolist() == [bool(want.terminated[0])] * 2
+        assert reply.closing is not None and want.closing is not None
+        assert reply.closing.tolist() == [int(want.closing[0])] * 2
+        assert reply.active == 3 and reply.errors == (None, None) and reply.grammar_s > 0
         assert (reply.dropped, reply.hold) == (None, None)
     assert reply.forced_counts is not None and reply.forced_counts.tolist() == [0, 0]  # nothing forced after "abc"
     assert client.end([1, 2, 99]) == 1  # an unknown id is ignored, as over BLS
@@ -88,8 +90,7 @@ def test_a_row_error_is_that_rows_only(channel_service: GrammarService, buffer: 
     client.step(np.array([1, 2], np.uint64), np.zeros((2, 1), np.int32), np.zeros(2, np.int32), False)
     reply = client.step(np.array([1, 2], np.uint64), np.array([[ord("a")], [ord("z")]], np.int32),
                         np.ones(2, np.int32), False)
-    assert reply.row_errors[0] == ""
-    assert reply.row_errors[1] == f"sequence 2: token {ord('z')} at position 0 is rejected by the grammar"
+    assert reply.errors == (None, f"sequence 2: token {ord('z')} at position 0 is rejected by the grammar")
     client.end([1, 2])
 
 
@@ -327,31 +328,17 @@ def test_connection_threads_never_preempt_the_caller(channel_service: GrammarSer
     client.end([1])
 
 
-_FULL_REPLY = ChannelReply(
-    active=3, terminated=np.array([False, True]), closing=np.array([0, 2], np.int8),
-    dropped=np.array([0, 1], np.int32), hold=np.array([2, 0], np.int32), row_errors=("", "bad row"),
-    forced_tokens=np.array([[5, 6, 7], [8, 0, 0]], np.int32), forced_counts=np.array([3, 1], np.int32),
-    forced_safe=np.array([1, 0], np.int32), seconds=0.25)
-
-
-@pytest.mark.parametrize("reply", [
-    _FULL_REPLY,
-    ChannelReply(active=1, terminated=np.array([True]), closing=np.array([0], np.int8)),
-    ChannelReply(active=0, terminated=np.zeros(0, bool), closing=np.zeros(0, np.int8)),
-], ids=["every-array", "bare", "no-rows"])
-def test_a_reply_decodes_to_what_was_encoded(reply: ChannelReply) -> None:
-    got = decode_reply(memoryview(encode_reply(9, reply)), 9)
-    assert (got.active, got.row_errors, got.seconds) == (reply.active, reply.row_errors, reply.seconds)
-    for name in ("terminated", "closing", "dropped", "hold", "forced_tokens", "forced_counts", "forced_safe"):
-        want, have = getattr(reply, name), getattr(got, name)
-        assert (have is None) if want is None else (have.dtype == np.asarray(want).dtype
-                                                    and have.tolist() == want.tolist()), name
+_FULL_REPLY = MaskStep(
+    bitmask=np.zeros((0, 0), np.int32), active=3, terminated=np.array([False, True]),
+    closing=np.array([0, 2], np.int8), dropped=np.array([0, 1], np.int32), hold=np.array([2, 0], np.int32),
+    errors=(None, "bad row"), forced_tokens=np.array([[5, 6, 7], [8, 0, 0]], np.int32),
+    forced_counts=np.array([3, 1], np.int32), forced_safe=np.array([1, 0], np.int32), grammar_s=0.25)
 
 
 @pytest.mark.parametrize("cut", [1, 4, 40])
 def test_a_reply_cut_short_is_a_broken_channel(cut: int) -> None:
     """2 rows: terminated and closing 2 bytes each, dropped, hold and forced_safe 8 each, forced counts 8 and
     tokens 2 x 3 x 4: 60 bytes of arrays."""
-    data = encode_reply(9, replace(_FULL_REPLY, row_errors=()))
+    data = encode_reply(9, replace(_FULL_REPLY, errors=(None, None)))
     with pytest.raises(ChannelBroken, match=rf"^grammar channel: a reply of 2 rows needs 60 bytes of arrays, got {60 - cut}$"):
         decode_reply(memoryview(data[:-cut]), 9)

@@ -3,7 +3,7 @@
 Each case is a failure pattern found by ported peer suites and real
 clients (issue 47): a forced ending that holds a control character, a
 runaway inside a regex or a grammar, several tool calls cut by the budget,
-whitespace in tool arguments.  A scripted model (:mod:`tests.support.scripted`)
+whitespace in tool arguments.  A scripted model (:mod:`standins.scripted`)
 writes the runaway; the output must end complete under its constraint
 (the grammar takes the stop token) and, where a Python pattern states the
 same language, match it.
@@ -27,8 +27,8 @@ from grammar_backend.llg import LlgBackend
 from grammar_backend.spec import parse_constraint
 from grammar_backend.tokenizer import TokenizerBundle, load_tokenizer
 from openai_api.tools import CALL_CLOSE, CALL_OPEN, Tool, call_prefix, tool_constraint
+from standins.scripted import Replay, replay
 from tests.support import assets
-from tests.support.scripted import Replay, replay
 
 VOCABULARIES = ("smollm2", "qwen3")
 

@@ -9,8 +9,7 @@ Left out, because they are no edge of the module's own import:
 * ``if TYPE_CHECKING:`` blocks (never run);
 * ``if __name__ == "__main__":`` blocks: they run only in ``python -m pkg.mod``,
   where the file is the module ``__main__``, which nothing imports (e.g.
-  deploy/server.py's block runs deploy/launch.py, which imports a separate,
-  complete ``deploy.server``).
+  deploy/render.py's block runs its ``main``).
 """
 
 from __future__ import annotations

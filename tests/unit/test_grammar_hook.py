@@ -31,7 +31,7 @@ from llm_runtime.errors import EngineError
 from llm_runtime.grammar_hook import GrammarRows, RowOutcome
 from llm_runtime.local_mask import LocalMaskProvider
 from llm_runtime.mask import ConstraintRequest, MaskStep
-from tests.support.tiny_model import TinyModelInfo, tiny_grammar
+from standins.tiny_model import TinyModelInfo, tiny_grammar
 from tests.support.trtllm_emulation import Guide, GuidedRequest, GuidedRequests, LlmRequestNames, apply_rows
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

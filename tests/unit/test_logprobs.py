@@ -9,8 +9,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from llm_runtime.logprobs import TokenLogprobs, TokenText, forced, logprobs_json
+from standins.tiny_model import TinyModelInfo
 from tests.support import assets
-from tests.support.tiny_model import TinyModelInfo
 
 TEXTS = ["hello world", "caf\u00e9 na\u00efve", "\u65e5\u672c\u8a9e \u4e2d\u6587", "emoji \U0001f600 done",
          '{"name": "Ada", "age": 36}']

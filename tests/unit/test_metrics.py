@@ -270,7 +270,7 @@ def test_scheduler_snapshots_show_the_present(tmp_path: Path) -> None:
         SchedulerConfig,
         TokenEvent,
     )
-    from tests.support.tiny_model import build_tiny_llama
+    from standins.tiny_model import build_tiny_llama
     tiny = build_tiny_llama(tmp_path / "m", num_layers=1)
     engine = TorchEngine(tiny.path, TorchEngineConfig(max_batch_size=4, max_seq_len=128))
     snaps: list[dict[str, float]] = []

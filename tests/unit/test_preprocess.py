@@ -155,7 +155,7 @@ def test_a_refused_constraint_is_refused_again_without_a_parse(pre: Preprocessor
 @pytest.fixture(scope="module")
 def base_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny checkpoint whose tokenizer has no chat template (as a base model's)."""
-    from tests.support.tiny_model import build_tiny_llama
+    from standins.tiny_model import build_tiny_llama
 
     info = build_tiny_llama(tmp_path_factory.mktemp("base") / "model")
     from transformers import AutoTokenizer

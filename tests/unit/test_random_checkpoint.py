@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.tiny_model import TinyModelInfo
+from standins.tiny_model import TinyModelInfo
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -32,7 +32,7 @@ from llm_runtime.scheduler import FinishEvent, GenerationRequest, Scheduler, Sch
 from llm_runtime.streaming import PartCoalescer
 from pipeline.finish import finish_json
 from pipeline.postprocess import result_of_finish
-from tests.support.tiny_model import TinyModelInfo, build_tiny_llama
+from standins.tiny_model import TinyModelInfo, build_tiny_llama
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -15,7 +15,7 @@ from grammar_backend.llg import LlgBackend
 from grammar_backend.regex_dialect import misplaced_anchor, portable_regex
 from grammar_backend.spec import parse_constraint
 from grammar_backend.tokenizer import TokenizerBundle, load_tokenizer
-from tests.support.tiny_model import TinyModelInfo
+from standins.tiny_model import TinyModelInfo
 
 DOT = "[^\\n\\r\u2028\u2029]"
 SPACE = "\\t\\n\\x0b\\x0c\\r \u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000\ufeff"

@@ -1,4 +1,4 @@
-"""BlsMaskProvider: starts, steps and ends over the grammar channel, BLS where the channel is not there.
+"""RemoteMaskProvider: starts, steps and ends over the grammar channel, BLS where the channel is not there.
 
 Triton's BLS runs only inside a Python-backend stub (the served tests cover it:
 tests/integration); here a small stand-in of ``pb_utils`` hands each BLS
@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 
 from grammar_backend.errors import RemoteGrammarError
-from llm_runtime import bls
-from llm_runtime.bls import BlsMaskProvider
+from grammar_backend.protocol import answer_tensors
+from llm_runtime import remote_mask
 from llm_runtime.mask import ConstraintRequest
+from llm_runtime.remote_mask import RemoteMaskProvider
 from tests.unit.conftest import TINY_VOCAB_SIZE
 from triton_support.maskbuf import SHM_DIR
 from triton_support.service import GrammarRequest, GrammarService
@@ -49,7 +50,7 @@ class _Response:
 
 
 class FakePb:
-    """What BlsMaskProvider calls of ``pb_utils``, answered by a real grammar channel_service; counts the BLS ops."""
+    """What RemoteMaskProvider calls of ``pb_utils``, answered by a real grammar channel_service; counts the BLS ops."""
 
     def __init__(self, channel_service: GrammarService) -> None:
         self.service = channel_service
@@ -80,11 +81,13 @@ class FakePb:
             mask_buffer=text("BITMASK_BUFFER").decode(), budget=int(inputs["MAX_TOKENS"][0]) if "MAX_TOKENS" in inputs
             else 0, value_checks="VALUE_CHECKS" in inputs)
         reply = self.service.handle(req)
-        outs = {"ACTIVE_SEQUENCES": np.array([reply.active], np.int32), "BITMASK": reply.bitmask,
-                "TERMINATED": reply.terminated, "CLOSING": reply.closing, "DROPPED": reply.dropped, "HOLD": reply.hold,
-                "FORCED_TOKENS": reply.forced_tokens, "FORCED_COUNT": reply.forced_counts,
-                "BACKEND": None if reply.backend is None else np.array([reply.backend.encode()], np.object_),
-                "CHANNEL": None if reply.channel is None else np.array([reply.channel.encode()], np.object_)}
+        # As model_repository/grammar/1/model.py's _to_response sends them.
+        outs: dict[str, np.ndarray | None] = {
+            "ACTIVE_SEQUENCES": np.array([reply.active], np.int32),
+            "BACKEND": None if reply.backend is None else np.array([reply.backend.encode()], np.object_),
+            "CHANNEL": None if reply.channel is None else np.array([reply.channel.encode()], np.object_)}
+        if reply.step is not None:
+            outs.update(answer_tensors(reply.step, with_bitmask=not reply.bitmask_in_buffer))
         return _Response([_Tensor(k, v) for k, v in outs.items() if v is not None and k in wanted])
 
     @staticmethod
@@ -103,7 +106,7 @@ class Clock:
 REGEX = ConstraintRequest("regex", "[ab]+c", '{"on_repeat": "continue"}')
 
 
-def _step(provider: BlsMaskProvider, ids: list[int], token: int | None) -> Any:
+def _step(provider: RemoteMaskProvider, ids: list[int], token: int | None) -> Any:
     rows = len(ids)
     tokens = np.full((rows, 1), token or 0, np.int32)
     counts = np.full(rows, 0 if token is None else 1, np.int32)
@@ -112,7 +115,7 @@ def _step(provider: BlsMaskProvider, ids: list[int], token: int | None) -> Any:
 
 def test_the_channel_carries_starts_steps_and_ends(channel_service: GrammarService) -> None:
     pb = FakePb(channel_service)
-    provider = BlsMaskProvider(pb, max_rows=4)  # type: ignore[arg-type]
+    provider = RemoteMaskProvider(pb, max_rows=4)  # type: ignore[arg-type]
     try:
         assert provider.start(1, REGEX) == "xgrammar"
         first = _step(provider, [1], None)  # over BLS: its BITMASK gives the mask buffer's width
@@ -129,7 +132,7 @@ def test_calls_go_over_bls_while_the_channel_is_gone_and_come_back(channel_servi
                                                                   caplog: pytest.LogCaptureFixture) -> None:
     pb = FakePb(channel_service)
     clock = Clock()
-    provider = BlsMaskProvider(pb, max_rows=4, clock=clock)  # type: ignore[arg-type]
+    provider = RemoteMaskProvider(pb, max_rows=4, clock=clock)  # type: ignore[arg-type]
     try:
         provider.start(1, REGEX)
         _step(provider, [1], None)
@@ -145,7 +148,7 @@ def test_calls_go_over_bls_while_the_channel_is_gone_and_come_back(channel_servi
         assert channel_service.handle(GrammarRequest("channel", np.zeros(0, np.uint64))).channel != path
         _step(provider, [1], ord("b"))  # the failed step never reached the grammar side: fed again, over BLS
         assert pb.ops == ["step"] and not provider.channel_open  # within the retry interval: BLS
-        clock.now += bls.CHANNEL_RETRY_S
+        clock.now += remote_mask.CHANNEL_RETRY_S
         _step(provider, [1], ord("b"))
         assert pb.ops == ["step", "channel"] and provider.channel_open  # asked again, and back on the channel
         provider.end([1])
@@ -159,7 +162,7 @@ def test_overlap_sends_over_the_channel_from_the_loops_thread(channel_service: G
     from llm_runtime.grammar_phase import GrammarPhase
 
     pb = FakePb(channel_service)
-    provider = BlsMaskProvider(pb, max_rows=4)  # type: ignore[arg-type]
+    provider = RemoteMaskProvider(pb, max_rows=4)  # type: ignore[arg-type]
     phase = GrammarPhase(provider, max_rows=4, max_jump_tokens=0, overlap=True)
 
     @dataclass

@@ -10,8 +10,8 @@ from tokenizers import Tokenizer
 
 from llm_runtime.detok import IncrementalDetokenizer
 from llm_runtime.errors import RequestError
+from standins.tiny_model import TinyModelInfo
 from tests.support import assets
-from tests.support.tiny_model import TinyModelInfo
 
 TEXTS = (
     "hello world",

@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM
 from grammar_backend.errors import ConfigError
 from llm_runtime.engine import TorchEngine, TorchEngineConfig
 from llm_runtime.errors import EngineError, RequestError
+from standins.tiny_model import TinyModelInfo
 from tests.support import assets
-from tests.support.tiny_model import TinyModelInfo
 
 PROMPTS = ("hello world", "yes no maybe true false null, the quick brown fox", "caf\u00e9 \U0001f600")
 

@@ -45,8 +45,8 @@ from llm_runtime.scheduler import (
     TokenEvent,
 )
 from pipeline.finish import finish_json, read_finish
+from standins.tiny_model import TinyModelInfo, build_tiny_llama, tiny_grammar
 from tests.support.poll import poll
-from tests.support.tiny_model import TinyModelInfo, build_tiny_llama, tiny_grammar
 from triton_support.params import from_parameters
 
 TIMEOUT = 60.0

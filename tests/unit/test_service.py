@@ -22,6 +22,7 @@ from grammar_backend.errors import (
     DuplicateSequence,
     GrammarError,
 )
+from grammar_backend.protocol import MaskStep
 from grammar_backend.spec import parse_constraint
 from tests.support import assets
 from tests.unit.conftest import TINY_STOP, TINY_VOCAB_SIZE, tiny_encode
@@ -103,16 +104,21 @@ def _start(svc: GrammarService, sid: int, kind: str, payload: str, options: str 
     return reply.active
 
 
+def _answer(reply: GrammarReply) -> MaskStep:
+    assert reply.step is not None and not reply.bitmask_in_buffer
+    return reply.step
+
+
 def test_start_step_end_cycle(service: GrammarService) -> None:
     assert _start(service, 5, "regex", "ab") == 1
     reply = service.handle(GrammarRequest("step", np.array([5, 6], np.uint64),
                                           np.array([tiny_encode("ab"), [0, 0]], np.int32), np.array([2, 0], np.int32)))
-    assert reply.row_errors == ["", "sequence 6: not active (never started, ended or evicted)"]
-    assert reply.bitmask is not None and reply.bitmask.shape == (2, 10)
-    assert reply.terminated is not None and reply.terminated.tolist() == [False, False]
+    answer = _answer(reply)
+    assert answer.errors == (None, "sequence 6: not active (never started, ended or evicted)")
+    assert answer.bitmask.shape == (2, 10) and answer.terminated.tolist() == [False, False]
     reply = service.handle(GrammarRequest("step", np.array([5], np.uint64), np.array([[TINY_STOP]], np.int32),
                                           np.array([1], np.int32)))
-    assert reply.terminated is not None and reply.terminated.tolist() == [True]
+    assert _answer(reply).terminated.tolist() == [True]
     stats = json.loads(service.handle(GrammarRequest("stats", np.zeros(0, np.uint64))).stats or "")
     assert (stats["active"], stats["misses"], stats["compiles"]) == (1, 1, 1)
     assert service.handle(GrammarRequest("end", np.array([5], np.uint64))).active == 0
@@ -124,11 +130,12 @@ def test_a_budget_given_at_start_closes_the_output(service: GrammarService) -> N
                                   budget=5))
     reply = service.handle(GrammarRequest("step", np.array([2], np.uint64), np.array([tiny_encode("abc")], np.int32),
                                           np.array([3], np.int32)))
-    assert reply.closing is not None and reply.closing.tolist() == [CloseState.BUDGET]
-    assert reply.bitmask is not None and allowed_tokens(reply.bitmask[0], TINY_VOCAB_SIZE).tolist() == [ord("!")]
+    answer = _answer(reply)
+    assert answer.closing is not None and answer.closing.tolist() == [CloseState.BUDGET]
+    assert allowed_tokens(answer.bitmask[0], TINY_VOCAB_SIZE).tolist() == [ord("!")]
     reply = service.handle(GrammarRequest("step", np.array([2], np.uint64), np.array([[ord("!")]], np.int32),
                                           np.array([1], np.int32)))
-    assert reply.bitmask is not None and allowed_tokens(reply.bitmask[0], TINY_VOCAB_SIZE).tolist() == [TINY_STOP]
+    assert allowed_tokens(_answer(reply).bitmask[0], TINY_VOCAB_SIZE).tolist() == [TINY_STOP]
 
 
 def test_jump_forward_reply(service: GrammarService) -> None:
@@ -136,8 +143,9 @@ def test_jump_forward_reply(service: GrammarService) -> None:
     reply = service.handle(GrammarRequest("step", np.array([1], np.uint64), None, np.array([0], np.int32),
                                           jump_forward=True))
     # The last 'a' is kept: "ab" and "abc" extend it in the vocabulary, but the grammar ends after "alpha".
-    assert reply.forced_counts is not None and reply.forced_counts.tolist() == [5]
-    assert reply.forced_tokens is not None and bytes(reply.forced_tokens[0].tolist()) == b"alpha"
+    answer = _answer(reply)
+    assert answer.forced_counts is not None and answer.forced_counts.tolist() == [5]
+    assert answer.forced_tokens is not None and bytes(answer.forced_tokens[0].tolist()) == b"alpha"
 
 
 @pytest.mark.parametrize(

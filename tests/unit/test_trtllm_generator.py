@@ -30,8 +30,8 @@ from llm_runtime.mask import ConstraintRequest
 from llm_runtime.scheduler import FinishEvent, GenerationRequest, TokenEvent
 from llm_runtime.trtllm_api import TRTLLM_VERSION
 from llm_runtime.trtllm_engine import TrtllmConfig, TrtllmGenerator
+from standins.tiny_model import TinyModelInfo, tiny_grammar
 from tests.support.poll import wait_for
-from tests.support.tiny_model import TinyModelInfo, tiny_grammar
 from tests.support.trtllm_emulation import GuidedDecoder, Trtllm, install
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

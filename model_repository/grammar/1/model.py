@@ -23,7 +23,8 @@ Inputs
                                     completed values are checked (grammar_backend.values;
                                     optional; absent: off)
 
-Outputs (exactly one response per request, sent with the FINAL flag)
+Outputs (exactly one response per request, sent with the FINAL flag; a step's answer is
+grammar_backend.protocol.MaskStep, its tensors derived from STEP_FIELDS)
     BITMASK          INT32 [B, ceil(V/32)]  step without BITMASK_BUFFER: mask of each row's next token
     TERMINATED       BOOL [B]               step: the row's grammar accepted its stop token
     ROW_ERROR        BYTES [B]              step/rollback: "" or that row's error (a step sends it
@@ -71,6 +72,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from contract.errors import ServingError, triton_code_name
+from grammar_backend.protocol import answer_tensors
 from triton_support.metrics import MetricsPump, TritonMetrics
 from triton_support.params import from_parameters, parameter_values
 from triton_support.service import (
@@ -120,23 +122,10 @@ def _to_response(reply: GrammarReply, wanted: frozenset[str]) -> Any:
     # released, which frees its numpy array off the GIL and corrupts the heap
     # on Triton 2.51 (python_backend PR 390, fixed in 24.12).
     candidates: list[tuple[str, Any]] = [("ACTIVE_SEQUENCES", np.array([reply.active], np.int32))]
-    if reply.bitmask is not None:
-        candidates.append(("BITMASK", reply.bitmask))
-    if reply.terminated is not None:
-        candidates.append(("TERMINATED", reply.terminated))
-    if reply.closing is not None:
-        candidates.append(("CLOSING", reply.closing))
-    if reply.dropped is not None:
-        candidates.append(("DROPPED", reply.dropped))
-    if reply.hold is not None:
-        candidates.append(("HOLD", reply.hold))
+    if reply.step is not None:
+        candidates += answer_tensors(reply.step, with_bitmask=not reply.bitmask_in_buffer)
     if reply.row_errors:
         candidates.append(("ROW_ERROR", np.array([e.encode() for e in reply.row_errors], np.object_)))
-    if reply.forced_tokens is not None and reply.forced_counts is not None:
-        candidates.append(("FORCED_TOKENS", reply.forced_tokens))
-        candidates.append(("FORCED_COUNT", reply.forced_counts))
-        if reply.forced_safe is not None:
-            candidates.append(("FORCED_SAFE", reply.forced_safe))
     if reply.stats is not None:
         candidates.append(("STATS", np.array([reply.stats.encode()], np.object_)))
     if reply.backend is not None:

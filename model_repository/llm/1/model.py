@@ -34,9 +34,9 @@ Outputs (streamed; the last response carries the FINAL flag)
                             (llm_runtime.logprobs; its text may come in a later response, where
                             the detokenizer holds back part of a character or of a stop string)
 
-Each request joins the in-flight batch at a step boundary. Per step, one BLS
-request to ``grammar`` computes the bitmask of every constrained row while
-the batched forward runs. Every failure -- a request preprocessing refused, a
+Each request joins the in-flight batch at a step boundary. Per step, one
+request to ``grammar`` (over its channel, llm_runtime.remote_mask) computes the
+bitmask of every constrained row while the batched forward runs. Every failure -- a request preprocessing refused, a
 constraint that fails to compile, an overloaded scheduler -- ends with one final
 FINISH carrying ``finish_reason: "error"`` and its gRPC status name: this model
 never sends an error response (see pipeline.postprocess and deploy/gateway.py).
@@ -57,7 +57,7 @@ from contract.reasoning import Reasoning, ReasoningSplitter
 from llm_runtime.errors import CANCELLED
 from llm_runtime.logprobs import TokenLogprobs, TokenText, logprobs_json
 from llm_runtime.mask import ConstraintRequest
-from llm_runtime.model_config import LlmModelConfig, bls_generator
+from llm_runtime.model_config import LlmModelConfig, served_generator
 from llm_runtime.scheduler import GenerationRequest, TokenEvent
 from llm_runtime.streaming import DeltaCoalescer, Outbox, PartCoalescer
 from pipeline.finish import finish_json
@@ -224,7 +224,7 @@ class TritonPythonModel:
         self.outbox = Outbox()
         # Metric snapshots are published from the outbox too: a publication is
         # IPC with tritonserver, which the decode loop must not wait for.
-        self.scheduler, self.provider = bls_generator(
+        self.scheduler, self.provider = served_generator(
             config, pb_utils, lambda snap: self.outbox.put(functools.partial(self.metrics.publish, snap, force=True)))
         # Token ids -> text and bytes for TOKEN_LOGPROBS (cached per id; used on the outbox's thread).
         self.token_text = TokenText(self.scheduler.tokenizer)

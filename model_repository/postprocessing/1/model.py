@@ -14,7 +14,7 @@ Outputs
     REASONING_TEXT BYTES [1]  the thinking delta, passed through; sent only when not empty, so the
                               responses of a request without a thinking section are as they were
     FINISH_REASON  BYTES [1]  "" or stop | length | error
-    RESULT         BYTES [1]  "" or the final result JSON (see README, "Responses"); errors are
+    RESULT         BYTES [1]  "" or the final result JSON (docs/usage.md, "Responses and RESULT"); errors are
                               data here (finish_reason "error", status, error), never an error response
     TOKEN_LOGPROBS BYTES [1]  the entries, passed through; sent only for a request that asked for them
                               (on each of its responses, "[]" when it has none), so the responses of

@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from llm_runtime.bls import BlsMaskProvider
 from llm_runtime.mask import ConstraintRequest
+from llm_runtime.remote_mask import RemoteMaskProvider
 
 
 class TritonPythonModel:
@@ -31,13 +31,13 @@ class TritonPythonModel:
 
     def _run(self, cfg: dict[str, Any]) -> dict[str, Any]:
         rows = int(cfg["rows"])
-        provider = BlsMaskProvider(pb_utils, max_rows=rows if cfg.get("buffer") else 0)
+        provider = RemoteMaskProvider(pb_utils, max_rows=rows if cfg.get("buffer") else 0)
         try:
             return self._steps(provider, cfg, rows)
         finally:
             provider.close()
 
-    def _steps(self, provider: BlsMaskProvider, cfg: dict[str, Any], rows: int) -> dict[str, Any]:
+    def _steps(self, provider: RemoteMaskProvider, cfg: dict[str, Any], rows: int) -> dict[str, Any]:
         paths = [list(map(int, p)) for p in cfg["paths"]]
         constraints = [ConstraintRequest(k, p, o) for k, p, o in cfg["constraints"]]
         ids = np.array([secrets.randbits(63) + 1 for _ in range(rows)], np.uint64)
