@@ -17,7 +17,7 @@ from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
 from grammar_backend.errors import ConstraintError
 from tests.unit.conftest import TINY_VOCAB_SIZE, tiny_encode
 from triton_support.maskbuf import SHM_DIR, Attached, MaskBuffer
-from triton_support.service import GrammarRequest, GrammarService
+from triton_support.service import GrammarReply, GrammarRequest, GrammarService
 
 pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm on this machine")
 
@@ -36,11 +36,13 @@ def service(tiny_info: xgr.TokenizerInfo) -> Iterator[GrammarService]:
     svc.engine.close()
 
 
-def _step(svc: GrammarService, ids: list[int], token: int | None, buffer: str = "") -> object:
+def _step(svc: GrammarService, ids: list[int], token: int | None, buffer: str = "") -> GrammarReply:
     rows = len(ids)
     tokens = np.full((rows, 1), token or 0, np.int32)
     counts = np.full(rows, 0 if token is None else 1, np.int32)
-    return svc.handle(GrammarRequest("step", np.array(ids, np.uint64), tokens, counts, mask_buffer=buffer))
+    reply = svc.handle(GrammarRequest("step", np.array(ids, np.uint64), tokens, counts, mask_buffer=buffer))
+    assert reply.step is not None and reply.bitmask_in_buffer is bool(buffer)
+    return reply
 
 
 def test_steps_through_the_buffer_equal_steps_through_the_reply(service: GrammarService, buffer: MaskBuffer) -> None:
@@ -49,8 +51,8 @@ def test_steps_through_the_buffer_equal_steps_through_the_reply(service: Grammar
     for token in (None, ord("a"), ord("b")):
         plain = _step(service, [1], token)
         shared = _step(service, [2], token, buffer.name)
-        assert shared.bitmask is None  # type: ignore[attr-defined]
-        assert np.array_equal(buffer.array[:1], plain.bitmask)  # type: ignore[attr-defined]
+        assert shared.bitmask_in_buffer and plain.step is not None  # the mask is not sent back: it is in the buffer
+        assert np.array_equal(buffer.array[:1], plain.step.bitmask)
     assert buffer.array.shape == (4, bitmask_width(TINY_VOCAB_SIZE))
 
 
@@ -68,7 +70,8 @@ def test_bad_buffers_fail_the_step_before_any_token_is_accepted(service: Grammar
     with pytest.raises(ConstraintError, match=message):
         _step(service, [1], ord("a"), name)
     assert service.engine.table.get(1).tokens_accepted == 0
-    assert _step(service, [1], ord("a")).row_errors == []  # type: ignore[attr-defined]
+    answer = _step(service, [1], ord("a")).step
+    assert answer is not None and answer.errors == (None,)
 
 
 def test_a_step_larger_than_the_buffer_is_refused(service: GrammarService) -> None:
