@@ -354,15 +354,19 @@ class GrammarSequence:
         With the budget spent, a value that breaks the schema once more stands, unless runaway closing is
         on: a model that keeps writing values the schema refuses is a runaway no period shows (budget_bench's
         served part: invented keys in an open object, each new one refused as a duplicate of an earlier one).
-        That value is dropped like the others, and :meth:`plan` closes the output before it (:attr:`spent`).
+        That value is dropped whole, with the separator before it (:meth:`ValueChecks.drop_value`), and
+        :meth:`plan` closes the output there (:attr:`spent`).
         """
         checks = self.checks
         while found is not None and checks is not None:
             spent = not self.retries_left
             if spent and (at_end or self.repeats is None):
                 return  # the value stands
-            dropped = (checks.refuse_end(self.matcher, values, found) if at_end
-                       else checks.backtrack(self.matcher, values, found) or None)
+            if spent:
+                dropped = checks.drop_value(self.matcher, values, found) or None
+            else:
+                dropped = (checks.refuse_end(self.matcher, values, found) if at_end
+                           else checks.backtrack(self.matcher, values, found) or None)
             if dropped is None:  # no choice point in reach: the value stands
                 return
             if not spent:

@@ -358,6 +358,8 @@ _OBJ, _ARR, _STR, _NUM, _LIT = range(5)
 # What a container expects next.
 _KEY, _COLON, _VALUE, _NEXT = range(4)
 _NUMBER_BYTES: Final = frozenset(b"0123456789+-.eE")
+#: What may stand between two values of a container (:meth:`ValueChecks.drop_value`).
+_SEPARATORS: Final = b", \t\n\r"
 _SPACE: Final = frozenset(b" \t\n\r")
 
 
@@ -715,6 +717,25 @@ class ValueChecks:
         """Whether the stop ``token`` is banned where ``scanner`` stands (:meth:`refuse_end` banned it)."""
         keep = scanner.bans.get(len(scanner.tokens))
         return keep is not None and not (int(keep[token >> 5]) >> (token & 31)) & 1
+
+    def drop_value(self, matcher: Matcher, scanner: ValueScanner, violation: Violation) -> int:
+        """Roll ``matcher`` back to before the offending value, and the separator before it: the output then
+        ends after the value before it, where its container may close.  Tokens dropped (the scanner too).
+
+        The end of a runaway whose retries are spent (:meth:`GrammarSequence._retry
+        <grammar_backend.sequences.GrammarSequence._retry>`): rolled back only to its choice point, the
+        value's shortest completion may be the same value again (a duplicate key ``""`` closed by its quote).
+        A separator in the token that also ends the value before (``1,``) stays: the value would change.
+        """
+        tokens, vocab = scanner.tokens, self.index.vocab
+        keep = violation.start
+        while keep > 0 and not vocab[tokens[keep - 1]].strip(_SEPARATORS):
+            keep -= 1  # a token of separators and whitespace only
+        dropped = len(tokens) - keep
+        if dropped:
+            matcher.rollback(dropped)
+            scanner.rollback(dropped)
+        return dropped
 
     def backtrack(self, matcher: Matcher, scanner: ValueScanner, violation: Violation) -> int:
         """Roll ``matcher`` back to the latest choice point inside the offending value and ban the choice taken there.

@@ -257,13 +257,13 @@ def test_a_date_that_does_not_exist_goes_back_to_its_last_choice(engine: Grammar
 
 @pytest.mark.parametrize(
     ("retries", "checks", "on_repeat", "drops", "closing"),
-    [(1, True, "continue", [2, 0], CloseState.OPEN), (1, True, "close", [2, 2], CloseState.REPETITION),
+    [(1, True, "continue", [2, 0], CloseState.OPEN), (1, True, "close", [2, 3], CloseState.REPETITION),
      (0, True, "close", [0, 0], CloseState.OPEN), (8, False, "close", [0, 0], CloseState.OPEN)],
     ids=["budget-of-one", "budget-of-one-then-closed", "option-off", "caller-cannot-drop"])
 def test_the_retry_budget_and_who_can_drop(engine: GrammarEngine, qwen_tokenizer: Any, retries: int, checks: bool,
                                            on_repeat: str, drops: list[int], closing: CloseState) -> None:
     """With the budget spent, a repeat stands; or, with runaway closing on, it goes too and the output closes
-    before it (``[1,2,`` then the shortest item and ``]``)."""
+    before it, its separator too (``[1,2`` then ``]``)."""
     spec = parse_constraint("json_schema", '{"type":"array","uniqueItems":true}',
                             {"backend": "llguidance", "value_retries": retries, "on_repeat": on_repeat})
     one, comma, two = (qwen_tokenizer.convert_tokens_to_ids(t) for t in ("1", ",", "2"))
@@ -275,7 +275,7 @@ def test_the_retry_budget_and_who_can_drop(engine: GrammarEngine, qwen_tokenizer
         seq = engine.table.get(1)
         assert seq.close_state == closing
         if closing == CloseState.REPETITION:
-            assert (seq.tokens_accepted, qwen_tokenizer.decode(seq.forced)) == (5, '""]')  # after "[1,2,"
+            assert (seq.tokens_accepted, qwen_tokenizer.decode(seq.forced)) == (4, "]")  # after "[1,2"
     finally:
         engine.end([1])
 
@@ -443,5 +443,30 @@ def test_top_level_scalars_end_or_retry(engine: GrammarEngine, qwen_tokenizer: A
             got.append(_step(engine, ids)[1])
         assert got == drops
         assert _step(engine, [stop])[:2] == (True, 0)
+    finally:
+        engine.end([1])
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_a_runaway_of_repeated_keys_closes_before_the_last_one(engine: GrammarEngine, qwen_tokenizer: Any,
+                                                                backend: str) -> None:
+    """budget_bench's served miss: an open object filling with keys that repeat earlier ones.  Past the retries,
+    the repeated key goes whole, its separator too, and the object closes (rolled back only into the key, its
+    shortest completion was the same key again)."""
+    spec = parse_constraint("json_schema", '{"type":"object"}', {"backend": backend, "value_retries": 1})
+    engine.start(1, spec, value_checks=True)
+    out: list[int] = []
+    try:
+        for text in ('{"":1,"":', 'x":1,"x":'):  # each time a key repeats: retried once, then the end
+            for token in qwen_tokenizer.encode(text, add_special_tokens=False):
+                out.append(token)
+                dropped, _ = _feed(engine, [token])[0]
+                if dropped:
+                    del out[-dropped:]
+                    break
+        seq = engine.table.get(1)
+        assert (seq.retries_left, seq.close_state, seq.tokens_accepted) == (0, CloseState.REPETITION, len(out))
+        assert seq.forced is not None
+        assert qwen_tokenizer.decode(out) + qwen_tokenizer.decode(seq.forced) == '{"":1,"x":1}'
     finally:
         engine.end([1])
