@@ -49,7 +49,7 @@ OPENAI_PORT  ?= 8080
 # of its composing models).
 SERVE_MODELS ?= constrained_llm
 
-LINT_PACKAGES := contract pipeline grammar_backend triton_support llm_runtime client openai_api deploy bench loadtest standins
+LINT_PACKAGES := contract telemetry pipeline grammar_backend grammar_service triton_support llm_runtime client openai_api deploy bench loadtest standins
 
 VENV_STAMP      := $(BUILD)/.stamp-venv
 K8S_TOOLS       := $(BUILD)/k8s-tools

@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from enum import IntEnum
 from typing import Final
 
 __all__ = [
     "BACKENDS",
     "CLOSE_REASONS",
-    "CLOSE_STATE_REASONS",
     "CONSTRAINT_KINDS",
     "DECODING_FLAGS",
     "FINISH_REASONS",
@@ -49,13 +47,10 @@ __all__ = [
     "OPTION_NAMES",
     "PENALTY_FIELDS",
     "POLICIES",
-    "REASONING_STATES",
     "SEED_LIMIT",
     "TAG_WHITESPACE_RUN",
     "VALUE_RETRIES",
-    "CloseState",
     "ContractError",
-    "bitmask_width",
     "check_logprobs",
     "check_options",
     "check_sampling",
@@ -167,30 +162,6 @@ MESSAGE_KEYS: Final = ("role", "content", "name")
 FINISH_REASONS: Final = ("stop", "length", "error")
 #: Why the grammar side forced a completion (RESULT ``close_reason``).
 CLOSE_REASONS: Final = ("budget", "repetition")
-
-
-class CloseState(IntEnum):
-    """Where a sequence stands with respect to closing: the grammar step's ``CLOSING`` output, read by ``llm``."""
-
-    OPEN = 0
-    BUDGET = 1  # forcing a completion because the budget runs out
-    REPETITION = 2  # forcing a completion because the output repeats itself
-    CALM = 3  # near the budget: no token that opens structure (the model may still finish on its own)
-    REASONING = 4  # in its thinking section (contract.reasoning): free text, no stop token; the answer is not begun
-    REASONING_END = 5  # forcing the end marker of its thinking section: the thinking budget ran out
-
-
-#: The states of a row inside its thinking section: a token sampled under one of them is a reasoning token.
-REASONING_STATES: Final = frozenset({CloseState.REASONING, CloseState.REASONING_END})
-
-#: RESULT ``close_reason`` of each forcing state.
-CLOSE_STATE_REASONS: Final[Mapping[int, str]] = dict(
-    zip((CloseState.BUDGET, CloseState.REPETITION), CLOSE_REASONS, strict=True))
-
-
-def bitmask_width(vocab_size: int) -> int:
-    """Number of int32 words in a bitmask row, ``ceil(vocab_size / 32)``: the mask shape both sides agree on."""
-    return (vocab_size + 31) // 32
 
 
 class ContractError(ValueError):

@@ -49,7 +49,7 @@ MEANINGS: Final[Mapping[str, str]] = {
     "GRAMMAR_MAX_GRAMMAR_BYTES": "Largest compiled grammar kept; a larger one is refused (see [limits](limits.md)).",
     "GRAMMAR_CACHE_MAX_BYTES": "Bound on the in-memory cache of compiled grammars.",
     "GRAMMAR_STORE_DIR": "On-disk store of compiled grammars, kept across restarts; empty: none.",
-    "GRAMMAR_STORE_MAX_BYTES": "Bound on the store; empty: `grammar_backend.cache.STORE_MAX_BYTES` (2 GiB); least recently used "
+    "GRAMMAR_STORE_MAX_BYTES": "Bound on the store; empty: `grammar_service.cache.STORE_MAX_BYTES` (2 GiB); least recently used "
                                "files are evicted. A failed "
                                "store read or write is a warning and `grammar_store_*_failures_total`, never a "
                                "failed request.",

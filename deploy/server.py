@@ -81,9 +81,9 @@ __all__ = [
 
 DEFAULT_HOST: Final = "127.0.0.1"
 # Polling period of the readiness loop.  One is_server_ready round trip on
-# loopback costs ~0.3 ms, so 0.2 s keeps the loop's own cost negligible while
-# adding at most 0.2 s to a start-up that takes seconds (torch import in a stub
-# alone is ~2-4 s on this 2-core machine).
+# loopback is far below a millisecond, so 0.2 s keeps the loop's own cost
+# negligible while adding at most 0.2 s to a start-up that takes seconds
+# (a stub's torch import alone).
 _POLL_S: Final = 0.2
 _LOG_TAIL_BYTES: Final = 6000
 #: Triton's line for a model instance whose initialize() raised: the reason, up to the traceback.
@@ -336,9 +336,8 @@ def listening_ports(pid: int) -> set[int]:
     """TCP ports on which process ``pid`` holds a listening socket (IPv4 and IPv6).
 
     From :meth:`psutil.Process.net_connections` (on Linux: the socket inodes
-    among ``/proc/<pid>/fd`` matched with ``/proc/net/tcp{,6}``; ~1 ms for a
-    server with a few hundred fds).  Threads share the fd table, so the main
-    pid suffices.
+    among ``/proc/<pid>/fd`` matched with ``/proc/net/tcp{,6}``).  Threads
+    share the fd table, so the main pid suffices.
 
     Raises
     ------
@@ -809,7 +808,7 @@ class TritonServer:
                 self.start()
 
     def _wait_once(self, models: tuple[str, ...], deadline: float) -> None:
-        # Imported here: tritonclient.grpc pulls in grpc (~0.3 s) and the module
+        # Imported here: tritonclient.grpc pulls in grpc (a slow import) and the module
         # must stay importable for `--help` and path helpers without it.
         import tritonclient.grpc as grpcclient
         from tritonclient.utils import InferenceServerException

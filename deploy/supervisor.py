@@ -1,7 +1,7 @@
 """Keep a served ensemble alive: restart a dead ``tritonserver``, and one whose models are broken.
 
 Triton 2.51 does not notice a Python-backend stub that died (``kill -9``, an
-out-of-memory kill, a crash in native code): measured here, with the
+out-of-memory kill, a crash in native code): seen here, with the
 ``grammar`` stub gone ``/v2/health/ready`` and the model's ready endpoint kept
 answering 200 while every request failed with ``Stub process 'grammar_0_0' is
 not healthy``, and nothing recovered in 2 minutes; with the ``llm`` stub gone,
@@ -10,9 +10,9 @@ client streams hung with no final response.
 So the supervisor probes the composing models themselves, through
 tritonserver's own (restricted, loopback) endpoint:
 
-* ``grammar``: the ``stats`` op (no state, ~1 ms);
+* ``grammar``: the ``stats`` op (no state);
 * ``llm``: ``CANCEL`` of a random id that is not in flight (an empty final
-  response, answered by the model's own thread; ~1 ms).
+  response, answered by the model's own thread).
 
 A probe that fails ``failures_to_restart`` times in a row, or a
 ``tritonserver`` process that exited, turns the gateway's readiness false

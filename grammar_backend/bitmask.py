@@ -10,9 +10,9 @@ import llguidance.numpy
 import numpy as np
 import xgrammar as xgr
 
-import contract
 from grammar_backend.errors import ConfigError, GrammarError
 from grammar_backend.llg import LlgMatcher
+from grammar_backend.protocol import bitmask_width
 
 
 class Matcher(Protocol):
@@ -34,7 +34,7 @@ class Matcher(Protocol):
 ALL_ALLOWED = np.int32(-1)
 
 
-bitmask_width = contract.bitmask_width
+
 
 
 class BitmaskBuffer:
@@ -61,9 +61,9 @@ class BitmaskBuffer:
         self.width = bitmask_width(vocab_size)
         self.buffer = np.full((max_batch, self.width), ALL_ALLOWED, dtype=np.int32)
         self._batch = xgr.BatchGrammarMatcher(threads)
-        # One thread: llguidance's rows are filled in a plain loop, which
-        # measured 33 us for 16 rows of a 448-token vocabulary against 88 us
-        # through a one-thread LLExecutor (equal at 64 rows of Qwen3's: 0.27 ms).
+        # One thread: llguidance's rows are filled in a plain loop, faster than
+        # a one-thread LLExecutor at 16 rows of the tiny vocabulary and equal at
+        # 64 of Qwen3's (no bench compares the two; figures: docs/benchmarks.md).
         self._executor = llguidance.LLExecutor(threads) if threads > 1 else None
         # Reused per step so the step path allocates only the backends' own lists.
         self._active: list[xgr.GrammarMatcher] = []
@@ -135,8 +135,8 @@ class BitmaskBuffer:
         words[token >> 5] |= _bit(token)
 
 
-#: The word of a packed row holding only bit ``i``, for each ``i`` of 0..31: looked up (30 ns), not built
-#: as a NumPy scalar (0.6 us), since the grammar step forces or checks a token in most rows.
+#: The word of a packed row holding only bit ``i``, for each ``i`` of 0..31: looked up, not built as a
+#: NumPy scalar each time, since the grammar step forces or checks a token in most rows.
 _BITS: Final = [np.int32(w) for w in np.array([1 << i for i in range(32)], np.uint32).view(np.int32).tolist()]
 
 
@@ -155,8 +155,8 @@ def pack_tokens(tokens: Sequence[int] | np.ndarray, vocab_size: int) -> np.ndarr
 def few_allowed(row: np.ndarray, most: int) -> np.ndarray | None:
     """The token ids one packed row allows where they are at most ``most``, else None.
 
-    Reads only the row's nonzero words (a calm row near its budget: 10-30 us
-    over Qwen3's 4,748 words, against 0.35 ms for :func:`allowed_tokens`).
+    Reads only the row's nonzero words, where :func:`allowed_tokens` unpacks
+    the whole row (a calm row near its budget has few).
     """
     words = np.flatnonzero(row)
     if len(words) > most:

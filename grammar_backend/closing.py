@@ -27,16 +27,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import xgrammar as xgr
 
-import contract
 from grammar_backend.bitmask import Matcher
 from grammar_backend.errors import ConfigError
 from grammar_backend.lru import Lru
 from grammar_backend.spec import Segments
 
 __all__ = [
-    "CLOSE_REASONS",
     "UTF8_MAX_OWED",
-    "CloseState",
     "Closer",
     "CloserConfig",
     "ClosingConfig",
@@ -45,11 +42,6 @@ __all__ = [
     "utf8_owed",
 ]
 
-
-# The states and their RESULT names are wire values: their home is the contract
-# (the llm model reads them without importing the grammar engines).
-CloseState = contract.CloseState
-CLOSE_REASONS = contract.CLOSE_STATE_REASONS
 
 #: Characters tried first outside strings, in order: they close containers
 #: and strings, or start the cheapest JSON values (``0``, ``""``, ``[]``,
@@ -120,7 +112,7 @@ _AFTER_DIGIT = _stack("".join(c for c in _CLOSERS + _FILLERS if not c.isdigit())
 _INITIAL_CACHE = 1024
 #: Most tails of an earlier completion :meth:`Closer.resume` tries before a new search.
 _RESUME_TRIES = 24
-#: A rejected candidate costs about a microsecond; a node may try the whole alphabet.
+#: A rejected candidate costs about a microsecond (timed alone); a node may try the whole alphabet.
 _TRIES_PER_NODE = 32
 
 
@@ -132,17 +124,17 @@ class CloserConfig:
     ----------
     max_nodes : int
         Most states expanded; past it the search gives up (the sequence then
-        ends truncated, as without closing).  Measured on 325 maskbench-dev
-        prefixes (SmolLM2 vocabulary): see ``bench/budget_bench.py``.
+        ends truncated, as without closing).  ``bench/budget_bench.py
+        ../shared/data/maskbench-dev`` (part 1, the search) reports how often
+        completions are found within it and what a search costs; more nodes
+        found no more (docs/benchmarks.md, component costs).
     max_chars : int
         Longest completion considered, in characters.  A large schema's
-        required tail is long: at the start of the first 200 maskbench-dev
-        schemas of 3-20k characters the shortest completion found was up to
-        793 tokens (p90 224), and with 512 characters 32 of the 200 had none
-        at all (their outputs could never be closed, and each failed search
-        ran its full node bound: 5-20 ms at every check).  At 4,096: 198/200
-        found, search p50 0.42 ms, p90 5.6 ms, max 21 ms (400 nodes suffice:
-        1,000 or 3,000 found no more).
+        required tail is long: at the start of 200 maskbench-dev schemas of
+        3-20k characters, 32 had no completion within 512 characters (their
+        outputs could never be closed, and each failed search ran its full
+        node bound at every check), 2 within 4,096 (a hand-run; the rest of
+        that round is in docs/benchmarks.md).
     """
 
     max_nodes: int = 400
@@ -213,8 +205,7 @@ class ClosingConfig:
 class Closer:
     """Finds short completions of a matcher's state and spells them as tokens.
 
-    One per engine (it holds the vocabulary's spelling table, built once:
-    0.1 s for 49k tokens).
+    One per engine (it holds the vocabulary's spelling table, built once).
 
     Parameters
     ----------
@@ -270,7 +261,7 @@ class Closer:
 
         The matcher is left exactly as it was (the search accepts and rolls
         back; a fork would copy the whole token history: 13 ms after 2,400
-        characters).  Returns ``()`` when the grammar is complete already and
+        characters, timed alone).  Returns ``()`` when the grammar is complete already and
         None when the bounded search finds no completion.
 
         Parameters
@@ -296,7 +287,7 @@ class Closer:
         widen : bool
             Where the search finds nothing, search again with the characters
             the grammar allows next that the alphabet lacks (:meth:`extra`:
-            one mask fill, 0.3-0.6 ms over Qwen3's vocabulary).
+            one mask fill).
         """
         text = self._search(matcher, check, shortest, max_nodes or self.config.max_nodes, widen)
         if text is None:
@@ -336,9 +327,9 @@ class Closer:
         a value boundary (``,``, ``}``, ``]`` or ``"``: only a token cut
         there is spelled again), at most :data:`_RESUME_TRIES` of them: the
         first that fits follows the output most closely.  A tail that does
-        not fit fails at its first tokens (1-5 us), the accepted one costs
-        its length in tokens (12-95 us for 30-50 tokens on this host),
-        against 0.4-1.5 ms for a new :meth:`complete`.  The matcher is left
+        not fit fails at its first tokens, the accepted one costs its length
+        in tokens: far less than a new :meth:`complete` (figures:
+        docs/benchmarks.md, component costs, closing).  The matcher is left
         as it was; None when no tail tried completes it.
         """
         pieces = self._pieces
@@ -446,7 +437,7 @@ class Closer:
     def digit_run(self, run: int, tokens: Sequence[int] | np.ndarray) -> int:
         """The ASCII digits ending the output after ``tokens``, given ``run`` ending it before them.
 
-        About 0.1 us a token (two list lookups): called by
+        Two list lookups a token: called by
         :meth:`~grammar_backend.sequences.GrammarSequence.plan` on every new
         token of a sequence with runaway closing (see :class:`RepeatConfig`).
         """
@@ -464,7 +455,7 @@ class Closer:
         """Whether one of ``tokens`` opens an object or an array (its text has ``{`` or ``[``).
 
         Opening a container is where a completion grows most at once (an
-        object's required properties: measured 182 tokens after one ``{``
+        object's required properties: 182 tokens after one ``{``
         of a 30-property object), so the budget check comes right after it.
         """
         flags = self._opens
@@ -505,7 +496,7 @@ class Closer:
         A structural tag's output may open one more segment (a tool call)
         where it could end: a whole call's completion at once
         (``<tool_call>{"name": ...}</tool_call>``: about 30 tokens for two
-        arguments with SmolLM2's vocabulary).  Measured after the
+        arguments with SmolLM2's vocabulary).  Taken after the
         constraint's shortest output (from the new matcher ``matcher``):
         each begin, or separator and begin, the grammar accepts there,
         spelled, plus the completion after it; the shortest.  0 where none is
@@ -619,7 +610,7 @@ class RepeatDetector:
     Keeps the last ``window`` tokens in a list; :meth:`push` is O(1)
     amortized and :meth:`repeating` (called every ``every`` tokens) compares
     at most ``max_period`` pairs of list slices of ``min_tokens`` entries or
-    more (about 5 us in all; the same check on numpy arrays took 40 us).
+    more (about 5 us in all, timed alone; the same check on numpy arrays took 40 us).
 
     Parameters
     ----------

@@ -101,7 +101,7 @@ class TokenRejected(SequenceError):
 
 class MatcherFailed(GrammarError):
     """A matcher cannot go on (llguidance past one of its parser or lexer limits); raised by the matcher,
-    reported by :meth:`~grammar_backend.engine.GrammarEngine.step` as the row's :class:`BackendFailed`."""
+    reported by :meth:`~grammar_service.engine.GrammarEngine.step` as the row's :class:`BackendFailed`."""
 
     status = RESOURCE_EXHAUSTED
 

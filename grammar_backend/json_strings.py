@@ -5,7 +5,7 @@ Every JSON schema xgrammar lowers passes through here: a ``json_schema`` or
 structural tag embeds, tool-call arguments (:func:`compile_structural_tag`).
 
 xgrammar 0.2.9 lets a raw character that JSON must escape (U+0000-U+001F,
-``"``, ``\``) into a string in two ways, both measured on the pinned release:
+``"``, ``\``) into a string in two ways, both seen on the pinned release:
 
 * A string with ``minLength`` or ``maxLength`` (``propertyNames`` bounds
   too) is a bounded repetition of ``[^"\\\r\n]``: every other control
@@ -39,10 +39,9 @@ string is compiled by xgrammar's own call, untouched.
 Costs: the bounded-string rewrite converts, serializes and patches the
 grammar, then prints and parses it twice, only when the schema text names
 ``Length``; each distinct pattern is
-lowered alone once per process (:data:`_PATTERNS`).  Compiling the 2,883
-MaskBench dev schemas xgrammar takes over a 257-token byte vocabulary (no
-cache): 49.0 s against 44.5 s for xgrammar's call alone; per schema p50
-+0 ms, p99 +38 ms, at most +333 ms (Github_hard o9882, a 1.79 s compile).
+lowered alone once per process (:data:`_PATTERNS`).  Over a byte vocabulary
+the dev set's compiles took 49.0 s against 44.5 s for xgrammar's call alone
+(no bench times it; the per-schema figures are in docs/benchmarks.md).
 The extra work depends on the grammar's size, not the vocabulary's, so
 over a real vocabulary (compiles of seconds) its share is smaller.
 """
@@ -167,7 +166,7 @@ def _narrowed(text: str, convert: Callable[[], xgr.Grammar]) -> str | None:
     if "Length" not in text:
         return None
     serialized = convert().serialize_json()
-    if _BOUNDED_TEXT not in serialized:  # a substring test first: parsing a large grammar costs 10-100 ms
+    if _BOUNDED_TEXT not in serialized:  # a substring test first: parsing a large grammar's JSON is slow
         return None
     doc = json.loads(serialized)
     if not _narrow_bounded_strings(doc):
@@ -208,8 +207,8 @@ def raw_escape_in_pattern(pattern: str) -> int | None:
 
     The pattern is lowered alone, as the string ``{"type": "string",
     "pattern": pattern}``.  A pattern xgrammar lowers to a JSON-string regex
-    is safe (that matcher admits no such character, escaped or not:
-    measured); one lowered literal by literal is scanned.  A pattern
+    is safe (that matcher admits no such character, escaped or not); one
+    lowered literal by literal is scanned.  A pattern
     xgrammar refuses alone was not lowered in the schema that compiled
     (next to a format it ignores the pattern): None.  Cached per process.
     """

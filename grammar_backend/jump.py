@@ -14,10 +14,11 @@ in training, and decides where the jump must stop:
   possible): the model then chooses how to cross that boundary, as it would
   have without the jump.  It is kept when no longer token is allowed there
   (``":`` before an integer value), which xgrammar's vocabulary-only rule
-  (hold back whenever a longer token exists at all) does not see: on
-  ``bench/jump_bench.py``'s four schemas it cut the forwards per request
-  further, 206 -> 194 (order), 36 -> 34, 20 -> 18, 96 -> 94.  The check accepts the other tokens into the matcher,
-  fills one mask row and rolls back (only on steps that jump).
+  (hold back whenever a longer token exists at all) does not see: it cut
+  the forwards per request on each of ``bench/jump_bench.py``'s four schemas
+  (206 -> 194 for the order; the others in docs/benchmarks.md).  The check
+  accepts the other tokens into the matcher, fills one mask row and rolls
+  back (only on steps that jump).
 * The tokens must spell exactly the forced bytes and hold no special or
   stop token, or there is no jump (counted in ``JumpStats.skipped``):
   tokenizers that normalise text (a SentencePiece prefix space) do not
@@ -39,9 +40,10 @@ from dataclasses import dataclass
 import numpy as np
 import xgrammar as xgr
 
-from grammar_backend.bitmask import Matcher, bitmask_width, pack_tokens
+from grammar_backend.bitmask import Matcher, pack_tokens
 from grammar_backend.closing import UTF8_MAX_OWED, utf8_owed
 from grammar_backend.lru import Lru
+from grammar_backend.protocol import bitmask_width
 
 __all__ = ["JumpForward", "JumpStats", "pack_forced"]
 
@@ -78,8 +80,8 @@ class JumpStats:
 class PrefixIndex:
     """The tokenizer's ordinary tokens sorted by spelling: the ones that start with a piece are a contiguous run.
 
-    Built once per engine (sorting Qwen3's 151,643 pieces takes about 0.1 s)
-    and shared by jump-forward and the value checks.
+    Built once per engine (a sort of the whole vocabulary) and shared by
+    jump-forward and the value checks.
     """
 
     def __init__(self, tokenizer_info: xgr.TokenizerInfo) -> None:
@@ -99,8 +101,7 @@ class PrefixIndex:
         exactly ``k`` continuation bytes followed by text that ends on a
         boundary; row 0 the tokens that end on one.  None begins a character
         it does not end, so at most ``k`` tokens of these rows reach a
-        boundary and row 0 keeps the text there.  0.04 s for Qwen3's
-        151,936 tokens.
+        boundary and row 0 keeps the text there.
         """
         rows_of = self._char_rows.get(vocab_size)
         if rows_of is None:
@@ -148,8 +149,8 @@ class JumpForward:
         self._encode = encode
         self._vocab_size = int(tokenizer_info.vocab_size)
         self._longer: Lru[int, np.ndarray] = Lru(_LONGER_CACHE)
-        # Forced runs repeat (the same keys in every object of a schema): spelling
-        # one with the tokenizer costs 10-25 us, a lookup well under 1 us.
+        # Forced runs repeat (the same keys in every object of a schema): a lookup
+        # costs a small part of spelling one with the tokenizer.
         self._spelled: Lru[str, tuple[int, ...]] = Lru(_SPELLED_CACHE)
         # numpy, which both backends' matchers fill.
         self._row = np.zeros((1, bitmask_width(self._vocab_size)), dtype=np.int32)
@@ -206,7 +207,8 @@ class JumpForward:
         """The packed mask of the ordinary tokens longer than ``token`` that start with it (empty: none).
 
         Packed, because a piece like ``" "`` starts 53,020 of Qwen3's tokens:
-        gathering their bits cost 136 us a call, the packed AND 6-8 us.  Kept
+        gathering their bits cost 136 us a call, the packed AND 6-8 us (timed
+        alone; ``bench/grammar_step_bench.py --jump-forward`` times the whole step).  Kept
         for the last tokens of forced runs seen (a few dozen pieces: ``":``,
         ``",``, ``"``...), bounded by :data:`_LONGER_CACHE`.
         """

@@ -2,11 +2,12 @@
 through the matcher interface the engine, the closer and jump-forward use.
 
 xgrammar compiles eagerly (a schema can take seconds and gigabytes, see
-:mod:`grammar_backend.workers`); llguidance builds its lexer lazily, so a
-grammar is ready in about a millisecond and each mask costs more (measured
-with the Qwen3 vocabulary: ``LLMatcher`` built in 0.8 ms, one mask 1.5 ms on
-a two-property schema).  The two also fail on different schemas, which is why
-``backend: auto`` (:func:`grammar_backend.engine.auto_order`) serves JSON with
+:mod:`grammar_service.workers`); llguidance builds its lexer lazily, so a
+grammar is ready in milliseconds and each mask costs more
+(``bench/grammar_step_bench.py --backend llguidance``: raw fill p50 4.24 ms at
+64 rows of Qwen3's vocabulary, against 1.16 ms for xgrammar's in the same
+session).  The two also fail on different schemas, which is why
+``backend: auto`` (:func:`grammar_backend.backends.auto_order`) serves JSON with
 llguidance first and xgrammar where llguidance refuses it, and the other kinds
 the other way round.
 
@@ -72,8 +73,8 @@ def json_compile_options(options: ConstraintOptions) -> JsonCompileOptions:
     # As the server does with xgrammar: what the grammar cannot express is
     # approximated or left out (oneOf as anyOf; uniqueItems, not, unknown
     # formats ignored) and checked by post-validation, instead of refusing the
-    # schema.  Measured on 400 maskbench-dev schemas, strict llguidance
-    # refused 7 for oneOf, 3 for uniqueItems, 1 for not, 1 for a format.
+    # schema: strict, llguidance refused 12 of 400 maskbench-dev schemas for
+    # these (docs/benchmarks.md; no bench option runs it strict).
     relaxed: JsonCompileOptions = {"coerce_one_of": True, "lenient": True}
     if options.whitespace == "compact":
         return {**relaxed, "whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
@@ -152,7 +153,7 @@ class LlgCompiled:
 
 
 class LlgBackend:
-    """llguidance's tokenizer (built once, about 1 s for Qwen3) and its compile.
+    """llguidance's tokenizer (built once per engine) and its compile.
 
     Parameters
     ----------
@@ -254,8 +255,8 @@ class LlgMatcher:
         One ``validate_tokens`` call over the tokens and the stop token,
         where :meth:`~grammar_backend.closing.Closer.accepts` would accept
         and roll back token by token: 7 us against 82 us for a 51-token
-        completion (the tiny stand-in's vocabulary; budget closing asks
-        this of every tail it tries).
+        completion (timed alone; docs/benchmarks.md, the serving path's
+        second round).  Budget closing asks this of every tail it tries.
         """
         if self._terminated:
             return not tokens

@@ -3,9 +3,9 @@
 A decode step asks the grammar side to accept each row's new tokens and to
 answer with the next masks.  The answer, :class:`MaskStep`, is the same
 whichever way it travels: built by the engine (:meth:`GrammarEngine.step
-<grammar_backend.engine.GrammarEngine.step>`'s result, :meth:`StepResult.answer
-<grammar_backend.engine.StepResult.answer>`), sent over the grammar channel
-(:mod:`grammar_backend.channel`) or as the ``grammar`` model's BLS tensors
+<grammar_service.engine.GrammarEngine.step>`'s result, :meth:`StepResult.answer
+<grammar_service.engine.StepResult.answer>`), sent over the grammar channel
+(:mod:`grammar_service.transport.channel`) or as the ``grammar`` model's BLS tensors
 (:func:`answer_tensors`, :func:`answer_from_tensors`), and read by the decode
 loop (:meth:`MaskStep.read`).
 
@@ -20,15 +20,43 @@ shared-memory mask buffer, or as the ``BITMASK`` tensor where there is none.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from enum import Enum
+from enum import Enum, IntEnum
 from typing import Any, Final
 
 import numpy as np
 
-__all__ = ["BITMASK_TENSOR", "JUMP_TENSORS", "ROW_DROP", "ROW_ERROR", "ROW_MASK", "ROW_STOP", "STEP_FIELDS",
-           "STEP_TENSORS", "Field", "MaskStep", "Sent", "StepRows", "answer_from_tensors", "answer_tensors"]
+import contract
+
+__all__ = ["BITMASK_TENSOR", "CLOSE_STATE_REASONS", "JUMP_TENSORS", "REASONING_STATES", "ROW_DROP", "ROW_ERROR",
+           "ROW_MASK", "ROW_STOP", "STEP_FIELDS", "STEP_TENSORS", "CloseState", "Field", "MaskStep", "Sent", "StepRows",
+           "answer_from_tensors", "answer_tensors", "bitmask_width"]
+
+
+class CloseState(IntEnum):
+    """Where a sequence stands with respect to closing: the grammar step's ``CLOSING`` output, read by ``llm``."""
+
+    OPEN = 0
+    BUDGET = 1  # forcing a completion because the budget runs out
+    REPETITION = 2  # forcing a completion because the output repeats itself
+    CALM = 3  # near the budget: no token that opens structure (the model may still finish on its own)
+    REASONING = 4  # in its thinking section (contract.reasoning): free text, no stop token; the answer is not begun
+    REASONING_END = 5  # forcing the end marker of its thinking section: the thinking budget ran out
+
+
+#: The states of a row inside its thinking section: a token sampled under one of them is a reasoning token.
+REASONING_STATES: Final = frozenset({CloseState.REASONING, CloseState.REASONING_END})
+
+#: RESULT ``close_reason`` of each forcing state.
+CLOSE_STATE_REASONS: Final[Mapping[int, str]] = dict(
+    zip((CloseState.BUDGET, CloseState.REPETITION), contract.CLOSE_REASONS, strict=True))
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """Number of int32 words in a bitmask row, ``ceil(vocab_size / 32)``: the mask shape both sides agree on."""
+    return (vocab_size + 31) // 32
+
 
 #: What one row of a step's answer means (:meth:`MaskStep.row_kind`): sample it under its mask; it
 #: failed (``errors[j]`` says why); its grammar ended (the stop token was accepted); a value check
@@ -40,8 +68,8 @@ class Sent(Enum):
     """When a field of the answer is sent (None in :class:`MaskStep` where it is not)."""
 
     ALWAYS = "always"
-    #: Only when some row has a non-zero value: an all-zero BLS tensor of B rows cost the round trip
-    #: about 0.1 ms at B = 64 for nothing.
+    #: Only when some row has a non-zero value: an all-zero BLS tensor of B rows costs the round trip
+    #: its copy for nothing (about 0.1 ms at B = 64, inside ``bench/grammar_step_bench.py``'s ``bls tensor``).
     NONZERO = "nonzero"
     #: Only when the step asked for jump-forward.
     JUMP = "jump"
@@ -79,7 +107,7 @@ JUMP_TENSORS: Final = tuple(f.tensor for f in STEP_FIELDS if f.sent is Sent.JUMP
 
 
 # Not frozen: one is built every decode step, and a frozen dataclass's __init__ (object.__setattr__
-# per field) costs 0.8 us against 0.2 us for these ten fields.
+# per field) costs four times as much (docs/benchmarks.md, the serving path's fifth round).
 @dataclass(slots=True)
 class MaskStep:
     """The grammar side's answer to one decode step.
@@ -96,7 +124,7 @@ class MaskStep:
         with finish reason ``"error"``.
     closing : np.ndarray or None
         int8 ``[B]``: non-zero where the grammar side forces a completion
-        (:class:`grammar_backend.closing.CloseState`); None: no row is closing.
+        (:class:`grammar_backend.protocol.CloseState`); None: no row is closing.
     forced_tokens, forced_counts : np.ndarray or None
         Jump-forward (only when the step asked for it): int32 ``[B, F]`` and
         ``[B]``; row ``i``'s first ``forced_counts[i]`` tokens spell the text
@@ -140,7 +168,7 @@ class MaskStep:
                          0 if self.dropped is None else int(self.dropped[j]))
 
     def close_state(self, j: int) -> int:
-        """Row ``j``'s :class:`~grammar_backend.closing.CloseState` (0: open)."""
+        """Row ``j``'s :class:`~grammar_backend.protocol.CloseState` (0: open)."""
         return 0 if self.closing is None else int(self.closing[j])
 
     def held(self, j: int) -> int:
@@ -165,10 +193,10 @@ class MaskStep:
         """Check that this answer fits a step of ``rows`` rows of ``width`` words, and read every row at once.
 
         The decode loop reads all of a step's rows: one ``tolist`` per array
-        costs less than five numpy element reads per row (about 3 us a row),
-        and the checks run on those lists, not as numpy reductions of their
-        own (a separate check and read cost the tiny stand-in's loop 14 and
-        8 us a step at 16 rows, served, against 2.3 and 2.9 us measured alone).
+        costs less than five numpy element reads per row, and the checks run
+        on those lists, not as numpy reductions of their own (one pass instead
+        of a check and a read: docs/benchmarks.md, the serving path's fifth
+        round).
 
         Returns
         -------

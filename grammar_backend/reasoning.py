@@ -55,9 +55,9 @@ Either way the marker never cuts a character: in the last
 :data:`WHOLE_CHARS_AHEAD` tokens before a cut may come, a thinking row takes
 only tokens that keep its text on character boundaries (a begun character
 is finished, none is begun that its token does not end), so the thinking's
-text has no bytes a reader cannot show.  Measured with a writer of 4-byte
-characters one byte a token (Qwen3's vocabulary): 9 of 12 bounds and 9 of
-12 budgets split one before.
+text has no bytes a reader cannot show (``tests/unit/test_reasoning_engine.py``
+writes 4-byte characters one byte a token at 12 bounds and 12 budgets; how
+many split one before this rule: docs/benchmarks.md, component costs).
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ class ReasoningConfig:
         ``max_reasoning_tokens``): for measuring what the reserve buys
         (``bench/reasoning_bench.py``), not for serving.
     tables : int
-        End markers whose tables are kept (one per distinct marker in use).
+        End markers whose tables are kept (one per distinct marker in use; at least 2).
     """
 
     margin_tokens: int = 16
@@ -108,8 +108,8 @@ class ReasoningConfig:
     tables: int = 64
 
     def __post_init__(self) -> None:
-        if self.margin_tokens < 0 or not self.margin_ratio >= 0 or self.tables < 1:
-            raise ConfigError("reasoning: margin_tokens and margin_ratio must be >= 0 and tables positive")
+        if self.margin_tokens < 0 or not self.margin_ratio >= 0 or self.tables < 2:
+            raise ConfigError("reasoning: margin_tokens and margin_ratio must be >= 0 and tables at least 2")
 
     def reserve(self, rest: int, answer: int) -> int:
         """Tokens kept for the end marker's ``rest`` and an answer whose shortest form is ``answer`` tokens."""
@@ -120,8 +120,8 @@ class MarkerTable:
     """One end marker over one vocabulary: its byte automaton, masks and spellings.
 
     Built once per marker per engine (cached), in about 20 ms for Qwen3's
-    151,669 tokens (the scan for tokens that hold the whole marker); each
-    mask row and spelling on first use.
+    151,669 tokens (timed alone: the scan for tokens that hold the whole
+    marker); each mask row and spelling on first use.
 
     Parameters
     ----------
@@ -167,8 +167,7 @@ class MarkerTable:
         self._border = border
         vocab = index.vocab
         special = index.special
-        # Tokens that hold the whole marker: the one way to complete it from state 0 (measured ~20 ms
-        # for Qwen3's vocabulary, once per marker).
+        # Tokens that hold the whole marker: the one way to complete it from state 0 (once per marker).
         self._holding = [t for t, piece in enumerate(vocab) if marker in piece and t not in special]
         self._rows: dict[int, np.ndarray] = {}
         self._rests: dict[int, tuple[int, ...] | None] = {}

@@ -1,7 +1,8 @@
 """One meaning for a ``regex`` constraint, whichever backend serves it.
 
-The two grammar backends read the same pattern differently (measured with
-xgrammar 0.2.9 and llguidance 1.9.1 over a byte-level vocabulary):
+The two grammar backends read the same pattern differently (xgrammar 0.2.9
+and llguidance 1.9.1 over a byte-level vocabulary; ``bench/regex_fuzz.py``'s
+unmended rows show it):
 
 ==========  ==========================  =================================
             xgrammar                    llguidance (Rust ``regex`` syntax)

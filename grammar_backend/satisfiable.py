@@ -20,9 +20,10 @@ cycle still being examined) it leaves alive.
 
 Bounded: at most :data:`MAX_NODES` locations are examined (each once, results
 memoized by JSON pointer) and ``$ref`` chains at most :data:`MAX_DEPTH` deep.
-Measured on the 2,890 maskbench-dev schemas (2-core shared host, best of 3
-runs each): p50 22 us, p99 0.51 ms, max 6.1 ms (a 1,800-property schema); it
-refuses none of them, and none has a valid test instance it would contradict.
+On the 2,890 maskbench-dev schemas it takes p99 0.51 ms (inside ``bench/grammar_bench.py
+../shared/data/maskbench-dev``'s ``parse_constraint, new schema`` row; the run
+that timed it alone: docs/benchmarks.md), refuses none of them, and none has
+a valid test instance it would contradict.
 """
 
 from __future__ import annotations
@@ -196,7 +197,7 @@ class _Prover:
                 for kind in _ALL - allowed:
                     dead.setdefault(kind, cause)
         self._values(node, pointer, dead)
-        # Only the kinds still alive are examined (a string's location skips the rest: p99 cost halved).
+        # Only the kinds still alive are examined (a string's location skips the rest).
         if "integer" not in dead or "fraction" not in dead:
             self._numbers(node, pointer, dead)
         if "string" not in dead:

@@ -69,7 +69,7 @@ class SpecLimits:
     max_key_chars : int
         Longest object key in a JSON constraint.  xgrammar builds property
         names into a trie recursively, and the ``grammar`` stub's threads have
-        small stacks: measured through the served ensemble, a 1 MB property
+        small stacks: through the served ensemble, a 1 MB property
         name (``JSONSchemaConverter::BuildTrieBody``, ~30,800 frames) and a
         60,000-character one both killed the stub.  The longest key in the
         2,890 maskbench-dev schemas is 151 characters.
@@ -112,7 +112,7 @@ class ConstraintOptions:
         What happens to a runaway value (see :data:`ON_REPEAT`).
     backend : {"auto", "xgrammar", "llguidance"}
         The grammar engine (``contract.POLICIES``; the compile-cache key
-        names the backend that compiled it, see :mod:`grammar_backend.engine`).
+        names the backend that compiled it, see :mod:`grammar_service.engine`).
     jump_forward : bool
         Append forced text without sampling it (see :mod:`grammar_backend.jump`).
     value_retries : int
@@ -319,8 +319,7 @@ def validated_constraint(kind: str, payload: str, options_json: str) -> Constrai
     ``postprocessing`` trust the wire form: no limit, option range,
     structural-tag or meta-schema check is repeated, and the JSON payload is
     parsed once per process (cached; a schema sent again costs a lookup).
-    The meta-schema check it saves is p50 1.7 ms, p99 15-75 ms per new schema
-    on maskbench-dev (grammar_bench).
+    It saves the meta-schema check (its cost: :data:`_CHECKED`).
 
     Raises
     ------
@@ -353,8 +352,9 @@ def constraint_spec(kind: str, payload: str | bytes, options: str | bytes, limit
 _JSON_PAYLOADS: Final = frozenset({ConstraintKind.JSON_SCHEMA, ConstraintKind.CHOICE, ConstraintKind.STRUCTURAL_TAG})
 
 #: Digests of schemas that passed the meta-schema check.  The check dominates
-#: request validation (grammar_bench: parse_constraint p50 1.7 ms, p99 15-75 ms
-#: on maskbench-dev), for every request of a schema that clients send again and again.
+#: request validation (``bench/grammar_bench.py ../shared/data/maskbench-dev``, row
+#: ``parse_constraint, new schema``: p50 1.7 ms, p99 15-75 ms), for every request of a
+#: schema that clients send again and again.
 _CHECKED: Lru[str, bool] = Lru(4096)
 
 
@@ -363,7 +363,7 @@ def _check_schema_once(schema: Any, canonical: str) -> None:
     if _CHECKED.get(digest) is None:
         check_schema(schema, "grammar")
         # A schema that provably admits no instance is refused before any compile
-        # (maskbench-dev: p50 22 us, p99 0.51 ms, none of the 2,890 refused).
+        # (none of the 2,890 maskbench-dev schemas is refused; its cost: grammar_backend.satisfiable).
         check_satisfiable(schema, "grammar")
         _CHECKED.put(digest, True)
 
@@ -588,7 +588,7 @@ def _bound_whitespace(node: Any) -> None:
     :data:`contract.TAG_WHITESPACE_RUN`), where its format does not bound it itself.
 
     xgrammar's own default lets a run go on without end: a tool call's arguments
-    measured ``[\n "metrics",\n \n \n ...`` to ``max_tokens``.
+    ran ``[\n "metrics",\n \n \n ...`` to ``max_tokens``.
     """
     if isinstance(node, dict):
         if node.get("type") == "json_schema" and node.get("max_whitespace_cnt") is None:

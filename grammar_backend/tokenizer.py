@@ -16,16 +16,10 @@ contacted.  Three kinds are accepted:
   passed explicitly, since such a file does not say which token ends a turn);
 * a ``.gguf`` file, whose embedded tokenizer transformers converts.
 
-Measured on the 2-core development machine (transformers 5.24, xgrammar 0.2.9):
-
-* Qwen3 ``tokenizer.json`` (151,669 tokens): ``AutoTokenizer`` 0.6-0.7 s,
-  ``TokenizerInfo.from_huggingface`` 0.55 s, ``decoded_vocab`` (C++ -> a list of
-  151,936 ``bytes``) 0.37 s, sha256 over it 0.016 s.  The fingerprint therefore
-  costs about 0.4 s (0.6-1.0 s while other jobs share the cores), paid once per
-  bundle at load; nothing recomputes it.
-* SmolLM2 GGUF: ``AutoTokenizer(gguf_file=...)`` 3.0-3.7 s (it parses and
-  converts the whole GGUF vocabulary), plus 1.4 s for ``gguf.GGUFReader`` when
-  the vocabulary size or stop tokens come from the GGUF metadata.
+The fingerprint (the decoded vocabulary, hashed) costs under a second for
+Qwen3's, paid once per bundle at load; nothing recomputes it.  No bench times
+loading; the costs of each part, and of a GGUF tokenizer, are in
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -193,9 +187,8 @@ def load_tokenizer(
 
 def _fingerprint(info: xgrammar.TokenizerInfo, vocab_size: int, stops: tuple[int, ...]) -> str:
     # Every variable-length part is length-prefixed so that two different
-    # vocabularies can never concatenate to the same byte stream.  For the
-    # 151,936-entry Qwen3 vocabulary: 0.37 s to materialize decoded_vocab,
-    # 0.016 s to hash it (measured); computed once per bundle, at load.
+    # vocabularies can never concatenate to the same byte stream.  Computed
+    # once per bundle, at load (its cost: the module's docstring).
     h = hashlib.sha256(_FINGERPRINT_VERSION)
     meta = info.dump_metadata().encode("utf-8")
     h.update(len(meta).to_bytes(8, "little"))

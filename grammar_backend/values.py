@@ -19,11 +19,10 @@ output.  Here, while a sequence decodes:
    not, a key that repeats an earlier one is refused as its closing quote
    arrives: both grammars let an open object (``additionalProperties``)
    repeat a key, JSON parsers disagree on what that means, and post-validation
-   flags it.  Measured before this check, it was the most common invalid
-   output of SmolLM2 on dev-set schemas (5 of 7 invalid outputs in
-   ``bench/value_bench.py``): the model echoes the schema's ``"type"`` keys.
-3. On a violation, :meth:`GrammarSequence.backtrack
-   <grammar_backend.sequences.GrammarSequence.backtrack>` rolls the matcher back
+   flags it.  Before this check it was the most common invalid output of
+   SmolLM2 on dev-set schemas (5 of 7 invalid outputs, ``bench/value_bench.py
+   ../shared/data/maskbench-dev``): the model echoes the schema's ``"type"`` keys.
+3. On a violation, :meth:`ValueChecks.backtrack` rolls the matcher back
    to the latest choice point inside the offending value (the last position
    where the grammar allowed another token), bans the token taken there (or,
    where that token also closed the value, every token spelling the same
@@ -33,6 +32,9 @@ output.  Here, while a sequence decodes:
    except that with ``on_repeat: close`` the next violation after the budget is
    dropped too and the output closed before it (a runaway no period shows).
 
+:class:`ValuePolicy` is one sequence's share: its scanner, its retries left,
+and the retry loop its sequence runs after each accept.
+
 Only engines that can drop tokens use this (the embedded scheduler): a
 logits processor or TensorRT-LLM's native decoder cannot take tokens back, so
 their sequences start without checks (:meth:`GrammarEngine.start`'s
@@ -40,11 +42,10 @@ their sequences start without checks (:meth:`GrammarEngine.start`'s
 revoke: :meth:`ValueScanner.hold` counts the tokens since the start of the
 outermost open anchored value.
 
-Costs (Qwen3 vocabulary, 2-core host): scanning is a Python loop over bytes,
-1.8 us per token with :meth:`ValueScanner.hold` (a 590-token, 1.6 kB output);
-a check is one ``jsonschema`` validation of the completed value (20-200 us
-for small values); a backtrack fills one mask per candidate position
-(0.05-1 ms each), and happens only on a violation.
+Costs: scanning is a Python loop over bytes (:meth:`ValueScanner.hold`
+included), paid at every token; a check is one ``jsonschema`` validation of
+the completed value; a backtrack fills one mask per candidate position, and
+happens only on a violation (figures: docs/benchmarks.md, component costs).
 """
 
 from __future__ import annotations
@@ -60,16 +61,18 @@ import numpy as np
 import xgrammar as xgr
 
 from grammar_backend import llg
-from grammar_backend.bitmask import Matcher, bitmask_width, pack_tokens
+from grammar_backend.bitmask import Matcher, pack_tokens
+from grammar_backend.errors import SequenceError
 from grammar_backend.fidelity import UnenforcedKeyword, validator_for
 from grammar_backend.fidelity.walker import _root_validator
 from grammar_backend.jump import PrefixIndex
 from grammar_backend.lru import Lru
+from grammar_backend.protocol import bitmask_width
 from grammar_backend.satisfiable import json_canonical
 from grammar_backend.spec import SCHEMA_MAPS, ConstraintSpec, json_pointer, keyword_sites
 
-__all__ = ["GROWING", "MAX_SEARCH", "ValueChecks", "ValueRules", "ValueScanner", "Violation", "rules_for",
-           "unenforced_for"]
+__all__ = ["GROWING", "MAX_SEARCH", "ValueChecks", "ValuePolicy", "ValueRules", "ValueScanner", "Violation",
+           "rules_for", "unenforced_for"]
 
 #: A value location's keywords that make where its children are ambiguous
 #: (which branch, which of several schemas): below them no child location is
@@ -99,7 +102,7 @@ def unenforced_for(spec: ConstraintSpec, backend: str | None) -> tuple[Unenforce
     """The keywords of ``spec``'s schema that ``backend``'s grammar leaves unenforced (its fidelity report).
 
     llguidance's come from its own warnings (:func:`grammar_backend.llg.unenforced_keywords`),
-    xgrammar's from the measured table (:func:`grammar_backend.fidelity.unenforced_keywords`).
+    xgrammar's from the fidelity table (:func:`grammar_backend.fidelity.unenforced_keywords`).
     """
     schema = spec.schema
     if schema is None:
@@ -274,7 +277,7 @@ def _format_pointers(schema: Any) -> Iterable[str]:
     """Pointers of every ``format`` keyword of a subschema: the calendar, address ranges... are checked by no
     grammar.  A ``format`` inside an unknown keyword's value (``"self": {"format": "jsonschema"}``, a
     vendor annotation in MaskBench's Github schemas) is data: anchored at the root, it held the whole
-    output back until its end, a time to first token of 2.7 s against 0.23 s unconstrained."""
+    output back until its end."""
     return (at for at, key, value in keyword_sites(schema)
             if key == "format" and isinstance(value, str) and _in_subschema(schema, at))
 
@@ -480,8 +483,8 @@ class ValueScanner:
         ``{"maximum": 9, "not": {"enum": [0, ..., 8]}}`` ended the output
         unchecked.  Strings and literals complete on their own last byte.
         An unfinished spelling (``-``, ``1.``, ``1e``) is no value yet: None.
-        One ``jsonschema`` validation per call while such a number is open
-        (20-200 us); nothing otherwise.
+        One ``jsonschema`` validation per call while such a number is open;
+        nothing otherwise.
         """
         node = self._scalar
         if node is None or node.kind != _NUM or self._stack or node.pointer not in self.rules.anchors:
@@ -681,7 +684,7 @@ class ValueChecks:
 
     @property
     def index(self) -> PrefixIndex:
-        """The sorted vocabulary (built on first use: about 0.1 s)."""
+        """The sorted vocabulary (built on first use)."""
         if self._index is None:
             self._index = PrefixIndex(self._info)
         return self._index
@@ -693,7 +696,7 @@ class ValueChecks:
         become ``12``), the stop tokens are banned at this position: the
         number must grow.  Where it allows nothing else (``1`` under
         ``maximum: 9``), the number's last choice is undone (:meth:`backtrack`).
-        One mask fill (0.05-1 ms), only on a violation.
+        One mask fill, only on a violation.
 
         Returns
         -------
@@ -783,3 +786,124 @@ class ValueChecks:
             matcher.accept_token(token)
         self.unfixable += 1
         return 0
+
+
+#: What a scanner that fails on an output raises: a bug of ours, reported as that row's error only.
+_SCAN_FAILURES = (LookupError, TypeError, ValueError, AttributeError)
+
+
+class ValuePolicy:
+    """One sequence's value checks: its scanner, the engine's checks, and the retries it has left.
+
+    Its sequence (:class:`~grammar_backend.sequences.GrammarSequence`) asks
+    :meth:`refuses_end` before the matcher takes a stop token, and hands every
+    token run the matcher took to :meth:`scan`, which retries a value that
+    breaks the schema and says how many tokens went.
+
+    Parameters
+    ----------
+    seq_id : int
+        The sequence's id (its errors name it).
+    checks : ValueChecks
+    rules : ValueRules
+    retries : int
+        The ``value_retries`` option (positive).
+    """
+
+    __slots__ = ("checks", "over", "retries_left", "scanner", "seq_id")
+
+    def __init__(self, seq_id: int, checks: ValueChecks, rules: ValueRules, retries: int) -> None:
+        self.seq_id = seq_id
+        self.checks = checks
+        self.retries_left = retries
+        self.scanner = ValueScanner(rules, checks.index.vocab, checks.stops)
+        #: Whether the checks are over (the retries spent): what completes from now on stands.
+        self.over = False
+
+    def refuses_end(self, token: int) -> bool:
+        """Whether the stop ``token`` would end the output where a top-level number breaks the schema."""
+        return self.checks.ends_refused(self.scanner, token)
+
+    def scan(self, matcher: Matcher, tokens: list[int], *, checking: bool, runaway: bool) -> tuple[int, bool]:
+        """Follow ``tokens``, which the matcher just took; retry a value they complete that breaks the schema.
+
+        Parameters
+        ----------
+        matcher : Matcher
+            The sequence's matcher, rolled back here by what is dropped.
+        tokens : list of int
+        checking : bool
+            Whether values are checked now (not while the closer forces a completion or keeps the row calm:
+            that is the closer's plan, not second-guessed).
+        runaway : bool
+            Whether runaway closing is on (``on_repeat: close``): with the retries spent, a value that
+            breaks the schema once more is dropped and the output closed before it.
+
+        Returns
+        -------
+        dropped : int
+            Tokens the matcher and the scanner dropped (0: none).
+        close : bool
+            Whether the output must close where it now stands.
+
+        Raises
+        ------
+        SequenceError
+            The scanner failed on this output (this row's error, never the batch's).
+        """
+        try:
+            found = self.scanner.push(tokens, check=checking)
+        except _SCAN_FAILURES as err:
+            raise SequenceError(self.seq_id, f"value check failed: {err!r}") from err
+        if found is not None:
+            return self._retry(matcher, found, at_end=False, runaway=runaway)
+        if checking and self.retries_left > 0:
+            return self._retry(matcher, self._pending(), at_end=True, runaway=runaway)
+        return 0, False
+
+    def _retry(self, matcher: Matcher, found: Violation | None, *, at_end: bool, runaway: bool) -> tuple[int, bool]:
+        """Retry the value ``found`` says breaks the schema (``at_end``: the top-level number, were the output to
+        end here), while the retries last; returns :meth:`scan`'s answer.  A backtrack may leave a top-level
+        number that breaks the schema in turn (``19`` back to ``1`` under ``not: {enum: [1, 19]}``): its end is
+        refused too.
+
+        With the retries spent, a value that breaks the schema once more stands, unless runaway closing is
+        on: a model that keeps writing values the schema refuses is a runaway no period shows (budget_bench's
+        served part: invented keys in an open object, each new one refused as a duplicate of an earlier one).
+        That value is dropped whole, with the separator before it (:meth:`ValueChecks.drop_value`), and the
+        output closed there.
+        """
+        checks, total = self.checks, 0
+        while found is not None:
+            spent = not self.retries_left
+            if spent and (at_end or not runaway):
+                break  # the value stands
+            if spent:
+                dropped = checks.drop_value(matcher, self.scanner, found) or None
+            else:
+                dropped = (checks.refuse_end(matcher, self.scanner, found) if at_end
+                           else checks.backtrack(matcher, self.scanner, found) or None)
+            if dropped is None:  # no choice point in reach: the value stands
+                break
+            if not spent:
+                self.retries_left -= 1
+            if not dropped:  # (never once spent: only an end's refusal drops nothing)
+                # The end is banned here: the number must grow.  The scanner stays, even with the
+                # retries spent, so that the ban holds.
+                break
+            total += dropped
+            if spent:
+                self.over = True
+                return total, True
+            if not self.retries_left and not runaway:  # the retries are spent: what completes now stands
+                self.over = True
+                break
+            found, at_end = self._pending(), True
+        return total, False
+
+    def _pending(self) -> Violation | None:
+        """:meth:`ValueScanner.pending`, its failures as this row's error (like the scan's)."""
+        try:
+            return self.scanner.pending()
+        except _SCAN_FAILURES as err:
+            raise SequenceError(self.seq_id, f"value check failed: {err!r}") from err

@@ -1,7 +1,7 @@
 """The PyTorch decode engine: a local Hugging Face causal LM with a slot-based KV cache.
 
-Cache layout (chosen by measurement)
-------------------------------------
+Cache layout
+------------
 Every live sequence owns one *slot* of a preallocated per-layer key/value buffer
 ``[max_batch_size, kv_heads, capacity, head_dim]``.  Live sequences always occupy
 slots ``0 .. B-1`` (a sequence that leaves is replaced by the one in the last
@@ -13,23 +13,10 @@ value are scattered into ``buffer[row, :, length[row]]``.
 
 The alternative, one ``transformers.DynamicCache`` per sequence merged (padded and
 concatenated) for every step and split afterwards, copies the whole live cache
-twice per step.  Measured with ``python bench/kv_cache_bench.py MODEL_DIR
---threads 1 --prompt P`` on SmolLM2-135M (30 layers, 3 KV heads x 64), float32,
-8 sequences whose cached lengths differ by 15 tokens, 16 interleaved steps, median
-ms per decode step (2-core machine shared with other jobs, so absolute figures
-vary; both layouts produce the same tokens, checked by the script):
-
-=======================  =========  ==========  ==========
-cached tokens per row    128..233   400..505    800..905
-=======================  =========  ==========  ==========
-slot buffer (this file)  129        159         120
-merged per-seq caches    158        224         254
-=======================  =========  ==========  ==========
-
-The merge cost grows with the cached length (it is a copy of every live token
-of every layer); the slot layout's only per-step copies are the B new key/value
-rows.  With 2 intra-op threads on the same loaded machine: 549 vs 688 ms (128..)
-and 757 vs 1029 ms (400..); see :class:`TorchEngineConfig` ``num_threads``.
+twice per step, and that copy grows with the cached length; the slot layout's
+only per-step copies are the B new key/value rows (``python bench/kv_cache_bench.py
+build/models/smollm2-135m-instruct --threads 1 --prompt 400``: 159 against 224 ms
+per decode step; every length in docs/benchmarks.md).
 
 The model runs with ``attn_implementation="sdpa"``: with one query token,
 transformers packs grouped-query heads (``pack_gqa``) instead of repeating the
@@ -85,10 +72,12 @@ class TorchEngineConfig:
         sequence outgrows them, so memory follows the longest live sequence.
     num_threads : int or None
         ``torch.set_num_threads`` value (process-wide); ``None`` leaves it alone.
-        On a 2-core machine shared with other processes, 1 thread was 3.5x faster
-        than 2 (SmolLM2, batch 8: 75 vs 265 ms per step): OpenMP's spinning
-        workers lose their cores to the other processes and to the grammar
-        worker thread.  Measure on the target machine.
+        Measure on the target machine (``bench/kv_cache_bench.py MODEL_DIR
+        --threads N``, then served with ``bench/e2e_bench.py``): on a 2-core
+        machine shared with other processes OpenMP's spinning workers lose
+        their cores to the other processes and to the grammar worker thread,
+        and the served default (``TORCH_THREADS`` 2) was chosen end to end
+        (docs/benchmarks.md).
     """
 
     # No defaults: LlmModelConfig (max_batch, max_seq_len) holds the one default of each.
@@ -449,10 +438,10 @@ class TorchEngine:
         token sits in the last position (one row of logits each); padded
         positions attend only to themselves (a fully masked row would turn
         into NaN and reach the real rows through the next layer's values) and
-        are never written to the cache.  Measured end to end (SmolLM2-135M
-        float32 on 2 shared cores, 8 concurrent streams, bench/e2e_bench.py):
-        time to first token p50 786 -> 598 ms constrained, 718 -> 506 ms
-        unconstrained, forward p99 (the step where prompts join) 172 -> 99 ms.
+        are never written to the cache.  One forward for the prompts that join
+        together cut time to first token p50 at 8 streams from 786 to 598 ms
+        constrained (``bench/e2e_bench.py --rounds 2 --max-tokens 32``, SmolLM2;
+        docs/benchmarks.md, batched prefill).
 
         Parameters
         ----------
@@ -529,8 +518,9 @@ class TorchEngine:
         """Run the next part of a long prompt: its tokens from what is cached up to ``stop``.
 
         A prompt prefilled in one forward holds every decoding sequence for
-        that whole forward (SmolLM2-135M on the 2-core CPU: 1.5 s for 1,000
-        tokens; prefill costs the same per token at any chunk size there).
+        that whole forward (seconds for 1,000 tokens of SmolLM2-135M on a CPU,
+        where prefill costs the same per token at any chunk size:
+        docs/benchmarks.md, chunked prefill).
         In chunks, the scheduler runs a decode step between two of them.
         The first call registers ``seq_id`` (not live until its last chunk
         ran); each later call continues where the last stopped, attending to
@@ -628,11 +618,10 @@ class TorchEngine:
 
         Rows are right-padded to the longest: a padded position is written to
         the row's cache past its length, where the attention mask hides it
-        until a real token overwrites it, so it never reaches a real row.
-        Measured (SmolLM2-135M float32 on the shared 2-core host, 1 torch
-        thread, context ~300, median of 5): 1 row feeding 1 / 4 / 8 tokens
-        59 / 88 / 106 ms; 8 rows of 1 token 134 ms, 8 rows where one feeds 8
-        tokens 243 ms (the padding is paid by every row).
+        until a real token overwrites it, so it never reaches a real row.  The
+        padding is paid by every row (the step times by width: docs/benchmarks.md,
+        jump-forward; :class:`~llm_runtime.grammar_phase.JumpPolicy` measures
+        them while serving).
 
         Parameters
         ----------

@@ -69,7 +69,7 @@ from typing import Final, Protocol
 
 import numpy as np
 
-from contract import REASONING_STATES, CloseState, bitmask_width
+from grammar_backend.protocol import REASONING_STATES, CloseState, bitmask_width
 
 from .errors import EngineError
 from .mask import ROW_ERROR, ROW_MASK, ROW_STOP, ConstraintRequest, MaskProvider, MaskStep, StepRows
@@ -127,7 +127,7 @@ class RowOutcome:
     error : str or None
         The row's error (the request must end with ``"error"``).
     close_state : int
-        The last :class:`contract.CloseState` of the row.
+        The last :class:`grammar_backend.protocol.CloseState` of the row.
     terminated : bool
         The grammar accepted its stop token (only end tokens were left).
     reasoning_tokens : int or None

@@ -23,11 +23,10 @@ and closing behave alike in both.
 :class:`JumpPolicy` decides how wide a step's jumps may be.  A jump feeds
 several forced tokens in the next forward, right-padded to the widest row,
 so every row pays for the width: the policy keeps the width whose tokens per
-second, measured on this engine, beat a plain step.  Measured with the tiny
-stand-in checkpoint (16 rows, one CPU thread), a forward 2 / 4 / 8 tokens
-wide cost 1.4 / 1.9 / 2.7 times a one-token decode, so jumps that a fixed
-fill rule admitted made constrained steps slower (4.4 against 5.3 tokens
-per millisecond without them, served); on SmolLM2 a wide forward costs
+second, measured on this engine, beat a plain step.  At 16 rows of the tiny
+stand-in on one CPU thread a forward 8 tokens wide cost 2.7 times a one-token
+decode (``make bench-path``; docs/benchmarks.md), so jumps that a fixed fill
+rule admitted made constrained steps slower; on SmolLM2 a wide forward costs
 relatively less, and on a GPU nearly nothing.  The whole step is measured
 (forward, the grammar accepting the jumped tokens, masking, streaming),
 since all of it grows with the width.

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from grammar_backend.engine import GrammarEngine
 from grammar_backend.spec import constraint_spec
+from grammar_service.engine import GrammarEngine
 from llm_runtime.mask import ConstraintRequest, MaskStep
 
 

@@ -15,10 +15,8 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 # One definition of the packed-mask width, shared with the grammar side.
-from contract import bitmask_width
-
 # The step's answer and its reading: the step protocol, one definition for every transport.
-from grammar_backend.protocol import ROW_DROP, ROW_ERROR, ROW_MASK, ROW_STOP, MaskStep, StepRows
+from grammar_backend.protocol import ROW_DROP, ROW_ERROR, ROW_MASK, ROW_STOP, MaskStep, StepRows, bitmask_width
 
 __all__ = ["ROW_DROP", "ROW_ERROR", "ROW_MASK", "ROW_STOP", "ConstraintRequest", "MaskProvider", "MaskStep",
            "PendingStep", "StepRows", "StepSender", "bitmask_width"]

@@ -10,7 +10,7 @@ from typing import Final, Protocol
 from tokenizers import Tokenizer
 
 from grammar_backend.errors import ConfigError
-from triton_support.metrics import Snapshot
+from telemetry import Snapshot
 
 from .mask import MaskProvider
 from .remote_mask import RemoteMaskProvider
@@ -133,7 +133,7 @@ def served_generator(config: LlmModelConfig, pb_utils: ModuleType,
     """The generator of the Triton model and its provider (close it after the generator).
 
     Masks come from ``config.grammar_model`` over its channel (BLS where the channel cannot be opened),
-    through a shared-memory mask buffer of ``max_batch`` rows (:mod:`triton_support.maskbuf`).
+    through a shared-memory mask buffer of ``max_batch`` rows (:mod:`grammar_service.transport.maskbuf`).
     """
     provider = RemoteMaskProvider(pb_utils, config.grammar_model, max_rows=config.max_batch)
     return config.build(provider, on_metrics), provider

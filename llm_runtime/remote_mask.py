@@ -3,11 +3,10 @@
 The module takes the ``triton_python_backend_utils`` module as an argument
 instead of importing it, so the package stays importable (and type-checked)
 outside the Python-backend stub.  Starts, steps and ends go over the
-grammar model's channel (:mod:`grammar_backend.channel`), asked for once
-over BLS: the same requests and replies, without Triton's request path,
-which cost p50 2.5 ms per step at 16 rows against 0.3 ms over the channel
-(tiny stand-in checkpoint), and 2.1 ms of each start.  Steps take their
-masks through a shared-memory buffer (:mod:`triton_support.maskbuf`) whose
+grammar model's channel (:mod:`grammar_service.transport.channel`), asked for once
+over BLS: the same requests and replies, without Triton's request path
+(its cost: :mod:`grammar_service.transport.channel`).  Steps take their
+masks through a shared-memory buffer (:mod:`grammar_service.transport.maskbuf`) whose
 width the first step (over BLS) gives.  Where the channel cannot be opened
 the calls go over BLS, said in the log: the ``grammar`` model is decoupled
 (starts compile on its worker threads), so each request yields exactly one
@@ -27,11 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from grammar_backend.channel import ChannelClient
 from grammar_backend.errors import INTERNAL, UNAVAILABLE, GrammarError, RemoteGrammarError
 from grammar_backend.protocol import BITMASK_TENSOR, JUMP_TENSORS, STEP_TENSORS, answer_from_tensors
+from grammar_service.transport.channel import ChannelClient
+from grammar_service.transport.maskbuf import MaskBuffer
 from llm_runtime.mask import ConstraintRequest, MaskStep
-from triton_support.maskbuf import MaskBuffer
 
 _log = logging.getLogger(__name__)
 
@@ -52,8 +51,7 @@ CHANNEL_RETRY_S = 5.0
 #: fixed in 24.12), and the stub's cleanup thread drops its reference to a
 #: finished decoupled iterator that way.  That is the suspected cause of the
 #: llm stub's segfaults under load (PyType_GenericAlloc on a corrupt heap); it
-#: was not reproduced on demand (a 150 s run of 12 constrained streams under
-#: PYTHONMALLOC=debug passed before and after this change).  Holding the
+#: was not reproduced on demand (docs/known-problems.md).  Holding the
 #: responses here for a few seconds makes the Python side, with the GIL, the
 #: last owner.  Cost: one step reply (B x ceil(V/32) int32, ~100 KB at B = 16
 #: with a 49k vocabulary) per step for this long.
@@ -72,7 +70,7 @@ class RemoteMaskProvider:
     max_rows : int
         Most rows of a step.  Positive: after the first step (whose
         ``BITMASK`` gives the mask width) the masks arrive through a
-        :class:`~triton_support.maskbuf.MaskBuffer` of this many rows
+        :class:`~grammar_service.transport.maskbuf.MaskBuffer` of this many rows
         instead of as a BLS tensor, and the steps go over the grammar
         channel.  0: always as a tensor, over BLS (starts and ends still
         take the channel).

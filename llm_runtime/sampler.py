@@ -57,10 +57,9 @@ def mask_logits_cpu(logits: np.ndarray, bitmask: np.ndarray, vocab_size: int) ->
     xgrammar's CPU kernel tests one bit per token and writes the ``-inf``s one
     by one, skipping only words whose 32 tokens are all allowed.  Unpacking the
     inverted mask into a bool array and one ``np.copyto(where=...)`` costs the
-    same whatever the mask holds, and less (one thread of this host, 16 rows):
-    448 tokens (the tiny stand-in) 4-6 us against 5-27 us; 49,152 (SmolLM2)
-    0.55-0.70 ms against 0.25 ms where nearly every token is allowed and
-    2.5 ms where few are.  It also stays inside the vocabulary, which
+    same whatever the mask holds: 16 rows of 49,152 tokens 0.55-0.70 ms against
+    xgrammar's 0.25-2.5 ms (timed alone, no bench; docs/benchmarks.md, the
+    serving path's third round).  It also stays inside the vocabulary, which
     xgrammar 0.2.9's kernel does not where the vocabulary is not a multiple
     of 32 and a row allows every token: it sets logit ``vocab_size`` of that
     row to ``-inf`` (33, 70 and 50,257 tokens, one stray write per such
@@ -125,11 +124,9 @@ class TokenCounts:
     Kept only for a request with a penalty (:attr:`SamplingParams.penalized`):
     two dense rows of the vocabulary's width (float32 counts and a bool mask
     of the prompt: 0.25 MB for 49,152 tokens), so a step's penalty is a few
-    vector operations on the logits row however long the output, and adding
-    a token is one indexed increment.  Measured on this 2-core CPU (one
-    thread, 49,152 wide, while a benchmark ran beside it): the frequency
-    penalty 64 us a row, all three 0.58 ms (the repetition penalty's two
-    ``where`` over the whole row dominate), an added token 7 us.
+    vector operations on the logits row however long the output (the
+    repetition penalty's two ``where`` over the whole row dominate; timings in
+    docs/benchmarks.md), and adding a token is one indexed increment.
 
     Parameters
     ----------
@@ -304,7 +301,7 @@ class Sampler:
             skip = taken[i] if taken is not None else 0
             if skip:
                 gen = generators[i]
-                for _ in range(skip):  # 1.4 us each on this CPU; drawing a 49,152-wide row: 160-310 us
+                for _ in range(skip):  # a scalar draw each: far cheaper than drawing a whole row
                     torch.rand((), generator=gen, device=logits.device)
                 continue
             tokens[i] = self._draw(logits[i], p, generators[i])
@@ -383,10 +380,10 @@ class Sampler:
     def _nucleus_candidates(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Top tokens (descending) whose mass reaches ``top_p``, without a full sort.
 
-        A full sort of a 49,152-wide row costs 3.1 ms on this CPU (1 thread),
-        ``topk`` of 64 0.06 ms; nuclei of a trained model are usually small, so
-        grow ``k`` by 8x until the mass is reached (exact: the last round may be
-        the full row).
+        A full sort of a 49,152-wide row costs about fifty times a ``topk`` of
+        64 on one CPU thread (timed alone: docs/benchmarks.md); nuclei of a
+        trained model are usually small, so grow ``k`` by 8x until the mass is
+        reached (exact: the last round may be the full row).
         """
         n = probs.shape[0]
         k = min(64, n)

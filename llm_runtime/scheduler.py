@@ -27,11 +27,9 @@ them in one forward (:meth:`llm_runtime.engine.TorchEngine.extend`) and the
 grammar accepts them in order, so the output is the text token-by-token
 decoding was forced to produce, in fewer forwards.
 
-Measured (SmolLM2-135M float32 on the 2-core CPU, 1 torch thread, 8 rows
-constrained by one JSON schema through an in-process xgrammar provider, 60
-steps): forward 74 ms median per step, ``MaskProvider.step`` 0.17 ms median
-(p90 0.25 ms) on the worker, mask wait after the forward 0.011 ms median (p90
-0.013 ms): the grammar step is hidden behind the forward.
+On the CPU engine the grammar step is hidden behind the forward: ``make
+bench-e2e`` reports the mask wait that is not (the step stats'
+``mask_wait_s``; figures: docs/benchmarks.md).
 
 ``MaskProvider.start`` (grammar compile) runs on a pool of start threads; a
 request waits outside the batch until its grammar is ready, so a slow compile
@@ -66,9 +64,9 @@ import torch
 from tokenizers import Tokenizer
 
 import contract
-from contract import CLOSE_STATE_REASONS, REASONING_STATES, CloseState
 from contract.finish import FinishEvent, FinishReason
-from triton_support.metrics import PUBLISH_MIN_GAP_S, LatencyWindow, Snapshot
+from grammar_backend.protocol import CLOSE_STATE_REASONS, REASONING_STATES, CloseState
+from telemetry import PUBLISH_MIN_GAP_S, LatencyWindow, Snapshot
 
 from .detok import IncrementalDetokenizer, special_token_ids
 from .errors import (
@@ -145,16 +143,17 @@ class SchedulerConfig:
     start_wait_s : float
         How long a step may wait for the grammar starts of the constrained
         requests that arrived since the last step (at most half the last
-        step's time).  A start with a cached grammar takes about 0.3 ms over
-        the grammar channel; without the wait it ended during the step and
-        its request joined the batch one step after an unconstrained one
-        would have (a step of TTFT: 50-100 ms for SmolLM2 under load).  A
-        start that is still compiling joins a later step.  0: no wait.
+        step's time).  A start with a cached grammar takes well under that
+        over the grammar channel; without the wait it ended during the step
+        and its request joined the batch one step after an unconstrained one
+        would have: a step of time to first token (docs/benchmarks.md, the
+        serving path's second round and component costs).  A start that is
+        still compiling joins a later step.  0: no wait.
     stats_capacity : int
         Steps kept in the per-step counters (a ring buffer).
     metrics_interval_s : float
         Most seconds between two metric snapshots while requests run (a gauge
-        change publishes sooner, once ``triton_support.metrics.PUBLISH_MIN_GAP_S``
+        change publishes sooner, once ``telemetry.PUBLISH_MIN_GAP_S``
         has passed since the last one).
     grammar_mode : str
         ``"overlap"`` (default): the grammar step of step ``t`` runs on a worker
@@ -173,20 +172,16 @@ class SchedulerConfig:
         joins alone and runs in chunks of at most this many tokens, one per
         step, each next to the decode forward of the other rows
         (:meth:`~llm_runtime.engine.TorchEngine.prefill_chunk`).  On a CPU a
-        prefill costs the same per token at any batch size (SmolLM2-135M on
-        the 2-core host: 700-850 tokens/s from 1 x 128 to 8 x 256, 560 at
-        7 x 1,000), so a larger group only makes each of its requests wait
-        for all of them, and every decoding stream for the whole forward:
-        seven MaskBench prompts of about 1,000 tokens joining together took
-        12.4 s, and no request got a first token before it ended.  The
-        CPU default is sized for that host: a chunk of 256 tokens takes about
-        0.4 s, so a long prompt holds the decoding streams that long between
-        two of their tokens, not for its whole prefill.  Under
-        ``make loadtest`` (MaskBench prompts of up to about 1,000 tokens)
-        inter-token p99 was 490-630 ms at 256 against 950-1,200 ms at 1,024,
-        with the same requests completed and time to first token p50 within
-        the runs' spread.  A GPU takes several thousand (8,192, as
-        TensorRT-LLM's default ``max_num_tokens``).
+        prefill costs the same per token at any batch size, so a larger group
+        only makes each of its requests wait for all of them, and every
+        decoding stream for the whole forward (docs/benchmarks.md, the fourth
+        round and chunked prefill).  The CPU default is sized for the 2-core
+        host: a long prompt holds the decoding streams for one chunk between
+        two of their tokens, not for its whole prefill.  ``make loadtest
+        LOADTEST_TIME=180s`` (MaskBench prompts of up to about 1,000 tokens):
+        inter-token p99 490-630 ms at 256 against 950-1,200 ms at 1,024, with
+        time to first token p50 within the runs' spread.  A GPU takes
+        several thousand (8,192, as TensorRT-LLM's default ``max_num_tokens``).
     max_jump_tokens : int
         Most forced tokens a row appends in one step (jump-forward; 0: off
         for every request).  Bounds the extra width of that step's forward.
@@ -197,11 +192,12 @@ class SchedulerConfig:
         wide is taken to cost ``1 + jump_min_fill * (K - 1)`` times a
         one-token one: a step's jumps are cut to the width that adds the
         most tokens per unit of cost, and dropped when a plain step does
-        better (those rows sample under the mask instead).  Measured on the
-        2-core CPU host (SmolLM2-135M): one row jumping 8 tokens in a batch
-        of 8 made the step 134 -> 243 ms, about break-even (fill 0.125); in
-        a batch of 16, jumps without this rule cut constrained throughput to
-        0.918 of free.  0: jumps assumed free until measured.
+        better (those rows sample under the mask instead).  On the 2-core
+        CPU host one row jumping 8 tokens in a batch of 8 was about
+        break-even (fill 0.125), and jumps without this rule left
+        constrained throughput below free at 16 rows (docs/benchmarks.md,
+        jump-forward, and constrained vs unconstrained with jump-forward).
+        0: jumps assumed free until measured.
     """
 
     max_batch_size: int | None = None
@@ -552,9 +548,9 @@ class Scheduler:
     config : SchedulerConfig
         Limits and knobs.
     on_metrics : callable, optional
-        Receives a :class:`triton_support.metrics.Snapshot` of the ``llm``
+        Receives a :class:`telemetry.Snapshot` of the ``llm``
         metrics on the loop thread, when a gauge changed (at most once per
-        ``triton_support.metrics.PUBLISH_MIN_GAP_S``) or every
+        ``telemetry.PUBLISH_MIN_GAP_S``) or every
         ``metrics_interval_s`` while requests run.
 
     Raises
@@ -1191,7 +1187,7 @@ class Scheduler:
                 s.jump_safe = rows.forced_safe[j]
                 # The output's first forced run when it is not jumped (one token, `[` or `{`, or a jump the
                 # policy dropped): its first token, once sampled, streams at once like a jump's, not a
-                # step later (a step of time to first token: 45 ms at one SmolLM2 stream, more under load).
+                # step later (a step of time to first token).
                 s.safe_token = int(mstep.forced_tokens[j, 0]) if s.jump_safe and mstep.forced_tokens is not None \
                     else -1
         self._fit_jumps(order)
@@ -1199,7 +1195,7 @@ class Scheduler:
             if masked[-1] == sel[-1] == len(sel) - 1:  # both are 0..k-1 (ascending, distinct): every row masks
                 if self._device.type == "cpu":
                     # The logits are on the host: masked straight from the answer's rows (a copy into
-                    # the batch's tensor first cost 9 us against 5 us alone, more on a busy step).
+                    # the batch's tensor first cost more: docs/benchmarks.md, the serving path's fifth round).
                     self._sampler.apply_mask(logits, mstep.bitmask[: len(sel)], masked)
                     return
                 self._bitmask_np[: len(sel)] = mstep.bitmask[: len(sel)]

@@ -82,7 +82,7 @@ from contract.finish import FinishEvent, FinishReason
 from grammar_backend.errors import InvalidArgument
 from grammar_backend.regex_dialect import portable_regex
 from grammar_backend.spec import ConstraintKind, ConstraintOptions, SpecLimits, choice_ebnf, constraint_spec
-from triton_support.metrics import Snapshot
+from telemetry import Snapshot
 
 from .checkpoint import checkpoint_end_tokens
 from .detok import IncrementalDetokenizer, special_token_ids

@@ -2,7 +2,7 @@
 
 OpenAI's strict mode takes a subset of JSON Schema (every object closed,
 every property required, no ``minLength``...) because that is what its
-decoder can guarantee.  Here strict means the same promise, measured against
+decoder can guarantee.  Here strict means the same promise, judged against
 what this server's decoders guarantee instead: a schema under
 ``response_format.json_schema.strict`` or a tool's ``function.strict`` is
 taken whole when every keyword in it is enforced while decoding by the
@@ -17,10 +17,10 @@ too: both backends enforce those exactly.
 Which backend serves: the request's ``backend`` option when it names one;
 under ``auto`` either may (llguidance first for JSON, xgrammar where
 llguidance refuses the schema), so a keyword passes when one of them enforces
-it and the choice goes to that one (:mod:`grammar_backend.engine`).  What each
+it and the choice goes to that one (:mod:`grammar_service.engine`).  What each
 leaves unenforced is the backends' own fidelity report
 (:func:`grammar_backend.values.unenforced_for`: llguidance's warnings,
-xgrammar's measured table), the same one RESULT's ``json.unenforced`` reports.
+xgrammar's fidelity table), the same one RESULT's ``json.unenforced`` reports.
 
 Non-strict requests are not checked here: they take any schema, and RESULT's
 report names what decoding did not enforce.
@@ -34,7 +34,7 @@ from typing import Any, Final
 
 from contract import BACKENDS
 from grammar_backend import llg
-from grammar_backend.engine import auto_order
+from grammar_backend.backends import auto_order
 from grammar_backend.spec import ConstraintKind, ConstraintOptions, ConstraintSpec
 from grammar_backend.values import unenforced_for
 from openai_api.errors import BadRequest

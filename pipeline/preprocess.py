@@ -226,8 +226,9 @@ def _check_encodable(name: str, text: str) -> None:
 
 
 #: Constraints a preprocessing instance has refused, by a digest of their raw bytes: the refusal of
-#: the same payload again costs its hash (a 1.5 MB schema: 2 ms) instead of its parse and checks
-#: (0.4 s), so a client retrying a bad huge schema cannot hold the instance.
+#: the same payload again costs its hash instead of its parse and checks (a 1.5 MB schema: 2 ms
+#: against 0.4 s, timed alone: docs/benchmarks.md), so a client retrying a bad huge schema cannot
+#: hold the instance.
 _REFUSED: Lru[bytes, InvalidArgument] = Lru(1024)
 
 

@@ -1,4 +1,4 @@
-"""A scripted "model" driving the real grammar engine: closing measured without a language model.
+"""A scripted "model" driving the real grammar engine: closing exercised without a language model.
 
 The model writes a script (the start of an output), then a loop of text
 again and again (a runaway), one token per step, through
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from grammar_backend.bitmask import allowed_tokens
-from grammar_backend.closing import CLOSE_REASONS, CloseState
-from grammar_backend.engine import GrammarEngine
+from grammar_backend.protocol import CLOSE_STATE_REASONS, CloseState
 from grammar_backend.spec import ConstraintSpec
+from grammar_service.engine import GrammarEngine
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ def replay(engine: GrammarEngine, decode: Callable[[list[int]], str], encode: Ca
                 step_s.append(time.perf_counter() - t0)
             if out.errors[0] is not None:
                 raise out.errors[0]
-            if int(out.closing[0]) in CLOSE_REASONS:
+            if int(out.closing[0]) in CLOSE_STATE_REASONS:
                 closed = CloseState(int(out.closing[0]))
             allowed = allowed_tokens(out.bitmask[0], engine.vocab_size)
             if wanted_at < len(head):

@@ -23,7 +23,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 if TYPE_CHECKING:
-    from grammar_backend.engine import GrammarEngine
+    from grammar_service.engine import GrammarEngine
 
 __all__ = ["CHATML", "DEFAULT_CORPUS", "TinyModelInfo", "build_tiny_llama", "tiny_grammar"]
 
@@ -76,7 +76,7 @@ def tiny_grammar(tiny: TinyModelInfo, max_batch: int = 8) -> GrammarEngine:
     """The real grammar engine over the tiny model's own tokenizer and logits width (close it after use)."""
     import xgrammar as xgr
 
-    from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
+    from grammar_service.engine import GrammarEngine, GrammarEngineConfig
 
     hf = AutoTokenizer.from_pretrained(str(tiny.path), local_files_only=True)
     info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=tiny.vocab_size, stop_token_ids=[tiny.eos_token_id])

@@ -13,8 +13,9 @@ most every ``min_interval_s``, and soon after a gauge changes, but never
 within :data:`PUBLISH_MIN_GAP_S` of the last publication: the stub's metric
 calls hold the GIL while they wait for tritonserver, so a model that
 published on every gauge change (each request's start and end) spent 5-9 %
-of its time there at 16 streams of the tiny stand-in (py-spy, ``--gil``),
-time its decode loop or step thread could not run.  Counters go out as increments (their delta since the last
+of its time there at 16 streams of the tiny stand-in (``py-spy record --gil``
+on the stubs under ``make bench-path``), time its decode loop or step thread
+could not run.  Counters go out as increments (their delta since the last
 publication), gauges as values.  Latencies are exported summary-style:
 ``<name>{quantile="0.5"|"0.99"}`` gauges over the values seen since the last
 publication, plus ``<name>_sum`` / ``<name>_count`` counters (rate(sum) /
@@ -31,21 +32,17 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Final, Literal
 
-import numpy as np
+from telemetry import PUBLISH_MIN_GAP_S, Labels, Snapshot
 
 __all__ = [
     "METRICS",
-    "PUBLISH_MIN_GAP_S",
-    "QUANTILES",
-    "LatencyWindow",
     "MetricSpec",
     "MetricsPump",
     "Publisher",
-    "Snapshot",
     "TritonMetrics",
     "Update",
     "metric_names",
@@ -54,13 +51,6 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 Kind = Literal["counter", "gauge"]
-Labels = tuple[tuple[str, str], ...]
-
-#: Quantiles of the latency summaries.
-QUANTILES: Final = ("0.5", "0.99")
-#: Least time between two publications of one model: a gauge's change reaches the endpoint within
-#: about this (Prometheus scrapes every 15-30 s), and a burst of changes costs one publication.
-PUBLISH_MIN_GAP_S: Final = 0.25
 
 
 @dataclass(frozen=True)
@@ -113,7 +103,7 @@ METRICS: Final[tuple[MetricSpec, ...]] = (
     _by_backend("grammar_compile_failures_total", "counter", "Compiles that failed (bad constraint, limits)"),
     _by_backend("grammar_compile_timeouts_total", "counter", "Starts that gave up waiting for a compile"),
     _by_backend("grammar_compile_seconds_total", "counter", "Seconds spent compiling"),
-    # The on-disk store of xgrammar's compiled grammars (grammar_backend.cache.GrammarStore).
+    # The on-disk store of xgrammar's compiled grammars (grammar_service.cache.GrammarStore).
     MetricSpec("grammar_store_hits_total", "counter", "Misses served from the on-disk grammar store", "grammar"),
     MetricSpec("grammar_store_bytes", "gauge",
                "Bytes of the on-disk grammar store's files (this replica's last count of a shared folder)", "grammar"),
@@ -171,66 +161,6 @@ class Update:
     labels: Labels
     op: Literal["set", "increment"]
     value: float
-
-
-@dataclass
-class Snapshot:
-    """Values of one publication: cumulative counters and present gauges, by name and labels."""
-
-    values: dict[tuple[str, Labels], float] = field(default_factory=dict)
-
-    def put(self, name: str, value: float, **labels: str) -> None:
-        """Set the value of one series."""
-        self.values[(name, tuple(sorted(labels.items())))] = float(value)
-
-    def add(self, name: str, delta: float = 1.0, **labels: str) -> None:
-        """Add to one series (a counter kept in the snapshot itself)."""
-        key = (name, tuple(sorted(labels.items())))
-        self.values[key] = self.values.get(key, 0.0) + delta
-
-    def put_latency(self, name: str, window: LatencyWindow) -> None:
-        """The window's quantiles (when it saw values) and its cumulative sum and count."""
-        qs = window.quantiles()
-        if qs is not None:
-            for q, v in zip(QUANTILES, qs, strict=True):
-                self.put(name, v, quantile=q)
-        self.put(f"{name}_sum", window.total_s)
-        self.put(f"{name}_count", window.count)
-
-
-class LatencyWindow:
-    """Durations since the last publication in a preallocated ring, plus cumulative sum and count.
-
-    ``add`` is O(1) and allocation-free (called per step); ``quantiles``
-    reads and clears the window (called per publication).  Thread-safe.
-    """
-
-    def __init__(self, capacity: int = 4096) -> None:
-        self._ring = np.zeros(capacity)
-        self._n = 0
-        self._lock = threading.Lock()
-        self.total_s = 0.0
-        self.count = 0
-
-    def add(self, seconds: float) -> None:
-        """Record one duration (NaN and infinities are ignored)."""
-        if not math.isfinite(seconds):
-            return
-        with self._lock:
-            self._ring[self._n % self._ring.shape[0]] = seconds
-            self._n += 1
-            self.total_s += seconds
-            self.count += 1
-
-    def quantiles(self) -> tuple[float, ...] | None:
-        """p50 and p99 of the window (``None`` when empty), and start a new window."""
-        with self._lock:
-            n = min(self._n, self._ring.shape[0])
-            if n == 0:
-                return None
-            out = tuple(float(v) for v in np.quantile(self._ring[:n], [float(q) for q in QUANTILES]))
-            self._n = 0
-            return out
 
 
 class Publisher:

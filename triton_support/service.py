@@ -16,19 +16,18 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 import contract
-from contract import bitmask_width
-from grammar_backend.cache import STORE_MAX_BYTES, CacheConfig
-from grammar_backend.channel import ChannelServer, ChannelStart, ChannelStep
-from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
 from grammar_backend.errors import ConstraintError, GrammarError
 from grammar_backend.llg import LlgBackend
-from grammar_backend.protocol import MaskStep
-from grammar_backend.sequences import TableConfig
+from grammar_backend.protocol import MaskStep, bitmask_width
 from grammar_backend.spec import ConstraintSpec, SpecLimits, constraint_spec
 from grammar_backend.tokenizer import load_tokenizer
-from grammar_backend.workers import WorkerConfig
-from triton_support.maskbuf import Attached
-from triton_support.metrics import LatencyWindow, Snapshot
+from grammar_service.cache import STORE_MAX_BYTES, CacheConfig
+from grammar_service.engine import GrammarEngine, GrammarEngineConfig
+from grammar_service.table import TableConfig
+from grammar_service.transport.channel import ChannelServer, ChannelStart, ChannelStep
+from grammar_service.transport.maskbuf import Attached
+from grammar_service.workers import WorkerConfig
+from telemetry import LatencyWindow, Snapshot
 
 OPS = ("start", "step", "rollback", "end", "stats", "channel")
 
@@ -47,9 +46,9 @@ class GrammarModelConfig:
     ``compile_timeout_s`` for its compile; a compile is stopped past
     ``compile_cpu_s`` CPU seconds (twice that in wall time) or
     ``compile_memory_bytes`` of memory, and refused when its grammar exceeds
-    ``max_grammar_bytes`` (see :mod:`grammar_backend.workers`).
+    ``max_grammar_bytes`` (see :mod:`grammar_service.workers`).
     ``store_dir`` is the on-disk grammar store (empty: none), bounded by
-    ``store_max_bytes`` (empty: :data:`~grammar_backend.cache.STORE_MAX_BYTES`).
+    ``store_max_bytes`` (empty: :data:`~grammar_service.cache.STORE_MAX_BYTES`).
     """
 
     tokenizer: str
@@ -144,7 +143,7 @@ class GrammarReply:
     row_errors: list[str] = field(default_factory=list)  # rollback: empty where no row failed
     stats: str | None = None
     backend: str | None = None  # start: the backend that serves the sequence
-    channel: str | None = None  # channel: the grammar channel's socket (grammar_backend.channel)
+    channel: str | None = None  # channel: the grammar channel's socket (grammar_service.transport.channel)
 
 
 class GrammarService:
@@ -166,7 +165,7 @@ class GrammarService:
         self._channel: ChannelServer | None = None
 
     def open_channel(self, on_served: Callable[[str], None] | None = None) -> str:
-        """Listen on the grammar channel (:mod:`grammar_backend.channel`); returns the socket's path.
+        """Listen on the grammar channel (:mod:`grammar_service.transport.channel`); returns the socket's path.
 
         ``on_served`` gets each served request's op name, on its connection's thread.
 
@@ -185,7 +184,7 @@ class GrammarService:
             self._channel.close()
             self._channel = None
 
-    # -- the grammar channel's requests (grammar_backend.channel.ChannelHandler) ----------
+    # -- the grammar channel's requests (grammar_service.transport.channel.ChannelHandler) ----------
     def channel_step(self, step: ChannelStep) -> MaskStep:
         """A step that came over the channel: exactly :meth:`handle`'s ``step``."""
         reply = self.handle(GrammarRequest(op="step", seq_ids=step.seq_ids, tokens=step.tokens, counts=step.counts,
@@ -242,7 +241,7 @@ class GrammarService:
             snap.put("grammar_compile_failures_total", c.compile_failures, backend=backend)
             snap.put("grammar_compile_timeouts_total", c.timeouts, backend=backend)
             snap.put("grammar_compile_seconds_total", c.compile_seconds, backend=backend)
-        store = eng.cache.stats().store  # xgrammar's only: llguidance compiles in about 1 ms
+        store = eng.cache.stats().store  # xgrammar's only: llguidance's lazy compiles are not worth storing
         snap.put("grammar_store_hits_total", store.hits)
         snap.put("grammar_store_bytes", store.bytes)
         snap.put("grammar_store_evictions_total", store.evictions)

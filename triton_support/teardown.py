@@ -4,7 +4,7 @@ Triton 2.51's Python-backend stub tears its shared memory down before the
 embedded interpreter finalizes.  Any ``pb_utils`` object still alive then
 (a metric, a cached tensor, an inference response held by a reference
 cycle) runs its C++ destructor in ``Py_FinalizeEx``'s garbage collection
-against freed shared memory: measured on SIGTERM shutdowns, segfaults in
+against freed shared memory: seen on SIGTERM shutdowns, segfaults in
 ``MetricFamily::~MetricFamily`` (2 of 2), ``PbTensor::~PbTensor`` and
 ``InferResponse`` disposal.  The models drop what they hold in ``finalize``
 and then call :func:`quiesce_for_exit`.

@@ -1,7 +1,7 @@
 """Schema fidelity of xgrammar decoding, and full post-validation of outputs.
 
 Three jobs, one module each: :mod:`.table` (what xgrammar 0.2.9 enforces of
-each keyword, as measured), :mod:`.walker` (which keywords of one schema
+each keyword, each row pinned by a test), :mod:`.walker` (which keywords of one schema
 decoding leaves unenforced, following the table), :mod:`.validator` (parse a
 finished output and validate it against the full schema); :mod:`.report`
 holds the records they return.  ``$ref`` resolution goes through
@@ -92,12 +92,10 @@ names a character JSON must escape, which xgrammar would write into the
 string raw.  The same module narrows the class of length-bounded strings to
 what JSON allows unescaped: xgrammar's admits raw control characters.
 
-Costs, measured for a 2.6 kB schema of 50 properties on the shared 2-core
-development machine (load average about 6, so upper figures): the Draft 2020-12
-meta-schema check dominates building a :class:`PostValidator` or calling
-:func:`unenforced_keywords` (7-14 ms); the keyword walk itself is 0.05 ms;
-validating a 1.4 kB output takes 0.15-0.3 ms; a :func:`validator_for` cache hit
-0.02-0.06 ms.  Build one :class:`PostValidator` per constraint and take
+Costs: the Draft 2020-12 meta-schema check dominates building a
+:class:`PostValidator` or calling :func:`unenforced_keywords` (over a hundred
+times the keyword walk; no bench times these, the figures are in
+docs/benchmarks.md).  Build one :class:`PostValidator` per constraint and take
 :meth:`PostValidator.unenforced` from it to pay the meta-schema check once.
 """
 

@@ -1,4 +1,4 @@
-"""What xgrammar 0.2.9 enforces of each JSON Schema keyword, as measured (each row pinned by
+"""What xgrammar 0.2.9 enforces of each JSON Schema keyword (each row pinned by
 cases in ``tests/unit/test_fidelity_table.py``), and the constants the walk uses."""
 
 from __future__ import annotations

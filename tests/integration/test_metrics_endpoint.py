@@ -18,8 +18,9 @@ import pytest
 from client import Client, Constraint
 from deploy.drain import Series, drain, scrape, value
 from deploy.server import TritonServer
+from telemetry import QUANTILES
 from tests.support.poll import poll
-from triton_support.metrics import METRICS, QUANTILES, metric_names
+from triton_support.metrics import METRICS, metric_names
 
 pytestmark = [pytest.mark.triton, pytest.mark.e2e]
 

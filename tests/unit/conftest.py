@@ -68,7 +68,7 @@ def tiny_encode(text: str) -> list[int]:
 @pytest.fixture()
 def channel_service(tiny_info: xgr.TokenizerInfo) -> Iterator[Any]:
     """A grammar service over the tiny vocabulary, listening on its grammar channel; no sequence may leak."""
-    from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
+    from grammar_service.engine import GrammarEngine, GrammarEngineConfig
     from triton_support.service import GrammarService
 
     svc = GrammarService(GrammarEngine(tiny_info, "fp", GrammarEngineConfig(max_batch=4), encode=tiny_encode))

@@ -25,7 +25,10 @@ from pathlib import Path
 import pytest
 import xgrammar as xgr
 
-from grammar_backend.cache import (
+from grammar_backend.compile import compile_spec
+from grammar_backend.errors import CompileError, CompileTimeout, ConfigError
+from grammar_backend.spec import parse_constraint
+from grammar_service.cache import (
     STORE_MAX_BYTES,
     STORE_TMP_GRACE_S,
     CacheConfig,
@@ -33,9 +36,6 @@ from grammar_backend.cache import (
     GrammarStore,
     StoreStats,
 )
-from grammar_backend.compile import compile_spec
-from grammar_backend.errors import CompileError, CompileTimeout, ConfigError
-from grammar_backend.spec import parse_constraint
 from tests.unit.conftest import TINY_STOP, load_schema, tiny_encode
 from triton_support.params import from_parameters
 from triton_support.service import GrammarModelConfig
@@ -370,7 +370,7 @@ def test_store_failures_log_once_a_minute_per_kind(tmp_path: Path, tiny_info: xg
     cache = CompileCache(CacheConfig(store_dir=str(root)), tiny_info, clock=lambda: now[0])
     shutil.rmtree(root)
     root.write_text("")
-    with caplog.at_level(logging.WARNING, logger="grammar_backend.cache"):
+    with caplog.at_level(logging.WARNING, logger="grammar_service.cache"):
         for i in range(5):
             cache.get(_key(i), Counter(compiler, "regex", f"a{{{i + 1}}}"))
         now[0] += 61

@@ -22,7 +22,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from grammar_backend.channel import (
+from grammar_backend.errors import RemoteGrammarError
+from grammar_backend.protocol import MaskStep
+from grammar_service.transport.channel import (
     _PREFIX,
     HELLO_MAGIC,
     ChannelBroken,
@@ -30,10 +32,8 @@ from grammar_backend.channel import (
     decode_reply,
     encode_reply,
 )
-from grammar_backend.errors import RemoteGrammarError
-from grammar_backend.protocol import MaskStep
+from grammar_service.transport.maskbuf import SHM_DIR, MaskBuffer
 from tests.unit.conftest import TINY_VOCAB_SIZE
-from triton_support.maskbuf import SHM_DIR, MaskBuffer
 from triton_support.service import GrammarRequest, GrammarService
 
 pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm on this machine")

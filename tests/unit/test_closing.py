@@ -18,17 +18,17 @@ from grammar_backend.bitmask import BitmaskBuffer, allowed_tokens, few_allowed, 
 from grammar_backend.closing import (
     Closer,
     CloserConfig,
-    CloseState,
     ClosingConfig,
     RepeatConfig,
     RepeatDetector,
 )
 from grammar_backend.compile import compile_spec
-from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
 from grammar_backend.errors import ConfigError
 from grammar_backend.fidelity import validate_output
+from grammar_backend.protocol import CloseState
 from grammar_backend.sequences import FREE, GrammarSequence
 from grammar_backend.spec import parse_constraint
+from grammar_service.engine import GrammarEngine, GrammarEngineConfig
 from tests.support import assets
 from tests.unit.conftest import TINY_STOP, TINY_VOCAB, TINY_VOCAB_SIZE, tiny_encode
 
@@ -452,12 +452,12 @@ def test_a_check_inside_a_character_waits_for_its_end(
     seq.accept(qwen_tokenizer.encode('{"name":"'))
     byte_tokens = [closer.spell(bytes([b])) for b in "🚀".encode()]
     seq.accept([byte_tokens[0][0]])  # type: ignore[index]
-    seq.next_check = seq.tokens_accepted  # a check is due
+    seq.close.next_check = seq.tokens_accepted  # a check is due
     assert seq.plan(closer, stop) == FREE
-    assert searched_at == [] and seq.utf8_need == 3  # inside the character: no search
+    assert searched_at == [] and seq.close.utf8_need == 3  # inside the character: no search
     seq.accept([t[0] for t in byte_tokens[1:]])  # type: ignore[index]
     seq.plan(closer, stop)
-    assert seq.utf8_need == 0 and searched_at == [seq.tokens_accepted]
+    assert seq.close.utf8_need == 0 and searched_at == [seq.tokens_accepted]
 
 
 def test_bitmask_allows(qwen_info: xgr.TokenizerInfo) -> None:
@@ -589,9 +589,9 @@ def test_a_runaway_value_in_a_large_schema_closes_validly(
     head = smol.hf.encode(prefix, add_special_tokens=False)
     seq.accept(head)
     taken, stopped = _run(seq, smol_closer, stop, smol.hf.encode(runaway, add_special_tokens=False), budget)
-    assert stopped and seq.close_state == state and seq.forced is not None
+    assert stopped and seq.close_state == state and seq.close.forced is not None
     assert len(head) + len(taken) + 1 <= budget
-    assert len(taken) - len(seq.forced) <= most_runaway  # the runaway's tokens before the forced completion
+    assert len(taken) - len(seq.close.forced) <= most_runaway  # the runaway's tokens before the forced completion
     text = smol.hf.decode(head + taken)
     assert validate_output(schema, text).valid, text[-200:]
 
@@ -708,13 +708,13 @@ def test_a_rollback_keeps_the_top_level_text_and_ends_the_digit_run(
     for token in tokens:
         seq.accept([token])
         seq.plan(smol_closer, stop)
-    assert seq.digit_run == 5
+    assert seq.close.digit_run == 5
     seq.accept(smol.hf.encode("67", add_special_tokens=False))  # not planned yet: folded in by the rollback
     seq.rollback(back)
     seq.plan(smol_closer, stop)
-    assert seq.scalar_tokens is not None and len(seq.scalar_tokens) == seq.tokens_accepted
-    assert smol_closer.text(seq.scalar_tokens) == (b'"ab1234567'[: len('"ab1234567') - back])
-    assert seq.digit_run == (7 if back == 0 else 0)
+    assert seq.close.scalar_tokens is not None and len(seq.close.scalar_tokens) == seq.tokens_accepted
+    assert smol_closer.text(seq.close.scalar_tokens) == (b'"ab1234567'[: len('"ab1234567') - back])
+    assert seq.close.digit_run == (7 if back == 0 else 0)
 
 
 

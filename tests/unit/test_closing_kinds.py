@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 
 from grammar_backend.bitmask import allowed_tokens
-from grammar_backend.closing import CloseState
-from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
 from grammar_backend.fidelity import validate_output
 from grammar_backend.llg import LlgBackend
+from grammar_backend.protocol import CloseState
 from grammar_backend.spec import parse_constraint
 from grammar_backend.tokenizer import TokenizerBundle, load_tokenizer
+from grammar_service.engine import GrammarEngine, GrammarEngineConfig
 from openai_api.tools import CALL_CLOSE, CALL_OPEN, Tool, call_prefix, tool_constraint
 from standins.scripted import Replay, replay
 from tests.support import assets

@@ -22,7 +22,7 @@ import contract
 from client import Constraint
 from client.errors import InvalidConstraint, InvalidRequest
 from client.sdk import build_inputs
-from grammar_backend import closing, spec
+from grammar_backend import protocol, spec
 from grammar_backend.errors import ConstraintError, InvalidArgument
 from pipeline import postprocess
 from pipeline.preprocess import PreprocessConfig, RawRequest, parse_params
@@ -266,7 +266,7 @@ def test_every_layer_reads_the_contract() -> None:
     assert spec.OPTION_NAMES is contract.OPTION_NAMES
     assert spec.ON_BUDGET is contract.POLICIES["on_budget"] is constraints.ON_BUDGET
     assert spec.SpecLimits().max_payload_bytes == contract.MAX_CONSTRAINT_BYTES == constraints.MAX_CONSTRAINT_BYTES
-    assert tuple(closing.CLOSE_REASONS.values()) == contract.CLOSE_REASONS
+    assert tuple(protocol.CLOSE_STATE_REASONS.values()) == contract.CLOSE_REASONS
     assert set(sdk.CLOSE_REASONS) == set(contract.CLOSE_REASONS)
     assert postprocess.FINISH_REASONS is contract.FINISH_REASONS
     assert set(sdk.FINISH_REASONS) == set(contract.FINISH_REASONS)

@@ -21,8 +21,25 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = ("contract", "grammar_backend", "triton_support", "pipeline", "llm_runtime", "client", "openai_api",
-            "deploy")
+PACKAGES = ("contract", "telemetry", "grammar_backend", "grammar_service", "triton_support", "pipeline", "llm_runtime",
+            "client", "openai_api", "deploy")
+
+#: The layers' upward edges, forbidden: a package and the project packages it must not import.
+#: ``contract`` and ``telemetry`` are the floor; the grammar core computes and the service serves it;
+#: the decode loop and the Triton glue sit side by side above the service, neither knowing the other.
+FORBIDDEN_EDGES: dict[str, frozenset[str]] = {
+    "contract": frozenset(PACKAGES) - {"contract"},
+    "telemetry": frozenset(PACKAGES) - {"telemetry"},
+    "client": frozenset(PACKAGES) - {"client", "contract"},
+    "grammar_backend": frozenset(PACKAGES) - {"grammar_backend", "contract"},
+    "grammar_service": frozenset({"triton_support", "pipeline", "llm_runtime", "client", "openai_api", "deploy"}),
+    "llm_runtime": frozenset({"triton_support", "pipeline", "client", "openai_api", "deploy"}),
+    "triton_support": frozenset({"llm_runtime", "pipeline", "client", "openai_api", "deploy"}),
+}
+#: What the grammar core never imports: it holds no sockets, threads, processes or shared memory
+#: (:mod:`grammar_service` runs it on threads and processes, its transports carry the step).
+CORE_FORBIDDEN = frozenset({"socket", "threading", "_thread", "multiprocessing", "mmap", "concurrent", "select",
+                            "signal", "subprocess", "asyncio"})
 
 Graph = dict[str, set[str]]
 
@@ -87,22 +104,29 @@ def _known(name: str, modules: dict[str, Path]) -> str | None:
     return None
 
 
+def imported_names(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """Every absolute name ``module`` imports, project or not (see the module docstring for what counts).
+
+    ``from pkg import mod`` names the module ``pkg.mod`` where it is one of ``modules``; otherwise
+    ``from mod import name`` names ``mod``.
+    """
+    names: set[str] = set()
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    for node in _imports(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        else:
+            base = _base(module, path.name == "__init__.py", node)
+            names.update(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names)
+    return names
+
+
 def import_graph(modules: dict[str, Path]) -> Graph:
     """``{module: the modules of ``modules`` it imports}`` (see the module docstring for what counts)."""
     graph: Graph = {}
     for module, path in modules.items():
-        edges: set[str] = set()
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-        for node in _imports(tree):
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            else:
-                base = _base(module, path.name == "__init__.py", node)
-                # `from pkg import mod` imports the module pkg.mod; `from mod import name`, mod.
-                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
-                           for alias in node.names]
-            edges.update(t for t in (_known(name, modules) for name in targets) if t is not None and t != module)
-        graph[module] = edges
+        known = (_known(name, modules) for name in imported_names(module, path, modules))
+        graph[module] = {t for t in known if t is not None and t != module}
     return graph
 
 
@@ -148,6 +172,47 @@ def test_product_packages_import_without_a_circle() -> None:
     assert not {"llm_runtime.trtllm_engine", "llm_runtime.trtllm_decoder"} & graph["llm_runtime.trtllm_api"]
     cycle = find_cycle(graph)
     assert cycle is None, "import circle: " + " -> ".join(cycle or [])
+
+
+def test_no_layer_imports_one_above_it() -> None:
+    modules = module_files(REPO, PACKAGES)
+    graph = import_graph(modules)
+    upward = sorted(f"{module} -> {target}" for module, targets in graph.items() for target in targets
+                    if target.split(".")[0] in FORBIDDEN_EDGES.get(module.split(".")[0], frozenset()))
+    assert upward == []
+    # The edges the rules are about exist, so a rule is not vacuous.
+    assert "grammar_backend.protocol" in graph["llm_runtime.mask"]
+    assert "grammar_service.transport.channel" in graph["llm_runtime.remote_mask"]
+    assert "telemetry" in graph["llm_runtime.scheduler"] and "telemetry" in graph["triton_support.metrics"]
+
+
+def test_the_grammar_core_holds_no_threads_sockets_processes_or_shared_memory() -> None:
+    modules = module_files(REPO, PACKAGES)
+    found = sorted(f"{module}: {name}" for module, path in modules.items() if module.split(".")[0] == "grammar_backend"
+                   for name in imported_names(module, path, modules) if name.split(".")[0] in CORE_FORBIDDEN)
+    assert found == []
+    service = {name.split(".")[0] for module, path in modules.items() if module.startswith("grammar_service")
+               for name in imported_names(module, path, modules)}
+    assert {"threading", "socket", "concurrent", "select"} <= service  # where they went
+
+
+@pytest.mark.parametrize(
+    ("text", "names"),
+    [
+        ("import threading\n", {"threading"}),
+        ("from concurrent.futures import Future\n", {"concurrent.futures"}),
+        ("def f():\n    import socket\n", {"socket"}),
+        ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import mmap\n", {"typing"}),
+        ("from . import b\n", {"pkg.b"}),
+    ],
+    ids=["import", "from", "lazy", "type-checking", "relative"],
+)
+def test_imported_names(tmp_path: Path, text: str, names: set[str]) -> None:
+    (tmp_path / "pkg").mkdir()
+    for name, body in {"__init__.py": "", "a.py": text, "b.py": ""}.items():
+        (tmp_path / "pkg" / name).write_text(body)
+    modules = module_files(tmp_path, ("pkg",))
+    assert imported_names("pkg.a", modules["pkg.a"], modules) == names
 
 
 # The checker itself, on small packages: (files, the circle it must report or None).

@@ -11,9 +11,7 @@ import numpy as np
 import pytest
 import xgrammar as xgr
 
-from grammar_backend.bitmask import BitmaskBuffer, allowed_tokens, bitmask_width
-from grammar_backend.cache import CacheConfig
-from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
+from grammar_backend.bitmask import BitmaskBuffer, allowed_tokens
 from grammar_backend.errors import (
     CompileError,
     CompileQueueFull,
@@ -22,7 +20,10 @@ from grammar_backend.errors import (
     DuplicateSequence,
     GrammarError,
 )
+from grammar_backend.protocol import bitmask_width
 from grammar_backend.spec import parse_constraint
+from grammar_service.cache import CacheConfig
+from grammar_service.engine import GrammarEngine, GrammarEngineConfig
 from tests.unit.conftest import (
     TINY_STOP,
     TINY_VOCAB,

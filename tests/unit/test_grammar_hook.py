@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 import torch
 
-from contract import bitmask_width
-from grammar_backend.engine import GrammarEngine
 from grammar_backend.errors import GrammarError
+from grammar_backend.protocol import bitmask_width
+from grammar_service.engine import GrammarEngine
 from llm_runtime.engine import TorchEngine, TorchEngineConfig
 from llm_runtime.errors import EngineError
 from llm_runtime.grammar_hook import GrammarRows, RowOutcome

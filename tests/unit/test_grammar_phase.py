@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import xgrammar as xgr
 
-from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
 from grammar_backend.spec import parse_constraint
+from grammar_service.engine import GrammarEngine, GrammarEngineConfig
 from llm_runtime.grammar_phase import GrammarPhase
 from llm_runtime.local_mask import LocalMaskProvider
 from llm_runtime.mask import ROW_DROP, ROW_ERROR, ROW_MASK, ROW_STOP, MaskStep

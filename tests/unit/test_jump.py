@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import xgrammar as xgr
 
-from grammar_backend.closing import CloseState
-from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
 from grammar_backend.errors import GrammarError
 from grammar_backend.jump import JumpForward, pack_forced
+from grammar_backend.protocol import CloseState
 from grammar_backend.spec import parse_constraint
+from grammar_service.engine import GrammarEngine, GrammarEngineConfig
 from tests.unit.conftest import TINY_VOCAB, load_schema, tiny_encode
 
 #: A vocabulary with a multi-byte UTF-8 character in pieces, and tokens that extend others.

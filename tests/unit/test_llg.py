@@ -12,11 +12,11 @@ import pytest
 import xgrammar as xgr
 
 from grammar_backend.bitmask import allowed_tokens
-from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
 from grammar_backend.errors import BackendFailed, CompileError, TokenRejected
 from grammar_backend.llg import LlgBackend, json_compile_options, refusal
 from grammar_backend.llg import unenforced_keywords as llg_unenforced
 from grammar_backend.spec import ConstraintOptions, parse_constraint
+from grammar_service.engine import GrammarEngine, GrammarEngineConfig
 from tests.unit.conftest import load_schema
 from triton_support.service import GrammarService
 
@@ -146,7 +146,7 @@ def test_auto_serves_a_slow_xgrammar_compile_with_llguidance(engine: GrammarEngi
 @pytest.mark.parametrize(
     ("kind", "payload", "options", "order"),
     [
-        # Measured on maskbench-dev: llguidance first for JSON (grammar_backend.engine.auto_order).
+        # Measured on maskbench-dev: llguidance first for JSON (grammar_backend.backends.auto_order).
         ("json_schema", '{"type":"object"}', None, ("llguidance", "xgrammar")),
         ("json_object", "", {"whitespace": "any"}, ("llguidance", "xgrammar")),
         ("regex", "[a-z]+", None, ("xgrammar", "llguidance")),

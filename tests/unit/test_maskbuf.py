@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import xgrammar as xgr
 
-from grammar_backend.bitmask import bitmask_width
-from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
 from grammar_backend.errors import ConstraintError
+from grammar_backend.protocol import bitmask_width
+from grammar_service.engine import GrammarEngine, GrammarEngineConfig
+from grammar_service.transport.maskbuf import SHM_DIR, Attached, MaskBuffer
 from tests.unit.conftest import TINY_VOCAB_SIZE, tiny_encode
-from triton_support.maskbuf import SHM_DIR, Attached, MaskBuffer
 from triton_support.service import GrammarReply, GrammarRequest, GrammarService
 
 pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm on this machine")
@@ -110,11 +110,11 @@ def test_buffers_of_dead_creators_are_removed(tmp_path: Path) -> None:
 
 
 def test_attached_keeps_at_most_capacity_buffers_open(tmp_path: Path) -> None:
-    bufs = [MaskBuffer.create(1, 32, directory=tmp_path) for _ in range(3)]
-    attached = Attached(1, capacity=2, directory=tmp_path)
+    bufs = [MaskBuffer.create(1, 32, directory=tmp_path) for _ in range(5)]
+    attached = Attached(1, capacity=4, directory=tmp_path)
     for b in bufs:
         attached.rows(b.name, 1)[:] = 7
         assert int(b.array[0, 0]) == 7
-    assert len(attached._open) == 2
+    assert len(attached._open) == 3  # the first two went when the third and fourth filled a generation
     for b in bufs:
         b.close()

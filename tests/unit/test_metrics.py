@@ -14,18 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from triton_support.metrics import (
-    METRICS,
-    PUBLISH_MIN_GAP_S,
-    QUANTILES,
-    LatencyWindow,
-    MetricsPump,
-    Publisher,
-    Snapshot,
-    TritonMetrics,
-    Update,
-    metric_names,
-)
+from telemetry import PUBLISH_MIN_GAP_S, QUANTILES, LatencyWindow, Snapshot
+from triton_support.metrics import METRICS, MetricsPump, Publisher, TritonMetrics, Update, metric_names
 
 REPO = Path(__file__).resolve().parents[2]
 XGR = (("backend", "xgrammar"),)
@@ -193,9 +183,9 @@ def _by_backend(values: dict[tuple[str, tuple[tuple[str, str], ...]], float], ba
 
 def test_cache_metrics_count_every_backend(qwen_tokenizer: Any, qwen_info: Any) -> None:
     """llguidance starts move the llguidance-labelled cache series (they read 0 unlabelled before); xgrammar's stay 0."""
-    from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
     from grammar_backend.llg import LlgBackend
     from grammar_backend.spec import parse_constraint
+    from grammar_service.engine import GrammarEngine, GrammarEngineConfig
     from triton_support.service import GrammarService
 
     stops = [int(t) for t in qwen_info.stop_token_ids]
@@ -230,9 +220,9 @@ def test_store_metrics_report_a_failing_store(tmp_path: Path, tiny_info: Any) ->
     """A store folder replaced by a file: the start is served; the snapshot counts the failed read and write."""
     import shutil
 
-    from grammar_backend.cache import CacheConfig
-    from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
     from grammar_backend.spec import parse_constraint
+    from grammar_service.cache import CacheConfig
+    from grammar_service.engine import GrammarEngine, GrammarEngineConfig
     from triton_support.service import GrammarService
 
     root = tmp_path / "store"

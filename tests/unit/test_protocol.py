@@ -11,7 +11,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from grammar_backend.channel import _FIELD_BITS, _REPLY, NO_MASK, decode_reply, encode_reply
 from grammar_backend.protocol import (
     BITMASK_TENSOR,
     JUMP_TENSORS,
@@ -22,6 +21,7 @@ from grammar_backend.protocol import (
     answer_from_tensors,
     answer_tensors,
 )
+from grammar_service.transport.channel import _FIELD_BITS, _REPLY, NO_MASK, decode_reply, encode_reply
 
 REPO = Path(__file__).resolve().parents[2]
 #: Triton's type of each wire dtype (model_repository/grammar/config.pbtxt.in).

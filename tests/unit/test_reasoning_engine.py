@@ -20,14 +20,14 @@ import numpy as np
 import pytest
 import xgrammar as xgr
 
-from contract import REASONING_STATES, CloseState
 from contract.reasoning import Reasoning, split_reasoning
 from grammar_backend.bitmask import allowed_tokens
-from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
 from grammar_backend.errors import SequenceError
 from grammar_backend.jump import PrefixIndex
+from grammar_backend.protocol import REASONING_STATES, CloseState
 from grammar_backend.reasoning import MarkerTable, ReasoningConfig
 from grammar_backend.spec import ConstraintSpec, parse_constraint
+from grammar_service.engine import GrammarEngine, GrammarEngineConfig
 
 V = 151936
 THINK = Reasoning(end="</think>", start="<think>")

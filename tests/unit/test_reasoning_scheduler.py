@@ -23,8 +23,8 @@ import xgrammar as xgr
 from transformers import AutoTokenizer
 
 from contract.reasoning import Reasoning, ReasoningSplitter, split_reasoning
-from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
 from grammar_backend.spec import parse_constraint
+from grammar_service.engine import GrammarEngine, GrammarEngineConfig
 from llm_runtime.engine import TorchEngine, TorchEngineConfig
 from llm_runtime.local_mask import LocalMaskProvider
 from llm_runtime.mask import ConstraintRequest

@@ -20,11 +20,11 @@ import pytest
 
 from grammar_backend.errors import RemoteGrammarError
 from grammar_backend.protocol import answer_tensors
+from grammar_service.transport.maskbuf import SHM_DIR
 from llm_runtime import remote_mask
 from llm_runtime.mask import ConstraintRequest
 from llm_runtime.remote_mask import RemoteMaskProvider
 from tests.unit.conftest import TINY_VOCAB_SIZE
-from triton_support.maskbuf import SHM_DIR
 from triton_support.service import GrammarRequest, GrammarService
 
 pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm on this machine")

@@ -23,13 +23,13 @@ import pytest
 import xgrammar as xgr
 from transformers import AutoTokenizer
 
-from grammar_backend.engine import GrammarEngine
 from grammar_backend.errors import (
     CompileError,
     ConstraintError,
     DuplicateSequence,
     UnknownSequence,
 )
+from grammar_service.engine import GrammarEngine
 from llm_runtime.engine import TorchEngine, TorchEngineConfig
 from llm_runtime.errors import Overloaded, RequestError, SchedulerClosed
 from llm_runtime.grammar_phase import JumpPolicy

@@ -15,8 +15,8 @@ from grammar_backend.errors import (
     TokenRejected,
     UnknownSequence,
 )
-from grammar_backend.sequences import SequenceTable, TableConfig
 from grammar_backend.spec import ConstraintSpec, parse_constraint
+from grammar_service.table import SequenceTable, TableConfig
 from tests.unit.conftest import TINY_STOP, tiny_encode
 
 SPEC = parse_constraint("regex", "ab(c|d)+")

@@ -13,8 +13,6 @@ import pytest
 import xgrammar as xgr
 
 from grammar_backend.bitmask import allowed_tokens
-from grammar_backend.closing import CloseState
-from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
 from grammar_backend.errors import (
     CompileError,
     ConfigError,
@@ -22,8 +20,9 @@ from grammar_backend.errors import (
     DuplicateSequence,
     GrammarError,
 )
-from grammar_backend.protocol import MaskStep
+from grammar_backend.protocol import CloseState, MaskStep
 from grammar_backend.spec import parse_constraint
+from grammar_service.engine import GrammarEngine, GrammarEngineConfig
 from tests.support import assets
 from tests.unit.conftest import TINY_STOP, TINY_VOCAB_SIZE, tiny_encode
 from triton_support.params import from_parameters, parameter_values

@@ -8,7 +8,12 @@ import threading
 
 import pytest
 
-from llm_runtime.streaming import DeltaCoalescer, Outbox
+from contract.finish import FinishEvent
+from contract.reasoning import Reasoning
+from llm_runtime.errors import CANCELLED
+from llm_runtime.logprobs import TokenLogprobs
+from llm_runtime.scheduler import TokenEvent
+from llm_runtime.streaming import CANCEL_POLL_EVERY, DeltaCoalescer, Outbox, ResponseStream, StreamPart
 
 
 class Clock:
@@ -87,3 +92,58 @@ def test_close_waits_for_what_is_queued() -> None:
     with pytest.raises(TimeoutError, match=r"^the outbox did not drain within 0\.1 s$"):
         outbox.close(timeout_s=0.1)
     gate.set()
+
+
+class Sink:
+    """What a model's sender was asked to send, and on which thread."""
+
+    def __init__(self) -> None:
+        self.sent: list[StreamPart | str] = []
+        self.threads: set[str] = set()
+
+    def send_part(self, part: StreamPart) -> None:
+        self.threads.add(threading.current_thread().name)
+        self.sent.append(part)
+
+    def send_cancelled(self) -> None:
+        self.sent.append("cancelled")
+
+    def poll_cancel(self) -> None:
+        self.sent.append("poll")
+
+
+DONE = FinishEvent(finish_reason="stop", text="", prompt_tokens=1, completion_tokens=3)
+LP = TokenLogprobs(token=7, logprob=-0.5, top=())
+
+
+@pytest.mark.parametrize(
+    ("reasoning", "logprobs", "deltas", "sent"),
+    [
+        # interval 0: every delta goes at once; the final carries what is left (nothing) and the state
+        (None, False, ["a", "b"], [StreamPart("a"), StreamPart("b"), StreamPart("", final=DONE)]),
+        (None, True, ["a"], [StreamPart("a", logprobs=[LP]), StreamPart("", logprobs=[], final=DONE)]),
+        # a thinking section: its text apart from the answer's (markers left out)
+        (Reasoning(end="</t>", start="<t>"), False, ["<t>hm", "</t>", "ok"],
+         [StreamPart("", "hm"), StreamPart("ok"), StreamPart("", final=DONE)]),
+    ],
+    ids=["text", "logprobs", "thinking"],
+)
+def test_a_response_stream_sends_its_parts_in_order_on_the_outbox(
+        reasoning: Reasoning | None, logprobs: bool, deltas: list[str], sent: list[StreamPart]) -> None:
+    sink, outbox = Sink(), Outbox("test-outbox")
+    stream = ResponseStream(sink, outbox, 0.0, reasoning=reasoning, logprobs=logprobs)
+    for delta in deltas:
+        stream(TokenEvent(delta, (7,), (LP,) if logprobs else None))
+    stream(DONE)
+    outbox.close()
+    assert sink.sent == sent and sink.threads == {"test-outbox"}
+
+
+def test_a_response_stream_polls_for_a_cancel_and_ends_a_cancelled_request_empty() -> None:
+    sink, outbox = Sink(), Outbox("test-outbox")
+    stream = ResponseStream(sink, outbox, 3600.0)  # one response at once, the rest held
+    for _ in range(2 * CANCEL_POLL_EVERY):
+        stream(TokenEvent("x", (7,)))
+    stream(FinishEvent(finish_reason="error", text="", prompt_tokens=1, completion_tokens=0, status=CANCELLED))
+    outbox.close()
+    assert sink.sent == [StreamPart("x"), "poll", "poll", "cancelled"]

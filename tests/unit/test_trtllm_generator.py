@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 
 import llm_runtime
-from grammar_backend.engine import GrammarEngine
 from grammar_backend.errors import ConfigError
+from grammar_service.engine import GrammarEngine
 from llm_runtime import trtllm_engine
 from llm_runtime.engine import TorchEngine, TorchEngineConfig
 from llm_runtime.errors import RequestError

@@ -12,13 +12,13 @@ import xgrammar as xgr
 
 from contract.finish import FinishEvent
 from grammar_backend.bitmask import allowed_tokens
-from grammar_backend.closing import CloseState
-from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
 from grammar_backend.fidelity import UnenforcedKeyword
 from grammar_backend.llg import LlgBackend
 from grammar_backend.llg import unenforced_keywords as llg_unenforced
+from grammar_backend.protocol import CloseState
 from grammar_backend.spec import parse_constraint
 from grammar_backend.values import ValueRules, ValueScanner, rules_for
+from grammar_service.engine import GrammarEngine, GrammarEngineConfig
 from pipeline.postprocess import build_result
 
 QWEN_VOCAB = 151_936
@@ -234,7 +234,7 @@ def test_a_repeated_item_is_dropped_and_banned(engine: GrammarEngine, qwen_token
         # banned after "[3,7,", where the array is still open (5 tokens held).
         assert seen == [(0, 1), (0, 2), (0, 3), (0, 4), (0, 5), (0, 6), (2, 5)]
         seq = engine.table.get(1)
-        assert (seq.tokens_accepted, seq.retries_left) == (5, 7)
+        assert seq.values is not None and (seq.tokens_accepted, seq.values.retries_left) == (5, 7)
         res = engine.step(np.array([1], np.uint64), np.zeros((1, 1), np.int32), np.zeros(1, np.int32))
         allowed = set(allowed_tokens(res.bitmask[0], QWEN_VOCAB).tolist())
         assert ids[5] not in allowed and qwen_tokenizer.convert_tokens_to_ids("5") in allowed
@@ -275,7 +275,7 @@ def test_the_retry_budget_and_who_can_drop(engine: GrammarEngine, qwen_tokenizer
         seq = engine.table.get(1)
         assert seq.close_state == closing
         if closing == CloseState.REPETITION:
-            assert (seq.tokens_accepted, qwen_tokenizer.decode(seq.forced)) == (4, "]")  # after "[1,2"
+            assert (seq.tokens_accepted, qwen_tokenizer.decode(seq.close.forced)) == (4, "]")  # after "[1,2"
     finally:
         engine.end([1])
 
@@ -390,7 +390,8 @@ def test_a_top_level_number_that_breaks_the_schema_does_not_end_the_output(
         assert one not in allowed and nine in allowed and stop not in allowed
         assert _step(engine, [nine])[:2] == (False, 0)
         assert _step(engine, [stop])[:2] == (True, 0)
-        assert engine.table.get(1).retries_left == spec.options.value_retries - 1
+        values = engine.table.get(1).values
+        assert values is not None and values.retries_left == spec.options.value_retries - 1
     finally:
         engine.end([1])
 
@@ -465,8 +466,9 @@ def test_a_runaway_of_repeated_keys_closes_before_the_last_one(engine: GrammarEn
                     del out[-dropped:]
                     break
         seq = engine.table.get(1)
-        assert (seq.retries_left, seq.close_state, seq.tokens_accepted) == (0, CloseState.REPETITION, len(out))
-        assert seq.forced is not None
-        assert qwen_tokenizer.decode(out) + qwen_tokenizer.decode(seq.forced) == '{"":1,"x":1}'
+        # the retries spent and the value dropped: the checks are over, the output closes
+        assert (seq.values, seq.close_state, seq.tokens_accepted) == (None, CloseState.REPETITION, len(out))
+        assert seq.close.forced is not None
+        assert qwen_tokenizer.decode(out) + qwen_tokenizer.decode(seq.close.forced) == '{"":1,"x":1}'
     finally:
         engine.end([1])

@@ -16,7 +16,7 @@ import xgrammar as xgr
 
 from grammar_backend.errors import CompileError, ConfigError, GrammarError
 from grammar_backend.spec import ConstraintSpec, SpecLimits, parse_constraint
-from grammar_backend.workers import (
+from grammar_service.workers import (
     CompileWorkers,
     WorkerConfig,
     WorkerStats,
@@ -151,7 +151,7 @@ _ORPHAN_CHILD = f"""
 import sys, xgrammar as xgr
 sys.path.insert(0, {str(REPO)!r})
 from grammar_backend.spec import parse_constraint
-from grammar_backend.workers import CompileWorkers, WorkerConfig
+from grammar_service.workers import CompileWorkers, WorkerConfig
 info = xgr.TokenizerInfo({TINY_VOCAB!r}, vocab_size={TINY_VOCAB_SIZE}, stop_token_ids=[{TINY_STOP}])
 workers = CompileWorkers(info, WorkerConfig())
 workers.compile(parse_constraint("regex", "x"))

@@ -15,7 +15,7 @@ Inputs
                                     (optional; absent: validated here)
     JUMP_FORWARD     BOOL [1]       step: also return forced tokens (optional)
     BITMASK_BUFFER   BYTES [1]      step: name of the caller's mask buffer in /dev/shm
-                                    (triton_support.maskbuf): the rows go there, not to BITMASK
+                                    (grammar_service.transport.maskbuf): the rows go there, not to BITMASK
                                     (optional)
     MAX_TOKENS       INT32 [1]      start: the request's token budget, for budget closing
                                     (optional; absent or 0: none)
@@ -44,7 +44,7 @@ grammar_backend.protocol.MaskStep, its tensors derived from STEP_FIELDS)
     BACKEND          BYTES [1]              start: the grammar backend serving the sequence
                                             (xgrammar or llguidance; grammar option backend)
     CHANNEL          BYTES [1]              channel: the grammar channel's socket path
-                                            (grammar_backend.channel: start, step and end without BLS)
+                                            (grammar_service.transport.channel: start, step and end without BLS)
     ERROR            BYTES [1]              only when requested: a request-level error as data,
                                             JSON {"status": gRPC status name, "message": ...}
 
@@ -57,7 +57,7 @@ keep INVALID_ARGUMENT distinct from a server fault. One bad row of a step is
 only reported in ROW_ERROR.
 
 Starts, steps and ends also come over the grammar channel
-(:mod:`grammar_backend.channel`), a Unix socket this model listens on from
+(:mod:`grammar_service.transport.channel`), a Unix socket this model listens on from
 ``initialize``: the same ``GrammarService`` ops, without Triton's request
 path; ``channel`` answers its path.
 """
@@ -152,8 +152,8 @@ class TritonPythonModel:
         self.service = GrammarService(config.build_engine())
         # Ready means the compile workers run: the first compiles do not pay their start-up.
         self.service.engine.warm_up()
-        # Starts are parsed here, off the step path (a 1.5 MB schema takes
-        # 0.37 s). Eight threads, so a small constraint's start interleaves
+        # Starts are parsed here, off the step path (a huge schema's parse is
+        # slow). Eight threads, so a small constraint's start interleaves
         # with big parses instead of queuing behind them; their compiles run
         # in worker processes and answer through a callback, so a slow
         # compile holds none of these threads.

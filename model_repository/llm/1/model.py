@@ -53,13 +53,12 @@ import triton_python_backend_utils as pb_utils
 
 from contract.errors import InvalidArgument, ServingError
 from contract.finish import FinishEvent
-from contract.reasoning import Reasoning, ReasoningSplitter
-from llm_runtime.errors import CANCELLED
-from llm_runtime.logprobs import TokenLogprobs, TokenText, logprobs_json
+from contract.reasoning import Reasoning
+from llm_runtime.logprobs import TokenText, logprobs_json
 from llm_runtime.mask import ConstraintRequest
 from llm_runtime.model_config import LlmModelConfig, served_generator
-from llm_runtime.scheduler import GenerationRequest, TokenEvent
-from llm_runtime.streaming import DeltaCoalescer, Outbox, PartCoalescer
+from llm_runtime.scheduler import GenerationRequest
+from llm_runtime.streaming import Outbox, ResponseStream, StreamPart
 from pipeline.finish import finish_json
 from pipeline.preprocess import GenerationParams
 from triton_support.metrics import TritonMetrics
@@ -67,7 +66,6 @@ from triton_support.params import from_parameters, parameter_values
 from triton_support.teardown import quiesce_for_exit
 
 _EMPTY = np.array([b""], np.object_)
-CANCEL_POLL_EVERY = 16
 
 
 def _to_request(request: Any) -> tuple[dict[str, str] | None, Reasoning | None, GenerationRequest]:
@@ -99,105 +97,46 @@ def _to_request(request: Any) -> tuple[dict[str, str] | None, Reasoning | None, 
     )
 
 
-class _Stream:
-    """Turns one request's scheduler events into Triton responses, sent by the model's outbox.
+class _Responses:
+    """One request's response sender: :class:`StreamPart` s to ``pb_utils`` responses (llm_runtime.streaming's sink).
 
-    Called on the decode loop's thread: it only coalesces text and queues
-    jobs; every ``pb_utils`` call runs on the outbox's thread, in order.
+    Runs on the outbox's thread only.
     """
 
-    __slots__ = ("coalescer", "constraint", "events", "lps", "outbox", "parts", "reasoning", "rid", "scheduler",
-                 "sender", "token_text")
+    __slots__ = ("constraint", "reasoning", "rid", "scheduler", "sender", "token_text")
 
-    def __init__(self, sender: Any, scheduler: Any, outbox: Outbox, interval_s: float, token_text: TokenText) -> None:
+    def __init__(self, sender: Any, scheduler: Any, token_text: TokenText) -> None:
         self.sender = sender
         self.scheduler = scheduler
-        self.outbox = outbox
         self.token_text = token_text  # the model's one instance: used on the outbox's thread only
-        self.coalescer = DeltaCoalescer(interval_s)
         self.rid = ""
         self.constraint: dict[str, str] | None = None
-        self.events = 0
         self.reasoning: Reasoning | None = None
-        self.parts: PartCoalescer | None = None  # with a thinking section: deltas split into its two parts
-        # With log probabilities: the entries not sent yet; they go with the next response (None: not asked).
-        self.lps: list[TokenLogprobs] | None = None
 
-    def reasons(self, reasoning: Reasoning | None, interval_s: float) -> None:
-        """The request has a thinking section: stream it apart from the answer."""
-        self.reasoning = reasoning
-        if reasoning is not None:
-            self.parts = PartCoalescer(interval_s, ReasoningSplitter(reasoning))
-
-    def __call__(self, event: TokenEvent | FinishEvent) -> None:
-        if isinstance(event, TokenEvent):
-            self.events += 1
-            if self.events % CANCEL_POLL_EVERY == 0:
-                self.outbox.put(self._poll_cancel)
-            if self.lps is not None and event.logprobs:
-                self.lps.extend(event.logprobs)
-            if self.parts is not None:
-                parts = self.parts.push(event.text_delta)
-                if parts is not None:
-                    self.outbox.put(functools.partial(self._send_delta, parts[1], parts[0], self._take_lps()))
-                return
-            text = self.coalescer.push(event.text_delta)
-            if text is not None:
-                self.outbox.put(functools.partial(self._send_delta, text, "", self._take_lps()))
-            return
-        if event.status == CANCELLED:
-            # Cancelled through CANCEL: the client has left, an empty final response ends the request.
-            self.outbox.put(self._send_cancelled)
-            return
-        self.finish(event)
-
-    def finish(self, final: FinishEvent) -> None:
-        """Queue the last response (with any text not sent yet)."""
-        thinking, text = self.parts.finish() if self.parts is not None else ("", self.coalescer.take())
-        self.outbox.put(functools.partial(self._send_final, final, text, thinking, self._take_lps()))
-
-    def _take_lps(self) -> list[TokenLogprobs] | None:
-        """The entries the next response carries (None: the request did not ask)."""
-        lps = self.lps
-        if lps is None:
-            return None
-        self.lps = []
-        return lps
-
-    # -- on the outbox's thread -------------------------------------------------------
-    def _poll_cancel(self) -> None:
-        # The client closed its stream: free the sequence at the next step.
-        # is_cancelled() is a blocking round trip through the stub's one IPC
-        # thread (the one that also runs BLS cleanups), so it is asked every
-        # CANCEL_POLL_EVERY tokens, not per token; inside the ensemble Triton
-        # 2.51 never sets it anyway (server#6739: the gateway sends CANCEL).
+    def poll_cancel(self) -> None:
+        # The client closed its stream: free the sequence at the next step.  Inside the ensemble
+        # Triton 2.51 never sets it anyway (server#6739: the gateway sends CANCEL).
         if self.sender.is_cancelled():
             self.scheduler.cancel(self.rid)
 
-    def _logprobs(self, lps: list[TokenLogprobs] | None) -> Any:
-        if lps is None:
-            return pb_utils.Tensor("TOKEN_LOGPROBS", _EMPTY)
-        entries = logprobs_json(lps, self.token_text).encode("utf-8")
-        return pb_utils.Tensor("TOKEN_LOGPROBS", np.array([entries], np.object_))
-
-    def _send_delta(self, text: str, thinking: str = "", lps: list[TokenLogprobs] | None = None) -> None:
-        self._send(pb_utils.InferenceResponse(output_tensors=[
-            pb_utils.Tensor("TEXT_DELTA", np.array([text.encode("utf-8")], np.object_)),
-            pb_utils.Tensor("REASONING_DELTA", np.array([thinking.encode("utf-8")], np.object_)),
-            pb_utils.Tensor("FINISH", _EMPTY), self._logprobs(lps)]), 0)
-
-    def _send_cancelled(self) -> None:
+    def send_cancelled(self) -> None:
         self._send(None, pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
-    def _send_final(self, final: FinishEvent, text: str, thinking: str = "",
-                    lps: list[TokenLogprobs] | None = None) -> None:
-        # Errors are data in FINISH (pipeline.postprocess), never an error response.
-        finish = finish_json(final, self.constraint, self.reasoning)
+    def send_part(self, part: StreamPart) -> None:
+        if part.final is None:
+            finish, flags = _EMPTY, 0
+        else:
+            # Errors are data in FINISH (pipeline.postprocess), never an error response.
+            text = finish_json(part.final, self.constraint, self.reasoning).encode("utf-8")
+            finish, flags = np.array([text], np.object_), pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        if part.logprobs is None:
+            lps = _EMPTY
+        else:
+            lps = np.array([logprobs_json(part.logprobs, self.token_text).encode("utf-8")], np.object_)
         self._send(pb_utils.InferenceResponse(output_tensors=[
-            pb_utils.Tensor("TEXT_DELTA", np.array([text.encode("utf-8")], np.object_)),
-            pb_utils.Tensor("REASONING_DELTA", np.array([thinking.encode("utf-8")], np.object_)),
-            pb_utils.Tensor("FINISH", np.array([finish.encode("utf-8")], np.object_)), self._logprobs(lps)]),
-            pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            pb_utils.Tensor("TEXT_DELTA", np.array([part.text.encode("utf-8")], np.object_)),
+            pb_utils.Tensor("REASONING_DELTA", np.array([part.thinking.encode("utf-8")], np.object_)),
+            pb_utils.Tensor("FINISH", finish), pb_utils.Tensor("TOKEN_LOGPROBS", lps)]), flags)
 
     def _send(self, response: Any, flags: int) -> None:
         try:
@@ -236,14 +175,13 @@ class TritonPythonModel:
                 self.scheduler.cancel(bytes(cancel.as_numpy().reshape(-1)[0]).decode("utf-8", "replace"))
                 request.get_response_sender().send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
-            stream = _Stream(request.get_response_sender(), self.scheduler, self.outbox, self.stream_interval_s,
-                             self.token_text)
+            sink = _Responses(request.get_response_sender(), self.scheduler, self.token_text)
+            stream = ResponseStream(sink, self.outbox, self.stream_interval_s)
             try:
-                stream.constraint, reasoning, gen_request = _to_request(request)
-                stream.reasons(reasoning, self.stream_interval_s)
-                if gen_request.logprobs is not None:
-                    stream.lps = []
-                stream.rid = self.scheduler.submit(gen_request, stream)
+                sink.constraint, sink.reasoning, gen_request = _to_request(request)
+                stream = ResponseStream(sink, self.outbox, self.stream_interval_s, reasoning=sink.reasoning,
+                                        logprobs=gen_request.logprobs is not None)
+                sink.rid = self.scheduler.submit(gen_request, stream)
             except ServingError as err:
                 stream.finish(FinishEvent.rejected(err))
             except Exception as err:  # noqa: BLE001 - a bug: INTERNAL as data, never an error response

@@ -29,7 +29,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from pipeline.postprocess import FinishedOutput, result_of_finish
-from triton_support.metrics import Snapshot, TritonMetrics
+from telemetry import Snapshot
+from triton_support.metrics import TritonMetrics
 from triton_support.teardown import quiesce_for_exit
 
 _EMPTY = np.array([b""], np.object_)

@@ -1,12 +1,10 @@
 """Compile worker processes: every xgrammar compile runs outside the decoding process.
 
 Why a process and not a thread: xgrammar cannot interrupt a compile, some
-inputs take minutes or gigabytes, and some crash the compiler outright.
-Measured in the served ensemble before this module: two requests with a
-0.7 MB nested ``anyOf`` schema held both compile threads for more than
-5.5 minutes, a 100k-item enum grew the ``grammar`` stub to 2.5 GB, and a
-1 MB property name overflowed the stack and killed the stub (and with it
-every sequence's matcher).  A worker process can be limited and killed:
+inputs take minutes or gigabytes, and some crash the compiler outright (and
+with it every sequence's matcher): ``bench/compile_storm.py`` sends such
+constraints; what they did to the ``grammar`` stub before this module is in
+docs/benchmarks.md.  A worker process can be limited and killed:
 
 * CPU time: ``RLIMIT_CPU`` is set before each compile to what the worker
   has used so far plus ``cpu_s``; past it the kernel stops the worker with
@@ -28,14 +26,14 @@ or crashed worker is replaced before the next compile.
 The wire between parent and worker is a pipe pair carrying length-prefixed
 pickles: both ends are this module, started by this module, so nothing
 untrusted is ever unpickled.  A compiled grammar comes back as
-``CompiledGrammar.serialize_json`` text.  Measured on 20 maskbench-dev
-schemas with the SmolLM2 vocabulary: serialize 2-45 ms in the worker,
-deserialize 1-15 ms in the parent, for compiles of 1-11 ms; the cost is
-paid once per schema (the cache keeps the result).  A worker imports
-xgrammar, which imports torch: about 270 MB resident (mostly shared
-library pages) and 1-2 s to start, so workers are started once and reused.
+``CompiledGrammar.serialize_json`` text; serializing and deserializing can
+cost more than the compile (docs/benchmarks.md), paid once per schema (the
+cache keeps the result).  A worker imports xgrammar, which imports torch
+(hundreds of MB resident, mostly shared library pages, and seconds to start:
+:meth:`grammar_service.engine.GrammarEngine.warm_up`), so workers are
+started once and reused.
 
-Workers run ``python -m grammar_backend.compile_worker``, started only by :class:`CompileWorkers`.
+Workers run ``python -m grammar_service.compile_worker``, started only by :class:`CompileWorkers`.
 """
 
 from __future__ import annotations
@@ -90,7 +88,7 @@ class WorkerConfig:
         Threads of xgrammar's compiler inside a worker.
     xgrammar_cache_bytes : int
         Bound of each worker's xgrammar compiler cache (shared sub-structures
-        across schemas; see :class:`grammar_backend.engine.GrammarEngine`).
+        across schemas; see :class:`grammar_service.engine.GrammarEngine`).
     python : str
         Interpreter of the workers; empty: :func:`worker_python`.
     """
@@ -231,8 +229,8 @@ class CompileWorkers:
         if worker is not None and worker.alive:
             return worker
         if self._init is None:
-            # Built once, on the first compile thread that needs it (about 90 ms
-            # for a 49k vocabulary, 1.6 MB of JSON).
+            # Built once, on the first compile thread that needs it (the
+            # vocabulary's JSON, megabytes).
             self._init = pickle.dumps({
                 "tokenizer_info": self._info.serialize_json(),
                 "compile_threads": self.config.compile_threads,
@@ -302,7 +300,7 @@ class _Worker:
         root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
         self.proc = subprocess.Popen(
-            [python, "-m", "grammar_backend.compile_worker"],
+            [python, "-m", "grammar_service.compile_worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
@@ -341,8 +339,8 @@ class _Worker:
         except _WorkerDied as died:
             if not died.timed_out:
                 # End of file: the worker is exiting.  Killing it now would hide why
-                # (its exit status read as SIGKILL: 37 of 400 maskbench-dev schemas
-                # were reported as crashes that were out-of-memory exits).
+                # (its exit status read as SIGKILL: out-of-memory exits were reported
+                # as crashes, docs/benchmarks.md, MaskBench conformance).
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self.proc.wait(timeout=5)
             self.stop()
@@ -477,8 +475,8 @@ def _compile_one(compiler: xgr.GrammarCompiler, spec: ConstraintSpec, max_bytes:
     try:
         return ("ok", compiled.serialize_json())
     except RuntimeError as err:
-        # The JSON of an open-object grammar is 10-20x its size (337 MB for a
-        # 21 MB grammar): serializing is what runs past the memory limit.
+        # The JSON of an open-object grammar is many times its size (337 MB for a
+        # 21 MB grammar, docs/benchmarks.md): serializing is what runs past the memory limit.
         if "bad_alloc" in str(err):
             raise MemoryError from err
         raise

@@ -3,9 +3,8 @@
 A step's bitmask is ``B x ceil(V/32)`` int32 words: 1.2 MB at 64 rows of
 Qwen3's vocabulary.  As a BLS output tensor it is copied into the grammar
 stub's shared memory, moved through Triton's core and read back by the
-caller: measured (``bench/grammar_step_bench.py``, 64 rows, Qwen3, p50) that
-made the round trip 3.5-5.1 ms (two runs) against 1.4 ms for the same step
-in-process; through the buffer it is 2.45 ms.  With a
+caller (``bench/grammar_step_bench.py --rows 64``, p50: ``bls tensor`` 3.48 ms,
+through this buffer 2.45 ms, in-process 1.44 ms).  With a
 :class:`MaskBuffer` the caller (the ``llm`` model) creates one file in
 ``/dev/shm`` per instance, passes its name with every step
 (``BITMASK_BUFFER``), and the grammar model writes the rows there instead of
@@ -32,9 +31,9 @@ from typing import Final
 
 import numpy as np
 
-from contract import bitmask_width
 from grammar_backend.errors import ConstraintError, GrammarError
 from grammar_backend.lru import Lru
+from grammar_backend.protocol import bitmask_width
 
 __all__ = ["NAME_RE", "SHM_DIR", "Attached", "MaskBuffer"]
 
@@ -69,7 +68,7 @@ class MaskBuffer:
         self.path = path
         self.name = path.name
         # A plain ndarray over the mapping (it keeps the memmap alive as its base): np.memmap's
-        # Python-level __getitem__ and __array_finalize__ cost each step's slices 1-2 us more.
+        # Python-level __getitem__ and __array_finalize__ would slow each step's slices.
         self.array: np.ndarray = np.memmap(path, dtype=np.int32, mode="r+",
                                            shape=(rows, bitmask_width(vocab_size))).view(np.ndarray)
 

@@ -2,7 +2,7 @@
 
 Shared by every sequence of a grammar model instance.  A compile runs on one
 of ``workers`` compile threads, each of which hands it to its own worker
-process (:mod:`grammar_backend.workers`), so the decoding process keeps
+process (:mod:`grammar_service.workers`), so the decoding process keeps
 running and a compile that breaks a limit is killed there.  N concurrent
 requests for one key wait on one future.  At most ``workers + max_queued``
 distinct keys are compiling or waiting; one more is refused at once with
@@ -75,11 +75,10 @@ STORE_MAX_BYTES: Final = 2 * 1024**3
 #: fraction of its bound, so the next one is a tenth of the bound's writes away.
 STORE_EVICT_TO: Final = 0.9
 #: How often (seconds) a writing replica re-reads the folder's total instead of
-#: trusting its running one (other replicas write and evict too).  A scan of
-#: 1,000 files costs 7 ms (median of 50, local ext4, a loaded 2-core VM: one
-#: ``scandir`` and a ``stat`` each), a quarter of a median xgrammar compile
-#: (0.03 s), and a network volume costs a round trip per ``stat``: the running
-#: total keeps scans off nearly every write.
+#: trusting its running one (other replicas write and evict too).  A scan is a
+#: ``scandir`` and a ``stat`` per file (7 ms for 1,000 files on local ext4, timed
+#: alone: docs/benchmarks.md), and a network volume costs a round trip per
+#: ``stat``: the running total keeps scans off nearly every write.
 STORE_RESCAN_S: Final = 60.0
 #: A temporary file older than this (seconds) is a dead writer's (a write takes
 #: well under a second); scans remove it.  An hour tolerates clock skew between

@@ -13,12 +13,10 @@ from typing import Any
 import numpy as np
 import xgrammar as xgr
 
-import contract
+from grammar_backend.backends import LLGUIDANCE, XGRAMMAR, auto_order
 from grammar_backend.bitmask import BitmaskBuffer, Matcher, few_allowed, pack_tokens
-from grammar_backend.cache import CacheConfig, CompileCache
 from grammar_backend.closing import Closer, ClosingConfig
 from grammar_backend.compile import XGRAMMAR_VERSION
-from grammar_backend.deadlines import Deadlines
 from grammar_backend.errors import (
     BackendFailed,
     CompileError,
@@ -33,10 +31,13 @@ from grammar_backend.llg import LLGUIDANCE_VERSION, LlgBackend, LlgCompiled, ref
 from grammar_backend.lru import Lru
 from grammar_backend.protocol import MaskStep
 from grammar_backend.reasoning import MarkerTable, ReasoningConfig
-from grammar_backend.sequences import FREE, GrammarSequence, SequenceTable, TableConfig
+from grammar_backend.sequences import FREE, GrammarSequence
 from grammar_backend.spec import ConstraintSpec, SpecLimits
 from grammar_backend.values import ValueChecks, rules_for
-from grammar_backend.workers import CompileWorkers, WorkerConfig
+from grammar_service.cache import CacheConfig, CompileCache
+from grammar_service.deadlines import Deadlines
+from grammar_service.table import SequenceTable, TableConfig
+from grammar_service.workers import CompileWorkers, WorkerConfig
 
 #: Most tokens a calm row of a regex, a grammar or a choice is screened over (:meth:`GrammarSequence.screen`:
 #: one completion search each); where its grammar allows more (free text), the completion's next token alone.
@@ -45,9 +46,6 @@ _SCREEN_MOST = 16
 _CALM_ROWS = 16
 
 log = logging.getLogger(__name__)
-
-#: The backend names (the request contract's, ``contract.BACKENDS``).
-XGRAMMAR, LLGUIDANCE = contract.BACKENDS
 
 #: Called once with None (the sequence's matcher exists) or the start's error.
 StartCallback = Callable[[GrammarError | None], None]
@@ -69,11 +67,13 @@ class GrammarEngineConfig:
     auto_timeout_s : float
         ``backend: auto``: how long a start waits for the first backend's
         compile before the other serves it (:func:`auto_order`; the compile
-        goes on and is cached).  xgrammar's compile p50 is 0.03 s on
-        maskbench-dev, its p99 13.9 s (non-strict); llguidance's about 1 ms.
+        goes on and is cached).  xgrammar's compile has a long tail: p50
+        0.03 s, p99 13.9 s over maskbench-dev, non-strict (``bench/maskbench.py
+        ../shared/data/maskbench-dev --backend xgrammar``); llguidance's p50
+        2 ms (``--backend auto``).
     llg_compile_threads : int
         Threads of the llguidance compile cache (a compile builds and checks
-        an ``LLMatcher``: about 1 ms; its lexer is built lazily).
+        an ``LLMatcher``; its lexer is built lazily).
     reasoning : ReasoningConfig
         What the thinking section of a ``reasoning`` request leaves to the
         answer (:mod:`grammar_backend.reasoning`).
@@ -114,7 +114,7 @@ class StepResult:
         sequence's ``jump_forward`` option and available; never for a row
         whose completion is being forced), see :class:`~grammar_backend.jump.JumpForward`.
     closing : numpy.ndarray
-        int8 ``[B]``: the row's :class:`~grammar_backend.closing.CloseState`
+        int8 ``[B]``: the row's :class:`~grammar_backend.protocol.CloseState`
         (non-zero: its mask forces a completion because the budget runs out or
         the output repeats itself).  A view of a reused buffer, like ``bitmask``.
     dropped : numpy.ndarray
@@ -223,14 +223,12 @@ class GrammarEngine:
         self.tokenizer_info = tokenizer_info
         self.fingerprint = fingerprint
         self.vocab_size = int(tokenizer_info.vocab_size)
-        # Compiles run in worker processes (grammar_backend.workers), each with
+        # Compiles run in worker processes (grammar_service.workers), each with
         # xgrammar's own compiler cache on, bounded: besides whole grammars it
         # shares compiled sub-structures (strings, numbers, common rules)
-        # across schemas. Measured on 80 maskbench-dev schemas with the
-        # SmolLM2 vocabulary, one thread: cold-key compile p50 0.029 s with it
-        # vs 0.200 s without (total 22 s vs 38 s); but a 10k-item enum takes
-        # 7.0 s with it vs 1.1 s without. CompileCache bounds what sequences
-        # can reuse.
+        # across schemas: most cold-key compiles get faster, a huge enum slower
+        # (docs/benchmarks.md, component costs). CompileCache bounds what
+        # sequences can reuse.
         self.workers = CompileWorkers(tokenizer_info, config.workers)
         self._deadlines = Deadlines()
         self.cache = CompileCache(config.cache, tokenizer_info)
@@ -262,7 +260,7 @@ class GrammarEngine:
         return len(self.table)
 
     def warm_up(self) -> None:
-        """Start every compile worker process now (1-4 s each), instead of on the first compiles."""
+        """Start every compile worker process now (seconds each), instead of on the first compiles."""
         self.cache.on_each_thread(self.workers.ensure_started)
 
     def compile(self, spec: ConstraintSpec, timeout_s: float | None = None) -> xgr.CompiledGrammar:
@@ -399,9 +397,9 @@ class GrammarEngine:
                 seq = self.table.start(seq_id, spec, self._matcher(compiled), backend, budget, self.config.closing)
                 if rules is not None:
                     seq.check_values(self.values, rules, retries)
-                if seq.closes and seq.openers:
+                if seq.closes and seq.close.openers:
                     for whole in (False, True):
-                        self._calm_row(whole, seq.openers)
+                        self._calm_row(whole, seq.close.openers)
                 thinking = spec.options.reasoning
                 if thinking is not None:
                     seq.think(self.marker_table(thinking.end), thinking.max_reasoning_tokens or 0,
@@ -432,8 +430,8 @@ class GrammarEngine:
         future.add_done_callback(on_compiled)
 
     def _calm_row(self, whole_chars: bool, openers: bytes) -> np.ndarray:
-        """The packed row of :meth:`Closer.calm_tokens` (built once per set of openers: 43 ms over Qwen3's
-        vocabulary with a structural tag's ``<`` and ``\n``, so a sequence's start builds it, not its step)."""
+        """The packed row of :meth:`Closer.calm_tokens` (built once per set of openers, a scan of the
+        vocabulary: a sequence's start builds it, not its step)."""
         key = (whole_chars, openers)
         row = self._calm.get(key)
         if row is None:
@@ -494,11 +492,13 @@ class GrammarEngine:
     ) -> StepResult:
         """Accept each row's new tokens, then fill the mask of each row's next token.
 
-        The order matters; each phase reads what the ones before it left:
+        The order matters; each phase reads what the ones before it left
+        (phases 1-2: :meth:`_plan_rows`, 4: :meth:`_close_rows`, 6: :meth:`_jump`):
 
-        1. Per row: accept the tokens (:meth:`GrammarSequence.accept`: the
-           matcher, then the value scanner, which may drop a value that
-           breaks the schema and roll the matcher back); then the thinking
+        1. Per row: accept the tokens (:meth:`GrammarSequence.accept`, its
+           policies in their order: thinking, the matcher, closing, the value
+           checks, which may drop a value that breaks the schema and roll the
+           matcher back: :mod:`grammar_backend.sequences`); then the thinking
            section's plan (:meth:`~GrammarSequence.reason`) or the closer's
            (:meth:`~GrammarSequence.plan`: forced, calm or free). A row that
            fails here is an error row and does no more.
@@ -552,34 +552,51 @@ class GrammarEngine:
                 f"step: SEQUENCE_ID has {rows} rows, TOKEN_COUNT {len(counts)}, TOKENS shape {tokens.shape}"
             )
         self.table.evict_idle()
-        terminated = self._terminated[:rows]
-        terminated.fill(False)
-        closing = self._closing[:rows]
-        closing.fill(0)
-        dropped, hold, ban_rows = self._dropped[:rows], self._hold[:rows], self._ban_rows
-        forced_safe = self._forced_safe[:rows]
-        dropped.fill(0)
-        hold.fill(0)
-        forced_safe.fill(0)
-        ban_rows.clear()
-        forced_rows, calm_rows = self._forced_rows, self._calm_rows
-        forced_rows.clear()
-        calm_rows.clear()
-        matchers: list[Matcher | None] = [None] * rows
-        jump_rows: list[tuple[int, GrammarSequence]] | None = [] if jump_forward else None
-        errors: list[SequenceError | None] | None = None
+        for out in (self._terminated, self._closing, self._dropped, self._hold, self._forced_safe):
+            out[:rows].fill(0)
+        self._ban_rows.clear()
+        self._forced_rows.clear()
+        self._calm_rows.clear()
         # Python ints from here on: the per-row work (matcher, value scanner, closer) iterates a row's
-        # tokens several times, and a NumPy scalar costs each read and int() about 0.1 us more.
+        # tokens several times, and a NumPy scalar costs each read and int() more than a Python int.
         id_list: list[int] = seq_ids.tolist() if isinstance(seq_ids, np.ndarray) else [int(s) for s in seq_ids]
         count_list: list[int] = counts.tolist() if isinstance(counts, np.ndarray) else [int(c) for c in counts]
         token_rows: list[list[int]] = tokens.tolist() if rows else []
-        width = tokens.shape[1] if rows else 0
-        for i in range(rows):
+        errors = _RowErrors(id_list)
+        jump_rows: list[tuple[int, GrammarSequence]] | None = [] if jump_forward else None
+        matchers = self._plan_rows(id_list, count_list, token_rows, tokens.shape[1] if rows else 0, jump_rows, errors)
+        bitmask = self.bitmask.fill(matchers)
+        self._close_rows(bitmask, errors)
+        for i, keep in self._ban_rows:
+            np.bitwise_and(bitmask[i], keep, out=bitmask[i])
+        forced = self._jump(jump, jump_rows, rows, errors) if jump_rows and jump is not None else self._no_forced[:rows]
+        return StepResult(
+            bitmask=bitmask,
+            terminated=self._terminated[:rows],
+            errors=self._no_errors[:rows] if errors.found is None else tuple(errors.found),
+            forced=forced,
+            closing=self._closing[:rows],
+            dropped=self._dropped[:rows],
+            hold=self._hold[:rows],
+            forced_safe=self._forced_safe[:rows],
+        )
+
+    def _plan_rows(self, id_list: list[int], count_list: list[int], token_rows: list[list[int]], width: int,
+                   jump_rows: list[tuple[int, GrammarSequence]] | None, errors: _RowErrors) -> list[Matcher | None]:
+        """:meth:`step`'s phases 1 and 2: each row's accept and plan, and what its answer says.
+
+        Returns the matcher of each row the fill is for (None: the fill leaves it all ones: an error,
+        terminated or forced row, or a thinking row, whose mask is its own).
+        """
+        terminated, closing, dropped, hold = self._terminated, self._closing, self._dropped, self._hold
+        ban_rows, forced_rows, calm_rows = self._ban_rows, self._forced_rows, self._calm_rows
+        matchers: list[Matcher | None] = [None] * len(id_list)
+        for i, seq_id in enumerate(id_list):
             count = count_list[i]
             try:
                 if not 0 <= count <= width:
-                    raise SequenceError(id_list[i], f"TOKEN_COUNT {count} outside 0..{width}")
-                seq = self.table.get(id_list[i])
+                    raise SequenceError(seq_id, f"TOKEN_COUNT {count} outside 0..{width}")
+                seq = self.table.get(seq_id)
                 if count:
                     seq.accept(token_rows[i][:count])
                 seq.steps += 1
@@ -588,9 +605,7 @@ class GrammarEngine:
                 else:
                     token = seq.plan(self.closer, self._stop_token) if seq.closes and not seq.terminated else FREE
             except (SequenceError, MatcherFailed) as err:
-                if errors is None:
-                    errors = [None] * rows
-                errors[i] = _row_error(id_list[i], err)
+                errors.add(i, err)
                 continue
             if seq.thinking is not None:
                 # The thinking section: free but for the stop, special and overrunning tokens, or the
@@ -604,14 +619,14 @@ class GrammarEngine:
             if seq.terminated:
                 terminated[i] = True
                 continue
-            values = seq.values
+            scanner = seq.values.scanner if seq.values is not None else None
             if count and seq.dropped:
                 dropped[i] = seq.dropped
             banned = False
-            if values is not None:
-                hold[i] = values.hold()
+            if scanner is not None:
+                hold[i] = scanner.hold()
                 # A forced token is the closer's (the stop after a completion, say): no ban undoes it.
-                keep = values.bans.get(seq.tokens_accepted) if values.bans and not seq.forcing else None
+                keep = scanner.bans.get(seq.tokens_accepted) if scanner.bans and not seq.forcing else None
                 if keep is not None:
                     ban_rows.append((i, keep))
                     banned = True  # forced text may be spelled with a banned token: no jump here
@@ -628,65 +643,46 @@ class GrammarEngine:
                 # open; a forcing row (above) follows its plan token by token.
                 jump_rows.append((i, seq))
             matchers[i] = seq.matcher
-        bitmask = self.bitmask.fill(matchers)
-        for i, token in forced_rows:
+        return matchers
+
+    def _close_rows(self, bitmask: np.ndarray, errors: _RowErrors) -> None:
+        """:meth:`step`'s phase 4: forced rows get their one bit; calm rows are restricted or screened."""
+        for i, token in self._forced_rows:
             self.bitmask.force(i, token)
-        for i, token, seq in calm_rows:
-            if not self.bitmask.allows(i, token):
-                # The kept completion no longer starts here (checked between budget checks, not searched).
-                try:
-                    token = seq.recheck(self.closer, self._stop_token)
-                except MatcherFailed as err:
-                    if errors is None:
-                        errors = [None] * rows
-                    errors[i] = _row_error(id_list[i], err)
-                    continue
-                closing[i] = seq.close_state
-            if token == FREE:
-                continue
-            if seq.calm_ok:
-                self.bitmask.restrict(i, self._calm_row(seq.whole_chars_only, seq.openers), token)
-                continue
-            allowed = few_allowed(bitmask[i], _SCREEN_MOST)
-            if allowed is None:
-                self.bitmask.force(i, token)  # this step only: the next one screens again
-                continue
+        for i, token, seq in self._calm_rows:
             try:
-                kept = seq.screen(self.closer, allowed.tolist(), self._stop_token)
-            except MatcherFailed as err:
-                if errors is None:
-                    errors = [None] * rows
-                errors[i] = _row_error(id_list[i], err)
-                continue
-            self.bitmask.keep(i, kept, token)
-        for i, keep in ban_rows:
-            np.bitwise_and(bitmask[i], keep, out=bitmask[i])
-        forced = self._no_forced[:rows]
-        if jump_rows and jump is not None:
-            found = list(forced)
-            for i, seq in jump_rows:
-                try:
-                    found[i] = jump.tokens(seq.matcher)
-                except MatcherFailed as err:
-                    if errors is None:
-                        errors = [None] * rows
-                    errors[i] = _row_error(id_list[i], err)
+                if not self.bitmask.allows(i, token):
+                    # The kept completion no longer starts here (checked between budget checks, not searched).
+                    token = seq.recheck(self.closer, self._stop_token)
+                    self._closing[i] = seq.close_state
+                if token == FREE:
                     continue
-                scanner = seq.values
-                if found[i] and scanner is not None and not scanner.tokens:
-                    # The output's first forced run (`{"name":`): how much of it streams at once?
-                    forced_safe[i] = scanner.safe_prefix(found[i])
-            forced = tuple(found)
-        return StepResult(
-            bitmask=bitmask,
-            terminated=terminated,
-            errors=self._no_errors[:rows] if errors is None else tuple(errors),
-            forced=forced,
-            closing=closing,
-            dropped=dropped,
-            hold=hold,
-            forced_safe=forced_safe,
-        )
+                if seq.close.calm_ok:
+                    self.bitmask.restrict(i, self._calm_row(seq.whole_chars_only, seq.close.openers), token)
+                    continue
+                allowed = few_allowed(bitmask[i], _SCREEN_MOST)
+                if allowed is None:
+                    self.bitmask.force(i, token)  # this step only: the next one screens again
+                    continue
+                self.bitmask.keep(i, seq.screen(self.closer, allowed.tolist(), self._stop_token), token)
+            except MatcherFailed as err:
+                errors.add(i, err)
+
+    def _jump(self, jump: JumpForward, jump_rows: list[tuple[int, GrammarSequence]], rows: int,
+              errors: _RowErrors) -> tuple[tuple[int, ...], ...]:
+        """:meth:`step`'s phase 6: each asking row's forced tokens, and how many of an output's first stream at once."""
+        found = list(self._no_forced[:rows])
+        for i, seq in jump_rows:
+            try:
+                found[i] = jump.tokens(seq.matcher)
+            except MatcherFailed as err:
+                errors.add(i, err)
+                continue
+            scanner = seq.values.scanner if seq.values is not None else None
+            if found[i] and scanner is not None and not scanner.tokens:
+                # The output's first forced run (`{"name":`): how much of it streams at once?
+                self._forced_safe[i] = scanner.safe_prefix(found[i])
+        return tuple(found)
 
     def rollback(self, seq_ids: Sequence[int], counts: Sequence[int]) -> tuple[SequenceError | None, ...]:
         """Roll each sequence back by its count; per-row errors, never failing the batch."""
@@ -711,21 +707,19 @@ class GrammarEngine:
         self.workers.close()
 
 
-def auto_order(spec: ConstraintSpec) -> tuple[str, str]:
-    """``backend: auto``'s order for a constraint both backends can take: the first, then the other.
+class _RowErrors:
+    """A step's row errors, the list made only when a row fails (most steps have none)."""
 
-    JSON kinds: llguidance first.  Measured on 400 maskbench-dev schemas
-    (Qwen3 vocabulary, compact, non-strict; ``bench/maskbench.py --backend``):
-    this order passes 382, llguidance alone 380, xgrammar alone 333,
-    xgrammar first with llguidance behind it 357 (on the whole dev set: 2,733
-    of 2,890 against llguidance's 2,723).  xgrammar's failures are compiles
-    that run out of memory or time (40 of 400: the worker ships each grammar
-    as JSON, 10-20x its size) and keywords it leaves open (``format: date``
-    lets ``2023-02-30`` through) where llguidance enforces them; llguidance
-    compiles lazily, p50 2 ms.  Other kinds: xgrammar first (not measured
-    against each other; xgrammar fills a batch of rows in one call).
-    """
-    return (LLGUIDANCE, XGRAMMAR) if spec.kind.is_json else (XGRAMMAR, LLGUIDANCE)
+    __slots__ = ("found", "ids")
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+        self.found: list[SequenceError | None] | None = None
+
+    def add(self, row: int, err: SequenceError | MatcherFailed) -> None:
+        if self.found is None:
+            self.found = [None] * len(self.ids)
+        self.found[row] = _row_error(self.ids[row], err)
 
 
 def _also(first: GrammarError, backend: str, err: GrammarError) -> GrammarError:

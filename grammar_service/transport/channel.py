@@ -3,12 +3,13 @@
 Every decode step the ``llm`` model asks the ``grammar`` model for the masks
 of its constrained rows.  Over Triton BLS that call crosses the llm stub's
 IPC queue, tritonserver's request and response path and the grammar stub's
-queue twice each: measured with the tiny stand-in checkpoint (16 rows, a
-448-token vocabulary), a BLS step took p50 2.5 ms against 0.3-0.5 ms for
-``GrammarEngine.step`` itself, and its CPU in the two stubs and
+queue twice each: with the tiny stand-in at 16 rows a BLS step took p50
+2.5 ms against 0.43 ms over this channel (``make bench-path``;
+``bench/grammar_step_bench.py --rows 16`` compares ``bls tensor`` and
+``channel`` over Qwen3's vocabulary), and its CPU in the two stubs and
 tritonserver cost more than the forward it was meant to hide behind.  A
-``start`` over BLS took 2.1 ms of a request's time to first token with a
-cached grammar.
+``start`` over BLS added about as much to a request's time to first token
+(docs/benchmarks.md, the serving path's first round).
 
 The channel is a Unix ``SOCK_SEQPACKET`` socket (one message per request and
 per reply, message boundaries kept by the kernel) that the ``grammar`` model
@@ -17,7 +18,7 @@ at a time: the ``llm`` model steps (and ends sequences) on one connection,
 and each of its start threads starts on one of its own, so a slow compile
 holds only the thread that waits for it, as a BLS start would.  The masks
 still go through the caller's shared-memory mask buffer
-(:mod:`triton_support.maskbuf`), named when the connection opens; a message
+(:mod:`grammar_service.transport.maskbuf`), named when the connection opens; a message
 holds only the row ids, the new tokens and the small per-row answers.
 ``rollback`` and ``stats`` stay on BLS, and the ``grammar`` model keeps owning
 every matcher: the channel moves the same requests in and the same answers
@@ -25,8 +26,8 @@ out as BLS does (:class:`ChannelHandler` is the grammar service).
 
 A socket rather than a futex on shared memory: a dead peer is an immediate
 error on the other side (EOF, ``ECONNRESET``), not a wait forever, and the
-kernel wakes the one thread that waits.  Measured round trip on loopback
-for an empty step: about 40 us.
+kernel wakes the one thread that waits; an empty step's round trip is tens
+of microseconds (docs/benchmarks.md).
 
 Security: the socket lives in :data:`SOCKET_DIR` with mode ``0600``, and the
 server accepts only peers of its own user id (``SO_PEERCRED``).
@@ -331,9 +332,9 @@ class ChannelServer:
         policy the kernel ran the woken thread at once on the sender's core
         when the other core was busy: the ``llm`` model's decode loop, which
         sends a step and then runs its forward, stood still for the whole
-        grammar step (tiny stand-in, 16 rows, 2 shared cores: the send took
-        p50 0.50 ms against 0.04 ms, and constrained/unconstrained at equal
-        work was 0.43 against 0.73).  Under ``SCHED_BATCH`` the thread runs on
+        grammar step (the send p50 0.50 ms against 0.04 ms at 16 rows of the
+        tiny stand-in on 2 shared cores, ``make bench-path``; docs/benchmarks.md,
+        the serving path's second round).  Under ``SCHED_BATCH`` the thread runs on
         a free core, or once the forward ends (the loop then waits for the
         reply), not in the middle of it; its share of the CPU is unchanged.
         No privilege is needed; where a sandbox refuses it, that is said once
@@ -508,9 +509,9 @@ class ChannelClient:
         loop's process wakes for it.  A worker thread that made the call
         took the GIL from the forward (which releases it at every torch op)
         when it woke, sent and read the answer: with it the tiny stand-in's
-        constrained forward at 16 rows ran 1.41 ms against 0.82 ms free;
-        sent from the loop (and the channel under SCHED_BATCH), 1.22 against
-        0.86.  The arrays are copied into the message here.
+        constrained forward at 16 rows ran 1.41 ms against 0.82 ms free
+        (``make bench-path``; docs/benchmarks.md, the serving path's second
+        round).  The arrays are copied into the message here.
 
         Raises
         ------
