@@ -57,7 +57,6 @@ Nothing here asserts: figures vary with the machine; read ratios from one run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
@@ -68,27 +67,22 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Final
 
+import harness  # before the project's packages: it puts the repository root on sys.path
 import numpy as np
-
-REPO: Final = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-# Imported after the sys.path entry above.
 import xgrammar as xgr
-from e2e_bench import MODEL_DIR, pct, served_ensemble
+from e2e_bench import pct
+from harness import MODEL_DIR, OWN_SCHEMAS
 
 from client import Client, ClientError, Constraint
-from grammar_backend.closing import CLOSE_REASONS, Closer
+from grammar_backend.closing import Closer
 from grammar_backend.compile import compile_spec
-from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
 from grammar_backend.errors import GrammarError
 from grammar_backend.fidelity import validate_output
+from grammar_backend.protocol import CLOSE_STATE_REASONS
 from grammar_backend.spec import parse_constraint
 from grammar_backend.tokenizer import load_tokenizer
+from grammar_service.engine import GrammarEngine, GrammarEngineConfig
 
-ENSEMBLE: Final = "constrained_llm"
-OWN: Final = REPO / "tests" / "fixtures" / "schemas"
 PROMPT: Final = "Produce one realistic JSON instance of this schema: {schema}"
 #: Schemas larger than this (compact JSON characters) are left out: they make
 #: prompts of thousands of tokens, and the served part measures closing, not prefill.
@@ -292,7 +286,7 @@ def replay_part(model_dir: Path, schemas: Sequence[tuple[str, dict[str, Any], An
     token it takes the closer's).
     """
     from grammar_backend.llg import LlgBackend
-    from grammar_backend.workers import WorkerConfig
+    from grammar_service.workers import WorkerConfig
     from standins.scripted import replay
 
     bundle = load_tokenizer(str(model_dir))
@@ -334,7 +328,7 @@ def replay_part(model_dir: Path, schemas: Sequence[tuple[str, dict[str, Any], An
                            else "parsed_invalid" if report.parsed else "truncated")
                 records.append({"run": kind, "schema": name, "shortest": minimal, "budget": budget,
                                 "outcome": outcome, "tokens": out.tokens, "text": body,
-                                "close_reason": None if state is None else CLOSE_REASONS[state]})
+                                "close_reason": None if state is None else CLOSE_STATE_REASONS[state]})
     finally:
         engine.close()
     by_kind = {kind: dict(Counter(r["outcome"] for r in records if r["run"] == kind)) for kind in RUNAWAYS}
@@ -472,10 +466,10 @@ def served_part(model_dir: Path, schemas: Sequence[tuple[str, dict[str, Any], An
     """
     close_budget_only = {"on_budget": "close", "on_repeat": "continue"}
     minimal = shortest(model_dir, schemas)
-    with served_ensemble(model_dir, "budget-bench-") as url:
+    with harness.serve(harness.render_values(model_dir), prefix="budget-bench-") as server:
         def run(jobs: list[tuple[str, int, dict[str, str], int]]) -> dict[tuple[str, int], dict[str, Any]]:
             with ThreadPoolExecutor(concurrency) as pool:
-                done = pool.map(lambda job: one(url, schemas[job[1]][1], job[2], job[3]), jobs)
+                done = pool.map(lambda job: one(server.url, schemas[job[1]][1], job[2], job[3]), jobs)
                 return {(job[0], job[1]): {**outcome, "budget": job[3]} for job, outcome in zip(jobs, done,
                                                                                                strict=True)}
 
@@ -520,23 +514,22 @@ def _pair(a: tuple[str, int, dict[str, str], int], b: tuple[str, int, dict[str, 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the three parts and print their figures; returns the exit status."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("data", type=Path, help="MaskBench folder, e.g. ../shared/data/maskbench-dev")
+    parser = harness.bench_parser(__doc__)
+    harness.add_data_dir(parser)
     parser.add_argument("--search-schemas", type=int, default=300)
     parser.add_argument("--served-schemas", type=int, default=60, help="MaskBench schemas, plus the project's own")
-    parser.add_argument("--max-tokens", type=int, default=384)
-    parser.add_argument("--concurrency", type=int, default=4)
+    harness.add_max_tokens(parser, 384)
+    harness.add_concurrency(parser, 4)
     parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--seed", type=int, default=7)
+    harness.add_seed(parser, 7)
     parser.add_argument("--replay-schemas", type=int, default=12, help="large schemas replayed with runaways")
     parser.add_argument("--replay-tokens", type=int, default=384, help="their budget (the issue's max_tokens)")
-    parser.add_argument("--quick", action="store_true",
-                        help="100 search, 6 replayed and 16 served schemas, 256 tokens")
+    harness.add_quick(parser, "100 search, 6 replayed and 16 served schemas, 256 tokens")
     parser.add_argument("--misses", type=Path, default=None,
                         help="only print the misses of an earlier run's --json file (and why), then exit")
     parser.add_argument("--kinds-only", action="store_true", help="only part 2c (every kind; about a minute)")
-    parser.add_argument("--model-dir", type=Path, default=MODEL_DIR)
-    parser.add_argument("--json", type=Path, default=None, help="write every figure here")
+    harness.add_model_dir(parser, MODEL_DIR)
+    harness.add_json(parser)
     args = parser.parse_args(argv)
     if args.quick:
         args.search_schemas, args.served_schemas, args.max_tokens, args.steps = 100, 16, 256, 200
@@ -545,7 +538,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--model-dir {args.model_dir}: no config.json (run `make model`)")
     if args.misses is not None:
         saved = json.loads(args.misses.read_text())
-        by_name = {**{p.name: json.loads(p.read_text(encoding="utf-8")) for p in OWN.glob("*.json")}}
+        by_name = {**{p.name: json.loads(p.read_text(encoding="utf-8")) for p in OWN_SCHEMAS.glob("*.json")}}
         for part in ("replay", "served"):
             records = saved.get(part, {}).get("records", [])
             for r in records:
@@ -583,7 +576,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     large_schemas = {name: schema for name, schema, _ in large}
     print(f"replay: {print_misses(replay['records'], large_schemas, args.model_dir)} misses where a completion "
           "fitted", flush=True)
-    own = [(path.name, json.loads(path.read_text(encoding="utf-8")), None) for path in sorted(OWN.glob("*.json"))]
+    own = [(path.name, json.loads(path.read_text(encoding="utf-8")), None)
+           for path in sorted(OWN_SCHEMAS.glob("*.json"))]
     served = served_part(args.model_dir, own + sample(args.data, args.served_schemas, args.seed + 1),
                          args.max_tokens, args.concurrency)
     print(f"served: {served['schemas']} schemas, {served['natural']} finish on their own within "
@@ -602,9 +596,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           "valid instance fitted", flush=True)
     print(f"total {time.perf_counter() - t_all:.0f} s")
     if args.json is not None:
-        args.json.write_text(json.dumps({"kinds": kinds, "search": search, "steps": steps, "replay": replay,
-                                         "served": served},
-                                        indent=2))
+        harness.write_json(args.json, {"kinds": kinds, "search": search, "steps": steps, "replay": replay,
+                                       "served": served})
 
     def share(key: str) -> str:
         ok, total = served[key]["valid"]

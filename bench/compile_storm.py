@@ -31,30 +31,20 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, Final
 
+import harness  # before the project's packages: it puts the repository root on sys.path
 import psutil
-
-REPO: Final = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-# Imported after the sys.path entry above.
-from e2e_bench import MODEL_DIR, PERSON_SCHEMA, PROMPTS, pct, render_repository
+from e2e_bench import PERSON_SCHEMA, PROMPTS, pct
+from harness import MODEL_DIR
 
 from client import Client, ClientError, Constraint, ServerBusy
-from deploy.server import ServerConfig, TritonServer
-
-ENSEMBLE: Final = "constrained_llm"
 
 
 def slow_constraint(kind: str, n: int) -> Constraint:
@@ -181,7 +171,7 @@ class PeakRss:
                     continue  # exited since the listing (or a zombie)
                 if "triton_python_backend_stub" in cmd and "grammar_0" in cmd:
                     sums["grammar stub"] += rss
-                elif "grammar_backend.compile_worker" in cmd:
+                elif "grammar_service.compile_worker" in cmd:
                     sums["compile workers"] += rss
             for key, value in sums.items():
                 self.peak[key] = max(self.peak[key], value)
@@ -205,14 +195,14 @@ def report(quiet: dict[str, list[float]], loud: dict[str, list[float]], outcomes
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = harness.bench_parser(__doc__, whole_doc=True)
     ap.add_argument("--url", help="a running server's gRPC address (default: start one)")
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--requests", type=int, default=6, help="ordinary requests per stream and phase")
     ap.add_argument("--storm", type=int, default=10, help="threads sending slow constraints")
-    ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--quick", action="store_true", help="2 streams x 3 requests")
-    ap.add_argument("--json", type=Path, help="write every figure here")
+    harness.add_max_tokens(ap, 48)
+    harness.add_quick(ap, "2 streams x 3 requests")
+    harness.add_json(ap)
     return ap.parse_args(argv)
 
 
@@ -249,19 +239,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.url:
         figures = run(args.url, args, local=False)
     else:
-        with tempfile.TemporaryDirectory(prefix="compile-storm-") as tmp:
-            repo = Path(tmp) / "model_repository"
-            render_repository(repo, MODEL_DIR)
-            server = TritonServer(ServerConfig(model_repository=repo, models=(ENSEMBLE,),
-                                               log_file=Path(tmp) / "tritonserver.log"))
-            server.start()
-            try:
-                server.wait_ready()
-                figures = run(server.grpc_url, args, local=True)
-            finally:
-                server.stop()
+        with harness.serve(harness.render_values(MODEL_DIR), prefix="compile-storm-") as server:
+            figures = run(server.url, args, local=True)
     if args.json is not None:
-        args.json.write_text(json.dumps(figures), encoding="utf-8")
+        harness.write_json(args.json, figures)
     return 0
 
 

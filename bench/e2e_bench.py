@@ -9,7 +9,8 @@ What it does, in one process and one server:
 
 1. Renders ``model_repository/`` into a temporary folder (``deploy.render``
    with ``deploy/values.json`` and ``MODEL_DIR`` = the local SmolLM2 folder)
-   and starts its own ``tritonserver`` on free loopback ports.
+   and starts its own ``tritonserver`` on free loopback ports
+   (:func:`harness.serve`, the gateway in this process).
 2. Sends the SAME prompts constrained (a JSON schema of a person: name, age,
    city, hobbies with ``maxItems``) and unconstrained, greedy, the same
    ``max_tokens``, through :class:`client.Client` streams.  Constrained and
@@ -60,10 +61,7 @@ import argparse
 import contextlib
 import json
 import math
-import os
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -75,20 +73,19 @@ from typing import TYPE_CHECKING, Any, Final, Self, TypeVar
 
 import numpy as np
 
-REPO: Final = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    # Run as a script, sys.path[0] is bench/; the packages live at the root.
-    sys.path.insert(0, str(REPO))
+if str(Path(__file__).resolve().parent) not in sys.path:
+    # Imported as bench.e2e_bench (the integration tests read its step stats), bench/ is not on sys.path,
+    # and harness lives there (run as a script, sys.path[0] is bench/ already).
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-# Imported after the sys.path entry above.
+import harness
+from harness import ENSEMBLE, MODEL_DIR, VALUES
+
 from client import Client, Constraint
-from deploy.server import ServerConfig, TritonServer
 
 if TYPE_CHECKING:
     from llm_runtime.scheduler import Scheduler
 
-MODEL_DIR: Final = REPO / "build" / "models" / "smollm2-135m-instruct"
-ENSEMBLE: Final = "constrained_llm"
 STATS_MARKER: Final = "llm step stats: "
 
 #: Several fields, a nested array with maxItems and bounded strings: a realistic
@@ -193,47 +190,6 @@ def ratio(num: float, den: float) -> str:
     if math.isnan(num) or math.isnan(den) or den == 0:
         return "-"
     return f"{num / den:.3f}"
-
-
-def render_repository(dst: Path, model_dir: Path, grammar_mode: str = "", stream_interval_ms: float | None = None
-                      ) -> None:
-    """Render ``model_repository/`` into ``dst`` exactly as ``make render`` does
-    (``grammar_mode``: the llm model's ``GRAMMAR_MODE``, ``""`` = its default;
-    ``stream_interval_ms``: its ``STREAM_INTERVAL_MS``, None = ``deploy/values.json``'s).
-
-    Raises
-    ------
-    RuntimeError
-        If ``deploy.render`` fails (its stderr is in the message).
-    """
-    cmd = [
-        sys.executable, "-m", "deploy.render",
-        "--src", str(REPO / "model_repository"),
-        "--dst", str(dst),
-        "--values", str(REPO / "deploy" / "values.json"),
-        "--set", f"MODEL_DIR={model_dir.resolve()}",
-        "--set", f"GRAMMAR_MODE={grammar_mode}",
-    ]  # fmt: skip
-    if stream_interval_ms is not None:
-        cmd += ["--set", f"STREAM_INTERVAL_MS={stream_interval_ms:g}"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"render failed (exit {proc.returncode}): {proc.stderr.strip()}")
-
-
-@contextlib.contextmanager
-def served_ensemble(model_dir: Path, prefix: str) -> Iterator[str]:
-    """A real tritonserver serving the rendered ensemble on loopback, for the block; yields its gRPC URL."""
-    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
-        repo = Path(tmp) / "model_repository"
-        render_repository(repo, model_dir)
-        server = TritonServer(ServerConfig(model_repository=repo, models=(ENSEMBLE,), log_file=Path(tmp) / "log"))
-        server.start()
-        try:
-            server.wait_ready()
-            yield server.grpc_url
-        finally:
-            server.stop()
 
 
 # --------------------------------------------------------------------------- requests
@@ -582,7 +538,7 @@ class InProcess:
 
     def __init__(self, model_dir: Path, max_tokens: int, values: dict[str, str] | None = None) -> None:
         if values is None:
-            values = json.loads((REPO / "deploy" / "values.json").read_text())
+            values = json.loads(VALUES.read_text())
         self.model_dir = model_dir
         self.max_tokens = max_tokens
         self.max_batch = int(values["MAX_BATCH"])
@@ -721,55 +677,44 @@ def step_parts(stats: list[dict[str, Any]], batch: int) -> dict[str, float]:
 
 def plot(summary: dict[str, dict[str, Any]], ratios: dict[int, tuple[float, float, float]], path: Path) -> None:
     """tokens/s and step time per concurrency, both modes, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     concs = sorted({int(k.split("@")[1]) for k in summary})
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for i, mode in enumerate(MODES):
-        a.bar([x + 0.4 * i for x in range(len(concs))], [summary[f"{mode}@{c}"]["tokens_per_s"] for c in concs],
-              width=0.4, label=mode)
-    a.set_xticks([x + 0.2 for x in range(len(concs))], [str(c) for c in concs])
-    a.set_xlabel("concurrency")
-    a.set_ylabel("output tokens/s")
-    a.legend()
-    rc = sorted(ratios)
-    b.plot(rc, [1e3 * ratios[c][0] for c in rc], "o-", label="free")
-    b.plot(rc, [1e3 * ratios[c][1] for c in rc], "o-", label="constrained")
-    b.set_xlabel("live batch")
-    b.set_ylabel("ms per decode step (p50)")
-    b.legend()
-    fig.suptitle(f"{ENSEMBLE}: constrained vs unconstrained")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
+    with harness.figure(path, f"{ENSEMBLE}: constrained vs unconstrained", columns=2, size=(10, 4)) as (a, b):
+        for i, mode in enumerate(MODES):
+            a.bar([x + 0.4 * i for x in range(len(concs))], [summary[f"{mode}@{c}"]["tokens_per_s"] for c in concs],
+                  width=0.4, label=mode)
+        a.set_xticks([x + 0.2 for x in range(len(concs))], [str(c) for c in concs])
+        a.set_xlabel("concurrency")
+        a.set_ylabel("output tokens/s")
+        a.legend()
+        rc = sorted(ratios)
+        b.plot(rc, [1e3 * ratios[c][0] for c in rc], "o-", label="free")
+        b.plot(rc, [1e3 * ratios[c][1] for c in rc], "o-", label="constrained")
+        b.set_xlabel("live batch")
+        b.set_ylabel("ms per decode step (p50)")
+        b.legend()
 
 
 # --------------------------------------------------------------------------- main
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Command-line arguments."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--max-tokens", type=int, default=64, help="per request (default %(default)s)")
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved measured rounds (default %(default)s)")
-    parser.add_argument("--min-seconds", type=float, default=10.0,
-                        help="each round measures each concurrency at least this long, repeating its batches "
-                             "(default %(default)s)")
+    # Annotated: mypy also checks this module as bench.e2e_bench (the integration tests import it), where
+    # harness does not resolve and would be Any.
+    parser: argparse.ArgumentParser = harness.bench_parser(__doc__)
+    harness.add_max_tokens(parser, 64)
+    harness.add_rounds(parser, 2)
+    harness.add_min_seconds(parser, 10.0)
     parser.add_argument("--fill-reps", type=int, default=6, help="replays per batch size of the fill timing")
-    parser.add_argument("--model-dir", type=Path, default=MODEL_DIR, help="default %(default)s")
-    parser.add_argument("--json", type=Path, default=None, help="write every figure and record here")
+    harness.add_model_dir(parser, MODEL_DIR)
+    harness.add_json(parser, "every figure and record")
     parser.add_argument("--grammar-mode", choices=("overlap", "processor"), default="overlap",
                         help="the llm model's grammar_mode (processor: TensorRT-LLM's serial call order)")
     parser.add_argument("--stream-interval-ms", type=float, default=None,
                         help="the llm model's STREAM_INTERVAL_MS: least ms between a stream's responses "
                              "(default: deploy/values.json's)")
-    parser.add_argument("--plot", type=Path, default=None, help="write a PNG of tokens/s and step times here")
-    parser.add_argument("--quick", action="store_true",
-                        help="a few minutes: 1 round, 32 max tokens, concurrency 1 and 8 (also BENCH_QUICK=1)")
+    harness.add_plot(parser, "a PNG of tokens/s and step times")
+    harness.add_quick(parser, "a few minutes: 1 round, 32 max tokens, concurrency 1 and 8", env=True)
     args = parser.parse_args(argv)
-    if args.quick or os.environ.get("BENCH_QUICK") == "1":
+    if args.quick:
         args.rounds, args.max_tokens, args.concurrencies = 1, 32, QUICK_CONCURRENCIES
     else:
         args.concurrencies = CONCURRENCIES
@@ -785,27 +730,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; returns the exit status."""
     args = parse_args(argv)
     t_all = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="e2e-bench-") as tmp:
-        repo = Path(tmp) / "model_repository"
-        log = Path(tmp) / "tritonserver.log"
-        render_repository(repo, args.model_dir, args.grammar_mode, args.stream_interval_ms)
-        server = TritonServer(ServerConfig(model_repository=repo, models=(ENSEMBLE,), log_file=log))
-        t0 = time.perf_counter()
-        server.start()
-        try:
-            server.wait_ready()
-            print(f"server ready at {server.grpc_url} in {time.perf_counter() - t0:.1f} s (log {log})", flush=True)
-            pid = server.pid
-            if pid is None:
-                raise RuntimeError("the server has no process")
-            with InProcess(args.model_dir, args.max_tokens) as reference:
-                run = run_e2e(server.grpc_url, args.rounds, args.max_tokens, args.concurrencies, reference,
-                              partial(tree_cpu_s, pid), args.min_seconds)
-        finally:
-            code = server.stop()
-        log_text = log.read_text(encoding="utf-8", errors="replace")
-    print(f"server stopped (exit status {code})", flush=True)
-    stats = parse_step_stats(log_text)
+    overrides = {"GRAMMAR_MODE": args.grammar_mode}
+    if args.stream_interval_ms is not None:
+        overrides["STREAM_INTERVAL_MS"] = f"{args.stream_interval_ms:g}"
+    values = harness.render_values(args.model_dir, overrides)
+    # tritonserver driven from this process: the gateway runs here, beside the clients.
+    with harness.serve(values, prefix="e2e-bench-") as server:
+        print(f"server ready at {server.url} in {server.ready_s:.1f} s (log {server.log})", flush=True)
+        with InProcess(args.model_dir, args.max_tokens, values) as reference:
+            run = run_e2e(server.url, args.rounds, args.max_tokens, args.concurrencies, reference,
+                          partial(tree_cpu_s, server.pid), args.min_seconds)
+    print(f"server stopped (exit status {server.exit_status})", flush=True)
+    stats = parse_step_stats(server.log_text)
     summary = summarize(run["records"], run["walls"])
     # One greedy output per prompt (the last one at concurrency 1).
     texts = list({r.prompt: r.text for r in run["records"] if r.mode == "constrained" and r.concurrency == 1}.values())
@@ -840,8 +776,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "warmup": {k: asdict(v) for k, v in run["warmup"].items()},
             "records": [asdict(r) for r in run["records"]],
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(payload, indent=2), encoding="utf-8")
+        harness.write_json(args.json, payload)
     print(f"total {time.perf_counter() - t_all:.1f} s", file=sys.stderr)
     return 0
 

@@ -51,16 +51,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+import harness  # before the project's packages: it puts the repository root on sys.path
 import numpy as np
-
-REPO: Final = Path(__file__).resolve().parents[1]
-BENCH: Final = Path(__file__).resolve().parent
-# Run as a script, sys.path[0] is bench/ (for `maskbench`); the packages live at the root.
-for _p in (str(REPO), str(BENCH)):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
-
-# Imported after the sys.path entries above.
+from harness import MODEL_DIR, QWEN_DIR, QWEN_VOCAB
 from maskbench import (
     Outcome,
     WorkerContext,
@@ -75,8 +68,8 @@ from maskbench import (
 
 #: (path, logits width or None for the model config's) of the default tokenizers.
 DEFAULT_TOKENIZERS: Final = (
-    (REPO / "build" / "tokenizers" / "qwen3", 151_936),
-    (REPO / "build" / "models" / "smollm2-135m-instruct", None),
+    (QWEN_DIR, QWEN_VOCAB),
+    (MODEL_DIR, None),
 )
 
 #: MaskBench's published mask times (Llama-3.1 vocabulary, one thread).
@@ -138,10 +131,10 @@ class _State:
 def _init_worker(tokenizer: str, vocab_size: int | None, settings: Settings) -> _State:
     import xgrammar as xgr
 
-    from grammar_backend.cache import CacheConfig
-    from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
     from grammar_backend.tokenizer import load_tokenizer
-    from grammar_backend.workers import WorkerConfig
+    from grammar_service.cache import CacheConfig
+    from grammar_service.engine import GrammarEngine, GrammarEngineConfig
+    from grammar_service.workers import WorkerConfig
 
     bundle = load_tokenizer(tokenizer, vocab_size=vocab_size)
     engine = GrammarEngine(
@@ -398,9 +391,9 @@ def batch_figures(bundle: Any, records: list[dict[str, Any]], files: dict[str, P
     """Batch fill of B real matchers mid-document: ``engine.step`` vs ``batch_fill_next_token_bitmask``."""
     import xgrammar as xgr
 
-    from grammar_backend.cache import CacheConfig
-    from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
     from grammar_backend.spec import parse_constraint
+    from grammar_service.cache import CacheConfig
+    from grammar_service.engine import GrammarEngine, GrammarEngineConfig
 
     chosen: list[tuple[Any, list[int]]] = []
     names: list[str] = []
@@ -552,23 +545,21 @@ def print_result(res: dict[str, Any], settings: Settings) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("data_dir", type=Path, metavar="DATA_DIR", help="folder of MaskBench-format *.json files")
+    parser = harness.bench_parser(__doc__)
+    harness.add_data_dir(parser)
     parser.add_argument("--tokenizer", type=Path, action="append", default=None,
                         help="tokenizer folder or .gguf; repeatable (default: Qwen3 and SmolLM2 under build/)")
     parser.add_argument("--vocab-size", type=int, action="append", default=None,
                         help="logits width of each --tokenizer, in the same order (default: from the model config)")
     parser.add_argument("--limit", type=int, default=None, help=f"schemas sampled per tokenizer (default {FULL.limit})")
-    parser.add_argument("--timeout", type=float, default=None,
-                        help=f"seconds per phase of one schema (default {FULL.timeout_s:g})")
+    harness.add_phase_timeout(parser, None, f"(default {FULL.timeout_s:g})")
     parser.add_argument("--budget", type=float, default=None,
                         help=f"seconds of per-schema work per tokenizer before the sample is cut "
                              f"(default {FULL.budget_s:g})")
-    parser.add_argument("--quick", action="store_true", help="smoke run: few schemas, short budget (< 60 s)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, default=None, help="write all figures here")
-    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    harness.add_quick(parser, "smoke run: few schemas, short budget (< 60 s)")
+    harness.add_seed(parser, 0)
+    harness.add_json(parser, "all figures")
+    harness.add_quiet(parser)
     return parser
 
 
@@ -599,11 +590,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise SystemExit(f"tokenizer {path}: not found (Qwen3: build/tokenizers/qwen3; "
                              "SmolLM2: `python -m deploy.prepare_model`)")
 
-    print(f"grammar_bench: {args.data_dir}, {settings}", flush=True)
+    print(f"grammar_bench: {args.data}, {settings}", flush=True)
     start = time.monotonic()
     results = []
     for path, vocab in pairs:
-        res = run_tokenizer(args.data_dir, path, vocab, settings, args.quiet)
+        res = run_tokenizer(args.data, path, vocab, settings, args.quiet)
         print_result(res, settings)
         results.append(res)
     print("\nanchors (MaskBench, Llama-3.1 vocabulary, one thread), mask time p50 / p99: "
@@ -612,20 +603,11 @@ def main(argv: Sequence[str] | None = None) -> int:
           "the previous token's accept, the table lookup and the per-row bookkeeping of engine.step.")
     print(f"total {time.monotonic() - start:.0f} s")
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         doc = {"settings": settings.__dict__, "anchors": {n: {"p50_us": a, "p99_us": b} for n, a, b in MASK_ANCHORS},
                "tokenizers": results}
-        args.json.write_text(json.dumps(doc, indent=1, allow_nan=False, default=_jsonable) + "\n", encoding="utf-8")
+        harness.write_json(args.json, doc, allow_nan=False)
         print(f"wrote {args.json}")
     return 0
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, tuple):
-        return list(value)
-    raise TypeError(f"not JSON serializable: {type(value).__name__}")
 
 
 if __name__ == "__main__":

@@ -26,8 +26,8 @@ one run, interleaved by round:
   :class:`llm_runtime.remote_mask.RemoteMaskProvider` the ``llm`` model uses: the
   round trip the decode loop waits on; ``bls tensor``: each step over BLS,
   the masks back as a BLS output tensor; ``channel``: each step over the
-  grammar channel (:mod:`grammar_backend.channel`) with the masks in the
-  caller's shared-memory buffer (:mod:`triton_support.maskbuf`), what the
+  grammar channel (:mod:`grammar_service.transport.channel`) with the masks in the
+  caller's shared-memory buffer (:mod:`grammar_service.transport.maskbuf`), what the
   ``llm`` model uses.
 
 Every figure is per step (all B rows).  The ratios ``bls / raw fill`` and
@@ -37,39 +37,26 @@ model.  Nothing here asserts a time.
 
 from __future__ import annotations
 
-import argparse
 import json
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, Final
 
+import harness  # before the project's packages: it puts the repository root on sys.path
 import numpy as np
-
-REPO: Final = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-import tritonclient.grpc as grpcclient  # after the sys.path entry
+import tritonclient.grpc as grpcclient
 import xgrammar as xgr
+from harness import BENCH, OWN_SCHEMAS, QWEN_DIR, QWEN_VOCAB
 
-from deploy.render import load_values, render_repository
-from deploy.server import ServerConfig, TritonServer
+from deploy.server import TritonServer
 from grammar_backend.compile import json_format_kwargs
-from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
 from grammar_backend.llg import LlgBackend
 from grammar_backend.spec import ConstraintOptions, parse_constraint
 from grammar_backend.tokenizer import load_tokenizer
+from grammar_service.engine import GrammarEngine, GrammarEngineConfig
 from llm_runtime.local_mask import LocalMaskProvider
 from llm_runtime.mask import ConstraintRequest
-
-QWEN_DIR: Final = REPO / "build" / "tokenizers" / "qwen3"
-MODEL_DIR: Final = REPO / "build" / "models" / "smollm2-135m-instruct"
-QWEN_VOCAB: Final = 151936
-SCHEMAS: Final = REPO / "tests" / "fixtures" / "schemas"
 
 #: (schema, a valid output): the token path each row follows.
 CASES: Final[tuple[tuple[str, str], ...]] = (
@@ -83,7 +70,7 @@ CASES: Final[tuple[tuple[str, str], ...]] = (
 
 def constraints(backend: str) -> list[tuple[str, str, str]]:
     options = json.dumps({"backend": backend})
-    return [("json_schema", (SCHEMAS / f"{name}.json").read_text(), options) for name, _ in CASES]
+    return [("json_schema", (OWN_SCHEMAS / f"{name}.json").read_text(), options) for name, _ in CASES]
 
 
 def paths(encode: Any) -> list[list[int]]:
@@ -181,27 +168,6 @@ def time_bls(server: TritonServer, cons: list[tuple[str, str, str]], toks: list[
     return list(json.loads(bytes(result.as_numpy("RESULT")[0]))["step_s"])
 
 
-def start_server(tmp: Path, rows: int) -> TritonServer:
-    """The ``grammar`` model with the Qwen3 vocabulary, plus the bench driver."""
-    values = load_values(REPO / "deploy" / "values.json")
-    values.update({"MODEL_DIR": str(QWEN_DIR), "VOCAB_SIZE": str(QWEN_VOCAB), "MAX_BATCH": str(rows)})
-    repo = tmp / "repo"
-    render_repository(REPO / "model_repository", repo, values)
-    for model in repo.iterdir():  # the server loads every model of its repository: keep only grammar
-        if model.name != "grammar":
-            shutil.rmtree(model)
-    shutil.copytree(REPO / "bench" / "triton" / "grammar_driver", repo / "grammar_driver")
-    server = TritonServer(ServerConfig(model_repository=repo, models=("grammar", "grammar_driver"),
-                                       log_file=tmp / "tritonserver.log"))
-    server.start()
-    try:
-        server.wait_ready()
-    except BaseException:
-        server.stop()
-        raise
-    return server
-
-
 def summary(times: Sequence[float]) -> dict[str, float]:
     a = np.asarray(times[1:])  # the first step of a run allocates; the loop's steady state follows
     return {"p50_ms": float(np.percentile(a, 50) * 1e3), "p99_ms": float(np.percentile(a, 99) * 1e3),
@@ -209,13 +175,12 @@ def summary(times: Sequence[float]) -> dict[str, float]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--rows", type=int, default=64, help="sequences per step (default %(default)s)")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default %(default)s)")
+    parser = harness.bench_parser(__doc__)
+    harness.add_rows(parser, 64, "sequences per step")
+    harness.add_rounds(parser, 3, "interleaved rounds")
     parser.add_argument("--jump-forward", action="store_true", help="also return jump-forward tokens")
-    parser.add_argument("--backend", choices=("xgrammar", "llguidance"), default="xgrammar",
-                        help="grammar option backend of every row, in every mode (default %(default)s)")
-    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    harness.add_backend(parser, "xgrammar", "grammar option backend of every row, in every mode", auto=False)
+    harness.add_json(parser, "the figures")
     args = parser.parse_args(argv)
     bundle = load_tokenizer(QWEN_DIR, vocab_size=QWEN_VOCAB)
     cons = constraints(args.backend)
@@ -227,9 +192,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                            encode=bundle.encode, llg=llg)
     times: dict[str, list[float]] = {"raw fill": [], "raw": [], "local": [], "local checked": [], "bls tensor": [],
                                      "channel": []}
-    with tempfile.TemporaryDirectory(prefix="grammar-step-") as tmp:
-        server = start_server(Path(tmp), args.rows)
-        try:
+    # The grammar model alone (MODEL_DIR: the Qwen3 tokenizer, MAX_BATCH: the rows), plus the bench driver.
+    values = harness.render_values(QWEN_DIR, {"VOCAB_SIZE": str(QWEN_VOCAB), "MAX_BATCH": str(args.rows)})
+    try:
+        with harness.serve(values, prefix="grammar-step-", models=("grammar", "grammar_driver"), prune=True,
+                           extra_models=(BENCH / "triton" / "grammar_driver",)) as served:
+            server = served.triton
+            if server is None:
+                raise RuntimeError("the grammar driver is called on tritonserver's own endpoint: serve it in-process")
             time_bls(server, cons, toks, args.rows, args.jump_forward, True)  # warm-up: compiles
             time_local(engine, cons, toks, args.rows, args.jump_forward)
             for r in range(args.rounds):
@@ -245,9 +215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         raw_llg = llg if args.backend == "llguidance" else None
                         for k, v in time_raw(bundle.info, raw_llg, cons, toks, args.rows).items():
                             times[k] += v[1:]
-        finally:
-            server.stop()
-            engine.close()
+    finally:
+        engine.close()
     figures = {k: summary(v) for k, v in times.items()}
     print(f"== grammar step, {args.backend}, {args.rows} rows, Qwen3 vocabulary, {len(toks[0])} steps x "
           f"{args.rounds} rounds, jump-forward {'on' if args.jump_forward else 'off'} ==")
@@ -260,8 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{m}/raw fill {figures[m]['p50_ms'] / floor:.2f}, {m}/local {figures[m]['p50_ms'] / local:.2f}"
         for m in ("bls tensor", "channel")))
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"figures": figures, "times": times}, indent=1), encoding="utf-8")
+        harness.write_json(args.json, {"figures": figures, "times": times})
     return 0
 
 

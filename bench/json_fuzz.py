@@ -12,7 +12,7 @@ Three grammars per schema: xgrammar as served (:func:`grammar_backend.compile.co
 mended by :mod:`grammar_backend.json_strings`), llguidance as served, and
 xgrammar's own compile without the mending (the reference that shows what the
 walks catch).  Vocabulary: the tiny stand-in's byte-level BPE (448 tokens,
-every byte one token; built once at ``path_bench.TINY_DIR``), so one step in
+every byte one token; built once at ``harness.TINY_DIR``), so one step in
 fourteen can be a control character.
 
 Usage (from the repository root)::
@@ -27,23 +27,17 @@ runs :func:`fuzz` on a few schemas.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Final
 
+import harness  # before the project's packages: it puts the repository root on sys.path
 import xgrammar as xgr
 
-REPO: Final = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-# Imported after the sys.path entry above.
 from grammar_backend.bitmask import Matcher, allowed_tokens
 from grammar_backend.closing import Closer
 from grammar_backend.compile import compile_spec, json_format_kwargs
@@ -202,20 +196,17 @@ def _not_json(text: str) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the fuzz over a MaskBench folder and print the tallies."""
-    from path_bench import tiny_checkpoint
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("data", type=Path, help="MaskBench folder, e.g. ../shared/data/maskbench-dev")
-    parser.add_argument("--count", type=int, default=1200, help="schemas, seeded sample (default 1,200)")
-    parser.add_argument("--walks", type=int, default=3, help="walks per schema and grammar (default 3)")
-    parser.add_argument("--max-steps", type=int, default=80, help="most tokens before closing (default 80)")
-    parser.add_argument("--seed", type=int, default=1, help="sample and walk seed (default 1)")
-    parser.add_argument("--json", type=Path, default=None, help="write the tallies here")
+    parser = harness.bench_parser(__doc__)
+    harness.add_data_dir(parser)
+    harness.add_count(parser, 1200)
+    harness.add_walks(parser, "schema", 80)
+    harness.add_seed(parser, 1, "sample and walk")
+    harness.add_json(parser, "the tallies")
     args = parser.parse_args(argv)
     files = sorted(args.data.glob("*.json"))
     random.Random(args.seed).shuffle(files)
     schemas = [(f.name, json.loads(f.read_text(encoding="utf-8"))["schema"]) for f in files[:args.count]]
-    bundle = load_tokenizer(tiny_checkpoint())
+    bundle = load_tokenizer(harness.tiny_checkpoint())
     t0 = time.perf_counter()
     tallies = fuzz(schemas, bundle, walks=args.walks, max_steps=args.max_steps, seed=args.seed)
     wall = time.perf_counter() - t0
@@ -225,8 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, text, err in t.examples:
             print(f"    {name}: {err}: {text!r}")
     if args.json is not None:
-        args.json.write_text(json.dumps({g: {k: v for k, v in vars(t).items()} for g, t in tallies.items()},
-                                        indent=1))
+        harness.write_json(args.json, {g: {k: v for k, v in vars(t).items()} for g, t in tallies.items()})
     x, lg, raw = (tallies[g] for g in GRAMMARS)
     print(f"{wall:.0f} s")
     print(f"closed outputs not JSON: xgrammar {x.failed}/{x.closed}, llguidance {lg.failed}/{lg.closed}; "

@@ -28,25 +28,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any, Final
 
-REPO: Final = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import harness  # before the project's packages: it puts the repository root on sys.path
+from harness import MODEL_DIR, OWN_SCHEMAS
 
-from client import Client, Constraint  # after the sys.path entry
+from client import Client, Constraint
 from deploy.drain import scrape, value
-from deploy.server import ServerConfig, TritonServer
-
-sys.path.insert(0, str(REPO / "bench"))
-from e2e_bench import ENSEMBLE, MODEL_DIR, render_repository
-
-SCHEMAS: Final = REPO / "tests" / "fixtures" / "schemas"
 
 #: Schema-heavy requests: long required keys, enums and nested objects, where
 #: much of the output is forced by the schema.
@@ -94,7 +85,7 @@ class Record:
 def schema_of(case: str) -> dict[str, Any]:
     if case == "shipment":
         return SHIPMENT_SCHEMA
-    return json.loads((SCHEMAS / f"{case}.json").read_text())  # type: ignore[no-any-return]
+    return json.loads((OWN_SCHEMAS / f"{case}.json").read_text())  # type: ignore[no-any-return]
 
 
 def steps(metrics_url: str) -> int:
@@ -167,31 +158,21 @@ def report(records: Sequence[Record]) -> float:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved measured rounds (default %(default)s)")
-    parser.add_argument("--max-tokens", type=int, default=256, help="per constrained request (default %(default)s)")
-    parser.add_argument("--model-dir", type=Path, default=MODEL_DIR, help="default %(default)s")
-    parser.add_argument("--json", type=Path, default=None, help="write every record here")
+    parser = harness.bench_parser(__doc__)
+    harness.add_rounds(parser, 2)
+    harness.add_max_tokens(parser, 256, "per constrained request")
+    harness.add_model_dir(parser, MODEL_DIR)
+    harness.add_json(parser, "every record")
     return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="jump-bench-") as tmp:
-        repo = Path(tmp) / "model_repository"
-        render_repository(repo, args.model_dir)
-        server = TritonServer(ServerConfig(model_repository=repo, models=(ENSEMBLE,),
-                                           log_file=Path(tmp) / "tritonserver.log"))
-        server.start()
-        try:
-            server.wait_ready()
-            records = run(server.grpc_url, server.metrics_url, args.rounds, args.max_tokens)
-        finally:
-            server.stop()
+    with harness.serve(harness.render_values(args.model_dir), prefix="jump-bench-") as server:
+        records = run(server.url, server.metrics_url, args.rounds, args.max_tokens)
     r = report(records)
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps([asdict(x) for x in records], indent=2), encoding="utf-8")
+        harness.write_json(args.json, [asdict(x) for x in records])
     print(f"ratio jump-forward/unconstrained time to a complete object: {r:.3f}")
     return 0
 

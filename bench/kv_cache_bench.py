@@ -17,20 +17,15 @@ equal work.  Run::
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
+import harness  # before the project's packages: it puts the repository root on sys.path
 import numpy as np
 import torch
 from transformers.cache_utils import Cache
-
-# Run as a script, sys.path[0] is bench/; the packages live at the repository root.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llm_runtime.engine import TorchEngine, TorchEngineConfig
 
@@ -144,8 +139,8 @@ class _SlotRunner:
 
 def main(argv: list[str] | None = None) -> None:
     """Command-line entry point; prints a JSON line of figures."""
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model_dir", type=Path)
+    ap = harness.bench_parser(__doc__, whole_doc=True)
+    harness.add_model_dir(ap, None, positional=True)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--prompt", type=int, default=128, help="shortest prompt; row i adds 15*i tokens")

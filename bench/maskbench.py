@@ -10,7 +10,7 @@ in DIR, a child process:
 
 1. validates the schema with :func:`grammar_backend.spec.parse_constraint`
    (``spec_rejected`` and the reason when it fails);
-2. compiles it as a start does (:meth:`grammar_backend.engine.GrammarEngine.start`,
+2. compiles it as a start does (:meth:`grammar_service.engine.GrammarEngine.start`,
    grammar option ``backend`` from ``--backend``: ``auto`` tries llguidance
    first for JSON, then xgrammar, whose compile is stopped at
    ``--auto-timeout`` CPU seconds; the record says which backend served), ``compile_error`` with the last backend's
@@ -64,19 +64,16 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, Final, Self
 
+# Before the project's packages: it puts the repository root on sys.path (spawned workers inherit sys.path).
+import harness
 import numpy as np
-
-REPO: Final = Path(__file__).resolve().parents[1]
-# Run as a script (`python bench/maskbench.py`), sys.path[0] is bench/; the
-# packages live at the repository root.  Spawned workers inherit sys.path.
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from harness import QWEN_DIR, QWEN_VOCAB, REPO
 
 #: The default tokenizer: the large byte-level BPE closest in size to the
 #: Llama-3.1 vocabulary that MaskBench's published figures used.
-DEFAULT_TOKENIZER: Final = REPO / "build" / "tokenizers" / "qwen3"
+DEFAULT_TOKENIZER: Final = QWEN_DIR
 #: Qwen3's logits width (the tokenizer itself has 151,669 tokens).
-DEFAULT_VOCAB_SIZE: Final = 151_936
+DEFAULT_VOCAB_SIZE: Final = QWEN_VOCAB
 
 #: Published results on the full MaskBench (11,305 schemas, Llama-3.1
 #: tokenizer), Geng et al. 2025, arXiv 2501.10868.
@@ -467,11 +464,11 @@ class _State:
 
 
 def _init_worker(config: RunConfig) -> _State:
-    from grammar_backend.cache import CacheConfig
-    from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
     from grammar_backend.llg import LlgBackend
     from grammar_backend.tokenizer import load_tokenizer
-    from grammar_backend.workers import WorkerConfig
+    from grammar_service.cache import CacheConfig
+    from grammar_service.engine import GrammarEngine, GrammarEngineConfig
+    from grammar_service.workers import WorkerConfig
 
     bundle = load_tokenizer(config.tokenizer, vocab_size=config.vocab_size)
     auto = config.options["backend"] == "auto"
@@ -833,33 +830,31 @@ def install_interrupt_handlers() -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("dir", type=Path, metavar="DIR", help="folder of MaskBench-format *.json files")
+    parser = harness.bench_parser(__doc__)
+    harness.add_data_dir(parser, metavar="DIR")
     parser.add_argument("--tokenizer", type=Path, default=DEFAULT_TOKENIZER,
                         help=f"local tokenizer folder or .gguf (default {DEFAULT_TOKENIZER.relative_to(REPO)})")
     parser.add_argument("--vocab-size", type=int, default=None,
                         help=f"model logits width (default: {DEFAULT_VOCAB_SIZE} for the default tokenizer, "
                              "else from the model config)")
-    parser.add_argument("--timeout", type=float, default=30.0, help="seconds per phase of one schema (default 30)")
+    harness.add_phase_timeout(parser, 30.0)
     parser.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     parser.add_argument("--limit", type=int, default=None, help="a seeded random sample of N files")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the --limit sample (default 0)")
-    parser.add_argument("--json", type=Path, default=None, help="write the full results here")
+    harness.add_seed(parser, 0, "--limit sample")
+    harness.add_json(parser, "the full results")
     parser.add_argument("--strict", action=argparse.BooleanOptionalAction, default=False,
                         help="grammar option strict: close objects the schema leaves open (default: no)")
     parser.add_argument("--any-order", action=argparse.BooleanOptionalAction, default=False,
                         help="grammar option any_order: object keys in any order (default: no)")
-    parser.add_argument("--backend", choices=("auto", "xgrammar", "llguidance"), default="auto",
-                        help="grammar option backend (default auto: llguidance, xgrammar where llguidance "
-                             "refuses the schema)")
+    harness.add_backend(parser, "auto", "grammar option backend (auto: llguidance, xgrammar where llguidance "
+                                        "refuses the schema)")
     parser.add_argument("--auto-timeout", type=float, default=10.0,
                         help="CPU seconds xgrammar gets per compile under auto, where it is the fallback "
                              "(default 10)")
     parser.add_argument("--value-checks", action=argparse.BooleanOptionalAction, default=True,
                         help="check each completed value against what the grammar leaves unenforced, as "
                              "decoding does (grammar_backend.values; default: yes)")
-    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    harness.add_quiet(parser)
     return parser
 
 
@@ -871,12 +866,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     vocab_size = args.vocab_size
     if vocab_size is None and args.tokenizer.resolve() == DEFAULT_TOKENIZER.resolve():
         vocab_size = DEFAULT_VOCAB_SIZE
-    files = select_files(args.dir, args.limit, args.seed)
+    files = select_files(args.data, args.limit, args.seed)
     install_interrupt_handlers()
     options = {"strict": args.strict, "any_order": args.any_order, "whitespace": "compact", "backend": args.backend}
     config = RunConfig(str(args.tokenizer), vocab_size, options, args.timeout, args.auto_timeout, args.value_checks)
 
-    print(f"maskbench: {len(files)} files from {args.dir}, tokenizer {args.tokenizer} (vocab {vocab_size or 'auto'}), "
+    print(f"maskbench: {len(files)} files from {args.data}, tokenizer {args.tokenizer} (vocab {vocab_size or 'auto'}), "
           f"options {options}, {args.workers} workers, {args.timeout:g} s per phase", flush=True)
     records: list[dict[str, Any]] = []
     steps: dict[str, list[np.ndarray]] = {}
@@ -937,9 +932,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{len(files)} of its files): " + ", ".join(f"{n} {p} ({100 * p / ANCHOR_TOTAL:.1f}%)"
                                                                for n, p in ANCHOR_PASSES))
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
         doc = {
-            "config": {"dir": str(args.dir), "files": len(files), "tokenizer": str(args.tokenizer),
+            "config": {"dir": str(args.data), "files": len(files), "tokenizer": str(args.tokenizer),
                        "vocab_size": vocab_size, "options": options, "workers": args.workers,
                        "timeout_s": args.timeout, "auto_timeout_s": args.auto_timeout, "limit": args.limit,
                        "value_checks": args.value_checks,
@@ -952,16 +946,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "timings": timings,
             "schemas": records,
         }
-        args.json.write_text(json.dumps(doc, indent=1, ensure_ascii=False, allow_nan=False, default=_jsonable) + "\n",
-                             encoding="utf-8")
+        harness.write_json(args.json, doc, allow_nan=False)
         print(f"wrote {args.json}")
     return 1 if total["error"] else 0
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, np.generic):
-        return value.item()
-    raise TypeError(f"not JSON serializable: {type(value).__name__}")
 
 
 if __name__ == "__main__":

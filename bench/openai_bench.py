@@ -71,9 +71,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -82,22 +80,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final
 
+import harness  # before the project's packages: it puts the repository root on sys.path
 import jsonschema
 import openai
+from e2e_bench import ms, pct
+from harness import ENSEMBLE, MODEL_DIR, TINY_DIR, Served, tiny_checkpoint
 from openai.types.chat import ChatCompletionMessageParam
 from openai.types.responses import ResponseTextConfigParam
 from openai.types.shared_params import ResponseFormatJSONSchema
-
-REPO: Final = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-# Imported after the sys.path entry above.
-from e2e_bench import ENSEMBLE, MODEL_DIR, ms, pct
-from path_bench import CLIENT_LABEL, TINY_DIR, CpuMeter, Served, launched, tiny_checkpoint
+from path_bench import CLIENT_LABEL, CpuMeter
 
 from client import Client, Constraint
-from deploy.render import load_values, render_repository
 
 #: ``openai`` is chat completions; ``responses`` the Responses API, on the same endpoint.
 TRANSPORTS: Final = ("grpc", "openai", "responses")
@@ -364,7 +357,7 @@ def run_load(served: Served, rounds: int, max_tokens: int) -> dict[str, Any]:
     pools = Pools([Client(served.url, timeout_s=REQUEST_TIMEOUT_S) for _ in range(top)],
                   [openai.OpenAI(base_url=served.openai_url, api_key="x", max_retries=0, timeout=REQUEST_TIMEOUT_S)
                    for _ in range(top)])
-    meter = CpuMeter(served.launcher)
+    meter = CpuMeter(served.pid)
     records: list[Record] = []
     walls: dict[str, float] = {}
     cpu: dict[str, dict[str, float]] = {}
@@ -548,23 +541,19 @@ def print_report(summary: Mapping[str, Mapping[str, Any]], rat: Mapping[str, Map
 # --------------------------------------------------------------------------- main
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Command-line arguments (``--quick`` sets defaults; an explicit ``--max-tokens`` or ``--rounds`` wins)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser = harness.bench_parser(__doc__)
     parser.add_argument("--tiny", action="store_true",
                         help=f"serve the tiny stand-in checkpoint (built once at {TINY_DIR}), one torch thread")
-    parser.add_argument("--model-dir", type=Path, default=None, help=f"checkpoint to serve (default {MODEL_DIR})")
-    parser.add_argument("--max-tokens", type=int, default=None,
-                        help=f"per request (default {DEFAULT_MAX_TOKENS}, --quick {QUICK_MAX_TOKENS})")
-    parser.add_argument("--rounds", type=int, default=None,
-                        help=f"interleaved measured rounds (default {DEFAULT_ROUNDS}, --quick {QUICK_ROUNDS})")
-    parser.add_argument("--json", type=Path, default=None, help="write every figure and record here")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"{QUICK_ROUNDS} round of {QUICK_MAX_TOKENS} max tokens (also BENCH_QUICK=1)")
+    harness.add_model_dir(parser, None, help_text=f"checkpoint to serve (default {MODEL_DIR})")
+    harness.add_max_tokens(parser, None, f"per request (default {DEFAULT_MAX_TOKENS}, --quick {QUICK_MAX_TOKENS})")
+    harness.add_rounds(parser, None, f"interleaved measured rounds (default {DEFAULT_ROUNDS}, --quick {QUICK_ROUNDS})")
+    harness.add_json(parser, "every figure and record")
+    harness.add_quick(parser, f"{QUICK_ROUNDS} round of {QUICK_MAX_TOKENS} max tokens", env=True)
     args = parser.parse_args(argv)
-    quick = args.quick or os.environ.get("BENCH_QUICK") == "1"
     if args.max_tokens is None:
-        args.max_tokens = QUICK_MAX_TOKENS if quick else DEFAULT_MAX_TOKENS
+        args.max_tokens = QUICK_MAX_TOKENS if args.quick else DEFAULT_MAX_TOKENS
     if args.rounds is None:
-        args.rounds = QUICK_ROUNDS if quick else DEFAULT_ROUNDS
+        args.rounds = QUICK_ROUNDS if args.quick else DEFAULT_ROUNDS
     if args.max_tokens < 1 or args.rounds < 1:
         parser.error("--max-tokens and --rounds must be >= 1")
     if args.tiny and args.model_dir is not None:
@@ -580,22 +569,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not (model / "config.json").is_file():
         print(f"error: {model}: no config.json (run `make model`)", file=sys.stderr)
         return 2
-    values = load_values(REPO / "deploy" / "values.json")
-    values["MODEL_DIR"] = str(model)
-    if args.tiny:
-        # As path_bench: the stand-in plays a GPU step, which keeps one host thread busy.
-        values["TORCH_THREADS"] = "1"
+    # As path_bench: the stand-in plays a GPU step, which keeps one host thread busy.
+    values = harness.render_values(model, {"TORCH_THREADS": "1"} if args.tiny else None)
     if int(values["MAX_BATCH"]) < max(CONCURRENCIES):
         print(f"error: MAX_BATCH {values['MAX_BATCH']} < concurrency {max(CONCURRENCIES)}", file=sys.stderr)
         return 2
-    with tempfile.TemporaryDirectory(prefix="openai-bench-") as tmp:
-        repo = Path(tmp) / "model_repository"
-        render_repository(REPO / "model_repository", repo, values)
-        t0 = time.perf_counter()
-        with launched(repo, Path(tmp) / "tritonserver.log", openai=True) as served:
-            print(f"server ready in {time.perf_counter() - t0:.1f} s: grpc {served.url}, "
-                  f"openai {served.openai_url}", flush=True)
-            run = run_load(served, args.rounds, args.max_tokens)
+    # python -m deploy --openai-port P: the gateway and the endpoint in the launcher process, apart from this client.
+    with harness.serve(values, prefix="openai-bench-", launcher=True, openai=True) as served:
+        print(f"server ready in {served.ready_s:.1f} s: grpc {served.url}, openai {served.openai_url}", flush=True)
+        run = run_load(served, args.rounds, args.max_tokens)
     records: list[Record] = run["records"]
     summary = summarize(records, run["walls"], run["cpu"])
     rat = ratios(summary)
@@ -610,8 +592,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "failures": len(failures),
                    "warmup": {k: asdict(v) for k, v in run["warmup"].items()},
                    "records": [asdict(r) for r in records]}
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(payload, indent=2), encoding="utf-8")
+        harness.write_json(args.json, payload)
     print(f"total {time.perf_counter() - t_all:.1f} s", file=sys.stderr)
     top = max(CONCURRENCIES)
     free = rat.get(f"unconstrained@{top}", {}).get("tokens_per_s", math.nan)

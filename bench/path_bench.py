@@ -59,35 +59,23 @@ Nothing here asserts a time: read ratios from one run on this noisy host.
 from __future__ import annotations
 
 import argparse
-import collections
-import contextlib
-import json
 import math
 import os
 import re
-import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any, Final
 
+import harness  # before the project's packages: it puts the repository root on sys.path
 import numpy as np
 import psutil
-
-REPO: Final = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-# Imported after the sys.path entry above.
 from e2e_bench import (
-    ENSEMBLE,
     MODES,
     PERSON_SCHEMA,
     PROMPTS,
@@ -100,34 +88,16 @@ from e2e_bench import (
     step_parts,
     tree_cpu_s,
 )
+from harness import ENSEMBLE, TINY_DIR, Served, tiny_checkpoint
 
-import contract
 from client import Client, Constraint
-from deploy.render import load_values, render_repository
-from deploy.server import find_free_port
 
-TINY_DIR: Final = REPO / "build" / "models" / "tiny-llama"
-#: Written last by :func:`tiny_checkpoint`: the folder is complete.
-TINY_MARKER: Final = "tiny_model.json"
 CONCURRENCIES: Final = (1, 8, 16, 32)
-READY_TIMEOUT_S: Final = 300.0
 #: This benchmark's own CPU (the client's streams) in the CPU table: not the server's, but on this
 #: machine it takes the same cores.
 CLIENT_LABEL: Final = "(client: this benchmark)"
 #: A Python-backend stub's argv names its model instance, e.g. ``llm_0_0``.
 _INSTANCE_RE: Final = re.compile(r"^([A-Za-z0-9_.-]+?)_\d+_\d+$")
-
-
-def tiny_checkpoint(path: Path = TINY_DIR) -> Path:
-    """The tiny stand-in checkpoint, built once (``build_tiny_llama`` with a ChatML template)."""
-    if (path / TINY_MARKER).is_file():
-        return path
-    from standins.tiny_model import CHATML, build_tiny_llama
-
-    # The llm model's context is 2,048 tokens (llm_runtime.model_config): the
-    # checkpoint must take as many positions.
-    build_tiny_llama(path, chat_template=CHATML, max_position_embeddings=2048)
-    return path
 
 
 # --------------------------------------------------------------------------- processes
@@ -198,82 +168,6 @@ class CpuMeter:
             into[label] = into.get(label, 0.0) + cpu - before.get(pid, (label, 0.0))[1]
 
 
-# --------------------------------------------------------------------------- server
-@dataclass(frozen=True)
-class Served:
-    """The launched server: its gRPC URL, OpenAI base URL (None: off), launcher pid and log file."""
-
-    url: str
-    openai_url: str | None
-    launcher: int
-    log: Path
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free loopback ports."""
-    ports: list[int] = []
-    while len(ports) < n:
-        port = find_free_port()
-        if port not in ports:
-            ports.append(port)
-    return ports
-
-
-@contextlib.contextmanager
-def launched(repo: Path, log: Path, *, openai: bool = False) -> Iterator[Served]:
-    """``python -m deploy`` on free loopback ports for the block; stopped (SIGTERM) after.
-
-    ``openai``: with the OpenAI-compatible endpoint too (the launcher's
-    ``--openai-port 0`` means off, so a free port is picked here); ready once
-    the launcher prints its URL.  The launcher's stdout (Triton's log lines
-    included) is read to the end on a thread, so the pipe never fills.
-
-    Raises
-    ------
-    RuntimeError
-        The launcher exited, or was not ready within :data:`READY_TIMEOUT_S`.
-    """
-    grpc, http, metrics, oai = free_ports(4)
-    cmd = [sys.executable, "-m", "deploy", "--model-repository", str(repo), "--grpc-port", str(grpc),
-           "--http-port", str(http), "--metrics-port", str(metrics), "--model", ENSEMBLE, "--log-file", str(log)]
-    if openai:
-        cmd += ["--openai-port", str(oai)]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: collections.deque[str] = collections.deque(maxlen=40)
-    urls: dict[str, str] = {}
-    ready = threading.Event()
-
-    def read() -> None:
-        if proc.stdout is None:
-            return
-        for line in proc.stdout:
-            lines.append(line.rstrip())
-            if line.startswith("server: openai: "):
-                urls["openai"] = line.removeprefix("server: openai: ").strip()
-            # The launcher prints its OpenAI URL after its ready line.
-            if ("server: ready:" in line and not openai) or "openai" in urls:
-                ready.set()
-
-    reader = threading.Thread(target=read, name="launcher-output", daemon=True)
-    reader.start()
-    try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not ready.wait(0.2):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                tail = "\n".join(lines)
-                raise RuntimeError(f"the launcher was not ready (exit status {proc.poll()}):\n{tail}")
-        yield Served(f"127.0.0.1:{grpc}", urls.get("openai"), proc.pid, log)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        reader.join(5)
-
-
 # --------------------------------------------------------------------------- requests
 @dataclass
 class Record:
@@ -342,7 +236,7 @@ def run_load(served: Served, concurrencies: Sequence[int], rounds: int, max_toke
     batch runs beside an in-process batch of the same prompts
     (``reference``, :meth:`e2e_bench.InProcess.beside`).
     """
-    meter = CpuMeter(served.launcher)
+    meter = CpuMeter(served.pid)
     records: list[Record] = []
     walls: dict[str, float] = {}
     cpu: dict[str, dict[str, float]] = {}
@@ -361,7 +255,7 @@ def run_load(served: Served, concurrencies: Sequence[int], rounds: int, max_toke
         records.extend(done)
         walls[key] = walls.get(key, 0.0) + wall
 
-    server_cpu = partial(tree_cpu_s, served.launcher)
+    server_cpu = partial(tree_cpu_s, served.pid)
     with Client(served.url, timeout_s=600.0) as client:
         for mode in MODES:  # the constrained warm-up pays the one compile
             one_request(client, mode, 1, -1, 0, max_tokens, backend=backend)
@@ -473,62 +367,51 @@ def print_report(summary: Mapping[str, Any], concurrencies: Sequence[int], model
 
 def plot(summary: Mapping[str, Any], concurrencies: Sequence[int], path: Path) -> None:
     """Tokens/s (served, in-process) and CPU per token by process, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    x = np.arange(len(concurrencies))
-    for i, mode in enumerate(MODES):
-        a.bar(x + 0.27 * i, [summary[f"{mode}@{c}"]["tokens_per_s"] for c in concurrencies], 0.27, label=f"served {mode}")
-    a.bar(x + 0.54, [summary[f"unconstrained@{c}"].get("in_process_tokens_per_s", 0.0) for c in concurrencies], 0.27,
-          label="in-process unconstrained")
-    a.set_xticks(x + 0.27, [str(c) for c in concurrencies])
-    a.set_xlabel("concurrency")
-    a.set_ylabel("output tokens/s")
-    a.legend(fontsize=8)
-    keys = [f"{m}@{c}" for c in concurrencies for m in MODES]
-    labels = sorted({k for s in summary.values() for k in s["cpu_s_per_1k_tokens"]})
-    bottom = np.zeros(len(keys))
-    for label in labels:
-        vals = np.array([summary[k]["cpu_s_per_1k_tokens"].get(label, 0.0) for k in keys])
-        b.bar(range(len(keys)), vals, bottom=bottom, label=label)
-        bottom += vals
-    b.set_xticks(range(len(keys)), [f"{k.split('@')[0][:5]}@{k.split('@')[1]}" for k in keys], rotation=45, fontsize=7)
-    b.set_ylabel("CPU s per 1,000 streamed tokens")
-    b.legend(fontsize=7)
-    fig.suptitle(f"{ENSEMBLE}: the serving path")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
+    with harness.figure(path, f"{ENSEMBLE}: the serving path", columns=2, size=(12, 4.5)) as (a, b):
+        x = np.arange(len(concurrencies))
+        for i, mode in enumerate(MODES):
+            a.bar(x + 0.27 * i, [summary[f"{mode}@{c}"]["tokens_per_s"] for c in concurrencies], 0.27,
+                  label=f"served {mode}")
+        a.bar(x + 0.54, [summary[f"unconstrained@{c}"].get("in_process_tokens_per_s", 0.0) for c in concurrencies],
+              0.27, label="in-process unconstrained")
+        a.set_xticks(x + 0.27, [str(c) for c in concurrencies])
+        a.set_xlabel("concurrency")
+        a.set_ylabel("output tokens/s")
+        a.legend(fontsize=8)
+        keys = [f"{m}@{c}" for c in concurrencies for m in MODES]
+        labels = sorted({k for s in summary.values() for k in s["cpu_s_per_1k_tokens"]})
+        bottom = np.zeros(len(keys))
+        for label in labels:
+            vals = np.array([summary[k]["cpu_s_per_1k_tokens"].get(label, 0.0) for k in keys])
+            b.bar(range(len(keys)), vals, bottom=bottom, label=label)
+            bottom += vals
+        b.set_xticks(range(len(keys)), [f"{k.split('@')[0][:5]}@{k.split('@')[1]}" for k in keys], rotation=45,
+                     fontsize=7)
+        b.set_ylabel("CPU s per 1,000 streamed tokens")
+        b.legend(fontsize=7)
 
 
 # --------------------------------------------------------------------------- main
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """Command-line arguments."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--model-dir", type=Path, default=None,
-                        help=f"checkpoint to serve (default: the tiny stand-in, built at {TINY_DIR})")
-    parser.add_argument("--max-tokens", type=int, default=128, help="per request (default %(default)s)")
-    parser.add_argument("--rounds", type=int, default=2, help="measured rounds (default %(default)s)")
-    parser.add_argument("--min-seconds", type=float, default=3.0,
-                        help="each round measures each concurrency at least this long, repeating its batches "
-                             "(default %(default)s)")
+    parser = harness.bench_parser(__doc__)
+    harness.add_model_dir(parser, None, help_text=f"checkpoint to serve (default: the tiny stand-in, built at "
+                                                   f"{TINY_DIR})")
+    harness.add_max_tokens(parser, 128)
+    harness.add_rounds(parser, 2, "measured rounds")
+    harness.add_min_seconds(parser, 3.0)
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                         help="render value over deploy/values.json (repeat), e.g. MAX_BATCH=32")
-    parser.add_argument("--json", type=Path, default=None, help="write every figure here")
-    parser.add_argument("--plot", type=Path, default=None, help="write a PNG here")
-    parser.add_argument("--quick", action="store_true", help="1 round, 64 max tokens (also BENCH_QUICK=1)")
-    parser.add_argument("--backend", choices=contract.POLICIES["backend"], default="auto",
-                        help="grammar backend of the constrained requests (default %(default)s: llguidance for "
-                             "this schema)")
+    harness.add_json(parser)
+    harness.add_plot(parser)
+    harness.add_quick(parser, "1 round, 64 max tokens", env=True)
+    harness.add_backend(parser, "auto", "grammar backend of the constrained requests (auto: llguidance for this "
+                                        "schema)")
     parser.add_argument("--hold", type=float, default=0.0, metavar="SECONDS",
                         help="after the rounds, alternate batches of both modes at the top concurrency this long: "
                              "its equal-work figure then rests on thousands of steps (default: off)")
     args = parser.parse_args(argv)
-    if args.quick or os.environ.get("BENCH_QUICK") == "1":
+    if args.quick:
         args.rounds, args.max_tokens = 1, 64
     if args.max_tokens < 1 or args.rounds < 1:
         parser.error("--max-tokens and --rounds must be >= 1")
@@ -543,12 +426,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not (model / "config.json").is_file():
         print(f"error: --model-dir {model}: no config.json", file=sys.stderr)
         return 2
-    values = load_values(REPO / "deploy" / "values.json")
-    values["MODEL_DIR"] = str(model)
-    if args.model_dir is None:
-        # The stand-in plays a GPU step, which keeps one host thread busy: a
-        # second torch thread would only spin on the cores the serving path needs.
-        values["TORCH_THREADS"] = "1"
+    # The stand-in plays a GPU step, which keeps one host thread busy: a
+    # second torch thread would only spin on the cores the serving path needs.
+    values = harness.render_values(model, {"TORCH_THREADS": "1"} if args.model_dir is None else None)
     for item in args.sets:
         key, sep, value = item.partition("=")
         if not sep or key not in values:
@@ -558,20 +438,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     max_batch = int(values["MAX_BATCH"])
     concurrencies = [c for c in CONCURRENCIES if c <= max_batch]
     top = 16 if 16 in concurrencies else concurrencies[-1]
-    with tempfile.TemporaryDirectory(prefix="path-bench-") as tmp:
-        repo = Path(tmp) / "model_repository"
-        render_repository(REPO / "model_repository", repo, values)
-        log = Path(tmp) / "tritonserver.log"
-        t0 = time.perf_counter()
-        with launched(repo, log) as served, \
-                InProcess(model, args.max_tokens, values) as reference:
-            print(f"server ready at {served.url} in {time.perf_counter() - t0:.1f} s", flush=True)
-            records, walls, cpu = run_load(served, concurrencies, args.rounds, args.max_tokens, reference,
-                                           args.min_seconds, args.backend)
-            if args.hold > 0:
-                pairs = hold_load(served, top, args.hold, args.max_tokens, args.backend)
-                print(f"  held {pairs} pairs of {top}-stream batches for {args.hold:.0f} s", flush=True)
-        stats = parse_step_stats(log.read_text(encoding="utf-8", errors="replace"))
+    # python -m deploy, as make serve runs it: the gateway in the launcher process, apart from this client.
+    with harness.serve(values, prefix="path-bench-", launcher=True) as served, \
+            InProcess(model, args.max_tokens, values) as reference:
+        print(f"server ready at {served.url} in {served.ready_s:.1f} s", flush=True)
+        records, walls, cpu = run_load(served, concurrencies, args.rounds, args.max_tokens, reference,
+                                       args.min_seconds, args.backend)
+        if args.hold > 0:
+            pairs = hold_load(served, top, args.hold, args.max_tokens, args.backend)
+            print(f"  held {pairs} pairs of {top}-stream batches for {args.hold:.0f} s", flush=True)
+    stats = parse_step_stats(served.log_text)
     ratios = equal_work_ratios(stats, concurrencies)
     in_proc = reference.tokens_per_s()
     summary = summarize(records, walls, cpu, in_proc, ratios, {c: step_parts(stats, c) for c in ratios})
@@ -586,8 +462,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    "values": values, "summary": summary, "llm_step_stats": stats,
                    "idle_server_cpu_share": reference.idle_server_share(),
                    "records": [asdict(r) for r in records]}
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(payload, indent=2), encoding="utf-8")
+        harness.write_json(args.json, payload)
     print(f"total {time.perf_counter() - t_all:.1f} s", file=sys.stderr)
     sio = summary[f"unconstrained@{top}"].get("served_over_in_process", math.nan)
     ew = summary[f"constrained@{top}"].get("equal_work", {}).get("ratio", math.nan)

@@ -28,23 +28,17 @@ The last line reads ``ended on their own: off G%/S%, best <setting> G%/S%``
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, Final
 
-REPO: Final = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-# Imported after the sys.path entry above.
-from budget_bench import OWN, PROMPT, sample
-from e2e_bench import MODEL_DIR, served_ensemble
+import harness  # before the project's packages: it puts the repository root on sys.path
+from budget_bench import PROMPT, sample
+from harness import MODEL_DIR, OWN_SCHEMAS
 
 from client import Client, ClientError, Constraint
 
@@ -97,17 +91,17 @@ def figures(outcomes: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("data", type=Path, help="MaskBench folder (../shared/data/maskbench-dev)")
-    parser.add_argument("--model-dir", type=Path, default=MODEL_DIR)
-    parser.add_argument("--count", type=int, default=35, help="MaskBench schemas in the sample")
-    parser.add_argument("--max-tokens", type=int, default=384)
-    parser.add_argument("--seed", type=int, default=26)
-    parser.add_argument("--quick", action="store_true", help="15 MaskBench schemas, 256 tokens")
-    parser.add_argument("--json", type=Path, help="write the figures here")
+    parser = harness.bench_parser(__doc__)
+    harness.add_data_dir(parser)
+    harness.add_model_dir(parser, MODEL_DIR)
+    harness.add_count(parser, 35, "MaskBench schemas in the sample")
+    harness.add_max_tokens(parser, 384)
+    harness.add_seed(parser, 26)
+    harness.add_quick(parser, "15 MaskBench schemas, 256 tokens")
+    harness.add_json(parser, "the figures")
     args = parser.parse_args(argv)
     count, max_tokens = (15, 256) if args.quick else (args.count, args.max_tokens)
-    schemas = [(p.name, json.loads(p.read_text(encoding="utf-8"))) for p in sorted(OWN.glob("*.json"))]
+    schemas = [(p.name, json.loads(p.read_text(encoding="utf-8"))) for p in sorted(OWN_SCHEMAS.glob("*.json"))]
     schemas += [(name, schema) for name, schema, _ in sample(args.data, count, args.seed)]
     jobs = [(i, name, schema, setting, temp) for i, (name, schema) in enumerate(schemas)
             for temp in TEMPERATURES for setting in SETTINGS]
@@ -115,15 +109,15 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"max_tokens {max_tokens}", flush=True)
     results: dict[tuple[str, float], list[dict[str, Any]]] = {(s, t): [] for s in SETTINGS for t in TEMPERATURES}
     t0 = time.perf_counter()
-    with served_ensemble(args.model_dir, "penalty-bench-") as url, ThreadPoolExecutor(8) as pool:
-        futures = [(setting, temp, pool.submit(one, url, schema, SETTINGS[setting], temp, i, max_tokens))
+    with harness.serve(harness.render_values(args.model_dir), prefix="penalty-bench-") as server, \
+            ThreadPoolExecutor(8) as pool:
+        futures = [(setting, temp, pool.submit(one, server.url, schema, SETTINGS[setting], temp, i, max_tokens))
                    for i, _, schema, setting, temp in jobs]
         for setting, temp, fut in futures:
             results[(setting, temp)].append(fut.result())
     print(f"served in {time.perf_counter() - t0:.0f} s\n")
     if args.json:  # the raw outcomes first: a long run is never lost to a bug in the summary
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({f"{s}@{t}": r for (s, t), r in results.items()}, indent=1))
+        harness.write_json(args.json, {f"{s}@{t}": r for (s, t), r in results.items()})
     table = {f"{s}@{t}": figures(results[(s, t)]) for s in SETTINGS for t in TEMPERATURES}
     print(f"{'setting':<16}{'temp':>5}{'own':>6}{'repeat':>8}{'budget':>8}{'invalid':>9}{'trunc':>7}{'valid':>7}"
           f"{'loop':>6}{'tokens':>8}")
@@ -135,9 +129,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for err in f["errors"]:
                 print(f"    {err}")
     if args.json:
-        args.json.write_text(json.dumps({"max_tokens": max_tokens, "schemas": [n for n, _ in schemas],
-                                         "figures": table, "outcomes": {f"{s}@{t}": r for (s, t), r in
-                                                                        results.items()}}, indent=1))
+        harness.write_json(args.json, {"max_tokens": max_tokens, "schemas": [n for n, _ in schemas],
+                                       "figures": table,
+                                       "outcomes": {f"{s}@{t}": r for (s, t), r in results.items()}})
 
     def share(s: str, t: float) -> str:
         f = table[f"{s}@{t}"]

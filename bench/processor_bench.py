@@ -27,25 +27,20 @@ runs it for published model shapes (``bench/random_checkpoint.py``).
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
-import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
+import harness  # before the project's packages: it puts the repository root on sys.path
 import jsonschema
 import numpy as np
+from harness import MODEL_DIR
 
-# Run as a script, sys.path[0] is bench/; the packages live at the repository root.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from contract import BACKENDS
-from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
 from grammar_backend.llg import LlgBackend
 from grammar_backend.tokenizer import load_tokenizer
+from grammar_service.engine import GrammarEngine, GrammarEngineConfig
 from llm_runtime.engine import TorchEngine, TorchEngineConfig
 from llm_runtime.local_mask import LocalMaskProvider
 from llm_runtime.mask import ConstraintRequest
@@ -57,8 +52,6 @@ from llm_runtime.scheduler import (
     TokenEvent,
 )
 
-REPO = Path(__file__).resolve().parents[1]
-DEFAULT_MODEL = REPO / "build" / "models" / "smollm2-135m-instruct"
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                            "tags": {"type": "array", "items": {"type": "string"}}},
           "required": ["name", "age", "tags"], "additionalProperties": False}
@@ -135,16 +128,16 @@ def _valid(text: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("model_dir", nargs="?", type=Path, default=DEFAULT_MODEL)
+    parser = harness.bench_parser(__doc__)
+    harness.add_model_dir(parser, MODEL_DIR, positional=True)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--tokens", type=int, default=48)
-    parser.add_argument("--rounds", type=int, default=3)
+    harness.add_rounds(parser, 3)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1, see TorchEngineConfig)")
     parser.add_argument("--device", default="cpu", help="torch device of the engine (cpu, cuda)")
     parser.add_argument("--dtype", default="float32", help="engine dtype (float32, bfloat16, float16)")
-    parser.add_argument("--backend", choices=BACKENDS, default="xgrammar", help="grammar backend")
-    parser.add_argument("--json", type=Path, default=None)
+    harness.add_backend(parser, "xgrammar", "grammar backend", auto=False)
+    harness.add_json(parser)
     args = parser.parse_args(argv)
 
     engine = TorchEngine(args.model_dir, TorchEngineConfig(max_batch_size=max(args.batch), max_seq_len=512,
@@ -193,8 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         fwd = "  ".join(f"{m} {v:.1f}" for m, v in summary[b]["forward_p50_ms"].items())
         print(f"      forward p50 ms {fwd}  | tok/s {rates}  | valid {summary[b]['valid']}")
     if args.json is not None:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
-                                         "raw": results}, indent=1))
+        harness.write_json(args.json, {"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
+                                       "raw": results})
     return 0
 
 

@@ -19,13 +19,13 @@ must cover it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
+import harness
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -91,7 +91,7 @@ def write_random_checkpoint(shape: Mapping[str, Any], tokenizer_dir: Path, out: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser = harness.bench_parser(__doc__)
     parser.add_argument("shape", help=f"one of {sorted(SHAPES)} or a config.json path")
     parser.add_argument("tokenizer_dir", type=Path)
     parser.add_argument("out", type=Path)

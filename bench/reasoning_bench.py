@@ -43,7 +43,6 @@ Nothing here asserts: figures vary with the machine; read ratios from one run.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -54,26 +53,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
+import harness  # before the project's packages: it puts the repository root on sys.path
 import numpy as np
+from harness import MODEL_DIR, OWN_SCHEMAS, QWEN_DIR, QWEN_VOCAB, REPO
 
-REPO: Final = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-# Imported after the sys.path entry above.
 from contract.reasoning import Reasoning, split_reasoning
-from grammar_backend.engine import GrammarEngine, GrammarEngineConfig
 from grammar_backend.fidelity import validator_for
 from grammar_backend.reasoning import ReasoningConfig
 from grammar_backend.spec import ConstraintSpec, parse_constraint
 from grammar_backend.tokenizer import load_tokenizer
+from grammar_service.engine import GrammarEngine, GrammarEngineConfig
 from llm_runtime.engine import TorchEngine, TorchEngineConfig
 from llm_runtime.local_mask import LocalMaskProvider
 from llm_runtime.mask import ConstraintRequest
 from llm_runtime.scheduler import FinishEvent, GenerationRequest, Scheduler, SchedulerConfig, TokenEvent
 
-MODEL_DIR: Final = REPO / "build" / "models" / "smollm2-135m-instruct"
-QWEN_DIR: Final = REPO / "build" / "tokenizers" / "qwen3"
 THINK: Final = Reasoning(end="</think>", start="<think>")
 PROMPT: Final = ("First think step by step inside <think> and </think> about realistic values, then answer with one "
                  "JSON instance of this schema and nothing else: {schema}")
@@ -83,7 +77,7 @@ MODES: Final = ("budget", "no-budget", "truncate")
 
 def schemas(quick: bool) -> list[tuple[str, dict[str, Any]]]:
     """The project's schemas: the hand-written fixtures (and the load test's without ``quick``)."""
-    folders = [REPO / "tests" / "fixtures" / "schemas"] + ([] if quick else [REPO / "loadtest" / "schemas"])
+    folders = [OWN_SCHEMAS] + ([] if quick else [REPO / "loadtest" / "schemas"])
     out = [(path.stem, json.loads(path.read_text())) for folder in folders for path in sorted(folder.glob("*.json"))]
     return out[:3] if quick else out
 
@@ -218,7 +212,7 @@ def validity_part(model_dir: Path, quick: bool, think_cap: int, rows: int) -> di
 def step_part(steps: int) -> dict[str, Any]:
     """ms per ``GrammarEngine.step`` at 64 rows: thinking rows against answering rows (Qwen3's vocabulary)."""
     if (QWEN_DIR / "tokenizer.json").is_file():
-        bundle = load_tokenizer(QWEN_DIR, vocab_size=151936, stop_token_ids=[151645])
+        bundle = load_tokenizer(QWEN_DIR, vocab_size=QWEN_VOCAB, stop_token_ids=[151645])
     else:  # the model's own tokenizer, where `make tokenizers` has not run
         bundle = load_tokenizer(MODEL_DIR)
     rows = 64
@@ -257,19 +251,19 @@ def step_part(steps: int) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--model-dir", type=Path, default=MODEL_DIR)
-    parser.add_argument("--quick", action="store_true", help="3 schemas, a shorter free thinking, fewer steps")
+    parser = harness.bench_parser(__doc__)
+    harness.add_model_dir(parser, MODEL_DIR)
+    harness.add_quick(parser, "3 schemas, a shorter free thinking, fewer steps")
     parser.add_argument("--think-cap", type=int, default=None, help="most tokens of the free thinking (192; 64 quick)")
-    parser.add_argument("--rows", type=int, default=9, help="requests decoded at once")
+    harness.add_rows(parser, 9, "requests decoded at once")
     parser.add_argument("--steps", type=int, default=None, help="grammar steps timed per mode (300; 100 quick)")
-    parser.add_argument("--json", type=Path, default=None, help="write every figure here")
+    harness.add_json(parser)
     args = parser.parse_args(argv)
     cap = args.think_cap or (64 if args.quick else 192)
     figures = {"validity": validity_part(args.model_dir, args.quick, cap, args.rows),
                "step": step_part(args.steps or (100 if args.quick else 300))}
     if args.json is not None:
-        args.json.write_text(json.dumps(figures, indent=1))
+        harness.write_json(args.json, figures)
     v = figures["validity"]
     print(f"validity: {len(v['comfortable'])} schemas, comfortable budgets {v['comfortable']}, "
           f"least that fits {v['least']}, {v['elapsed_s']:.0f} s")

@@ -29,25 +29,17 @@ patterns.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import re
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any, Final
 
+import harness  # before the project's packages: it puts the repository root on sys.path
 import llguidance
 import xgrammar as xgr
-
-REPO: Final = Path(__file__).resolve().parents[1]
-for entry in (REPO, REPO / "bench"):
-    if str(entry) not in sys.path:
-        sys.path.insert(0, str(entry))
-
-# Imported after the sys.path entries above.
 from json_fuzz import Tally, Walker
 
 from grammar_backend.bitmask import Matcher
@@ -129,18 +121,15 @@ def fuzz(patterns: Sequence[str], bundle: TokenizerBundle, *, walks: int = 3, ma
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the walks over a MaskBench folder's patterns and print the tallies."""
-    from path_bench import tiny_checkpoint
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("data", type=Path, help="MaskBench folder, e.g. ../shared/data/maskbench-dev")
-    parser.add_argument("--walks", type=int, default=3, help="walks per pattern and grammar (default 3)")
-    parser.add_argument("--max-steps", type=int, default=40, help="most tokens before closing (default 40)")
-    parser.add_argument("--seed", type=int, default=0, help="walk seed (default 0)")
+    parser = harness.bench_parser(__doc__)
+    harness.add_data_dir(parser)
+    harness.add_walks(parser, "pattern", 40)
+    harness.add_seed(parser, 0, "walk")
     args = parser.parse_args(argv)
     patterns = sorted({p for f in sorted(args.data.glob("*.json"))
                        for p in patterns_of(json.loads(f.read_text(encoding="utf-8"))["schema"])})
     t0 = time.perf_counter()
-    tallies = fuzz(patterns, load_tokenizer(tiny_checkpoint()), walks=args.walks, max_steps=args.max_steps,
+    tallies = fuzz(patterns, load_tokenizer(harness.tiny_checkpoint()), walks=args.walks, max_steps=args.max_steps,
                    seed=args.seed)
     for grammar, t in tallies.items():
         print(f"{grammar:20} patterns {t.schemas:4}  walks {t.walks:5}  closed {t.closed:5}  "

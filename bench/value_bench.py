@@ -25,23 +25,17 @@ Nothing here asserts: figures vary with the machine; read ratios from one run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
-import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Final
 
-REPO: Final = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-# Imported after the sys.path entry above.
+import harness  # before the project's packages: it puts the repository root on sys.path
 from budget_bench import MAX_SCHEMA_CHARS, PROMPT, _accepted
-from e2e_bench import MODEL_DIR, served_ensemble
+from harness import MODEL_DIR
 
 from client import Client, ClientError, Constraint
 from grammar_backend.spec import keyword_sites, parse_constraint
@@ -111,8 +105,9 @@ def served(model_dir: Path, schemas: Sequence[tuple[str, dict[str, Any]]], max_t
     for i in range(len(schemas)):
         pair = [("before", i, 0), ("after", i, None)]
         jobs += pair if i % 2 else pair[::-1]
-    with served_ensemble(model_dir, "value-bench-") as url, ThreadPoolExecutor(concurrency) as pool:
-        done = list(pool.map(lambda job: one(url, schemas[job[1]][1], job[2], max_tokens), jobs))
+    with harness.serve(harness.render_values(model_dir), prefix="value-bench-") as server, \
+            ThreadPoolExecutor(concurrency) as pool:
+        done = list(pool.map(lambda job: one(server.url, schemas[job[1]][1], job[2], max_tokens), jobs))
     runs: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
     for (run, i, _), outcome in zip(jobs, done, strict=True):
         runs[run].append({"schema": schemas[i][0], **outcome})
@@ -140,14 +135,14 @@ def figures(outcomes: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run both modes and print their figures; returns the exit status."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("data", type=Path, help="MaskBench folder, e.g. ../shared/data/maskbench-dev")
-    parser.add_argument("--count", type=int, default=40, help="schemas in the sample (default 40)")
-    parser.add_argument("--seed", type=int, default=0, help="sample seed (default 0)")
-    parser.add_argument("--max-tokens", type=int, default=384, help="per request (default 384)")
-    parser.add_argument("--concurrency", type=int, default=4, help="streams at a time (default 4)")
-    parser.add_argument("--model-dir", type=Path, default=MODEL_DIR, help=f"default {MODEL_DIR}")
-    parser.add_argument("--json", type=Path, default=None, help="write every outcome here")
+    parser = harness.bench_parser(__doc__)
+    harness.add_data_dir(parser)
+    harness.add_count(parser, 40)
+    harness.add_seed(parser, 0)
+    harness.add_max_tokens(parser, 384)
+    harness.add_concurrency(parser, 4)
+    harness.add_model_dir(parser, MODEL_DIR)
+    harness.add_json(parser, "every outcome")
     args = parser.parse_args(argv)
     schemas = sample(args.data, args.count, args.seed)
     print(f"value_bench: {len(schemas)} schemas from {args.data} (seed {args.seed}), max_tokens {args.max_tokens}, "
@@ -167,8 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print(f"completed outputs valid: before {share(before)}, after {share(after)}")
     if args.json is not None:
-        args.json.write_text(json.dumps({"schemas": [n for n, _ in schemas], "before": before, "after": after,
-                                         "runs": runs}, indent=1) + "\n", encoding="utf-8")
+        harness.write_json(args.json, {"schemas": [n for n, _ in schemas], "before": before, "after": after,
+                                       "runs": runs})
     return 0
 
 
