@@ -725,9 +725,9 @@ class ValueChecks:
         """Roll ``matcher`` back to before the offending value, and the separator before it: the output then
         ends after the value before it, where its container may close.  Tokens dropped (the scanner too).
 
-        The end of a runaway whose retries are spent (:meth:`GrammarSequence._retry
-        <grammar_backend.sequences.GrammarSequence._retry>`): rolled back only to its choice point, the
-        value's shortest completion may be the same value again (a duplicate key ``""`` closed by its quote).
+        The end of a runaway whose retries are spent (:meth:`ValuePolicy.scan`): rolled back only to its
+        choice point, the value's shortest completion may be the same value again (a duplicate key ``""``
+        closed by its quote).
         A separator in the token that also ends the value before (``1,``) stays: the value would change.
         """
         tokens, vocab = scanner.tokens, self.index.vocab

@@ -1,4 +1,4 @@
-"""MaskProvider over an in-process :class:`grammar_backend.GrammarEngine`.
+"""MaskProvider over an in-process :class:`grammar_service.engine.GrammarEngine`.
 
 Used where the language model and the grammar engine share a process (tests,
 benchmarks measuring the BLS round trip against the direct call).  The
