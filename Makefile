@@ -12,6 +12,7 @@
 #   make bench       grammar and MaskBench benchmarks on $(SHARED)/data/maskbench-dev
 #   make bench-e2e   constrained vs unconstrained served, equal work (BENCH_QUICK=1: a few minutes)
 #   make bench-path  the serving path around a fast (tiny) forward: served vs in-process, CPU per process
+#   make bench-step  the grammar step at GPU batch sizes (64, 256 rows of Qwen3's vocabulary), both backends
 #   make bench-openai  OpenAI endpoint vs gRPC, same prompts, one server (BENCH_QUICK=1, BENCH_TINY=1)
 #   make loadtest    locust over gRPC, every output checked (LOADTEST_TIME, LOADTEST_USERS, LOADTEST_SHAPE)
 #
@@ -75,7 +76,7 @@ RENDER_EXTRA ?=
 CLIENT_SCHEMA := {"type":"object","properties":{"name":{"type":"string","maxLength":40},"age":{"type":"integer","minimum":0,"maximum":120}},"required":["name","age"],"additionalProperties":false}
 CLIENT_HINT   := $(PY) -m client --url $(HOST):$(GRPC_PORT) --schema '$(CLIENT_SCHEMA)' "Invent a person."
 
-.PHONY: help venv k8s-tools model tokenizers render serve test test-gpu lint bench bench-e2e bench-path bench-openai loadtest clean
+.PHONY: help venv k8s-tools model tokenizers render serve test test-gpu lint bench bench-e2e bench-path bench-step bench-openai loadtest clean
 
 help:
 	@sed -n '1p;3,16p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
@@ -191,6 +192,14 @@ BENCH_QUICK ?=
 bench-e2e: venv model
 	$(PY) bench/e2e_bench.py $(if $(filter 1,$(BENCH_QUICK)),--quick) \
 		--json $(BUILD)/bench/e2e.json --plot $(BUILD)/bench/e2e.png
+
+# --------------------------------------------------------------------- bench-step
+# The grammar step at a GPU host's batch: 64 and 256 rows of Qwen3's vocabulary,
+# xgrammar, llguidance and auto, 1 and 2 fill threads, the served step over the
+# channel beside the raw fill (bench/grammar_step_bench.py --sweep). Its last line
+# is the 64-row summary.
+bench-step: venv tokenizers
+	$(PY) bench/grammar_step_bench.py --sweep --threads 2 --json $(BUILD)/bench/step.json
 
 # --------------------------------------------------------------------- bench-path
 # The serving path around a tiny checkpoint (a few-ms forward, a GPU step's

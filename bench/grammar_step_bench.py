@@ -4,6 +4,7 @@ Usage (from the repository root, after ``make model tokenizers``)::
 
     .venv/bin/python bench/grammar_step_bench.py                  # ~3 min on 2 shared cores
     .venv/bin/python bench/grammar_step_bench.py --rows 64 --rounds 3 --json /tmp/step.json
+    .venv/bin/python bench/grammar_step_bench.py --sweep          # make bench-step: GPU batch sizes
 
 Three ways to get the masks of B sequences (default 64) at every step of
 real token paths (four schemas: person, order, weather tool, an open object;
@@ -15,7 +16,7 @@ one run, interleaved by round:
   ``fill_next_token_bitmask_par`` with ``--backend llguidance``; ``raw
   fill`` is the fill call alone, the floor of any grammar step);
 * ``local``: :class:`llm_runtime.local_mask.LocalMaskProvider` over
-  :class:`grammar_backend.GrammarEngine` in this process (what the decode
+  :class:`grammar_service.engine.GrammarEngine` in this process (what the decode
   loop calls when both live in one process); ``local checked``: the same
   with value checks on (:mod:`grammar_backend.values`, as the embedded
   decode loop starts its sequences: every token scanned, anchored values
@@ -32,12 +33,23 @@ one run, interleaved by round:
 
 Every figure is per step (all B rows).  The ratios ``bls / raw fill`` and
 ``bls / local`` are the cost of the engine's bookkeeping and of the separate
-model.  Nothing here asserts a time.
+model.  ``--threads`` is the fill's thread count (``GRAMMAR_FILL_THREADS``
+of the served model, the engine's and the raw backend's); ``--backend
+auto`` serves as the server's default does, its raw fill on the backend
+``auto`` picks first for JSON.
+
+``--sweep`` measures what a GPU host's batch meets: 64 and 256 rows, each
+backend and ``auto``, 1 and ``--threads`` fill threads, the served step over
+the channel beside the raw fill (one served ``grammar`` model per row count
+and thread count), p50, p99 and max, and ends with the line ``step at 64
+rows: channel/raw fill X (xgrammar), Y (llguidance); p99 A ms (auto)``.
+Nothing here asserts a time.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -50,9 +62,10 @@ import xgrammar as xgr
 from harness import BENCH, OWN_SCHEMAS, QWEN_DIR, QWEN_VOCAB
 
 from deploy.server import TritonServer
+from grammar_backend.backends import auto_order
 from grammar_backend.compile import json_format_kwargs
 from grammar_backend.llg import LlgBackend
-from grammar_backend.spec import ConstraintOptions, parse_constraint
+from grammar_backend.spec import ConstraintOptions, ConstraintSpec, parse_constraint
 from grammar_backend.tokenizer import load_tokenizer
 from grammar_service.engine import GrammarEngine, GrammarEngineConfig
 from llm_runtime.local_mask import LocalMaskProvider
@@ -80,16 +93,25 @@ def paths(encode: Any) -> list[list[int]]:
     return [p[:n] for p in ids]
 
 
+def raw_backend(cons: list[tuple[str, str, str]]) -> str:
+    """The backend the rows' raw fill runs on: theirs, or the one ``auto`` serves them with first."""
+    backend = json.loads(cons[0][2])["backend"]
+    if backend != "auto":
+        return str(backend)
+    spec: ConstraintSpec = parse_constraint(*cons[0])
+    return auto_order(spec)[0]
+
+
 def time_raw(info: xgr.TokenizerInfo, llg: LlgBackend | None, cons: list[tuple[str, str, str]],
-             toks: list[list[int]], rows: int) -> dict[str, list[float]]:
+             toks: list[list[int]], rows: int, threads: int = 1) -> dict[str, list[float]]:
     if llg is not None:
-        return time_raw_llguidance(llg, cons, toks, rows)
+        return time_raw_llguidance(llg, cons, toks, rows, threads)
     compiler = xgr.GrammarCompiler(info, max_threads=1)
     # The engine's default JSON options (compact separators, non-strict): the same grammars.
     kwargs: Any = json_format_kwargs(ConstraintOptions())
     compiled = [compiler.compile_json_schema(p, **kwargs) for _, p, _ in cons]
     matchers = [xgr.GrammarMatcher(compiled[r % len(compiled)]) for r in range(rows)]
-    batch = xgr.BatchGrammarMatcher(1)
+    batch = xgr.BatchGrammarMatcher(threads)
     bitmask = xgr.allocate_token_bitmask(rows, info.vocab_size)
     return _time_path(matchers, lambda m, t: bool(m.accept_token(t)),
                       lambda: batch.batch_fill_next_token_bitmask(matchers, bitmask), toks)
@@ -115,14 +137,14 @@ def _time_path(matchers: list[Any], accept: Callable[[Any, int], bool], fill: Ca
 
 
 def time_raw_llguidance(llg: LlgBackend, cons: list[tuple[str, str, str]], toks: list[list[int]],
-                        rows: int) -> dict[str, list[float]]:
-    """llguidance alone: ``consume_token`` per row, then one ``fill_next_token_bitmask_par`` (one thread)."""
+                        rows: int, threads: int = 1) -> dict[str, list[float]]:
+    """llguidance alone: ``consume_token`` per row, then one ``fill_next_token_bitmask_par`` on ``threads``."""
     import llguidance
     import llguidance.numpy
 
-    compiled = [llg.compile(parse_constraint(k, p, o)) for k, p, o in cons]
+    compiled = [llg.compile(parse_constraint(k, p, json.dumps({"backend": "llguidance"}))) for k, p, _ in cons]
     matchers = [compiled[r % len(compiled)].template.deep_copy() for r in range(rows)]
-    executor = llguidance.LLExecutor(1)
+    executor = llguidance.LLExecutor(threads)
     bitmask = llguidance.numpy.allocate_token_bitmask(rows, QWEN_VOCAB)
     targets = [(m, r) for r, m in enumerate(matchers)]
     return _time_path(matchers, lambda m, t: bool(m.consume_token(t)),
@@ -169,9 +191,65 @@ def time_bls(server: TritonServer, cons: list[tuple[str, str, str]], toks: list[
 
 
 def summary(times: Sequence[float]) -> dict[str, float]:
-    a = np.asarray(times[1:])  # the first step of a run allocates; the loop's steady state follows
+    """p50, p99, max and mean of a mode's steps, in ms (each run's first step is left out by its caller)."""
+    a = np.asarray(times)
     return {"p50_ms": float(np.percentile(a, 50) * 1e3), "p99_ms": float(np.percentile(a, 99) * 1e3),
-            "mean_ms": float(a.mean() * 1e3)}
+            "max_ms": float(a.max() * 1e3), "mean_ms": float(a.mean() * 1e3)}
+
+
+def served_values(rows: int, threads: int) -> dict[str, str]:
+    """The grammar model alone (MODEL_DIR: the Qwen3 tokenizer), ``rows`` a step, filled on ``threads``."""
+    return harness.render_values(QWEN_DIR, {"VOCAB_SIZE": str(QWEN_VOCAB), "MAX_BATCH": str(rows),
+                                            "GRAMMAR_FILL_THREADS": str(threads)})
+
+
+Config = tuple[int, int, str, str]  # rows, fill threads, backend, mode
+
+
+def sweep(bundle: Any, llg: LlgBackend, toks: list[list[int]], threads: int, rounds: int,
+          jump: bool) -> dict[Config, dict[str, float]]:
+    """``--sweep``: raw fill, raw step and channel step for each row count, thread count and backend."""
+    figures: dict[Config, dict[str, float]] = {}
+    for rows in (64, 256):
+        for n in sorted({1, threads}):
+            with harness.serve(served_values(rows, n), prefix="grammar-step-", models=("grammar", "grammar_driver"),
+                               prune=True, extra_models=(BENCH / "triton" / "grammar_driver",)) as served:
+                server = served.triton
+                if server is None:
+                    raise RuntimeError("the grammar driver is called on tritonserver's own endpoint")
+                for backend in ("xgrammar", "llguidance", "auto"):
+                    cons = constraints(backend)
+                    raw_llg = llg if raw_backend(cons) == "llguidance" else None
+                    time_bls(server, cons, toks, rows, jump, True)  # warm-up: compiles
+                    times: dict[str, list[float]] = {"raw fill": [], "raw": [], "channel": []}
+                    for r in range(rounds):
+                        for mode in ("channel", "raw") if r % 2 == 0 else ("raw", "channel"):
+                            if mode == "channel":
+                                times["channel"] += time_bls(server, cons, toks, rows, jump, True)[1:]
+                            else:
+                                for k, v in time_raw(bundle.info, raw_llg, cons, toks, rows, n).items():
+                                    times[k] += v[1:]
+                    for mode, values in times.items():
+                        figures[(rows, n, backend, mode)] = summary(values)
+    print(f"== grammar step at GPU batch sizes, Qwen3 vocabulary, {len(toks[0])} steps x {rounds} rounds, "
+          f"jump-forward {'on' if jump else 'off'} (ms per step) ==")
+    print(f"  {'rows':>4} {'threads':>7} {'backend':10} {'mode':8} {'p50':>8} {'p99':>8} {'max':>8}"
+          "  channel/raw fill p50")
+    for (rows, n, backend, mode), f in figures.items():
+        over = f"  {f['p50_ms'] / figures[(rows, n, backend, 'raw fill')]['p50_ms']:.2f}" if mode == "channel" else ""
+        print(f"  {rows:>4} {n:>7} {backend:10} {mode:8} {f['p50_ms']:8.3f} {f['p99_ms']:8.3f} {f['max_ms']:8.3f}"
+              f"{over}")
+    for backend in ("xgrammar", "llguidance"):
+        one, many = (figures[(64, n, backend, "raw fill")]["p50_ms"] for n in (1, threads))
+        print(f"  fill at 64 rows, {backend}: {threads} threads / 1 thread {many / one:.2f}")
+
+    def channel_over_fill(backend: str) -> float:
+        return figures[(64, 1, backend, "channel")]["p50_ms"] / figures[(64, 1, backend, "raw fill")]["p50_ms"]
+
+    print(f"step at 64 rows: channel/raw fill {channel_over_fill('xgrammar'):.2f} (xgrammar), "
+          f"{channel_over_fill('llguidance'):.2f} (llguidance); p99 {figures[(64, 1, 'auto', 'channel')]['p99_ms']:.2f}"
+          " ms (auto)")
+    return figures
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -179,21 +257,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     harness.add_rows(parser, 64, "sequences per step")
     harness.add_rounds(parser, 3, "interleaved rounds")
     parser.add_argument("--jump-forward", action="store_true", help="also return jump-forward tokens")
-    harness.add_backend(parser, "xgrammar", "grammar option backend of every row, in every mode", auto=False)
+    harness.add_backend(parser, "xgrammar", "grammar option backend of every row, in every mode")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="fill threads: the served model's GRAMMAR_FILL_THREADS, the engine's and the raw "
+                             "backend's; with --sweep, the second thread count beside 1 (default %(default)s)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="64 and 256 rows, every backend and auto, 1 and --threads fill threads: raw fill "
+                             "and the channel step only")
     harness.add_json(parser, "the figures")
     args = parser.parse_args(argv)
+    if args.threads <= 0:
+        parser.error("--threads must be positive")
     bundle = load_tokenizer(QWEN_DIR, vocab_size=QWEN_VOCAB)
-    cons = constraints(args.backend)
     toks = paths(bundle.encode)
+    llg = LlgBackend(bundle.hf, bundle.vocab_size, bundle.stop_token_ids)
+    if args.sweep:
+        swept = sweep(bundle, llg, toks, args.threads if args.threads > 1 else min(2, os.cpu_count() or 1),
+                      args.rounds, args.jump_forward)
+        if args.json is not None:
+            harness.write_json(args.json, {"figures": {"/".join(map(str, k)): f for k, f in swept.items()}})
+        return 0
+    cons = constraints(args.backend)
     for kind, payload, options in cons:
         parse_constraint(kind, payload, options)  # the schemas pass the server's own checks
-    llg = LlgBackend(bundle.hf, bundle.vocab_size, bundle.stop_token_ids)
-    engine = GrammarEngine(bundle.info, bundle.fingerprint, GrammarEngineConfig(max_batch=args.rows),
+    engine = GrammarEngine(bundle.info, bundle.fingerprint,
+                           GrammarEngineConfig(max_batch=args.rows, fill_threads=args.threads),
                            encode=bundle.encode, llg=llg)
     times: dict[str, list[float]] = {"raw fill": [], "raw": [], "local": [], "local checked": [], "bls tensor": [],
                                      "channel": []}
     # The grammar model alone (MODEL_DIR: the Qwen3 tokenizer, MAX_BATCH: the rows), plus the bench driver.
-    values = harness.render_values(QWEN_DIR, {"VOCAB_SIZE": str(QWEN_VOCAB), "MAX_BATCH": str(args.rows)})
+    values = served_values(args.rows, args.threads)
     try:
         with harness.serve(values, prefix="grammar-step-", models=("grammar", "grammar_driver"), prune=True,
                            extra_models=(BENCH / "triton" / "grammar_driver",)) as served:
@@ -212,16 +305,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                         times[mode] += time_local(engine, cons, toks, args.rows, args.jump_forward,
                                                   mode == "local checked")[1:]
                     else:
-                        raw_llg = llg if args.backend == "llguidance" else None
-                        for k, v in time_raw(bundle.info, raw_llg, cons, toks, args.rows).items():
+                        raw_llg = llg if raw_backend(cons) == "llguidance" else None
+                        for k, v in time_raw(bundle.info, raw_llg, cons, toks, args.rows, args.threads).items():
                             times[k] += v[1:]
     finally:
         engine.close()
     figures = {k: summary(v) for k, v in times.items()}
-    print(f"== grammar step, {args.backend}, {args.rows} rows, Qwen3 vocabulary, {len(toks[0])} steps x "
-          f"{args.rounds} rounds, jump-forward {'on' if args.jump_forward else 'off'} ==")
+    print(f"== grammar step, {args.backend}, {args.rows} rows, {args.threads} fill threads, Qwen3 vocabulary, "
+          f"{len(toks[0])} steps x {args.rounds} rounds, jump-forward {'on' if args.jump_forward else 'off'} ==")
     for k, f in figures.items():
-        print(f"  {k:13s} p50 {f['p50_ms']:7.3f} ms   p99 {f['p99_ms']:7.3f} ms   mean {f['mean_ms']:7.3f} ms")
+        print(f"  {k:13s} p50 {f['p50_ms']:7.3f} ms   p99 {f['p99_ms']:7.3f} ms   max {f['max_ms']:7.3f} ms   "
+              f"mean {f['mean_ms']:7.3f} ms")
     floor = figures["raw fill"]["p50_ms"]
     local = figures["local"]["p50_ms"]
     print(f"  p50 ratios: local/raw fill {local / floor:.2f}; local checked/local "
