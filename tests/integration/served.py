@@ -16,7 +16,7 @@ from deploy.render import load_values, render_repository
 from deploy.server import ServerConfig, TritonServer
 from loadtest.run import ready
 from tests.support import assets
-from tests.support.poll import poll, wait_for
+from tests.support.poll import HANG_S, poll, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -67,7 +67,7 @@ def grammar_stats(server: TritonServer) -> dict[str, Any]:
     c.start_stream(callback, headers=server.internal_headers)
     try:
         c.async_stream_infer("grammar", [op, ids])
-        assert done.wait(30)
+        assert done.wait(HANG_S)
     finally:
         c.stop_stream()
         c.close()
@@ -86,13 +86,13 @@ def metric(server: TritonServer, name: str) -> float:
     return series[0]
 
 
-def wait_freed(server: TritonServer, timeout_s: float = 20.0) -> tuple[int, float]:
+def wait_freed(server: TritonServer, timeout_s: float = HANG_S) -> tuple[int, float]:
     """``grammar_active_sequences`` and ``llm_live_requests`` once both are 0, or as they are after ``timeout_s``."""
     return poll(lambda: (grammar_active(server), metric(server, "llm_live_requests")), lambda v: v == (0, 0.0),
                 timeout_s)
 
 
-def wait_active_zero(server: TritonServer, timeout_s: float = 60) -> int:
+def wait_active_zero(server: TritonServer, timeout_s: float = HANG_S) -> int:
     """The grammar model's active-sequence count once it is 0, or as it is after ``timeout_s``."""
     return poll(lambda: grammar_active(server), lambda active: active == 0, timeout_s)
 
@@ -124,7 +124,7 @@ def assert_cancelled(server: TritonServer, outputs_before: float) -> None:
     grows by exactly that one (a request that ended by itself, even at
     max_tokens, was counted before its sequence was freed, so before this one).
     """
-    wait_for(lambda: sequences_freed(server), 120, "sequences freed after the client left")
+    wait_for(lambda: sequences_freed(server), HANG_S, "sequences freed after the client left")
     with Client(server.grpc_url) as sdk:
         assert sdk.generate("Pick one.", constraint=Constraint.choice(["yes", "no"]), max_tokens=5).complete
     assert counter_sum(server.metrics_url, OUTPUTS) == outputs_before + 1

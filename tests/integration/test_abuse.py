@@ -251,7 +251,9 @@ LONG = {"prompt": "Write one letter per line.", "regex": NEVER_ENDS, "max_tokens
         "options": '{"on_repeat": "continue"}'}
 
 # A client in its own process: starts a long constrained stream, reports the first
-# token, then waits to be killed (or cancels / times out itself, by mode).
+# token, then waits to be killed (or cancels / times out itself, by mode).  Its
+# deadline (8 s) must pass after its first token and before its 1,000th: the one
+# window here, a first token in well under a second and ~70 ms per token after.
 CHILD = textwrap.dedent("""
     import sys, time, queue, numpy as np, tritonclient.grpc as g
     url, mode = sys.argv[1], sys.argv[2]
@@ -272,6 +274,10 @@ CHILD = textwrap.dedent("""
         sys.stdin.readline()  # the parent has seen the sequence live; cancelling earlier races its check
         c.stop_stream(cancel_requests=True)
         print("cancelled", flush=True)
+    if mode == "deadline":  # the deadline ends the stream: an error, or a final response had it ended first
+        while error is None and not result.get_response().parameters["triton_final_response"].bool_param:
+            result, error = q.get(timeout=120)
+        print("ended: " + ("a final response" if error is None else str(error)), flush=True)
     time.sleep(600)
 """).format(**LONG)
 
@@ -286,7 +292,11 @@ def test_every_way_of_leaving_frees_the_sequence(server: TritonServer, mode: str
     try:
         assert child.stdin is not None and child.stdout is not None
         assert child.stdout.readline().strip() == "streaming"
-        assert grammar_active(server) == 1
+        if mode == "deadline":
+            # The deadline, not the parent, decides when it ends: a live check here could come after it.
+            assert "[StatusCode.DEADLINE_EXCEEDED]" in child.stdout.readline()
+        else:
+            assert grammar_active(server) == 1
         if mode == "cancel":
             child.stdin.write("go\n")
             child.stdin.flush()

@@ -19,13 +19,13 @@ from client import Client, Constraint
 from deploy.drain import Series, drain, scrape, value
 from deploy.server import TritonServer
 from telemetry import QUANTILES
-from tests.support.poll import poll
+from tests.support.poll import HANG_S, poll
 from triton_support.metrics import METRICS, metric_names
 
 pytestmark = [pytest.mark.triton, pytest.mark.e2e]
 
 
-def scrape_until(server: TritonServer, check: Callable[[Series], bool], timeout_s: float = 20.0) -> Series:
+def scrape_until(server: TritonServer, check: Callable[[Series], bool], timeout_s: float = HANG_S) -> Series:
     """The metrics once ``check`` accepts them, or as they are after ``timeout_s``."""
     return poll(lambda: scrape(server.metrics_url), check, timeout_s, interval_s=0.1)
 
@@ -57,21 +57,23 @@ def test_metrics_move_with_the_load_and_return_to_idle(server: TritonServer) -> 
             stream = c.stream(f"Letters {i}:", constraint=never_done, max_tokens=64, require_complete=False)
             for n, chunk in enumerate(stream):
                 if n == 0:
-                    first.wait(60)
-                    release.wait(60)
+                    first.wait(HANG_S)
+                    release.wait(HANG_S)
                 del chunk
             results.append(stream)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
-    first.wait(60)  # every stream has its first token: all eight are live
-    # One publication is several updates (an IPC each): wait until a scrape sees all of them.
+    first.wait(HANG_S)  # every stream has its first token: all eight are live
+    # One publication is several updates (an IPC each): wait until a scrape sees all of them.  The eight
+    # stay live for 63 more steps each, and a moved gauge is published at the first step boundary
+    # PUBLISH_MIN_GAP_S (0.25 s) after the last publication: a few steps here, fewer on a slower machine.
     live_gauges = ("llm_live_requests", "llm_batch_size", "llm_constrained_sequences", "grammar_active_sequences")
     during = scrape_until(server, lambda s: all(value(s, g) == 8 for g in live_gauges))
     release.set()
     for t in threads:
-        t.join(120)
+        t.join(HANG_S)
     assert [value(during, g) for g in live_gauges] == [8, 8, 8, 8]
     assert value(during, "llm_waiting_requests") == 0
     assert len(results) == 8
@@ -100,4 +102,4 @@ def test_metrics_move_with_the_load_and_return_to_idle(server: TritonServer) -> 
                                                         "llm_grammar_loop_seconds"}
     assert [n for n in metric_names() if n not in exported and n not in labelled] == []
     # The preStop drain of deploy/k8s returns at once on an idle server.
-    assert drain(server.metrics_url, settle_s=0, timeout_s=10, log=lambda _: None) == 0
+    assert drain(server.metrics_url, settle_s=0, timeout_s=HANG_S, log=lambda _: None) == 0

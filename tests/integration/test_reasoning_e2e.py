@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import io
 import json
-import time
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,6 +31,7 @@ from grammar_backend.closing import Closer
 from grammar_backend.tokenizer import load_tokenizer
 from tests.integration.served import start_ensemble, wait_freed
 from tests.support import assets
+from tests.support.poll import HANG_S
 
 pytestmark = [pytest.mark.triton, pytest.mark.e2e]
 
@@ -121,14 +122,17 @@ def test_reasoning_server_markers_by_default_and_the_opt_out(client: Client, ser
     outputs: list[set[str]] = []
     conn = grpcclient.InferenceServerClient(server.grpc_url)
     done: list[Any] = []
+    ended = threading.Event()
 
     def callback(result: Any, error: Any) -> None:
         if error is not None:
             done.append(error)
+            ended.set()
             return
         outputs.append({o.name for o in result.get_response().outputs})
         if result.get_response().parameters["triton_final_response"].bool_param:
             done.append(None)
+            ended.set()
 
     prompt = grpcclient.InferInput("PROMPT", [1], "BYTES")
     prompt.set_data_from_numpy(np.array([b"Say hi."], np.object_))
@@ -139,8 +143,7 @@ def test_reasoning_server_markers_by_default_and_the_opt_out(client: Client, ser
     conn.start_stream(callback)
     try:
         conn.async_stream_infer("constrained_llm", [prompt, off_input, limit], enable_empty_final_response=True)
-        while not done:
-            time.sleep(0.05)
+        assert ended.wait(HANG_S), "no final response"
     finally:
         conn.stop_stream()
         conn.close()

@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Final, TypeVar
 
-__all__ = ["poll", "wait_for"]
+__all__ = ["HANG_S", "poll", "wait_for"]
 
 T = TypeVar("T")
+
+#: The deadline of a wait that only bounds a hang: what a test waits for (an
+#: event, a count) takes seconds at most, even on a loaded 2-core machine, so
+#: reaching this means something is stuck, never that the machine is slow.
+HANG_S: Final = 120.0
 
 
 def poll(read: Callable[[], T], done: Callable[[T], bool], timeout_s: float, interval_s: float = 0.2) -> T:

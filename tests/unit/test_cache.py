@@ -36,6 +36,7 @@ from grammar_service.cache import (
     GrammarStore,
     StoreStats,
 )
+from tests.support.poll import HANG_S, wait_for
 from tests.unit.conftest import TINY_STOP, load_schema, tiny_encode
 from triton_support.params import from_parameters
 from triton_support.service import GrammarModelConfig
@@ -61,8 +62,8 @@ class Counter:
 
     def __call__(self) -> xgr.CompiledGrammar:
         self.calls += 1
-        if self.gate is not None:
-            self.gate.wait(10)
+        if self.gate is not None and not self.gate.wait(HANG_S):
+            raise TimeoutError("the compile's gate never opened")
         return compile_spec(self.compiler, self.spec)
 
 
@@ -75,10 +76,13 @@ def test_concurrent_requests_for_one_key_compile_once(tiny_info: xgr.TokenizerIn
     threads = [threading.Thread(target=lambda: results.append(cache.get(_key(1), fn))) for _ in range(16)]
     for t in threads:
         t.start()
-    time.sleep(0.2)
+    # Every request has asked while the one compile is held: the first missed, the others joined it.
+    wait_for(lambda: (cache.stats().misses, cache.stats().hits, cache.stats().in_flight) == (1, 15, 1), HANG_S,
+             "all 16 requests joined the held compile", interval_s=0.01)
     gate.set()
     for t in threads:
-        t.join()
+        t.join(HANG_S)
+    assert not any(t.is_alive() for t in threads)
     assert fn.calls == 1
     assert len(results) == 16 and all(r is results[0] for r in results)
     stats = cache.stats()
@@ -125,7 +129,7 @@ def test_timeout_keeps_the_compile_in_flight_and_retries_join_it(
     with pytest.raises(CompileTimeout):
         cache.get(_key(3), fn)
     gate.set()
-    compiled = cache.get(_key(3), fn, timeout_s=10)
+    compiled = cache.get(_key(3), fn, timeout_s=HANG_S)
     assert fn.calls == 1 and isinstance(compiled, xgr.CompiledGrammar)
     assert cache.stats().timeouts == 2
 

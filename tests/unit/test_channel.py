@@ -11,6 +11,7 @@ only, and the connection stays; a peer that goes away is UNAVAILABLE at once.
 from __future__ import annotations
 
 import os
+import select
 import socket
 import struct
 import threading
@@ -33,6 +34,7 @@ from grammar_service.transport.channel import (
     encode_reply,
 )
 from grammar_service.transport.maskbuf import SHM_DIR, MaskBuffer
+from tests.support.poll import HANG_S
 from tests.unit.conftest import TINY_VOCAB_SIZE
 from triton_support.service import GrammarRequest, GrammarService
 
@@ -129,23 +131,24 @@ def test_a_slow_start_holds_only_its_connection(channel_service: GrammarService,
     path = _path(channel_service)
     fast, slow = ChannelClient(path), ChannelClient(path)
     _start(fast, 1)  # compiled and cached
-    gate = threading.Event()
+    gate, holding = threading.Event(), threading.Event()
     original = channel_service.start_async
 
     def held(req: GrammarRequest, done: object) -> None:
         if int(req.seq_ids[0]) == 2:
-            assert gate.wait(30)
+            holding.set()
+            assert gate.wait(HANG_S)
         original(req, done)  # type: ignore[arg-type]
 
     monkeypatch.setattr(channel_service, "start_async", held)
     out: list[str] = []
     waiter = threading.Thread(target=lambda: out.append(_start(slow, 2, NUMBER)))
     waiter.start()
-    t0 = time.monotonic()
-    assert _start(fast, 3) == "xgrammar"
-    assert time.monotonic() - t0 < 5 and waiter.is_alive()
+    assert holding.wait(HANG_S)  # the slow start is at the grammar model, held there
+    assert _start(fast, 3) == "xgrammar"  # answered while the slow one is still held (the gate is closed)
+    assert waiter.is_alive() and out == []
     gate.set()
-    waiter.join(30)
+    waiter.join(HANG_S)
     assert out == ["xgrammar"]
     fast.end([1, 2, 3])
 
@@ -212,7 +215,7 @@ def test_a_hung_grammar_model_times_the_step_out_and_a_start_waits(
     original_step, original_start = channel_service.channel_step, channel_service.start_async
 
     def hung(step: object) -> object:
-        assert gate.wait(30)
+        assert gate.wait(HANG_S)
         return original_step(step)  # type: ignore[arg-type]
 
     def slow(req: GrammarRequest, done: object) -> None:
@@ -225,7 +228,8 @@ def test_a_hung_grammar_model_times_the_step_out_and_a_start_waits(
     t0 = time.monotonic()
     with pytest.raises(RemoteGrammarError, match=r"^grammar channel .*: timed out$") as info:
         client.step(np.array([1], np.uint64), np.zeros((1, 1), np.int32), np.zeros(1, np.int32), False)
-    assert info.value.status == "UNAVAILABLE" and client.closed and 0.3 <= time.monotonic() - t0 < 5
+    # Not before the step timeout; and given up while the grammar side still hangs (its gate opens only below).
+    assert info.value.status == "UNAVAILABLE" and client.closed and time.monotonic() - t0 >= 0.3
     gate.set()
     channel_service.handle(GrammarRequest("end", np.array([1], np.uint64)))
 
@@ -280,16 +284,19 @@ def test_a_step_sent_now_is_received_later(channel_service: GrammarService, buff
     client = ChannelClient(_path(channel_service), buffer.name)
     _start(client, 1)
     ids, tokens, counts = np.array([1], np.uint64), np.zeros((1, 1), np.int32), np.zeros(1, np.int32)
-    served = channel_service.step_latency.count
-    t0 = time.monotonic()
+    # The round trip is on time.time()'s clock, the kernel's stamp's.
+    before_send = time.time()
     client.send_step(ids, tokens, counts, False)
-    while channel_service.step_latency.count == served:  # answered with no receive_step yet
-        time.sleep(0.001)
-    time.sleep(0.5)
+    after_send = time.time()
+    # The reply is in the client's socket (answered with no receive_step yet).
+    assert select.select([client._sock], [], [], HANG_S)[0]
+    arrived_by = time.time()
+    time.sleep(after_send - before_send + 0.05)  # so the call below comes later than the arrival by more than that
+    called = time.time()
     reply, round_trip = client.receive_step()
-    waited = time.monotonic() - t0
     assert reply.terminated.tolist() == [False] and reply.active == 1
-    assert 0 < round_trip < waited - 0.4
+    assert 0 < round_trip <= arrived_by - before_send  # until the reply arrived ...
+    assert round_trip < called - after_send  # ... not until receive_step was called
     client.end([1])
 
 

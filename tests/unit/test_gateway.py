@@ -42,7 +42,7 @@ from deploy.gateway import (
     restriction_args,
 )
 from deploy.gateway import _StreamSession as StreamSession
-from tests.support.poll import wait_for
+from tests.support.poll import HANG_S, wait_for
 from tests.tls_certs import Pki, SecretVolume, der, make_pki, openssl_missing, served_cert
 
 SECRET = "s" * 32
@@ -331,7 +331,7 @@ def _live(channel: grpc.Channel) -> grpc.UnaryUnaryMultiCallable:
 
 def _health(channel: grpc.Channel, service: str = "") -> int:
     return int(health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
-                                                         timeout=5).status)
+                                                         timeout=HANG_S).status)
 
 
 class _OpenStream:
@@ -339,7 +339,7 @@ class _OpenStream:
 
     def __init__(self, channel: grpc.Channel, metadata: tuple[tuple[str, str], ...]) -> None:
         self._requests: queue.SimpleQueue[pb.ModelInferRequest | None] = queue.SimpleQueue()
-        self.call = _stream(channel)(iter(self._requests.get, None), metadata=metadata, timeout=30)
+        self.call = _stream(channel)(iter(self._requests.get, None), metadata=metadata, timeout=HANG_S)
 
     def send(self, request: pb.ModelInferRequest) -> None:
         self._requests.put(request)
@@ -353,7 +353,7 @@ class _OpenStream:
         return self.call.code()  # type: ignore[no-any-return]
 
 
-def _wait(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+def _wait(predicate: Callable[[], bool], timeout_s: float = HANG_S) -> None:
     wait_for(predicate, timeout_s, "condition not reached", interval_s=0.02)
 
 
@@ -373,7 +373,7 @@ def test_unary_calls_need_a_key(keyed: tuple[Gateway, Path], metadata: tuple[tup
                                 code: grpc.StatusCode, details: str | None) -> None:
     gateway, _ = keyed
     with grpc.insecure_channel(f"127.0.0.1:{gateway.port}") as channel, pytest.raises(grpc.RpcError) as info:
-        _live(channel)(pb.ServerLiveRequest(), metadata=metadata, timeout=10)
+        _live(channel)(pb.ServerLiveRequest(), metadata=metadata, timeout=HANG_S)
     assert info.value.code() == code
     if details is not None:
         assert info.value.details() == details
@@ -436,7 +436,7 @@ def test_drain_sends_goaway_refuses_new_streams_and_lets_open_ones_finish(keyed:
         _wait(lambda: "gateway_draining 1\n" in gateway.metrics_text())
         # A new stream on the same (already connected) channel is refused, once the gateway's loop has run the
         # drain (begin_drain only schedules it) and the GOAWAY reached the client: waited for, not slept on.
-        _wait(lambda: _OpenStream(channel, _auth("key-two")).close() == grpc.StatusCode.UNAVAILABLE, 60)
+        _wait(lambda: _OpenStream(channel, _auth("key-two")).close() == grpc.StatusCode.UNAVAILABLE)
         # The stream in flight still works and ends normally.
         assert in_flight.close() == grpc.StatusCode.OK
         assert gateway.streams_open == 0
@@ -508,7 +508,7 @@ class _Upstream:
         out: queue.SimpleQueue[pb.ModelStreamInferResponse | None] = queue.SimpleQueue()
 
         def answer(request: pb.ModelInferRequest) -> None:
-            self.release.wait(30)
+            self.release.wait(HANG_S)
             response = pb.ModelStreamInferResponse()
             infer = response.infer_response
             infer.model_name, infer.id = request.model_name, request.id
@@ -567,7 +567,7 @@ def test_request_ids_are_renamed_upstream_and_restored_for_the_client(forwarding
         for _ in range(2):  # a client may reuse its own id (two requests in flight as "req-1")
             stream.send(_infer("req-1"))
         assert stream.close() == grpc.StatusCode.OK
-    seen = [upstream.seen.get(timeout=5) for _ in range(2)]
+    seen = [upstream.seen.get(timeout=HANG_S) for _ in range(2)]
     internal = [request.id for request, _ in seen]
     assert all(re.fullmatch(r"[0-9a-f]{32}", rid) for rid in internal), internal  # 128 random bits
     assert len(set(internal)) == 2 and "req-1" not in internal
@@ -612,7 +612,7 @@ def test_requests_beyond_the_in_flight_cap_are_refused_in_band(forwarding: tuple
         refusal = next(stream.call)
         assert refusal.error_message == "RESOURCE_EXHAUSTED: 2 requests already in flight on this stream (limit 2)"
         assert (refusal.infer_response.id, refusal.infer_response.model_name) == ("c", PUBLIC)
-        held = [upstream.seen.get(timeout=5)[0].id for _ in range(2)]  # a and b, renamed, in flight upstream
+        held = [upstream.seen.get(timeout=HANG_S)[0].id for _ in range(2)]  # a and b, renamed, in flight upstream
         assert len(held) == 2 and not set(held) & {"a", "b", "c"}
         assert upstream.seen.empty()  # the refused request never reached the upstream
         upstream.release.set()
@@ -636,14 +636,14 @@ def test_each_internal_model_is_refused_by_name(forwarding: tuple[Gateway, _Upst
         with pytest.raises(grpc.RpcError) as info:
             channel.unary_unary(f"/{SERVICE}/ModelConfig", request_serializer=pb.ModelConfigRequest.SerializeToString,
                                 response_deserializer=pb.ModelConfigResponse.FromString)(
-                pb.ModelConfigRequest(name=model), timeout=10)
+                pb.ModelConfigRequest(name=model), timeout=HANG_S)
     refusal, answer = stream.responses
     assert refusal.error_message == f"PERMISSION_DENIED: model {model!r} is not served to clients; call {PUBLIC}"
     assert (refusal.infer_response.id, refusal.infer_response.model_name) == ("x", model)
     assert (answer.infer_response.id, answer.error_message) == ("y", "")
     assert (info.value.code(), info.value.details()) == (
         grpc.StatusCode.PERMISSION_DENIED, f"model {model!r} is not served to clients")
-    assert [upstream.seen.get(timeout=5)[0].model_name] == [PUBLIC] and upstream.seen.empty()
+    assert [upstream.seen.get(timeout=HANG_S)[0].model_name] == [PUBLIC] and upstream.seen.empty()
     assert 'gateway_refusals_total{code="PERMISSION_DENIED"} 2\n' in gateway.metrics_text()
 
 
@@ -731,8 +731,8 @@ def test_gateway_serves_a_renewed_certificate_to_new_connections_without_restart
         tls = gateway.tls
         assert tls is not None
         # The OpenAI port shares these files: its handshake may be the one that reloads them.
-        wait_for(lambda: tls.refresh() or tls.generation == 1, 30, "the files reloaded")
-        wait_for(lambda: served_cert(gateway.port) == der(second.cert), 30, "the renewed certificate")
+        wait_for(lambda: tls.refresh() or tls.generation == 1, HANG_S, "the files reloaded")
+        wait_for(lambda: served_cert(gateway.port) == der(second.cert), HANG_S, "the renewed certificate")
         assert check(second, second) == health_pb2.HealthCheckResponse.SERVING
         assert check(first, first) == grpc.StatusCode.UNAVAILABLE  # the old CA no longer signs what is served
         text = gateway.metrics_text()
@@ -753,7 +753,7 @@ def test_launcher_health_port_serves_gateway_metrics_and_starts_the_drain(keyed:
     health.start()
     base = f"http://127.0.0.1:{health.port}"
     try:
-        with urllib.request.urlopen(f"{base}/metrics", timeout=5) as resp:
+        with urllib.request.urlopen(f"{base}/metrics", timeout=HANG_S) as resp:
             body = resp.read().decode()
         assert resp.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
         assert "gateway_streams_open 0\n" in body and "gateway_draining 0\n" in body
@@ -764,7 +764,7 @@ def test_launcher_health_port_serves_gateway_metrics_and_starts_the_drain(keyed:
                      gateway_drain_url=f"{base}/v2/drain")
         assert code == 0 and logs[0] == "drain: gateway draining (GOAWAY sent)"
         assert gateway.draining and gateway.health == (False, "draining")
-        with urllib.request.urlopen(f"{base}/metrics", timeout=5) as resp:
+        with urllib.request.urlopen(f"{base}/metrics", timeout=HANG_S) as resp:
             assert "gateway_draining 1\n" in resp.read().decode()
     finally:
         health.stop()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,7 @@ from grammar_service.transport.maskbuf import SHM_DIR
 from llm_runtime import remote_mask
 from llm_runtime.mask import ConstraintRequest
 from llm_runtime.remote_mask import RemoteMaskProvider
+from tests.support.poll import HANG_S, wait_for
 from tests.unit.conftest import TINY_VOCAB_SIZE
 from triton_support.service import GrammarRequest, GrammarService
 
@@ -174,6 +175,10 @@ def test_overlap_sends_over_the_channel_from_the_loops_thread(channel_service: G
         refeed: bool = False
 
     width = (TINY_VOCAB_SIZE + 31) // 32
+
+    def served_past(count: int) -> Callable[[], bool]:
+        return lambda: channel_service.step_latency.count > count
+
     try:
         provider.start(1, REGEX)
         phase.launch([Row(-1, in_engine=False)])
@@ -181,11 +186,12 @@ def test_overlap_sends_over_the_channel_from_the_loops_thread(channel_service: G
         assert pb.ops == ["channel", "step"] and phase.step is not None  # the start's channel, then a BLS step
         for token in (ord("a"), ord("b")):
             served = channel_service.step_latency.count
+            before = time.time()  # the clock of a sent step's round trip (call_s)
             phase.launch([Row(token)])
-            while channel_service.step_latency.count == served:  # answered before collect is called
-                time.sleep(0.001)
+            wait_for(served_past(served), HANG_S, "the step served before collect is called", interval_s=0.001)
             phase.collect(width)
-            assert phase.error is None and phase.step is not None and 0 < phase.call_s <= phase.wait_s + 1
+            within = time.time() - before
+            assert phase.error is None and phase.step is not None and 0 < phase.call_s <= within
         assert pb.ops == ["channel", "step"] and provider.channel_open  # no more BLS
         assert [t.name for t in threading.enumerate()].count("llm-grammar-step_0") == 1  # the BLS step's, once
         provider.end([1])

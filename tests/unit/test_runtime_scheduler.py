@@ -570,34 +570,57 @@ def test_compile_never_stalls_the_batch(engine: TorchEngine, sched: Scheduler, p
     assert (fin.finish_reason, fin.text) == ("stop", "ok")
 
 
-class SlowSteps(XGrammarMaskProvider):
-    """The real provider, with steps as slow as a large model's (the wait for starts is bounded by half a step)."""
+#: How long the held step lasts at least: twice start_wait_s's most (1 s), so the start wait after it
+#: (at most half the last step) is the full second, many times what a cached start takes.
+HELD_STEP_S = 2.0
+
+
+class HeldStep(XGrammarMaskProvider):
+    """The real provider, whose next step, once armed, is held until the test releases it.
+
+    Requests submitted while the step is held all arrive at its end, one
+    boundary, whatever the machine's speed; the step lasts at least
+    :data:`HELD_STEP_S`, the step time the scheduler's start wait is half of.
+    """
+
+    def __init__(self, compiler: xgr.GrammarCompiler, vocab_size: int) -> None:
+        super().__init__(compiler, vocab_size)
+        self.armed = False
+        self.held = threading.Event()  # set once the armed step has begun
+        self.release = threading.Event()
 
     def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray,
              jump_forward: bool = False) -> MaskStep:
-        time.sleep(0.2)
+        if self.armed:
+            self.armed = False
+            began = time.monotonic()
+            self.held.set()
+            assert self.release.wait(TIMEOUT), "the held step was never released"
+            time.sleep(max(0.0, HELD_STEP_S - (time.monotonic() - began)))
         return super().step(seq_ids, tokens, counts)
 
 
 @pytest.mark.parametrize(("start_wait_s", "gated", "joins"), [
-    (1.0, False, [2]),  # the cached start ends within the wait: both requests join the same step
-    (0.0, False, [1, 1]),  # no wait: the constrained one joins a step later
-    (1.0, True, [1, 1]),  # a start still running does not hold the step past the wait (half a step)
+    (1.0, False, [1, 2]),  # the cached start ends within the wait: both requests join the same step
+    (0.0, False, [1, 1, 1]),  # no wait: the constrained one joins a step later
+    (1.0, True, [1, 1, 1]),  # a start still running does not hold the step past the wait
 ], ids=["waited", "no-wait", "compiling"])
 def test_a_fast_start_joins_the_step_its_request_arrived_for(engine: TorchEngine, compiler: xgr.GrammarCompiler,
                                                              tiny: TinyModelInfo, start_wait_s: float, gated: bool,
                                                              joins: list[int]) -> None:
-    provider = SlowSteps(compiler, tiny.vocab_size)
+    provider = HeldStep(compiler, tiny.vocab_size)
     regex = ConstraintRequest("regex", "[ab]{40}", "")
     with Scheduler(engine, provider, SchedulerConfig(start_wait_s=start_wait_s)) as s:
         submit(s, GenerationRequest(prompt(engine, "warm"), constraint=regex, max_tokens=2)).wait()  # compiled once
-        running = submit(s, GenerationRequest(prompt(engine, "x"), constraint=regex, max_tokens=12))
-        assert running.first_token.wait(TIMEOUT)
         before = s.stats().steps
+        provider.armed = True  # the next step (the running request's first, its prefill row the first 1) is held
+        running = submit(s, GenerationRequest(prompt(engine, "x"), constraint=regex, max_tokens=12))
+        assert provider.held.wait(TIMEOUT)
         provider.start_gate = threading.Event() if gated else None
-        # Both arrive during one 0.2 s step, so at the same boundary.
+        # Both arrive while the step is held, so at the same boundary.
         late = submit(s, GenerationRequest(prompt(engine, "y"), constraint=regex, max_tokens=3))
         free = submit(s, GenerationRequest(prompt(engine, "z"), max_tokens=3, temperature=0.0))
+        provider.release.set()
         assert free.wait().finish_reason == "length"
         if provider.start_gate is not None:
             provider.start_gate.set()

@@ -14,6 +14,7 @@ from llm_runtime.errors import CANCELLED
 from llm_runtime.logprobs import TokenLogprobs
 from llm_runtime.scheduler import TokenEvent
 from llm_runtime.streaming import CANCEL_POLL_EVERY, DeltaCoalescer, Outbox, ResponseStream, StreamPart
+from tests.support.poll import HANG_S
 
 
 class Clock:
@@ -86,7 +87,7 @@ def test_close_waits_for_what_is_queued() -> None:
     gate = threading.Event()
 
     def held() -> None:
-        gate.wait(5)
+        gate.wait(HANG_S)  # held until after the close below has given up, however slow the machine
 
     outbox.put(held)
     with pytest.raises(TimeoutError, match=r"^the outbox did not drain within 0\.1 s$"):

@@ -7,8 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -22,7 +20,7 @@ from grammar_service.workers import (
     WorkerStats,
     worker_python,
 )
-from tests.support.poll import poll
+from tests.support.poll import HANG_S, poll
 from tests.support.procs import alive
 from tests.unit.conftest import (
     REPO,
@@ -125,14 +123,11 @@ def test_a_stalled_worker_is_killed_at_twice_the_cpu_limit(make_workers: Callabl
     workers = make_workers(cpu_s=0.5)
     workers.compile(parse_constraint("regex", "x"))  # starts this thread's worker
     (pid,) = [w.pid for w in workers._live]
-
-    def stop_it() -> None:
-        time.sleep(0.2)
-        os.kill(pid, signal.SIGSTOP)  # a stopped process uses no CPU: only the wall limit can end it
-
-    threading.Thread(target=stop_it).start()
-    with pytest.raises(CompileError, match=r"^grammar: compiling this json_schema ran past 1 s \(the compile time limit\)"):
-        workers.compile(_enum(10_000))
+    # Stopped before the compile is sent (a request this small fits in its pipe): a stopped process uses no
+    # CPU, so only the wall limit can end it, whenever the compile would have reached its CPU limit.
+    os.kill(pid, signal.SIGSTOP)
+    with pytest.raises(CompileError, match=r"^grammar: compiling this regex ran past 1 s \(the compile time limit\)"):
+        workers.compile(parse_constraint("regex", "[0-9]{1,9}z"))
     workers.compile(parse_constraint("regex", "y"))
     assert workers.stats() == _stats(started=2, wall_kills=1)
 
@@ -166,8 +161,8 @@ def test_a_worker_dies_with_its_parent() -> None:
     assert parent.stdout is not None
     pid = int(parent.stdout.readline())
     os.kill(parent.pid, signal.SIGKILL)  # no cleanup runs in the parent, as when a stub is killed
-    parent.wait(timeout=10)
-    assert not poll(lambda: alive(pid), lambda running: not running, 10, interval_s=0.05)
+    parent.wait(timeout=HANG_S)
+    assert not poll(lambda: alive(pid), lambda running: not running, HANG_S, interval_s=0.05)
 
 
 @pytest.mark.parametrize(
