@@ -5,6 +5,7 @@ Usage (from the repository root, after ``make model tokenizers``)::
     .venv/bin/python bench/grammar_step_bench.py                  # ~3 min on 2 shared cores
     .venv/bin/python bench/grammar_step_bench.py --rows 64 --rounds 3 --json /tmp/step.json
     .venv/bin/python bench/grammar_step_bench.py --sweep          # make bench-step: GPU batch sizes
+    .venv/bin/python bench/grammar_step_bench.py --fill-states --threads 2   # fill threads, fixed states
 
 Three ways to get the masks of B sequences (default 64) at every step of
 real token paths (four schemas: person, order, weather tool, an open object;
@@ -39,7 +40,9 @@ auto`` serves as the server's default does, its raw fill on the backend
 ``auto`` picks first for JSON.
 
 ``--sweep`` measures what a GPU host's batch meets: 64 and 256 rows, each
-backend and ``auto``, 1 and ``--threads`` fill threads, the served step over
+backend and ``auto`` (settled: each case's first complete output replayed on
+xgrammar first, :mod:`grammar_service.auto_switch`), 1 and ``--threads`` fill
+threads, the served step over
 the channel beside the raw fill (one served ``grammar`` model per row count
 and thread count), p50, p99 and max, and ends with the line ``step at 64
 rows: channel/raw fill X (xgrammar), Y (llguidance); p99 A ms (auto)``.
@@ -48,6 +51,7 @@ Nothing here asserts a time.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -61,12 +65,14 @@ import tritonclient.grpc as grpcclient
 import xgrammar as xgr
 from harness import BENCH, OWN_SCHEMAS, QWEN_DIR, QWEN_VOCAB
 
+from deploy.drain import scrape, value
 from deploy.server import TritonServer
 from grammar_backend.backends import auto_order
 from grammar_backend.compile import json_format_kwargs
 from grammar_backend.llg import LlgBackend
 from grammar_backend.spec import ConstraintOptions, ConstraintSpec, parse_constraint
 from grammar_backend.tokenizer import load_tokenizer
+from grammar_service.auto_switch import OUTCOMES
 from grammar_service.engine import GrammarEngine, GrammarEngineConfig
 from llm_runtime.local_mask import LocalMaskProvider
 from llm_runtime.mask import ConstraintRequest
@@ -151,6 +157,53 @@ def time_raw_llguidance(llg: LlgBackend, cons: list[tuple[str, str, str]], toks:
                       lambda: llguidance.numpy.fill_next_token_bitmask_par(executor, targets, bitmask), toks)
 
 
+def fill_states(info: xgr.TokenizerInfo, llg: LlgBackend, toks: list[list[int]], rows: int, threads: int,
+                states: Sequence[int] = (2, 10, 14), repeats: int = 30) -> dict[tuple[str, int, int], float]:
+    """``--fill-states``: the raw batched fill alone, every row held at step ``s`` of its path, on 1 and
+    ``threads`` fill threads; the median ms of ``repeats`` fills of the same states (what the threads do
+    with cheap and with costly rows, apart from the path's mix)."""
+    import llguidance
+    import llguidance.numpy
+
+    cons = constraints("xgrammar")
+    compiler = xgr.GrammarCompiler(info, max_threads=1)
+    kwargs: Any = json_format_kwargs(ConstraintOptions())
+    xgrammars = [compiler.compile_json_schema(p, **kwargs) for _, p, _ in cons]
+    llgs = [llg.compile(parse_constraint(k, p, json.dumps({"backend": "llguidance"}))) for k, p, _ in cons]
+    bitmask = llguidance.numpy.allocate_token_bitmask(rows, QWEN_VOCAB)
+    out: dict[tuple[str, int, int], float] = {}
+    for state in states:
+        xms = [xgr.GrammarMatcher(xgrammars[r % len(cons)]) for r in range(rows)]
+        lms = [llgs[r % len(cons)].template.deep_copy() for r in range(rows)]
+        for r in range(rows):
+            for t in toks[r % len(toks)][:state]:
+                if not (xms[r].accept_token(t) and lms[r].consume_token(t)):
+                    raise RuntimeError(f"fill states: row {r} rejected its token")
+        for n in sorted({1, threads}):
+            batch = xgr.BatchGrammarMatcher(n)
+            executor = llguidance.LLExecutor(n)
+            targets = [(m, r) for r, m in enumerate(lms)]
+            fills: dict[str, Callable[[], object]] = {
+                "xgrammar": functools.partial(batch.batch_fill_next_token_bitmask, xms, bitmask),
+                "llguidance": functools.partial(llguidance.numpy.fill_next_token_bitmask_par, executor, targets,
+                                                bitmask)}
+            for backend, fill in fills.items():
+                fill()
+                times = []
+                for _ in range(repeats):
+                    t0 = time.perf_counter()
+                    fill()
+                    times.append(time.perf_counter() - t0)
+                out[(backend, state, n)] = float(np.median(times) * 1e3)
+    print(f"== raw fill, {rows} rows held at one step of their paths, median of {repeats} fills (ms) ==")
+    for backend in ("xgrammar", "llguidance"):
+        for state in states:
+            one, many = out[(backend, state, 1)], out[(backend, state, threads)]
+            print(f"  {backend:10} after {state:2d} tokens: 1 thread {one:.3f}, {threads} threads {many:.3f}, "
+                  f"ratio {many / one:.2f}")
+    return out
+
+
 def time_local(engine: GrammarEngine, cons: list[tuple[str, str, str]], toks: list[list[int]], rows: int,
                jump: bool, checks: bool = False) -> list[float]:
     provider = LocalMaskProvider(engine)
@@ -190,6 +243,24 @@ def time_bls(server: TritonServer, cons: list[tuple[str, str, str]], toks: list[
     return list(json.loads(bytes(result.as_numpy("RESULT")[0]))["step_s"])
 
 
+def settle_auto(served: Any, cons: list[tuple[str, str, str]], bundle: Any) -> dict[str, int]:
+    """``backend: auto`` as a server serves a constraint after its first output: one complete output of each
+    case through the served model, then a wait until each was replayed on xgrammar
+    (:mod:`grammar_service.auto_switch`, its counter on the metrics endpoint); returns the outcomes."""
+    stop = int(bundle.stop_token_ids[0])
+    for con, (_, text) in zip(cons, CASES, strict=True):
+        time_bls(served.triton, [con], [[*bundle.encode(text), stop]], 1, False, True)
+    deadline = time.monotonic() + 600
+    while True:
+        series = scrape(served.metrics_url)
+        outcomes = {o: int(value(series, "grammar_auto_switches_total", outcome=o)) for o in OUTCOMES}
+        if sum(outcomes.values()) >= len(cons):
+            return {o: n for o, n in outcomes.items() if n}
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"backend auto: {len(cons)} replays not counted after 600 s: {outcomes}")
+        time.sleep(0.5)
+
+
 def summary(times: Sequence[float]) -> dict[str, float]:
     """p50, p99, max and mean of a mode's steps, in ms (each run's first step is left out by its caller)."""
     a = np.asarray(times)
@@ -210,6 +281,7 @@ def sweep(bundle: Any, llg: LlgBackend, toks: list[list[int]], threads: int, rou
           jump: bool) -> dict[Config, dict[str, float]]:
     """``--sweep``: raw fill, raw step and channel step for each row count, thread count and backend."""
     figures: dict[Config, dict[str, float]] = {}
+    switches: dict[tuple[int, int], dict[str, int]] = {}
     for rows in (64, 256):
         for n in sorted({1, threads}):
             with harness.serve(served_values(rows, n), prefix="grammar-step-", models=("grammar", "grammar_driver"),
@@ -221,6 +293,8 @@ def sweep(bundle: Any, llg: LlgBackend, toks: list[list[int]], threads: int, rou
                     cons = constraints(backend)
                     raw_llg = llg if raw_backend(cons) == "llguidance" else None
                     time_bls(server, cons, toks, rows, jump, True)  # warm-up: compiles
+                    if backend == "auto":
+                        switches[(rows, n)] = settle_auto(served, cons, bundle)
                     times: dict[str, list[float]] = {"raw fill": [], "raw": [], "channel": []}
                     for r in range(rounds):
                         for mode in ("channel", "raw") if r % 2 == 0 else ("raw", "channel"):
@@ -242,6 +316,11 @@ def sweep(bundle: Any, llg: LlgBackend, toks: list[list[int]], threads: int, rou
     for backend in ("xgrammar", "llguidance"):
         one, many = (figures[(64, n, backend, "raw fill")]["p50_ms"] for n in (1, threads))
         print(f"  fill at 64 rows, {backend}: {threads} threads / 1 thread {many / one:.2f}")
+    print(f"  auto after each case's first output (replays by outcome, per served model): {switches}; its raw "
+          "rows are llguidance's, the backend it serves first")
+    for n in sorted({1, threads}):
+        auto = figures[(64, n, "auto", "channel")]["p50_ms"] / figures[(64, n, "xgrammar", "raw fill")]["p50_ms"]
+        print(f"  auto channel p50 / xgrammar raw fill p50 at 64 rows, {n} fill threads: {auto:.2f}")
 
     def channel_over_fill(backend: str) -> float:
         return figures[(64, 1, backend, "channel")]["p50_ms"] / figures[(64, 1, backend, "raw fill")]["p50_ms"]
@@ -264,6 +343,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true",
                         help="64 and 256 rows, every backend and auto, 1 and --threads fill threads: raw fill "
                              "and the channel step only")
+    parser.add_argument("--fill-states", action="store_true",
+                        help="the raw batched fill alone at --rows rows held at steps 2, 10 and 14 of their "
+                             "paths, 1 and --threads fill threads (no server)")
     harness.add_json(parser, "the figures")
     args = parser.parse_args(argv)
     if args.threads <= 0:
@@ -271,6 +353,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     bundle = load_tokenizer(QWEN_DIR, vocab_size=QWEN_VOCAB)
     toks = paths(bundle.encode)
     llg = LlgBackend(bundle.hf, bundle.vocab_size, bundle.stop_token_ids)
+    if args.fill_states:
+        fills = fill_states(bundle.info, llg, toks, args.rows, args.threads)
+        if args.json is not None:
+            harness.write_json(args.json, {"/".join(map(str, k)): v for k, v in fills.items()})
+        return 0
     if args.sweep:
         swept = sweep(bundle, llg, toks, args.threads if args.threads > 1 else min(2, os.cpu_count() or 1),
                       args.rounds, args.jump_forward)

@@ -21,7 +21,10 @@ in DIR, a child process:
    (``json.dumps(data, separators=(",", ":"), ensure_ascii=False)``) is
    tokenized with the Hugging Face tokenizer, each token is accepted with one
    ``engine.step`` (which also fills the next mask, as in decoding), then the
-   stop token.  A token whose mask bit is clear rejects the instance there
+   stop token; under ``auto``, each instance's end lets the engine replay the
+   schema's first complete output on xgrammar (:mod:`grammar_service.auto_switch`),
+   waited for, so later instances are served as a server's later requests would
+   be (the record's ``served_by``).  A token whose mask bit is clear rejects the instance there
    (decoding could not produce it, MaskBench's rule); a token the mask allows
    but the matcher refuses is a disagreement between the two
    (``mask_mismatches``; expected 0).  With ``--value-checks`` (the served
@@ -511,6 +514,7 @@ class _Forced:
     mismatches: int
     text_accepted: bool = False  # rejected by the mask only: the matcher takes every token (a tokenization rule)
     by_value_check: bool = False  # rejected where a completed value broke the schema (grammar_backend.values)
+    backend: str = ""  # the backend that served it
 
 
 def _compile(state: _State, spec: Any) -> str:
@@ -530,6 +534,7 @@ def _force(state: _State, spec: Any, tokens: list[int], step_ns: list[int]) -> _
     state.next_seq += 1
     # A cache hit: the grammar was compiled just before (auto remembers the backend).
     engine.start(seq_id, spec, value_checks=state.value_checks)
+    backend = engine.table.get(seq_id).backend
     ids = np.array([seq_id], dtype=np.uint64)
     tok = np.zeros((1, 1), dtype=np.int32)
     none, one = np.zeros(1, dtype=np.int32), np.ones(1, dtype=np.int32)
@@ -554,17 +559,17 @@ def _force(state: _State, spec: Any, tokens: list[int], step_ns: list[int]) -> _
             elapsed = clock() - t0
             if res.errors[0] is not None:
                 if masked_at is not None:
-                    return _Forced(False, masked_at, mismatches)
-                return _Forced(False, pos, mismatches + 1)  # the mask allowed what the matcher refuses
+                    return _Forced(False, masked_at, mismatches, backend=backend)
+                return _Forced(False, pos, mismatches + 1, backend=backend)  # the mask allowed what the matcher refuses
             if res.dropped[0] and masked_at is None:
-                return _Forced(False, pos, mismatches, by_value_check=True)
+                return _Forced(False, pos, mismatches, by_value_check=True, backend=backend)
             if pos < len(tokens) and masked_at is None:  # the stop token's step fills no mask
                 step_ns.append(elapsed)
         if not bool(res.terminated[0]):
             raise RuntimeError(f"sequence {seq_id}: stop token accepted but the matcher is not terminated")
         if masked_at is not None:
-            return _Forced(False, masked_at, mismatches, text_accepted=True)
-        return _Forced(True, None, mismatches)
+            return _Forced(False, masked_at, mismatches, text_accepted=True, backend=backend)
+        return _Forced(True, None, mismatches, backend=backend)
     finally:
         engine.end([seq_id])
 
@@ -641,6 +646,7 @@ def run_schema(state: _State, path: str, ctx: WorkerContext) -> dict[str, Any]:
     under: list[dict[str, Any]] = []
     untokenizable: list[int] = []
     checked: list[int] = []  # invalid instances a value check rejected
+    served: set[str] = set()  # the backends that served the instances
     mismatches = 0
     for index, test in enumerate(tests):
         text = compact_json(test["data"])
@@ -649,6 +655,10 @@ def run_schema(state: _State, path: str, ctx: WorkerContext) -> dict[str, Any]:
             untokenizable.append(index)
             continue
         forced = _force(state, spec, tokens, step_ns)
+        served.add(forced.backend)
+        # backend auto replays the first complete output on xgrammar (grammar_service.auto_switch): waited
+        # for here, so the next instance is served as a server's next request would be.
+        state.engine.auto_switch.drain(600.0)  # the parent's phase limit ends it sooner
         mismatches += forced.mismatches
         if test["valid"] and not forced.accepted:
             position = len(tokens) if forced.position is None else forced.position
@@ -675,6 +685,9 @@ def run_schema(state: _State, path: str, ctx: WorkerContext) -> dict[str, Any]:
         value_checked=checked,
         mask_mismatches=mismatches,
         tokens=len(step_ns),
+        served_by=sorted(served),
+        # The schema's own step cost (one row: accept + fill), what the backends' fill costs compare on.
+        step_mean_us=round(float(np.mean(step_ns)) / 1e3, 2) if step_ns else None,
         step_ns=np.asarray(step_ns, dtype=np.int64),
     )
     rec["passed"] = not over and not under and not untokenizable and mismatches == 0
@@ -927,6 +940,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         bc, bs = b["compile_s"], b["step_us"]
         print(f"served by {backend}: {b['schemas']} schemas, {b['passed']} passed; compile s p50 {fmt(bc['p50'])} "
               f"p99 {fmt(bc['p99'])}; step us p50 {fmt(bs['p50'], '.1f')} p99 {fmt(bs['p99'], '.1f')}")
+    switched = [r for r in records if len(r.get("served_by", ())) > 1]
+    if switched:
+        print(f"backend auto switched {len(switched)} schemas to xgrammar after their first complete output "
+              f"(grammar_service.auto_switch), {sum(bool(r['passed']) for r in switched)} of them passed")
     print(f"wall {wall:.0f} s, worker respawns {respawns}{', INTERRUPTED' if interrupted else ''}")
     print(f"\nanchors (full MaskBench, {ANCHOR_TOTAL} schemas, Llama-3.1 tokenizer; this run is "
           f"{len(files)} of its files): " + ", ".join(f"{n} {p} ({100 * p / ANCHOR_TOTAL:.1f}%)"

@@ -65,72 +65,86 @@ class BitmaskBuffer:
         # a one-thread LLExecutor at 16 rows of the tiny vocabulary and equal at
         # 64 of Qwen3's (no bench compares the two; figures: docs/benchmarks.md).
         self._executor = llguidance.LLExecutor(threads) if threads > 1 else None
+        #: The rows the last :meth:`fill` wrote: this buffer, or the caller's; :meth:`force` and the others edit them.
+        self.filled: np.ndarray = self.buffer
         # Reused per step so the step path allocates only the backends' own lists.
         self._active: list[xgr.GrammarMatcher] = []
         self._rows: list[int] = []
         self._llg_rows: list[tuple[Any, int]] = []
 
-    def fill(self, matchers: Sequence[Matcher | None]) -> np.ndarray:
-        """Fill rows ``0..len(matchers)`` and return that view of the buffer.
+    def fill(self, matchers: Sequence[Matcher | None], out: np.ndarray | None = None) -> np.ndarray:
+        """Fill rows ``0..len(matchers)`` and return that view of the buffer (or ``out``).
 
         Row ``i`` holds the mask of ``matchers[i]``; a None row (no
         constraint, a terminated matcher, or a row in error) is all ones.
         Terminated matchers must be passed as None: xgrammar raises when
         asked to fill a matcher that has accepted its stop token.  xgrammar
-        rows are filled in one batched call, other backends' row by row.
+        rows are filled in one batched call, llguidance's in another.
+        ``out`` (int32, C-contiguous, ``[len(matchers), width]``) is filled
+        in place of this buffer: the caller's shared-memory mask buffer,
+        which a copy would cost a pass over (``bench/grammar_step_bench.py``
+        measures the served step).
 
         Raises
         ------
         GrammarError
-            More rows than ``max_batch``.
+            More rows than ``max_batch``, or an ``out`` of another shape or layout.
         """
         rows = len(matchers)
         if rows > self.max_batch:
             raise GrammarError(f"bitmask: batch of {rows} rows exceeds max_batch {self.max_batch}")
+        if out is None:
+            target = self.buffer
+        elif out.shape == (rows, self.width) and out.dtype == np.int32 and out.flags.c_contiguous:
+            target = out
+        else:
+            raise GrammarError(f"bitmask: an out buffer must be C-contiguous int32 of shape {(rows, self.width)}, "
+                               f"not {out.dtype} {out.shape}")
+        self.filled = target
         active, indices, llg_rows = self._active, self._rows, self._llg_rows
         active.clear()
         indices.clear()
         llg_rows.clear()
         for i, matcher in enumerate(matchers):
             if matcher is None:
-                self.buffer[i].fill(ALL_ALLOWED)
+                target[i].fill(ALL_ALLOWED)
             elif isinstance(matcher, xgr.GrammarMatcher):
                 active.append(matcher)
                 indices.append(i)
             elif isinstance(matcher, LlgMatcher):
                 llg_rows.append((matcher.inner, i))
             else:
-                matcher.fill_next_token_bitmask(self.buffer, i)
+                matcher.fill_next_token_bitmask(target, i)
         if active:
-            self._batch.batch_fill_next_token_bitmask(active, self.buffer, indices)
+            self._batch.batch_fill_next_token_bitmask(active, target, indices)
         if llg_rows:
             if self._executor is None:
                 for inner, i in llg_rows:
-                    llguidance.numpy.fill_next_token_bitmask(inner, self.buffer, i)
+                    llguidance.numpy.fill_next_token_bitmask(inner, target, i)
             else:
-                llguidance.numpy.fill_next_token_bitmask_par(self._executor, llg_rows, self.buffer)
-        return self.buffer[:rows]
+                llguidance.numpy.fill_next_token_bitmask_par(self._executor, llg_rows, target)
+        return target[:rows]
 
     def force(self, row: int, token: int) -> None:
-        """Make ``token`` the only allowed token of ``row``."""
-        words = self.buffer[row]
+        """Make ``token`` the only allowed token of ``row`` (of the rows the last :meth:`fill` wrote)."""
+        words = self.filled[row]
         words.fill(0)
         words[token >> 5] = _bit(token)
 
     def allows(self, row: int, token: int) -> bool:
         """Whether ``row`` allows ``token``."""
-        return bool(self.buffer[row, token >> 5] & _bit(token))
+        return bool(self.filled[row, token >> 5] & _bit(token))
 
     def keep(self, row: int, tokens: Sequence[int], token: int) -> None:
         """Make ``tokens`` and ``token`` the only allowed tokens of ``row``."""
-        words = self.buffer[row]
+        words = self.filled[row]
         words.fill(0)
         for t in (*tokens, token):
             words[t >> 5] |= _bit(t)
 
     def restrict(self, row: int, allowed: np.ndarray, token: int) -> None:
         """Keep only the tokens of ``row`` that ``allowed`` (a packed row) also allows, plus ``token``."""
-        words = self.buffer[row]
+        words = self.filled[row]
         np.bitwise_and(words, allowed, out=words)
         words[token >> 5] |= _bit(token)
 

@@ -74,6 +74,12 @@ class Lru(Generic[K, V]):
             kept = self._old.pop(key, None)
         return self._keep(key, value if kept is None else kept)
 
+    def set(self, key: K, value: V) -> None:
+        """Keep ``value`` for ``key`` in place of the one it has (a racing :meth:`put` may still win)."""
+        self._old.pop(key, None)
+        self._young.pop(key, None)
+        self._keep(key, value)
+
     def _keep(self, key: K, value: V) -> V:
         young = self._young
         kept = young.setdefault(key, value)

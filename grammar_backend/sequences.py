@@ -70,8 +70,8 @@ class GrammarSequence:
     closing : ClosingConfig
     """
 
-    __slots__ = ("backend", "close", "created", "dropped", "last_used", "matcher", "reasoning", "seq_id", "spec",
-                 "steps", "thinking", "tokens_accepted", "values")
+    __slots__ = ("backend", "close", "created", "dropped", "last_used", "matcher", "reasoning", "recording",
+                 "seq_id", "spec", "steps", "thinking", "tokens_accepted", "values")
 
     def __init__(
         self,
@@ -100,6 +100,8 @@ class GrammarSequence:
         #: The thinking section in front of the matcher (None: none, or over; :meth:`think`).
         self.thinking: Thinking | None = None
         self.reasoning = ReasoningConfig()
+        #: The matcher's tokens, kept where a list is set (a replay of the output wants them), else None.
+        self.recording: list[int] | None = None
 
     # ------------------------------------------------------------------ thinking
 
@@ -243,6 +245,8 @@ class GrammarSequence:
                     matcher.rollback(i)
                 raise TokenRejected(self.seq_id, int(token), self.tokens_accepted + i)
         self.tokens_accepted += len(tokens)
+        if self.recording is not None:
+            self.recording.extend(int(t) for t in tokens)
         close = self.close
         close.followed(tokens, self.tokens_accepted)
         self.dropped = 0
@@ -281,6 +285,8 @@ class GrammarSequence:
     def _rolled_back(self, count: int) -> None:
         """Counters after the matcher (and the scanner) dropped ``count`` tokens."""
         self.tokens_accepted -= count
+        if self.recording is not None:
+            del self.recording[len(self.recording) - count:]
         self.close.rolled_back(count, self.tokens_accepted)
 
     # ------------------------------------------------------------------ closing

@@ -267,6 +267,11 @@ class CompileCache:
         self._pool.submit(self._produce, key, compile_fn, future)
         return future
 
+    def in_flight(self) -> int:
+        """Compiles running or queued now."""
+        with self._lock:
+            return len(self._in_flight)
+
     def stats(self) -> CacheStats:
         """Current counters."""
         with self._lock:

@@ -34,6 +34,7 @@ from grammar_backend.reasoning import MarkerTable, ReasoningConfig
 from grammar_backend.sequences import FREE, GrammarSequence
 from grammar_backend.spec import ConstraintSpec, SpecLimits
 from grammar_backend.values import ValueChecks, rules_for
+from grammar_service.auto_switch import AutoSwitch
 from grammar_service.cache import CacheConfig, CompileCache
 from grammar_service.deadlines import Deadlines
 from grammar_service.table import SequenceTable, TableConfig
@@ -232,6 +233,17 @@ class GrammarEngine:
         self.workers = CompileWorkers(tokenizer_info, config.workers)
         self._deadlines = Deadlines()
         self.cache = CompileCache(config.cache, tokenizer_info)
+        #: backend auto's replay of a JSON constraint's first output on xgrammar (bounded like the compile queue).
+        self.auto_switch = AutoSwitch(
+            self.vocab_size,
+            lambda spec, backend: (self.cache if backend == XGRAMMAR else self.llg_cache).get_future(
+                self._key(spec, backend), self._compile_fn(spec, backend)),
+            self._matcher,
+            lambda spec: self._auto.set(self._key(spec, XGRAMMAR), XGRAMMAR),
+            config.cache.workers + config.cache.max_queued,
+            config.cache.timeout_s,
+            lambda: self.cache.in_flight() < config.cache.workers,
+        )
         self.table = SequenceTable(config.table)
         self.bitmask = BitmaskBuffer(config.max_batch, self.vocab_size, config.fill_threads)
         self._terminated = np.zeros(config.max_batch, dtype=bool)
@@ -412,7 +424,12 @@ class GrammarEngine:
                 done(_internal(f"starting sequence {seq_id}", err))
                 return
             if spec.options.backend == "auto":
-                self._auto.put(self._key(spec, XGRAMMAR), backend)
+                key = self._key(spec, XGRAMMAR)
+                # Only the first: a start begun before a switch to xgrammar must not undo it.
+                if self._auto.get(key) is None:
+                    self._auto.put(key, backend)
+                if backend == LLGUIDANCE and spec.kind.is_json and self.auto_switch.wants(key):
+                    seq.recording = []  # its output, once complete, is replayed on xgrammar (auto_switch)
             with self._counts_lock:
                 self._starts[backend] = self._starts.get(backend, 0) + 1
             done(None)
@@ -428,6 +445,11 @@ class GrammarEngine:
                 limit = min(limit, self.config.auto_timeout_s)
             deadline = self._deadlines.call_later(limit, on_deadline)
         future.add_done_callback(on_compiled)
+
+    def switches(self) -> dict[str, int]:
+        """``backend: auto``'s replays of JSON constraints llguidance served first, by outcome
+        (:data:`grammar_service.auto_switch.OUTCOMES`)."""
+        return self.auto_switch.counts()
 
     def _calm_row(self, whole_chars: bool, openers: bytes) -> np.ndarray:
         """The packed row of :meth:`Closer.calm_tokens` (built once per set of openers, a scan of the
@@ -489,6 +511,7 @@ class GrammarEngine:
         counts: Sequence[int] | np.ndarray,
         *,
         jump_forward: bool = False,
+        out: np.ndarray | None = None,
     ) -> StepResult:
         """Accept each row's new tokens, then fill the mask of each row's next token.
 
@@ -528,6 +551,10 @@ class GrammarEngine:
         jump_forward : bool
             Also return the forced continuation tokens of each row whose
             sequence has the ``jump_forward`` option on.
+        out : numpy.ndarray, optional
+            int32 ``[B, ceil(V/32)]``, C-contiguous: the masks are written
+            there (the caller's mask buffer) instead of the engine's buffer,
+            and ``StepResult.bitmask`` is ``out``.
 
         Returns
         -------
@@ -552,8 +579,8 @@ class GrammarEngine:
                 f"step: SEQUENCE_ID has {rows} rows, TOKEN_COUNT {len(counts)}, TOKENS shape {tokens.shape}"
             )
         self.table.evict_idle()
-        for out in (self._terminated, self._closing, self._dropped, self._hold, self._forced_safe):
-            out[:rows].fill(0)
+        for per_row in (self._terminated, self._closing, self._dropped, self._hold, self._forced_safe):
+            per_row[:rows].fill(0)
         self._ban_rows.clear()
         self._forced_rows.clear()
         self._calm_rows.clear()
@@ -565,7 +592,7 @@ class GrammarEngine:
         errors = _RowErrors(id_list)
         jump_rows: list[tuple[int, GrammarSequence]] | None = [] if jump_forward else None
         matchers = self._plan_rows(id_list, count_list, token_rows, tokens.shape[1] if rows else 0, jump_rows, errors)
-        bitmask = self.bitmask.fill(matchers)
+        bitmask = self.bitmask.fill(matchers, out)
         self._close_rows(bitmask, errors)
         for i, keep in self._ban_rows:
             np.bitwise_and(bitmask[i], keep, out=bitmask[i])
@@ -696,12 +723,24 @@ class GrammarEngine:
         return tuple(errors)
 
     def end(self, seq_ids: Sequence[int]) -> int:
-        """Free sequences (unknown ids are ignored); returns how many were active."""
-        return sum(self.table.end(int(seq_id)) for seq_id in seq_ids)
+        """Free sequences (unknown ids are ignored); returns how many were active.
+
+        A completed output recorded for ``backend: auto``'s replay is handed to it here.
+        """
+        ended = 0
+        for seq_id in seq_ids:
+            seq = self.table.pop(int(seq_id))
+            if seq is None:
+                continue
+            ended += 1
+            if seq.recording is not None and seq.terminated:
+                self.auto_switch.offer(self._key(seq.spec, XGRAMMAR), seq.spec, seq.recording)
+        return ended
 
     def close(self) -> None:
         """Stop the compile threads and worker processes."""
         self._deadlines.close()
+        self.auto_switch.close()
         self.cache.close()
         self.llg_cache.close()
         self.workers.close()

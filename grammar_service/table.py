@@ -128,8 +128,12 @@ class SequenceTable:
 
     def end(self, seq_id: int) -> bool:
         """Free a sequence; returns False when it was not active (ending twice is harmless)."""
+        return self.pop(seq_id) is not None
+
+    def pop(self, seq_id: int) -> GrammarSequence | None:
+        """Free a sequence and return it; None when it was not active."""
         with self._lock:
-            return self._seqs.pop(seq_id, None) is not None
+            return self._seqs.pop(seq_id, None)
 
     def evict_idle(self) -> list[int]:
         """Evict sequences idle longer than the TTL; returns their ids."""

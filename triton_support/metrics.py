@@ -119,6 +119,10 @@ METRICS: Final[tuple[MetricSpec, ...]] = (
                "grammar", ("backend",)),
     MetricSpec("grammar_backend_fallbacks_total", "counter",
                "backend auto: starts the first backend refused or did not compile in time", "grammar"),
+    MetricSpec("grammar_auto_switches_total", "counter",
+               "backend auto: first outputs of JSON constraints llguidance served, replayed on xgrammar (outcome: "
+               "switched to xgrammar's cheaper fill, slower, keywords, refused, compile_failed, busy, error)",
+               "grammar", ("outcome",)),
     MetricSpec("grammar_value_retries_total", "counter",
                "Completed values that broke the schema and were dropped to be generated again", "grammar"),
     MetricSpec("grammar_value_unfixed_total", "counter",

@@ -21,7 +21,9 @@ from grammar_backend.llg import LlgBackend
 from grammar_backend.protocol import MaskStep, bitmask_width
 from grammar_backend.spec import ConstraintSpec, SpecLimits, constraint_spec
 from grammar_backend.tokenizer import load_tokenizer
+from grammar_service import auto_switch
 from grammar_service.cache import STORE_MAX_BYTES, CacheConfig
+from grammar_service.cpus import auto_fill_threads, usable_cpus
 from grammar_service.engine import GrammarEngine, GrammarEngineConfig
 from grammar_service.table import TableConfig
 from grammar_service.transport.channel import ChannelServer, ChannelStart, ChannelStep
@@ -49,13 +51,15 @@ class GrammarModelConfig:
     ``max_grammar_bytes`` (see :mod:`grammar_service.workers`).
     ``store_dir`` is the on-disk grammar store (empty: none), bounded by
     ``store_max_bytes`` (empty: :data:`~grammar_service.cache.STORE_MAX_BYTES`).
+    ``fill_threads`` 0 takes :func:`~grammar_service.cpus.auto_fill_threads` of the
+    CPUs this process may use (:func:`~grammar_service.cpus.usable_cpus`).
     """
 
     tokenizer: str
     vocab_size: int = 0
     stop_token_ids: tuple[int, ...] = ()
     max_batch: int = 256
-    fill_threads: int = 1
+    fill_threads: int = 0
     compile_threads: int = 1
     compile_workers: int = 2
     compile_queue: int = 8
@@ -76,7 +80,7 @@ class GrammarModelConfig:
         """The :class:`GrammarEngineConfig` these parameters describe."""
         return GrammarEngineConfig(
             max_batch=self.max_batch,
-            fill_threads=self.fill_threads,
+            fill_threads=self.fill_threads or auto_fill_threads(usable_cpus()),
             cache=CacheConfig(
                 max_bytes=self.cache_max_bytes,
                 workers=self.compile_workers,
@@ -254,6 +258,9 @@ class GrammarService:
         for backend in contract.BACKENDS:
             snap.put("grammar_starts_total", starts.get(backend, 0), backend=backend)
         snap.put("grammar_backend_fallbacks_total", eng.fallbacks)
+        switches = eng.switches()
+        for outcome in auto_switch.OUTCOMES:
+            snap.put("grammar_auto_switches_total", switches.get(outcome, 0), outcome=outcome)
         snap.put("grammar_value_retries_total", eng.values.backtracks)
         snap.put("grammar_value_unfixed_total", eng.values.unfixable)
         snap.put_latency("grammar_step_seconds", self.step_latency)
@@ -338,9 +345,7 @@ class GrammarService:
         t0 = time.perf_counter()
         # The caller's buffer is checked before any token is accepted: a bad one fails the step whole.
         buffer = self.buffers.rows(req.mask_buffer, rows) if req.mask_buffer else None
-        out = eng.step(req.seq_ids, tokens, counts, jump_forward=req.jump_forward)
-        if buffer is not None:
-            np.copyto(buffer, out.bitmask)
+        out = eng.step(req.seq_ids, tokens, counts, jump_forward=req.jump_forward, out=buffer)
         seconds = time.perf_counter() - t0
         self.step_latency.add(seconds)
         # The per-row arrays are copied (B bytes each): the engine's buffers are the next step's, which

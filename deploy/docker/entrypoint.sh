@@ -19,6 +19,7 @@
 #   REASONING_START, REASONING_END  the model's thinking markers, e.g. <think> and </think> (empty: it does not
 #                     reason); with them every request thinks first unless it says reasoning false
 #   GRAMMAR_STORE_MAX_BYTES  bound of the compiled-grammar store (empty: the grammar model's default, 2 GiB)
+#   GRAMMAR_FILL_THREADS  threads of the grammar step's mask fill (default 0: half the container's CPUs, 1 to 8)
 #   GATEWAY_TLS_CERT, GATEWAY_TLS_KEY, GATEWAY_TLS_CLIENT_CA, GATEWAY_API_KEYS_FILE
 #                     TLS and API keys of the public ports (read by the launcher, python -m deploy; empty: off)
 #   OPENAI_PORT       the OpenAI-compatible API (openai_api/; default 8080, 0: off); same TLS and keys
@@ -39,7 +40,7 @@ python3 -m deploy.render --src model_repository --dst "$repo" --values deploy/va
     --set "STREAM_INTERVAL_MS=${STREAM_INTERVAL_MS:-50}" --set "MAX_PREFILL_TOKENS=${MAX_PREFILL_TOKENS:-}" \
     --set "PROMPT_FORMAT=${PROMPT_FORMAT:-chat}" --set "TRTLLM_SAMPLER=${TRTLLM_SAMPLER:-}" \
     --set "GRAMMAR_STORE_DIR=${GRAMMAR_STORE_DIR:-/var/lib/constrained-llm/grammar-store}" \
-    --set "GRAMMAR_STORE_MAX_BYTES=${GRAMMAR_STORE_MAX_BYTES:-}" \
+    --set "GRAMMAR_STORE_MAX_BYTES=${GRAMMAR_STORE_MAX_BYTES:-}" --set "GRAMMAR_FILL_THREADS=${GRAMMAR_FILL_THREADS:-0}" \
     --set "REASONING_START=${REASONING_START:-}" --set "REASONING_END=${REASONING_END:-}" "${envs[@]}"
 if [[ "${RENDER_ONLY:-0}" == 1 ]]; then
     exit 0

@@ -63,6 +63,8 @@ KEYWORD_TABLE: Final[Mapping[str, KeywordFidelity]] = MappingProxyType(
             KeywordFidelity("maxProperties", _E, ""),
             KeywordFidelity("dependentRequired", _N, "Ignored."),
             KeywordFidelity("dependentSchemas", _N, "Ignored."),
+            KeywordFidelity("dependencies", _N, "Ignored (draft-07 and before: dependentRequired and "
+                            "dependentSchemas in one keyword)."),
             KeywordFidelity("items", _E, "Schema or false; the pre-2020 array form is refused."),
             KeywordFidelity("prefixItems", _E, ""),
             KeywordFidelity("unevaluatedItems", _E, ""),

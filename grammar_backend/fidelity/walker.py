@@ -437,9 +437,9 @@ class _Walker:
                     self.add([*path, "required", i], "required",
                              f"required property {json.dumps(name)} is not declared in 'properties', "
                              "and xgrammar does not enforce it")
-        for key in ("dependentRequired", "dependentSchemas"):
+        for key in ("dependentRequired", "dependentSchemas", "dependencies"):
             if node.get(key):
-                # cases dependent_required, dependent_schemas.
+                # cases dependent_required, dependent_schemas, dependencies (draft-07 and before: both in one).
                 self.add([*path, key], key, f"{key} is ignored by xgrammar")
         self.check_object_keys(node, path, declared)
         self.check_unevaluated_properties(node, path, declared)

@@ -119,7 +119,7 @@ class Attached:
         self._open: Lru[str, np.ndarray] = Lru(capacity)
 
     def rows(self, name: str, count: int) -> np.ndarray:
-        """Rows ``0..count`` of the buffer ``name``, to copy a step's mask into.
+        """Rows ``0..count`` of the buffer ``name``, for a step to fill its masks into.
 
         Raises
         ------

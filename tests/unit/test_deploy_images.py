@@ -335,17 +335,26 @@ def test_entrypoint_renders_a_valid_repository(tmp_path: Path, env: dict[str, st
     assert cfg.model_dir == "/models/hf"
 
 
-@pytest.mark.parametrize(("env", "expected"), [({}, None), ({"GRAMMAR_STORE_MAX_BYTES": "3221225472"}, 3221225472)])
-def test_entrypoint_passes_the_store_bound_to_the_grammar_model(tmp_path: Path, env: dict[str, str],
-                                                                expected: int | None) -> None:
-    """GRAMMAR_STORE_MAX_BYTES (set by deploy/k8s) reaches the grammar model; unset, its default applies."""
+@pytest.mark.parametrize(
+    ("env", "field", "expected"),
+    [
+        ({}, "store_max_bytes", None),
+        ({"GRAMMAR_STORE_MAX_BYTES": "3221225472"}, "store_max_bytes", 3221225472),
+        ({}, "fill_threads", 0),  # 0: half the CPUs the grammar model may use (grammar_service.cpus)
+        ({"GRAMMAR_FILL_THREADS": "6"}, "fill_threads", 6),
+    ],
+)
+def test_entrypoint_passes_grammar_settings_to_the_grammar_model(tmp_path: Path, env: dict[str, str], field: str,
+                                                                 expected: int | None) -> None:
+    """GRAMMAR_STORE_MAX_BYTES (set by deploy/k8s) and GRAMMAR_FILL_THREADS reach the grammar model; unset, its
+    defaults apply."""
     from triton_support.service import GrammarModelConfig
 
     repo = render_gpu_repository(tmp_path, **env)
     parsed = text_format.Parse((repo / "grammar" / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
     as_dict = json_format.MessageToDict(parsed, preserving_proto_field_name=True)
     cfg = from_parameters(GrammarModelConfig, parameter_values(as_dict), "grammar")
-    assert cfg.store_max_bytes == expected
+    assert getattr(cfg, field) == expected
 
 
 @pytest.mark.parametrize(("python_env", "expected"), [

@@ -69,6 +69,41 @@ def test_bitmask_buffer_is_reused_and_rows_are_exact(tiny_info: xgr.TokenizerInf
         buf.fill([None] * 5)
 
 
+def test_bitmask_buffer_fills_the_callers_rows(tiny_info: xgr.TokenizerInfo) -> None:
+    """``out``: the caller's rows are filled in place of the buffer, and force/keep/restrict edit them."""
+    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(tiny_info, cache_enabled=False).compile_regex("[xy]z"))
+    buf = BitmaskBuffer(4, TINY_VOCAB_SIZE)
+    width = bitmask_width(TINY_VOCAB_SIZE)
+    out = np.zeros((2, width), np.int32)
+    assert buf.fill([matcher, None], out).base is out
+    assert allowed_tokens(out[0], TINY_VOCAB_SIZE).tolist() == [ord("x"), ord("y")]
+    assert len(allowed_tokens(out[1], TINY_VOCAB_SIZE)) == TINY_VOCAB_SIZE
+    buf.force(1, ord("q"))
+    assert allowed_tokens(out[1], TINY_VOCAB_SIZE).tolist() == [ord("q")] and buf.allows(1, ord("q"))
+    assert (buf.buffer == -1).all()  # untouched
+    for bad in (np.zeros((3, width), np.int32), np.zeros((2, width), np.int64), np.zeros((width, 2), np.int32).T):
+        with pytest.raises(GrammarError, match=r"^bitmask: an out buffer must be C-contiguous int32 of shape"):
+            buf.fill([matcher, None], bad)
+
+
+def test_a_step_into_the_callers_rows_equals_a_step_into_the_engines(engine: GrammarEngine) -> None:
+    engine.start(20, parse_constraint("json_schema", json.dumps(load_schema("person"))))
+    engine.start(21, parse_constraint("choice", '["yes", "no"]'))
+    ids = np.array([20, 21], np.uint64)
+    out = np.zeros((2, bitmask_width(TINY_VOCAB_SIZE)), np.int32)
+    try:
+        for tokens in ([0, 0], [ord("{"), ord("y")]):
+            counts = np.array([0, 0] if tokens == [0, 0] else [1, 1], np.int32)
+            step = engine.step(ids, np.array([[t] for t in tokens], np.int32), counts, out=out)
+            assert step.bitmask.base is out or step.bitmask is out
+            mine = out.copy()
+            engine.rollback([20, 21], counts.tolist())
+            again = engine.step(ids, np.array([[t] for t in tokens], np.int32), counts)
+            assert np.array_equal(again.bitmask, mine)
+    finally:
+        engine.end([20, 21])
+
+
 def test_mixed_batch_step(engine: GrammarEngine) -> None:
     engine.start(10, parse_constraint("json_schema", json.dumps(load_schema("person"))))
     engine.start(11, parse_constraint("choice", '["yes", "no"]'))

@@ -395,6 +395,11 @@ CASES: list[Case] = [
     case("dependent_schemas", "dependentSchemas",
          {"type": "object", "properties": {"a": INT, "b": INT}, "dependentSchemas": {"a": {"required": ["b"]}}},
          ['{"a":1,"b":2}'], ['{"a":1}'], enforced=False, reported=[("/dependentSchemas", "dependentSchemas")]),
+    # draft-07's form of both (WashingtonPost wp_37 of maskbench-dev: xgrammar accepted an instance it breaks).
+    case("dependencies", "dependencies",
+         {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+          "properties": {"a": INT, "b": INT}, "dependencies": {"a": ["b"]}},
+         ['{"a":1,"b":2}'], ['{"a":1}'], enforced=False, reported=[("/dependencies", "dependencies")]),
     case("unevaluated_schema", "unevaluatedProperties", {**OBJ_A, "unevaluatedProperties": STR},
          ['{"a":1,"b":"s"}'], ['{"a":1,"b":2}'], enforced=True),
     case("unevaluated_false_strict", "unevaluatedProperties", {**OBJ_A, "unevaluatedProperties": False},
@@ -641,8 +646,9 @@ def test_byte_tokens_and_accept_string_agree(compiler: xgr.GrammarCompiler) -> N
 
 
 def test_keyword_table_covers_every_draft_2020_12_assertion_keyword() -> None:
-    # then/else and minContains/maxContains are evaluated inside the "if" and "contains" validators.
-    extra = {"then", "else", "minContains", "maxContains"}
+    # then/else and minContains/maxContains are evaluated inside the "if" and "contains" validators;
+    # dependencies is draft-07's (a schema naming that draft is validated by it: fidelity.walker._root_validator).
+    extra = {"then", "else", "minContains", "maxContains", "dependencies"}
     assert set(KEYWORD_TABLE) == set(Draft202012Validator.VALIDATORS) | extra
 
 

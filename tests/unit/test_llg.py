@@ -16,7 +16,9 @@ from grammar_backend.errors import BackendFailed, CompileError, TokenRejected
 from grammar_backend.llg import LlgBackend, json_compile_options, refusal
 from grammar_backend.llg import unenforced_keywords as llg_unenforced
 from grammar_backend.spec import ConstraintOptions, parse_constraint
+from grammar_service.auto_switch import OUTCOMES, AutoSwitch, replay
 from grammar_service.engine import GrammarEngine, GrammarEngineConfig
+from tests.support.poll import HANG_S
 from tests.unit.conftest import load_schema
 from triton_support.service import GrammarService
 
@@ -176,6 +178,104 @@ def test_auto_keeps_xgrammar_where_it_compiles(engine: GrammarEngine) -> None:
         assert engine.table.get(6).backend == "xgrammar"
     finally:
         engine.end([6])
+
+
+#: JSON constraints llguidance serves first under ``backend: auto``, an output of each, and the replay's outcome.
+SWITCHES = [
+    # Both enforce every keyword; xgrammar fills a bounded string's masks far more cheaply (docs/benchmarks.md).
+    ('{"type":"object","properties":{"name":{"type":"string","maxLength":20}},"additionalProperties":false}',
+     '{"name":"Ada King Lovelace"}', "switched", "xgrammar"),
+    # xgrammar would leave the calendar of format: date unenforced where llguidance checks it.
+    ('{"type":"object","properties":{"d":{"type":"string","format":"date"}},"required":["d"]}', '{"d":"2024-02-29"}',
+     "keywords", "llguidance"),
+    ('{"type":"object","properties":{"n":{"type":"number","multipleOf":3}},"required":["n"]}', '{"n":9}',
+     "keywords", "llguidance"),
+    # Both enforce a pattern, but xgrammar's regex translation is where it was measured to differ.
+    ('{"type":"object","properties":{"id":{"type":"string","pattern":"^[A-Z]{3}-[0-9]{4}$"}},"required":["id"]}',
+     '{"id":"ABC-1234"}', "keywords", "llguidance"),
+]
+
+
+@pytest.mark.parametrize(("schema", "output", "outcome", "then"), SWITCHES)
+def test_auto_replays_the_first_output_on_xgrammar(engine: GrammarEngine, qwen_info: xgr.TokenizerInfo,
+                                                   qwen_tokenizer: Any, schema: str, output: str, outcome: str,
+                                                   then: str) -> None:
+    """llguidance serves the first start; its output, once complete, is replayed on both backends behind the
+    step, and the starts after it get the backend the replay chose.  One replay per constraint."""
+    spec = parse_constraint("json_schema", schema)
+    stop = int(qwen_info.stop_token_ids[0])
+    ids = qwen_tokenizer.encode(output, add_special_tokens=False)
+    eng = GrammarEngine(qwen_info, "qwen", GrammarEngineConfig(max_batch=1), llg=engine.llg)
+    try:
+        eng.start(1, spec)
+        assert eng.table.get(1).backend == "llguidance"
+        eng.end([1])  # not complete: nothing to replay
+        assert eng.auto_switch.drain(HANG_S) and eng.switches() == dict.fromkeys(OUTCOMES, 0)
+        for seq_id in (2, 3):  # the second complete output is not replayed again
+            eng.start(seq_id, spec)
+            _drive(eng, seq_id, ids, stop)
+            eng.end([seq_id])
+            assert eng.auto_switch.drain(HANG_S)
+        assert eng.switches() == {**dict.fromkeys(OUTCOMES, 0), outcome: 1}
+        assert eng.backends(spec) == (then,)
+        eng.start(4, spec)
+        assert eng.table.get(4).backend == then
+        _drive(eng, 4, ids, stop)
+        eng.end([4])
+        snap = GrammarService(eng).metrics_snapshot().values
+        assert snap[("grammar_auto_switches_total", (("outcome", outcome),))] == 1.0
+    finally:
+        eng.close()
+
+
+def test_a_replay_waits_for_free_compile_workers(engine: GrammarEngine, qwen_info: xgr.TokenizerInfo,
+                                                 qwen_tokenizer: Any) -> None:
+    """With xgrammar's workers all busy the replay is ``busy`` and the constraint's next output is offered again."""
+    spec = parse_constraint("json_schema", SWITCHES[0][0])
+    path = [*qwen_tokenizer.encode(SWITCHES[0][1], add_special_tokens=False), int(qwen_info.stop_token_ids[0])]
+    eng = GrammarEngine(qwen_info, "qwen", GrammarEngineConfig(max_batch=1), llg=engine.llg)
+    free = [False]
+    switched: list[str] = []
+    switch = AutoSwitch(QWEN_VOCAB, lambda s, b: (eng.cache if b == "xgrammar" else eng.llg_cache).get_future(
+        eng._key(s, b), eng._compile_fn(s, b)), eng._matcher, lambda s: switched.append(s.kind.value), 4, HANG_S,
+        lambda: free[0])
+    try:
+        eng.llg_cache.get(eng._key(spec, "llguidance"), eng._compile_fn(spec, "llguidance"))
+        switch.offer("k", spec, path)
+        assert switch.drain(HANG_S) and switch.counts()["busy"] == 1 and switch.wants("k")
+        assert eng.cache.stats().misses == 0  # no xgrammar compile was queued
+        free[0] = True
+        switch.offer("k", spec, path)
+        assert switch.drain(HANG_S) and switch.counts()["switched"] == 1 and not switch.wants("k")
+        switch.offer("k", spec, path)  # replayed once
+        assert switch.drain(HANG_S) and sum(switch.counts().values()) == 2 and switched == ["json_schema"]
+    finally:
+        switch.close()
+        eng.close()
+
+
+def test_a_replay_refuses_what_xgrammar_masks_out(engine: GrammarEngine, qwen_info: xgr.TokenizerInfo,
+                                                  qwen_tokenizer: Any) -> None:
+    """xgrammar's mask must allow every token of llguidance's output, and end with it, or llguidance keeps it."""
+    spec = parse_constraint("json_schema", SWITCHES[0][0])
+    eng = GrammarEngine(qwen_info, "qwen", GrammarEngineConfig(max_batch=1), llg=engine.llg)
+    stop = int(qwen_info.stop_token_ids[0])
+
+    def matchers() -> tuple[Any, Any]:
+        llguidance = eng.llg_cache.get(eng._key(spec, "llguidance"), eng._compile_fn(spec, "llguidance"))
+        return eng._matcher(eng.compile(spec)), eng._matcher(llguidance)
+
+    row = np.zeros((1, (QWEN_VOCAB + 31) // 32), np.int32)
+    try:
+        good = qwen_tokenizer.encode(SWITCHES[0][1], add_special_tokens=False)
+        spent = replay(*matchers(), [*good, stop], row)
+        assert spent is not None and min(spent) > 0
+        assert replay(*matchers(), good, row) is None  # not ended
+        # A name over maxLength: xgrammar's mask refuses the 21st character.
+        assert replay(*matchers(), qwen_tokenizer.encode('{"name":"' + "a" * 30 + '"}', add_special_tokens=False),
+                      row) is None
+    finally:
+        eng.close()
 
 
 @pytest.mark.parametrize(

@@ -47,6 +47,17 @@ def test_put_keeps_the_first_value_of_a_key() -> None:
     assert lru.put("k", second) is first
 
 
+@pytest.mark.parametrize("aged", [False, True])
+def test_set_replaces_the_value_of_a_key(aged: bool) -> None:
+    lru: Lru[str, str] = Lru(4)
+    lru.put("k", "first")
+    if aged:
+        lru.put("x", "x")  # "k" is now in the old generation
+    lru.set("k", "second")
+    assert lru.get("k") == "second" and lru.put("k", "third") == "second"
+    assert len(lru) == (2 if aged else 1)
+
+
 def test_falsy_values_are_values() -> None:
     lru: Lru[str, object] = Lru(4)
     assert lru.put("zero", 0) == 0 and lru.put("zero", 1) == 0
