@@ -108,14 +108,24 @@ def raw_backend(cons: list[tuple[str, str, str]]) -> str:
     return auto_order(spec)[0]
 
 
+def xgrammar_grammars(info: xgr.TokenizerInfo, cons: list[tuple[str, str, str]]) -> list[Any]:
+    """Each constraint compiled by xgrammar alone, with the engine's default JSON options (compact
+    separators, non-strict): the grammars the engine serves."""
+    compiler = xgr.GrammarCompiler(info, max_threads=1)
+    kwargs: Any = json_format_kwargs(ConstraintOptions())
+    return [compiler.compile_json_schema(p, **kwargs) for _, p, _ in cons]
+
+
+def llguidance_grammars(llg: LlgBackend, cons: list[tuple[str, str, str]]) -> list[Any]:
+    """Each constraint compiled by llguidance, as the engine compiles it."""
+    return [llg.compile(parse_constraint(k, p, json.dumps({"backend": "llguidance"}))) for k, p, _ in cons]
+
+
 def time_raw(info: xgr.TokenizerInfo, llg: LlgBackend | None, cons: list[tuple[str, str, str]],
              toks: list[list[int]], rows: int, threads: int = 1) -> dict[str, list[float]]:
     if llg is not None:
         return time_raw_llguidance(llg, cons, toks, rows, threads)
-    compiler = xgr.GrammarCompiler(info, max_threads=1)
-    # The engine's default JSON options (compact separators, non-strict): the same grammars.
-    kwargs: Any = json_format_kwargs(ConstraintOptions())
-    compiled = [compiler.compile_json_schema(p, **kwargs) for _, p, _ in cons]
+    compiled = xgrammar_grammars(info, cons)
     matchers = [xgr.GrammarMatcher(compiled[r % len(compiled)]) for r in range(rows)]
     batch = xgr.BatchGrammarMatcher(threads)
     bitmask = xgr.allocate_token_bitmask(rows, info.vocab_size)
@@ -148,7 +158,7 @@ def time_raw_llguidance(llg: LlgBackend, cons: list[tuple[str, str, str]], toks:
     import llguidance
     import llguidance.numpy
 
-    compiled = [llg.compile(parse_constraint(k, p, json.dumps({"backend": "llguidance"}))) for k, p, _ in cons]
+    compiled = llguidance_grammars(llg, cons)
     matchers = [compiled[r % len(compiled)].template.deep_copy() for r in range(rows)]
     executor = llguidance.LLExecutor(threads)
     bitmask = llguidance.numpy.allocate_token_bitmask(rows, QWEN_VOCAB)
@@ -166,10 +176,7 @@ def fill_states(info: xgr.TokenizerInfo, llg: LlgBackend, toks: list[list[int]],
     import llguidance.numpy
 
     cons = constraints("xgrammar")
-    compiler = xgr.GrammarCompiler(info, max_threads=1)
-    kwargs: Any = json_format_kwargs(ConstraintOptions())
-    xgrammars = [compiler.compile_json_schema(p, **kwargs) for _, p, _ in cons]
-    llgs = [llg.compile(parse_constraint(k, p, json.dumps({"backend": "llguidance"}))) for k, p, _ in cons]
+    xgrammars, llgs = xgrammar_grammars(info, cons), llguidance_grammars(llg, cons)
     bitmask = llguidance.numpy.allocate_token_bitmask(rows, QWEN_VOCAB)
     out: dict[tuple[str, int, int], float] = {}
     for state in states:

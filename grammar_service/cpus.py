@@ -14,23 +14,33 @@ MAX_AUTO_FILL_THREADS: Final = 8
 
 #: cgroup v2's CPU bandwidth limit of this process's group (``max`` or ``QUOTA PERIOD``).
 _CPU_MAX: Final = Path("/sys/fs/cgroup/cpu.max")
+#: cgroup v1's (nodes still on it, such as EKS's Amazon Linux 2): ``cpu.cfs_quota_us`` (-1: none) and its period.
+_CFS: Final = Path("/sys/fs/cgroup/cpu")
 
 
-def usable_cpus(cpu_max: Path = _CPU_MAX) -> int:
-    """The CPUs this process may run on: its affinity mask, bounded by its cgroup v2 quota where one is set.
+def usable_cpus(cpu_max: Path = _CPU_MAX, cfs: Path = _CFS) -> int:
+    """The CPUs this process may run on: its affinity mask, bounded by its cgroup quota where one is set.
 
     A Kubernetes container with ``resources.limits.cpu: 4`` on a 64-core node sees 64 CPUs in
-    ``os.cpu_count()`` and its affinity, but a quota of 4 in ``cpu.max``; threads beyond the quota
-    are throttled, not run.
+    ``os.cpu_count()`` and its affinity, but a quota of 4 in cgroup v2's ``cpu.max`` (or v1's
+    ``cpu.cfs_quota_us`` over ``cpu.cfs_period_us``); threads beyond the quota are throttled, not run.
     """
     cpus = len(os.sched_getaffinity(0))
     try:
         quota, period = cpu_max.read_text().split()[:2]
     except (OSError, ValueError):
-        return cpus  # no cgroup v2 limit readable: the affinity mask is the bound
-    if quota == "max":
-        return cpus
-    return max(1, min(cpus, math.ceil(int(quota) / int(period))))
+        try:  # no cgroup v2 limit readable: cgroup v1's
+            quota = (cfs / "cpu.cfs_quota_us").read_text().strip()
+            period = (cfs / "cpu.cfs_period_us").read_text().strip()
+        except OSError:
+            return cpus  # neither: the affinity mask is the bound
+    try:
+        limit = int(quota) / int(period)
+    except (ValueError, ZeroDivisionError):
+        return cpus  # "max" (v2) or unreadable: no quota
+    if limit <= 0:
+        return cpus  # -1 (v1): no quota
+    return max(1, min(cpus, math.ceil(limit)))
 
 
 def auto_fill_threads(cpus: int) -> int:

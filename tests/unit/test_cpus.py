@@ -29,7 +29,23 @@ def test_usable_cpus(tmp_path: Path, cpu_max: str | None, expected: int) -> None
     path = tmp_path / "cpu.max"
     if cpu_max is not None:
         path.write_text(cpu_max)
-    assert usable_cpus(path) == expected
+    assert usable_cpus(path, tmp_path / "no-v1") == expected
+
+
+@pytest.mark.parametrize(
+    ("quota", "period", "expected"),
+    [
+        ("-1", "100000", AFFINITY),  # cgroup v1 without a quota
+        ("100000", "100000", 1),
+        ("250000", "100000", min(AFFINITY, 3)),
+        ("6400000", "100000", AFFINITY),
+    ],
+)
+def test_usable_cpus_on_cgroup_v1(tmp_path: Path, quota: str, period: str, expected: int) -> None:
+    """A node still on cgroup v1 (no cpu.max): the CFS quota over its period."""
+    (tmp_path / "cpu.cfs_quota_us").write_text(quota + "\n")
+    (tmp_path / "cpu.cfs_period_us").write_text(period + "\n")
+    assert usable_cpus(tmp_path / "absent-cpu.max", tmp_path) == expected
 
 
 @pytest.mark.parametrize(("cpus", "threads"), [(1, 1), (2, 1), (3, 1), (4, 2), (8, 4), (16, 8), (64, 8)])
