@@ -24,6 +24,18 @@ What it does:
    of the ``grammar`` stub and of its compile workers when the server is
    local.
 
+With ``--burst`` it measures the issue's storm instead (issue 49 part 6):
+``--heavy`` (10) heavy but legal constraints, each a fresh cache key (a
+100k-item enum, 4,096 long choices, ``.{100000}``, a 1.9 MB object of 16,000
+described properties, a 0.7 MB ``anyOf`` of 1,500 objects), all sent at
+once; one second later ``--streams`` (6) ordinary streams of ``--requests``
+requests with the cached schema.  The quiet phase is the same streams
+without the burst.  It prints the same table, each heavy request's outcome
+and seconds, and a last line ``burst: first requests' TTFT p50 storm/quiet
+X, TTFT p99 Y, inter-token p99 storm/quiet Z`` (the first requests are each
+stream's first: sent together, one second after the burst).  The server is launched as ``make serve`` runs it
+(``python -m deploy``: the gateway in the path).
+
 Nothing here asserts a time; read ratios from one run.
 """
 
@@ -64,6 +76,35 @@ def slow_constraint(kind: str, n: int) -> Constraint:
 STORM_KINDS: Final = ("enum", "required", "regex", "choice")
 
 
+def heavy_constraint(kind: str, n: int) -> Constraint:
+    """A never-seen heavy but legal constraint of ``kind`` (issue 49 part 6); ``n`` makes it distinct.
+
+    Each is within the request's limits (:data:`contract.MAX_CONSTRAINT_BYTES`,
+    the depth limit), so preprocessing accepts it; a compile limit may still
+    refuse it (the 1.9 MB object runs past xgrammar's 30 s of CPU and
+    llguidance refuses it; llguidance's lexer refuses the enum).
+    """
+    tag = f"burst-{n}"
+    if kind == "enum":  # 1.3 MB
+        return Constraint.json_schema({"description": tag, "enum": [f"value-{i}" for i in range(100_000)]})
+    if kind == "choices":  # 4,096 choices of 160 characters: 0.7 MB
+        return Constraint.choice([f"{tag}-{i:04d}-" + "long choice text " * 9 for i in range(4_096)])
+    if kind == "regex":
+        return Constraint.regex(f"{tag}.{{100000}}")
+    if kind == "wide":  # 16,000 described properties: 1.9 MB
+        props = {f"property_{i}": {"type": "string", "description": f"property number {i} of {tag}, "
+                                   "a described field of a wide record"} for i in range(16_000)}
+        return Constraint.json_schema({"description": tag, "type": "object", "properties": props})
+    variants = [{"type": "object", "properties": {f"v{i}_{j}": {"type": "integer", "minimum": j}
+                                                  for j in range(12)}, "required": [f"v{i}_0"]}
+                for i in range(1_500)]  # 0.7 MB
+    return Constraint.json_schema({"description": tag, "anyOf": variants})
+
+
+HEAVY_KINDS: Final = ("enum", "choices", "regex", "wide", "anyof")
+STREAMS_DEFAULT: Final = 4
+
+
 def ordinary(client: Client, prompt: str, max_tokens: int) -> tuple[float, list[float]]:
     """One ordinary streamed request: (TTFT, inter-chunk gaps)."""
     t0 = time.perf_counter()
@@ -80,6 +121,7 @@ def ordinary(client: Client, prompt: str, max_tokens: int) -> tuple[float, list[
 def phase(url: str, streams: int, requests: int, max_tokens: int) -> dict[str, list[float]]:
     """Run ``streams`` threads of ``requests`` ordinary requests; raise on any failure."""
     ttfts: list[float] = []
+    firsts: list[float] = []  # each stream's first request: sent together, one second after a --burst
     gaps: list[float] = []
     errors: list[BaseException] = []
     lock = threading.Lock()
@@ -95,6 +137,8 @@ def phase(url: str, streams: int, requests: int, max_tokens: int) -> dict[str, l
                     return
                 with lock:
                     ttfts.append(ttft)
+                    if r == 0:
+                        firsts.append(ttft)
                     gaps.extend(g)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(streams)]
@@ -104,7 +148,7 @@ def phase(url: str, streams: int, requests: int, max_tokens: int) -> dict[str, l
         t.join()
     if errors:
         raise RuntimeError(f"{len(errors)} ordinary request(s) failed; first: {errors[0]!r}") from errors[0]
-    return {"ttft": ttfts, "gap": gaps}
+    return {"ttft": ttfts, "first_ttft": firsts, "gap": gaps}
 
 
 def storm(url: str, threads: int, stop: threading.Event, outcomes: Counter[str]) -> list[threading.Thread]:
@@ -140,6 +184,35 @@ def storm(url: str, threads: int, stop: threading.Event, outcomes: Counter[str])
                     outcomes[f"{kind}:{status}"] += 1
 
     started = [threading.Thread(target=run, daemon=True) for _ in range(threads)]
+    for t in started:
+        t.start()
+    return started
+
+
+def burst(url: str, count: int, results: list[tuple[str, str, float]]) -> list[threading.Thread]:
+    """Send ``count`` heavy constraints at once, one thread each; each appends (kind, status, seconds).
+
+    The constraints are built before any is sent (a 1.9 MB schema costs the
+    client a second to check), so they arrive together.
+    """
+    pending = [(HEAVY_KINDS[n % len(HEAVY_KINDS)], heavy_constraint(HEAVY_KINDS[n % len(HEAVY_KINDS)], n))
+               for n in range(count)]
+    lock = threading.Lock()
+    go = threading.Barrier(count)
+
+    def run(kind: str, constraint: Constraint) -> None:
+        with Client(url, timeout_s=600) as client:
+            go.wait()
+            t0 = time.perf_counter()
+            try:
+                client.generate("x", constraint=constraint, max_tokens=4, require_complete=False)
+                status = "OK"
+            except ClientError as err:
+                status = err.status or type(err).__name__
+            with lock:
+                results.append((kind, status, time.perf_counter() - t0))
+
+    started = [threading.Thread(target=run, args=p, daemon=True) for p in pending]
     for t in started:
         t.start()
     return started
@@ -184,7 +257,8 @@ def report(quiet: dict[str, list[float]], loud: dict[str, list[float]], outcomes
 
     print(f"\n{'':24s}{'quiet':>12s}{'storm':>12s}{'storm/quiet':>13s}")
     for name, key, q in (("inter-token p50", "gap", 50), ("inter-token p99", "gap", 99),
-                         ("time to first token p50", "ttft", 50), ("time to first token p99", "ttft", 99)):
+                         ("time to first token p50", "ttft", 50), ("time to first token p99", "ttft", 99),
+                         ("first requests' TTFT p50", "first_ttft", 50)):
         a, b = pct(quiet[key], q), pct(loud[key], q)
         print(f"{name:24s}{ms(a):>12s}{ms(b):>12s}{b / a:>12.2f}x")
     print(f"samples: {len(quiet['gap'])} / {len(loud['gap'])} gaps, {len(quiet['ttft'])} / {len(loud['ttft'])} requests")
@@ -194,14 +268,46 @@ def report(quiet: dict[str, list[float]], loud: dict[str, list[float]], outcomes
     print(f"inter-token p99 storm/quiet: {pct(loud['gap'], 99) / pct(quiet['gap'], 99):.2f}")
 
 
+def run_burst(url: str, args: argparse.Namespace, local: bool) -> dict[str, Any]:
+    """The issue's storm: ordinary streams one second after a burst of heavy constraints."""
+    with Client(url) as client:  # warm-up: compiles the ordinary schema once
+        ordinary(client, PROMPTS[0], 4)
+    quiet = phase(url, args.streams, args.requests, args.max_tokens)
+    print(f"quiet phase done: {len(quiet['ttft'])} requests", flush=True)
+    heavy: list[tuple[str, str, float]] = []
+    peak = PeakRss() if local else None
+    if peak is not None:
+        peak.start()
+    try:
+        senders = burst(url, args.heavy, heavy)
+        time.sleep(1.0)
+        loud = phase(url, args.streams, args.requests, args.max_tokens)
+        print(f"storm phase done: {len(loud['ttft'])} requests; waiting for the heavy requests", flush=True)
+        for t in senders:
+            t.join(timeout=600)
+    finally:
+        if peak is not None:
+            peak.stop()
+    outcomes = Counter(f"{kind}:{status}" for kind, status, _ in heavy)
+    report(quiet, loud, outcomes, peak.peak if peak else None)
+    print("heavy requests: " + ", ".join(f"{kind} {status} {s:.1f} s" for kind, status, s in sorted(heavy)))
+    print(f"burst: first requests' TTFT p50 storm/quiet {pct(loud['first_ttft'], 50) / pct(quiet['first_ttft'], 50):.2f}, "
+          f"TTFT p99 {pct(loud['ttft'], 99) / pct(quiet['ttft'], 99):.2f}, "
+          f"inter-token p99 storm/quiet {pct(loud['gap'], 99) / pct(quiet['gap'], 99):.2f}")
+    return {"quiet": quiet, "storm": loud, "heavy": heavy, "peak_rss_kib": peak.peak if peak else None}
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = harness.bench_parser(__doc__, whole_doc=True)
     ap.add_argument("--url", help="a running server's gRPC address (default: start one)")
-    ap.add_argument("--streams", type=int, default=4)
+    ap.add_argument("--streams", type=int, default=STREAMS_DEFAULT, help="ordinary streams (--burst: 6)")
     ap.add_argument("--requests", type=int, default=6, help="ordinary requests per stream and phase")
     ap.add_argument("--storm", type=int, default=10, help="threads sending slow constraints")
+    ap.add_argument("--burst", action="store_true",
+                    help="the issue's storm: --heavy heavy constraints at once, then the ordinary streams")
+    ap.add_argument("--heavy", type=int, default=10, help="heavy constraints of --burst")
     harness.add_max_tokens(ap, 48)
-    harness.add_quick(ap, "2 streams x 3 requests")
+    harness.add_quick(ap, "2 streams x 3 requests (--burst: 2 requests a stream)")
     harness.add_json(ap)
     return ap.parse_args(argv)
 
@@ -234,13 +340,19 @@ def run(url: str, args: argparse.Namespace, local: bool) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; returns the exit status."""
     args = parse_args(argv)
+    if args.burst and args.streams == STREAMS_DEFAULT:
+        args.streams = 6
     if args.quick:
-        args.streams, args.requests, args.storm = 2, 3, 6
+        if args.burst:
+            args.requests = 2
+        else:
+            args.streams, args.requests, args.storm = 2, 3, 6
+    measure = run_burst if args.burst else run
     if args.url:
-        figures = run(args.url, args, local=False)
+        figures = measure(args.url, args, local=False)
     else:
-        with harness.serve(harness.render_values(MODEL_DIR), prefix="compile-storm-") as server:
-            figures = run(server.url, args, local=True)
+        with harness.serve(harness.render_values(MODEL_DIR), prefix="compile-storm-", launcher=args.burst) as server:
+            figures = measure(server.url, args, local=True)
     if args.json is not None:
         harness.write_json(args.json, figures)
     return 0

@@ -62,7 +62,16 @@ MEANINGS: Final[Mapping[str, str]] = {
                      "what to add); `plain`: for a base model, PROMPT as text and MESSAGES refused by name.",
     "REASONING_START": "The model's thinking start marker (`<think>`); empty: the model does not reason.",
     "REASONING_END": "The model's thinking end marker (`</think>`); empty: the model does not reason.",
-    "PREPROCESSING_INSTANCES": "`preprocessing` instances: a huge schema's parse holds one, not every request.",
+    "PREPROCESSING_INSTANCES": "`preprocessing` instances (stub processes), each with its own heavy lane.",
+    "HEAVY_CONSTRAINT_BYTES": "A constraint larger than this (bytes) is heavy: new to a `preprocessing` instance, it "
+                              "is checked in the instance's heavy lane (one thread), so requests behind it are not "
+                              "held by its checks (a 1.9 MB schema's take seconds); its compiles leave one compile "
+                              "thread of each backend to smaller constraints.",
+    "PREPROCESSING_HEAVY_QUEUE": "Large constraints that may wait for an instance's heavy lane; past it "
+                                 "`RESOURCE_EXHAUSTED` (the SDK's `ServerBusy`).",
+    "PREPROCESSING_CHECK_CPU_S": "CPU seconds the heavy lane's child process (nice 19) may spend checking one "
+                                 "constraint; past it `INVALID_ARGUMENT` naming the limit (a 1.9 MB schema needs "
+                                 "about 5); past ten times that in wall time, `DEADLINE_EXCEEDED`.",
     "ENGINE": "`torch` (the embedded default) or `tensorrt_llm` (GPU; [GPU](../deploy/gpu/README.md)).",
     "DEVICE": "The torch engine's device (`cpu`, `cuda`).",
     "TORCH_THREADS": "Threads of the torch engine's forward.",

@@ -99,6 +99,15 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _say(line: str, *, err: bool = False) -> None:
+    """Write ``line`` and its newline in one write: tritonserver's log is copied to stdout by another thread
+    (``deploy.server``), and ``print`` writes the text and the newline apart, so a copied line could land
+    between them (seen once in ``tests/integration/test_launcher.py``)."""
+    out = sys.stderr if err else sys.stdout
+    out.write(line + "\n")
+    out.flush()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run a server in the foreground until Ctrl-C/SIGTERM; returns the exit status."""
     args = _parse_args(argv)
@@ -144,31 +153,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         server.start()
         where = f"stdout ('{LOG_TAG.strip()}' lines)" + (f" and {server.log_path}" if server.log_path else "")
-        print(f"server: starting tritonserver (pid {server.pid}), log to {where}", flush=True)
+        _say(f"server: starting tritonserver (pid {server.pid}), log to {where}")
         server.wait_ready()
         ready.set()
     except ServerError as err:
         server.stop()
-        print(f"server: error: {err}", file=sys.stderr)
+        _say(f"server: error: {err}", err=True)
         return 1
     except KeyboardInterrupt:
         code = server.stop()
-        print(f"server: interrupted before ready; stopped (tritonserver exit status {code})", file=sys.stderr)
+        _say(f"server: interrupted before ready; stopped (tritonserver exit status {code})", err=True)
         return 130
     cfg = server.config
-    print(
-        f"server: ready: grpc={server.grpc_url} http={server.http_url} metrics={server.metrics_url} "
-        f"models={','.join(cfg.models) or '-'} pid={server.pid}",
-        flush=True,
-    )
+    _say(f"server: ready: grpc={server.grpc_url} http={server.http_url} metrics={server.metrics_url} "
+         f"models={','.join(cfg.models) or '-'} pid={server.pid}")
     if server.openai is not None:
-        print(f"server: openai: {server.openai.url}", flush=True)
+        _say(f"server: openai: {server.openai.url}")
         for line in try_lines(server.openai.url, cfg.public_models[0],
                               keys=cfg.gateway_security.api_keys_file is not None, python=sys.executable):
-            print(f"server: try: {line}", flush=True)
+            _say(f"server: try: {line}")
     if args.client_hint:
-        print(f"server: try: {args.client_hint}", flush=True)
-    print("server: Ctrl-C to stop", flush=True)
+        _say(f"server: try: {args.client_hint}")
+    _say("server: Ctrl-C to stop")
     # Supervision: a dead tritonserver, or one whose grammar/llm stub died, is
     # restarted with backoff while the gateway reports not ready (deploy/supervisor.py).
     repo = config.model_repository
@@ -196,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         health = HealthServer(cfg.host, args.health_port, ready_now, metrics=gateway_metrics, on_drain=begin_drain)
         health.start()
-        print(f"server: health: http://{cfg.host}:{health.port}/v2/health/ready", flush=True)
+        _say(f"server: health: http://{cfg.host}:{health.port}/v2/health/ready")
     while not stop_requested.wait(0.5):
         pass
     if health is not None:
@@ -204,6 +210,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     supervisor.stop()
     watcher.join(SUPERVISOR_JOIN_S)
     code = server.stop()
-    print(f"server: stopped (tritonserver exit status {code})", flush=True)
+    _say(f"server: stopped (tritonserver exit status {code})")
     return 0
 

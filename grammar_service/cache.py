@@ -34,7 +34,7 @@ import secrets
 import tempfile
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -189,6 +189,11 @@ class CompileCache:
         self._negative: OrderedDict[str, tuple[float, CompileError]] = OrderedDict()
         self._in_flight: dict[str, Future[xgr.CompiledGrammar]] = {}
         self._pool = ThreadPoolExecutor(config.workers, thread_name_prefix="grammar-compile")
+        # Compiles wait here, not in the pool's queue, so a small one can pass large ones
+        # (:meth:`_dispatch_locked`); running counts what the pool's threads hold.
+        self._waiting: deque[tuple[str, CompileFn, Future[xgr.CompiledGrammar], bool]] = deque()
+        self._running = 0
+        self._running_heavy = 0
         self._store = (GrammarStore(Path(config.store_dir), tokenizer_info, config.store_max_bytes, clock=clock)
                        if config.store_dir else None)
         self._counts = dict.fromkeys(
@@ -231,8 +236,13 @@ class CompileCache:
             self._counts["timeouts"] += 1
         return CompileTimeout(f"grammar: compile did not finish within {limit_s:g} s (it goes on; retry later)")
 
-    def get_future(self, key: str, compile_fn: CompileFn) -> Future[xgr.CompiledGrammar]:
+    def get_future(self, key: str, compile_fn: CompileFn, heavy: bool = False) -> Future[xgr.CompiledGrammar]:
         """Non-blocking form of :meth:`get`: a future of the compiled grammar.
+
+        ``heavy``: the constraint is large (over :data:`contract.HEAVY_CONSTRAINT_BYTES`,
+        so its compile may take seconds or minutes).  Heavy compiles hold at
+        most :attr:`heavy_workers` compile threads: with two or more, one is
+        always left to small constraints, which pass the heavy ones waiting.
 
         Raises
         ------
@@ -264,8 +274,35 @@ class CompileCache:
             self._counts["misses"] += 1
             future = Future()
             self._in_flight[key] = future
-        self._pool.submit(self._produce, key, compile_fn, future)
+            self._waiting.append((key, compile_fn, future, heavy))
+            self._dispatch_locked()
         return future
+
+    @property
+    def heavy_workers(self) -> int:
+        """Most compile threads heavy compiles may hold at once: all but one, at least one."""
+        return max(1, self.config.workers - 1)
+
+    def _dispatch_locked(self) -> None:
+        """Start waiting compiles while threads are free, oldest first, each heavy one only within its share."""
+        while self._waiting and self._running < self.config.workers:
+            heavy_ok = self._running_heavy < self.heavy_workers
+            job = next((j for j in self._waiting if heavy_ok or not j[3]), None)
+            if job is None:
+                return  # only heavy ones wait, and they hold their share: the free thread stays for a small one
+            self._waiting.remove(job)
+            self._running += 1
+            self._running_heavy += job[3]
+            self._pool.submit(self._run, *job)
+
+    def _run(self, key: str, compile_fn: CompileFn, future: Future[xgr.CompiledGrammar], heavy: bool) -> None:
+        try:
+            self._produce(key, compile_fn, future)
+        finally:
+            with self._lock:
+                self._running -= 1
+                self._running_heavy -= heavy
+                self._dispatch_locked()
 
     def in_flight(self) -> int:
         """Compiles running or queued now."""
@@ -304,7 +341,9 @@ class CompileCache:
             future.result()
 
     def close(self) -> None:
-        """Stop accepting compiles; running ones finish in the background."""
+        """Stop accepting compiles; running ones finish in the background, waiting ones never start."""
+        with self._lock:
+            self._waiting.clear()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------ internals

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import xgrammar as xgr
 
+import contract
 from grammar_backend.backends import LLGUIDANCE, XGRAMMAR, auto_order
 from grammar_backend.bitmask import BitmaskBuffer, Matcher, few_allowed, pack_tokens
 from grammar_backend.closing import Closer, ClosingConfig
@@ -74,7 +75,11 @@ class GrammarEngineConfig:
         2 ms (``--backend auto``).
     llg_compile_threads : int
         Threads of the llguidance compile cache (a compile builds and checks
-        an ``LLMatcher``; its lexer is built lazily).
+        an ``LLMatcher``; its lexer is built lazily).  Two: a heavy compile
+        (a 1.9 MB schema took 8 s) holds one, the other stays for small ones.
+    heavy_constraint_bytes : int
+        A constraint larger than this is heavy: its compiles hold at most all
+        but one compile thread of each backend (:meth:`CompileCache.get_future`).
     reasoning : ReasoningConfig
         What the thinking section of a ``reasoning`` request leaves to the
         answer (:mod:`grammar_backend.reasoning`).
@@ -83,7 +88,8 @@ class GrammarEngineConfig:
     max_batch: int = 256
     fill_threads: int = 1
     auto_timeout_s: float = 5.0
-    llg_compile_threads: int = 1
+    llg_compile_threads: int = 2
+    heavy_constraint_bytes: int = contract.HEAVY_CONSTRAINT_BYTES
     closing: ClosingConfig = field(default_factory=ClosingConfig)
     reasoning: ReasoningConfig = field(default_factory=ReasoningConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -236,8 +242,7 @@ class GrammarEngine:
         #: backend auto's replay of a JSON constraint's first output on xgrammar (bounded like the compile queue).
         self.auto_switch = AutoSwitch(
             self.vocab_size,
-            lambda spec, backend: (self.cache if backend == XGRAMMAR else self.llg_cache).get_future(
-                self._key(spec, backend), self._compile_fn(spec, backend)),
+            self._compile_future,
             self._matcher,
             lambda spec: self._auto.set(self._key(spec, XGRAMMAR), XGRAMMAR),
             config.cache.workers + config.cache.max_queued,
@@ -374,7 +379,7 @@ class GrammarEngine:
         """
         backend, rest = backends[0], backends[1:]
         cache = self.cache if backend == XGRAMMAR else self.llg_cache
-        future = cache.get_future(self._key(spec, backend), self._compile_fn(spec, backend))
+        future = self._compile_future(spec, backend)
         claimed = threading.Lock()  # whoever acquires it answers: the compile or the deadline
 
         def fall_over(err: GrammarError) -> None:
@@ -487,6 +492,12 @@ class GrammarEngine:
     def _key(self, spec: ConstraintSpec, backend: str) -> str:
         version = f"xgrammar {XGRAMMAR_VERSION}" if backend == XGRAMMAR else f"llguidance {LLGUIDANCE_VERSION}"
         return spec.cache_key(self.fingerprint, version)
+
+    def _compile_future(self, spec: ConstraintSpec, backend: str) -> Future[Any]:
+        """The compile of ``spec`` on ``backend``: cached, joined, or queued (heavy ones within their share)."""
+        cache = self.cache if backend == XGRAMMAR else self.llg_cache
+        heavy = len(spec.payload) > self.config.heavy_constraint_bytes
+        return cache.get_future(self._key(spec, backend), self._compile_fn(spec, backend), heavy)
 
     def _compile_fn(self, spec: ConstraintSpec, backend: str) -> Callable[[], Any]:
         if backend == XGRAMMAR:
@@ -762,14 +773,28 @@ class _RowErrors:
 
 
 def _also(first: GrammarError, backend: str, err: GrammarError) -> GrammarError:
-    """``first`` (its type and status), with the reason ``backend`` refused too."""
+    """The error of a start that every backend failed, naming each one's reason.
+
+    ``first``'s type and status, unless ``first`` refused the constraint
+    (a :class:`CompileError`, final) while ``backend`` only ran out of time
+    or queue: then ``err``'s (DEADLINE_EXCEEDED or RESOURCE_EXHAUSTED), since
+    a retry may still be served by ``backend``.  Before, a 100k-item enum that
+    llguidance refused and xgrammar was still compiling told the client
+    INVALID_ARGUMENT, so it never retried (``bench/compile_storm.py --burst``).
+    """
     reason = err.reason if isinstance(err, CompileError) else str(err)
-    if isinstance(first, CompileError):
-        combined: GrammarError = CompileError(first.field, f"{first.reason} ({backend} too: {reason})")
+    if isinstance(first, CompileError) and not isinstance(err, CompileError):
+        combined: GrammarError = type(err)(f"{err} ({_other(backend)}: {first.reason})")
+    elif isinstance(first, CompileError):
+        combined = CompileError(first.field, f"{first.reason} ({backend} too: {reason})")
     else:
         combined = type(first)(f"{first} ({backend} too: {reason})")
     combined.__cause__ = first
     return combined
+
+
+def _other(backend: str) -> str:
+    return LLGUIDANCE if backend == XGRAMMAR else XGRAMMAR
 
 
 def _row_error(seq_id: int, err: SequenceError | MatcherFailed) -> SequenceError:

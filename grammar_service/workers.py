@@ -23,9 +23,8 @@ names the limit (INVALID_ARGUMENT: retrying the same constraint cannot
 help, and the compile cache remembers it for its negative TTL).  A killed
 or crashed worker is replaced before the next compile.
 
-The wire between parent and worker is a pipe pair carrying length-prefixed
-pickles: both ends are this module, started by this module, so nothing
-untrusted is ever unpickled.  A compiled grammar comes back as
+Each worker is a :class:`grammar_service.child.Child` (its wire: length-prefixed
+pickles over a pipe pair, between this project's modules only).  A compiled grammar comes back as
 ``CompiledGrammar.serialize_json`` text; serializing and deserializing can
 cost more than the compile (docs/benchmarks.md), paid once per schema (the
 cache keeps the result).  A worker imports xgrammar, which imports torch
@@ -39,20 +38,12 @@ Workers run ``python -m grammar_service.compile_worker``, started only by :class
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
-import os
 import pickle
 import resource
-import select
-import shutil
 import signal
-import subprocess
-import sys
 import threading
-import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import IO, Any, Final
 
 import xgrammar as xgr
@@ -60,10 +51,20 @@ import xgrammar as xgr
 from grammar_backend.compile import compile_spec
 from grammar_backend.errors import CompileError, ConfigError, GrammarError
 from grammar_backend.spec import ConstraintSpec
+from grammar_service.child import (
+    Child,
+    ChildDied,
+    ChildStartError,
+    child_stdio,
+    describe_exit,
+    limit_cpu,
+    read_frame,
+    worker_python,
+    write_frame,
+)
 
 log = logging.getLogger(__name__)
 
-_HEADER: Final = 8
 _MIB: Final = 1024 * 1024
 #: How long a new worker may take to import xgrammar and load the vocabulary.
 _START_TIMEOUT_S: Final = 120.0
@@ -109,29 +110,6 @@ class WorkerConfig:
             )
 
 
-def worker_python() -> str:
-    """The interpreter that runs compile workers.
-
-    ``sys.executable`` when it is a Python interpreter.  Inside Triton's
-    Python-backend stub it is not (the stub embeds libpython); there the
-    ``python3`` first on ``PATH`` is the one, which ``deploy.server`` makes
-    the project's virtualenv, the same rule the stub itself follows.
-
-    Raises
-    ------
-    ConfigError
-        Neither is available.
-    """
-    if sys.executable and Path(sys.executable).name.startswith("python"):
-        return sys.executable
-    found = shutil.which("python3")
-    if found is None:
-        raise ConfigError(
-            f"workers: sys.executable is {sys.executable!r} and no python3 is on PATH; set the workers' python"
-        )
-    return found
-
-
 @dataclass(frozen=True)
 class WorkerStats:
     """Counters of the compile workers."""
@@ -166,7 +144,7 @@ class CompileWorkers:
         self._init: bytes | None = None
         self._local = threading.local()
         self._lock = threading.Lock()
-        self._live: set[_Worker] = set()
+        self._live: set[Child] = set()
         self._closed = False
         self._counts = dict.fromkeys(WorkerStats.__dataclass_fields__, 0)
 
@@ -184,7 +162,7 @@ class CompileWorkers:
         worker = self._worker()
         try:
             reply = worker.run(spec, wall_s=2 * self.config.cpu_s)
-        except _WorkerDied as died:
+        except ChildDied as died:
             self._discard(worker)
             with self._lock:
                 closed = self._closed
@@ -224,8 +202,8 @@ class CompileWorkers:
         with self._lock:
             self._counts[name] += 1
 
-    def _worker(self) -> _Worker:
-        worker: _Worker | None = getattr(self._local, "worker", None)
+    def _worker(self) -> Child:
+        worker: Child | None = getattr(self._local, "worker", None)
         if worker is not None and worker.alive:
             return worker
         if self._init is None:
@@ -242,7 +220,7 @@ class CompileWorkers:
         with self._lock:
             if self._closed:
                 raise GrammarError("grammar: the compile workers are closed")
-        worker = _Worker(self._python, self._init)
+        worker = _start_worker(self._python, self._init)
         with self._lock:
             self._live.add(worker)
             self._counts["started"] += 1
@@ -253,12 +231,12 @@ class CompileWorkers:
         self._local.worker = worker
         return worker
 
-    def _discard(self, worker: _Worker) -> None:
+    def _discard(self, worker: Child) -> None:
         worker.stop()
         with self._lock:
             self._live.discard(worker)
 
-    def _death_error(self, spec: ConstraintSpec, worker: _Worker, died: _WorkerDied) -> CompileError:
+    def _death_error(self, spec: ConstraintSpec, worker: Child, died: ChildDied) -> CompileError:
         code = worker.returncode
         kind = spec.kind.value
         if died.timed_out:
@@ -274,7 +252,7 @@ class CompileWorkers:
             reason = self._memory_reason(spec)
         else:
             self._count("crashes")
-            reason = f"the compiler crashed on this {kind} ({_describe(code)}); it is refused"
+            reason = f"the compiler crashed on this {kind} ({describe_exit(code)}); it is refused"
         log.warning("grammar: compile worker %d stopped: %s", worker.pid, reason)
         return CompileError("grammar", reason)
 
@@ -285,132 +263,11 @@ class CompileWorkers:
         )
 
 
-class _WorkerDied(Exception):
-    def __init__(self, timed_out: bool) -> None:
-        super().__init__("worker died" if not timed_out else "worker timed out")
-        self.timed_out = timed_out
-
-
-class _Worker:
-    """One worker process and its pipes (used by one thread at a time)."""
-
-    def __init__(self, python: str, init: bytes) -> None:
-        env = dict(os.environ)
-        # The worker imports this package from the same place as the parent.
-        root = str(Path(__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-        self.proc = subprocess.Popen(
-            [python, "-m", "grammar_service.compile_worker"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-            close_fds=True,
-        )
-        self.pid = self.proc.pid
-        self._stdin: IO[bytes] = self.proc.stdin  # type: ignore[assignment]
-        self._stdout_fd = self.proc.stdout.fileno()  # type: ignore[union-attr]
-        try:
-            _write_frame(self._stdin, init)
-            ready = self._read(time.monotonic() + _START_TIMEOUT_S)
-        except (_WorkerDied, OSError) as err:
-            self.stop()
-            raise GrammarError(f"grammar: a compile worker failed to start ({_describe(self.proc.returncode)})") from err
-        if ready != ("ready",):
-            self.stop()
-            raise GrammarError(f"grammar: a compile worker answered {ready!r} instead of ready")
-
-    @property
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    @property
-    def returncode(self) -> int | None:
-        return self.proc.returncode
-
-    def run(self, spec: ConstraintSpec, wall_s: float) -> tuple[Any, ...]:
-        """Send one compile and wait for its reply, killing the worker past ``wall_s``."""
-        try:
-            _write_frame(self._stdin, pickle.dumps(spec))
-        except OSError:
-            self.stop()
-            raise _WorkerDied(timed_out=False) from None
-        try:
-            reply: tuple[Any, ...] = self._read(time.monotonic() + wall_s)
-        except _WorkerDied as died:
-            if not died.timed_out:
-                # End of file: the worker is exiting.  Killing it now would hide why
-                # (its exit status read as SIGKILL: out-of-memory exits were reported
-                # as crashes, docs/benchmarks.md, MaskBench conformance).
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.proc.wait(timeout=5)
-            self.stop()
-            raise _WorkerDied(died.timed_out) from None
-        return reply
-
-    def _read(self, deadline: float) -> Any:
-        size = int.from_bytes(self._read_exact(_HEADER, deadline), "big")
-        return pickle.loads(self._read_exact(size, deadline))
-
-    def _read_exact(self, size: int, deadline: float) -> bytes:
-        buf = bytearray()
-        while len(buf) < size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not select.select([self._stdout_fd], [], [], remaining)[0]:
-                raise _WorkerDied(timed_out=True)
-            chunk = os.read(self._stdout_fd, min(size - len(buf), 1 << 20))
-            if not chunk:
-                raise _WorkerDied(timed_out=False)
-            buf += chunk
-        return bytes(buf)
-
-    def stop(self) -> None:
-        """Kill the process and reap it (idempotent)."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=10)
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            if pipe is not None:
-                with contextlib.suppress(OSError):
-                    pipe.close()
-
-
-def _describe(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit status {code}"
-
-
-def _write_frame(out: IO[bytes], payload: bytes) -> None:
-    out.write(len(payload).to_bytes(_HEADER, "big"))
-    out.write(payload)
-    out.flush()
-
-
-def _read_frame(inp: IO[bytes]) -> bytes | None:
-    header = inp.read(_HEADER)
-    if len(header) < _HEADER:
-        return None
-    size = int.from_bytes(header, "big")
-    payload = inp.read(size)
-    if len(payload) < size:
-        return None
-    return payload
-
-
-# ------------------------------------------------------------------ worker side
-def _die_with_parent() -> None:
-    """Ask the kernel to SIGKILL this worker when its parent dies (a killed stub leaves no orphans)."""
-    pr_set_pdeathsig = 1
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() == 1:  # the parent died before prctl took effect
-        os._exit(1)
+def _start_worker(python: str, init: bytes) -> Child:
+    try:
+        return Child(python, "grammar_service.compile_worker", init, _START_TIMEOUT_S)
+    except ChildStartError as err:
+        raise GrammarError(f"grammar: a compile worker failed to start ({err})") from err
 
 
 def _address_space() -> int:
@@ -421,14 +278,8 @@ def _address_space() -> int:
     raise RuntimeError("no VmSize in /proc/self/status")
 
 
-def _limit_cpu(cpu_s: float) -> None:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    soft = int(usage.ru_utime + usage.ru_stime + cpu_s) + 1
-    resource.setrlimit(resource.RLIMIT_CPU, (soft, resource.RLIM_INFINITY))
-
-
 def _serve(inp: IO[bytes], out: IO[bytes]) -> int:
-    init_frame = _read_frame(inp)
+    init_frame = read_frame(inp)
     if init_frame is None:
         return 0
     init = pickle.loads(init_frame)
@@ -443,16 +294,16 @@ def _serve(inp: IO[bytes], out: IO[bytes]) -> int:
     cpu_s = init["cpu_s"]
     limit = _address_space() + init["memory_bytes"]
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    _write_frame(out, pickle.dumps(("ready",)))
-    while (frame := _read_frame(inp)) is not None:
-        _limit_cpu(cpu_s)
+    write_frame(out, pickle.dumps(("ready",)))
+    while (frame := read_frame(inp)) is not None:
+        limit_cpu(cpu_s)
         try:
             reply = _compile_one(compiler, pickle.loads(frame), max_bytes)
         except MemoryError:
             with contextlib.suppress(OSError):
-                _write_frame(out, pickle.dumps(("memory",)))
+                write_frame(out, pickle.dumps(("memory",)))
             return _EXIT_MEMORY
-        _write_frame(out, pickle.dumps(reply))
+        write_frame(out, pickle.dumps(reply))
     return 0
 
 
@@ -483,15 +334,6 @@ def _compile_one(compiler: xgr.GrammarCompiler, spec: ConstraintSpec, max_bytes:
 
 
 def main() -> int:
-    """Worker entry point: serve compiles on stdin/stdout until stdin closes."""
-    _die_with_parent()
-    # Compiles are background work, decoding is not: on the 2-core machine,
-    # nice 19 took other streams' inter-token p50 during a compile storm
-    # (bench/compile_storm.py --quick) from 929 ms to 506 ms.
-    os.nice(19)
-    # No core files from SIGXCPU or an abort, and nothing but frames on stdout.
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
-    return _serve(sys.stdin.buffer, out)
+    """Worker entry point: serve compiles on stdin/stdout until stdin closes (at nice 19, no core files)."""
+    return _serve(*child_stdio())
 

@@ -11,15 +11,17 @@ import dataclasses
 import hashlib
 import json
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 import contract
 from contract.errors import ConfigError, InvalidArgument, ServingError, status_of
 from contract.reasoning import Reasoning, check_markers, reasoning_from_json
+from grammar_backend.errors import ConstraintError
 from grammar_backend.fidelity import validator_for
 from grammar_backend.lru import Lru
-from grammar_backend.spec import ConstraintSpec, SpecLimits, parse_constraint
+from grammar_backend.spec import ConstraintSpec, SpecLimits, parse_constraint, validated_constraint
 
 #: How a request becomes prompt tokens: ``chat`` applies the tokenizer's chat template to MESSAGES (PROMPT is
 #: one user message); ``plain`` passes PROMPT through as text (with the tokenizer's own special tokens, e.g.
@@ -42,7 +44,11 @@ class PreprocessConfig:
     ``reasoning_start``/``reasoning_end`` are the model's thinking markers
     (render values ``REASONING_START``/``REASONING_END``; None: the model does
     not reason): with them every request has a thinking section unless it
-    says ``reasoning: false`` (:func:`contract.reasoning.check_reasoning`).
+    says ``reasoning: false`` (:func:`contract.reasoning.check_reasoning`);
+    a constraint larger than ``heavy_constraint_bytes`` and not seen before
+    is checked in the heavy lane (:meth:`Preprocessor.heavy`), where at most
+    ``heavy_queue`` wait (then RESOURCE_EXHAUSTED), by a child process
+    (:mod:`pipeline.checker`) that may use ``heavy_cpu_s`` CPU seconds a check.
     """
 
     tokenizer: str
@@ -54,8 +60,14 @@ class PreprocessConfig:
     max_depth: int = contract.MAX_CONSTRAINT_DEPTH
     reasoning_start: str | None = None
     reasoning_end: str | None = None
+    heavy_constraint_bytes: int = contract.HEAVY_CONSTRAINT_BYTES
+    heavy_queue: int = 16
+    heavy_cpu_s: float = 30.0
 
     def __post_init__(self) -> None:
+        if self.heavy_constraint_bytes < 0 or self.heavy_queue < 1 or not self.heavy_cpu_s > 0:
+            raise ConfigError("preprocessing: need heavy_constraint_bytes >= 0, heavy_queue >= 1 and heavy_cpu_s > 0, "
+                              f"got {self.heavy_constraint_bytes}, {self.heavy_queue} and {self.heavy_cpu_s}")
         if self.reasoning_start is not None and self.reasoning_end is None:
             raise ConfigError("preprocessing: reasoning_start needs reasoning_end (REASONING_END)")
         if self.reasoning_end is not None:
@@ -230,6 +242,10 @@ def _check_encodable(name: str, text: str) -> None:
 #: against 0.4 s, timed alone: docs/benchmarks.md), so a client retrying a bad huge schema cannot
 #: hold the instance.
 _REFUSED: Lru[bytes, InvalidArgument] = Lru(1024)
+#: Large constraints the heavy lane's child accepted (:mod:`pipeline.checker`), as their wire form
+#: (kind, payload, options): the request then completes from it without a check, and the same constraint
+#: again is served on the stub's thread, not queued behind new large ones.  Few: each may hold 2 MB.
+_PASSED: Lru[bytes, tuple[str, str, str]] = Lru(32)
 
 
 def _constraint_digest(kind: str, payload: bytes, options: bytes | None, limits: SpecLimits) -> bytes:
@@ -240,34 +256,95 @@ def _constraint_digest(kind: str, payload: bytes, options: bytes | None, limits:
     return h.digest()
 
 
-def parse_request_constraint(kind: str, payload: bytes, options: bytes | None, limits: SpecLimits) -> ConstraintSpec:
+@dataclass(frozen=True)
+class RequestConstraint:
+    """A request's constraint fields as received, not yet checked (see :func:`check_constraint`)."""
+
+    kind: str
+    payload: bytes
+    options: bytes | None
+    limits: SpecLimits
+    digest: bytes = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "digest", _constraint_digest(self.kind, self.payload, self.options, self.limits))
+
+    @property
+    def size(self) -> int:
+        """Bytes of payload and options: what the checks' cost grows with."""
+        return len(self.payload) + len(self.options or b"")
+
+    @property
+    def seen(self) -> bool:
+        """Whether this process checked the same bytes before (either verdict, as far as it remembers)."""
+        return _PASSED.get(self.digest) is not None or _REFUSED.get(self.digest) is not None
+
+
+def check_constraint(constraint: RequestConstraint) -> ConstraintSpec:
     """The request's constraint, validated (spec, meta-schema, the post-validator it will need).
+
+    A verdict recorded before is reused: a refusal from :data:`_REFUSED`
+    without a parse, an acceptance by the heavy lane's child from
+    :data:`_PASSED` without a check.
 
     Raises
     ------
     InvalidArgument
-        Naming the field and the reason; a payload refused before is
-        refused again from :data:`_REFUSED` without being parsed.
+        Naming the field and the reason.
     """
-    digest = _constraint_digest(kind, payload, options, limits)
-    known = _REFUSED.get(digest)
+    known = _REFUSED.get(constraint.digest)
     if known is not None:
-        # The same refusal again (one instance serves one request at a time).
+        # The same refusal again; the stub's thread and the heavy lane's may raise the one object at
+        # once, which is harmless: only its message and status are read.
         raise known.with_traceback(None)
+    passed = _PASSED.get(constraint.digest)
+    if passed is not None:
+        return validated_constraint(*passed)
     try:
-        spec = parse_constraint(kind, payload, options, limits)
+        spec = parse_constraint(constraint.kind, constraint.payload, constraint.options, constraint.limits)
         if spec.kind.value == "json_schema":
             # The post-validator postprocessing will need: built now so a schema it
             # cannot use (an unresolvable or remote $ref) is refused before any token.
             validator_for(spec.document, checked=True)
     except InvalidArgument as err:
-        _REFUSED.put(digest, err)
+        _REFUSED.put(constraint.digest, err)
         raise
     return spec
 
 
+def check_reply(constraint: RequestConstraint) -> tuple[str, str, str, str]:
+    """The heavy lane child's verdict on ``constraint``: ``("ok", kind, payload, options)`` (the checked wire
+    form) or ``("refused", field, reason, "")``; plain strings, so no exception type crosses the pipe."""
+    try:
+        spec = check_constraint(constraint)
+    except InvalidArgument as err:
+        return "refused", err.field, err.reason, ""
+    wire = spec.wire()
+    return "ok", wire["kind"], wire["payload"], wire["options"]
+
+
+def record_check(constraint: RequestConstraint, reply: tuple[str, ...]) -> None:
+    """Remember the child's verdict (:func:`check_reply`), so :func:`check_constraint` answers from it."""
+    if reply[0] == "ok":
+        _PASSED.put(constraint.digest, (reply[1], reply[2], reply[3]))
+    else:
+        _REFUSED.put(constraint.digest, ConstraintError(reply[1], reply[2]))
+
+
 def parse_params(raw: RawRequest, config: PreprocessConfig) -> tuple[GenerationParams, ConstraintSpec | None]:
     """Validate sampling parameters and the constraint."""
+    params, constraint = parse_fields(raw, config)
+    return with_constraint(params, constraint)
+
+
+def parse_fields(raw: RawRequest, config: PreprocessConfig) -> tuple[GenerationParams, RequestConstraint | None]:
+    """Validate sampling parameters; gather the constraint's fields, unchecked (:func:`with_constraint` checks them).
+
+    Raises
+    ------
+    InvalidArgument
+        Naming the field and the reason.
+    """
     max_tokens = config.default_max_tokens if raw.max_tokens is None else raw.max_tokens
     if not 1 <= max_tokens <= config.max_tokens_limit:
         raise InvalidArgument("max_tokens", f"must be in 1..{config.max_tokens_limit}, got {max_tokens}")
@@ -289,18 +366,11 @@ def parse_params(raw: RawRequest, config: PreprocessConfig) -> tuple[GenerationP
         reasoning = reasoning_from_json(raw.reasoning or b"", config.reasoning)
     except contract.ContractError as err:
         raise InvalidArgument(err.field, err.reason) from err
-    spec = None
     constraint = None
     kind = _text("grammar_type", raw.grammar_type) if raw.grammar_type else ""
     if kind:
         limits = SpecLimits(max_payload_bytes=config.max_payload_bytes, max_depth=config.max_depth)
-        spec = parse_request_constraint(kind, raw.grammar or b"", raw.grammar_options, limits)
-        if reasoning is not None:
-            # It rides with the constraint: the grammar side keeps the thinking state.
-            spec = dataclasses.replace(spec, options=dataclasses.replace(spec.options, reasoning=reasoning))
-        # Every kind carries its options: the decoding policies (on_budget,
-        # on_repeat) apply to all of them.  Later stages trust this form.
-        constraint = spec.wire()
+        constraint = RequestConstraint(kind, raw.grammar or b"", raw.grammar_options, limits)
     elif raw.grammar or raw.grammar_options:
         raise InvalidArgument("grammar_type", "is required when GRAMMAR or GRAMMAR_OPTIONS is given")
     elif reasoning is not None and reasoning.max_reasoning_tokens is not None:
@@ -312,10 +382,39 @@ def parse_params(raw: RawRequest, config: PreprocessConfig) -> tuple[GenerationP
     seed = secrets.randbelow(contract.SEED_LIMIT) if raw.seed is None else raw.seed
     params = GenerationParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-        seed=seed, stop=stop, constraint=constraint, **penalties,
+        seed=seed, stop=stop, constraint=None, **penalties,
         reasoning=reasoning, logprobs=logprobs,
     )
-    return params, spec
+    return params, constraint
+
+
+def with_constraint(params: GenerationParams,
+                    constraint: RequestConstraint | None) -> tuple[GenerationParams, ConstraintSpec | None]:
+    """``params`` with ``constraint`` checked (:func:`check_constraint`) and in its wire form.
+
+    Raises
+    ------
+    InvalidArgument
+        Naming the field and the reason.
+    """
+    if constraint is None:
+        return params, None
+    spec = check_constraint(constraint)
+    if params.reasoning is not None:
+        # It rides with the constraint: the grammar side keeps the thinking state.
+        spec = dataclasses.replace(spec, options=dataclasses.replace(spec.options, reasoning=params.reasoning))
+    # Every kind carries its options: the decoding policies (on_budget,
+    # on_repeat) apply to all of them.  Later stages trust this form.
+    return dataclasses.replace(params, constraint=spec.wire()), spec
+
+
+@dataclass(frozen=True)
+class Pending:
+    """A request checked and tokenized but for its constraint (:meth:`Preprocessor.prepare`)."""
+
+    ids: list[int]
+    params: GenerationParams
+    constraint: RequestConstraint | None
 
 
 class Preprocessor:
@@ -380,8 +479,18 @@ class Preprocessor:
 
         return cls(config, AutoTokenizer.from_pretrained(config.tokenizer, local_files_only=True))
 
-    def __call__(self, raw: RawRequest) -> tuple[list[int], GenerationParams]:
-        """Return the prompt token ids and the validated parameters.
+    def heavy(self, pending: Pending) -> bool:
+        """Whether ``pending``'s constraint goes to the heavy lane (``model_repository/preprocessing``).
+
+        A constraint larger than ``heavy_constraint_bytes`` that this process
+        has not checked before: its checks may cost seconds (a 1.9 MB schema's
+        meta-schema check about 4 s), and requests behind it must not wait.
+        """
+        c = pending.constraint
+        return c is not None and c.size > self.config.heavy_constraint_bytes and not c.seen
+
+    def prepare(self, raw: RawRequest) -> Pending:
+        """Check every field but the constraint and tokenize the prompt (the stub's own thread: the tokenizer).
 
         Raises
         ------
@@ -392,7 +501,7 @@ class Preprocessor:
         if self.config.prompt_format == "plain" and raw.messages is not None:
             raise InvalidArgument("messages", "this model has no chat template (prompt format plain): send "
                                               "PROMPT, which is passed through as text")
-        params, _ = parse_params(raw, self.config)
+        params, constraint = parse_fields(raw, self.config)
         if params.reasoning is not None:
             self.check_markers(params.reasoning)
         if self.config.prompt_format == "plain":
@@ -406,4 +515,32 @@ class Preprocessor:
         ids = [int(t) for t in ids]
         if len(ids) > self.config.max_prompt_tokens:
             raise InvalidArgument("prompt", f"is {len(ids)} tokens {where}; the limit is {self.config.max_prompt_tokens}")
-        return ids, params
+        return Pending(ids, params, constraint)
+
+    def complete(self, pending: Pending, check: Callable[[RequestConstraint], None] | None = None,
+                 ) -> tuple[list[int], GenerationParams]:
+        """Check ``pending``'s constraint; thread-safe (the heavy lane calls it; it never uses the tokenizer).
+
+        ``check``: how a :meth:`heavy` constraint is checked first (the heavy
+        lane's :meth:`pipeline.checker.Checker.check`, which records its
+        verdict); every other constraint is checked here.
+
+        Raises
+        ------
+        InvalidArgument
+            Naming the field and the reason.
+        """
+        if check is not None and pending.constraint is not None and self.heavy(pending):
+            check(pending.constraint)
+        params, _ = with_constraint(pending.params, pending.constraint)
+        return pending.ids, params
+
+    def __call__(self, raw: RawRequest) -> tuple[list[int], GenerationParams]:
+        """Return the prompt token ids and the validated parameters (:meth:`prepare`, then :meth:`complete`).
+
+        Raises
+        ------
+        InvalidArgument
+            Naming the field and the reason.
+        """
+        return self.complete(self.prepare(raw))

@@ -53,6 +53,8 @@ class GrammarModelConfig:
     ``store_max_bytes`` (empty: :data:`~grammar_service.cache.STORE_MAX_BYTES`).
     ``fill_threads`` 0 takes :func:`~grammar_service.cpus.auto_fill_threads` of the
     CPUs this process may use (:func:`~grammar_service.cpus.usable_cpus`).
+    Compiles of constraints over ``heavy_constraint_bytes`` leave a compile
+    thread of each backend to smaller ones.
     """
 
     tokenizer: str
@@ -75,12 +77,14 @@ class GrammarModelConfig:
     idle_ttl_s: float = 600.0
     max_payload_bytes: int = contract.MAX_CONSTRAINT_BYTES
     max_depth: int = contract.MAX_CONSTRAINT_DEPTH
+    heavy_constraint_bytes: int = contract.HEAVY_CONSTRAINT_BYTES
 
     def engine_config(self) -> GrammarEngineConfig:
         """The :class:`GrammarEngineConfig` these parameters describe."""
         return GrammarEngineConfig(
             max_batch=self.max_batch,
             fill_threads=self.fill_threads or auto_fill_threads(usable_cpus()),
+            heavy_constraint_bytes=self.heavy_constraint_bytes,
             cache=CacheConfig(
                 max_bytes=self.cache_max_bytes,
                 workers=self.compile_workers,

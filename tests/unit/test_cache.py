@@ -118,6 +118,54 @@ def test_failures_are_cached_until_the_ttl(tiny_info: xgr.TokenizerInfo, compile
     assert fn.calls == 2
 
 
+@pytest.mark.parametrize(("workers", "heavy_share"), [(1, 1), (2, 1), (3, 2)])
+def test_heavy_compiles_leave_a_thread_to_small_ones(tiny_info: xgr.TokenizerInfo, compiler: xgr.GrammarCompiler,
+                                                     workers: int, heavy_share: int) -> None:
+    """Heavy compiles hold at most all but one thread; a small compile passes the heavy ones waiting."""
+    cache = CompileCache(CacheConfig(workers=workers, max_queued=8), tiny_info)
+    assert cache.heavy_workers == heavy_share
+    gate = threading.Event()
+    heavy = [Counter(compiler, "regex", f"h{n}[0-9]+", gate) for n in range(workers + 1)]
+    futures = [cache.get_future(_key(100 + n), fn, heavy=True) for n, fn in enumerate(heavy)]
+    wait_for(lambda: sum(fn.calls for fn in heavy) == heavy_share, HANG_S, "the heavy share started", interval_s=0.01)
+    small = Counter(compiler, "regex", "[a-z]+")
+    if workers == 1:  # nothing to leave: the small one waits its turn
+        done = cache.get_future(_key(99), small)
+        assert small.calls == 0
+        gate.set()
+        assert isinstance(done.result(HANG_S), xgr.CompiledGrammar)
+    else:
+        assert isinstance(cache.get_future(_key(99), small).result(HANG_S), xgr.CompiledGrammar)
+        assert sum(fn.calls for fn in heavy) == heavy_share  # still held: the small one did not wait for them
+        gate.set()
+    for future in futures:
+        assert isinstance(future.result(HANG_S), xgr.CompiledGrammar)
+    assert [fn.calls for fn in heavy] == [1] * (workers + 1)
+    assert cache.stats().in_flight == 0
+
+
+def test_a_small_compile_does_not_wait_behind_heavy_ones_queued_first(tiny_info: xgr.TokenizerInfo,
+                                                                      compiler: xgr.GrammarCompiler) -> None:
+    """Small compiles queued behind heavy ones start as threads free up, oldest first among what may run."""
+    cache = CompileCache(CacheConfig(workers=2, max_queued=8), tiny_info)
+    gates = [threading.Event() for _ in range(3)]
+    heavy = [Counter(compiler, "regex", f"q{n}[0-9]+", gates[n]) for n in range(3)]
+    futures = [cache.get_future(_key(200 + n), fn, heavy=True) for n, fn in enumerate(heavy)]
+    small_gate = threading.Event()
+    first = Counter(compiler, "regex", "s1[a-z]+", small_gate)
+    small = cache.get_future(_key(210), first)  # takes the free thread
+    wait_for(lambda: first.calls == 1, HANG_S, "the small compile started", interval_s=0.01)
+    second = Counter(compiler, "regex", "s2[a-z]+")
+    late = cache.get_future(_key(211), second)  # queued behind two heavy ones
+    small_gate.set()
+    assert isinstance(late.result(HANG_S), xgr.CompiledGrammar)  # the freed thread went to it, not to a heavy one
+    assert [fn.calls for fn in heavy] == [1, 0, 0]
+    for gate in gates:
+        gate.set()
+    for future in (small, *futures):
+        assert isinstance(future.result(HANG_S), xgr.CompiledGrammar)
+
+
 def test_timeout_keeps_the_compile_in_flight_and_retries_join_it(
     tiny_info: xgr.TokenizerInfo, compiler: xgr.GrammarCompiler
 ) -> None:

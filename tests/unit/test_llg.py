@@ -12,10 +12,18 @@ import pytest
 import xgrammar as xgr
 
 from grammar_backend.bitmask import allowed_tokens
-from grammar_backend.errors import BackendFailed, CompileError, TokenRejected
+from grammar_backend.errors import (
+    BackendFailed,
+    CompileError,
+    CompileQueueFull,
+    CompileTimeout,
+    GrammarError,
+    TokenRejected,
+)
 from grammar_backend.llg import LlgBackend, json_compile_options, refusal
 from grammar_backend.llg import unenforced_keywords as llg_unenforced
 from grammar_backend.spec import ConstraintOptions, parse_constraint
+from grammar_service import engine as engine_module
 from grammar_service.auto_switch import OUTCOMES, AutoSwitch, replay
 from grammar_service.engine import GrammarEngine, GrammarEngineConfig
 from tests.support.poll import HANG_S
@@ -430,6 +438,35 @@ def test_when_both_backends_refuse_the_error_is_the_first_ones(engine: GrammarEn
     assert re.fullmatch(r"grammar: xgrammar cannot compile this regex: .+ \(llguidance too: llguidance cannot compile "
                         r"this regex: .+\)", str(info.value), re.DOTALL), str(info.value)
     assert 15 not in engine.table
+
+
+@pytest.mark.parametrize(
+    ("first", "later", "err", "kind", "message"),
+    [
+        (CompileError("grammar", "llguidance cannot compile this json_schema: too big"), "xgrammar",
+         CompileTimeout("grammar: compile did not finish within 20 s (it goes on; retry later)"), CompileTimeout,
+         ("grammar: compile did not finish within 20 s (it goes on; retry later) (llguidance: llguidance cannot "
+          "compile this json_schema: too big)")),
+        (CompileError("grammar", "llguidance cannot compile this json_schema: too big"), "xgrammar",
+         CompileQueueFull("grammar: 10 compiles are running or queued (2 workers, queue of 8); retry later"),
+         CompileQueueFull, ("grammar: 10 compiles are running or queued (2 workers, queue of 8); retry later "
+                            "(llguidance: llguidance cannot compile this json_schema: too big)")),
+        (CompileTimeout("grammar: compile did not finish within 5 s (it goes on; retry later)"), "llguidance",
+         CompileError("grammar", "llguidance cannot compile this choice: 4097 items"), CompileTimeout,
+         ("grammar: compile did not finish within 5 s (it goes on; retry later) (llguidance too: llguidance cannot "
+          "compile this choice: 4097 items)")),
+        (CompileError("grammar", "xgrammar cannot compile this regex: bad"), "llguidance",
+         CompileError("grammar", "llguidance cannot compile this regex: bad too"), CompileError,
+         ("grammar: xgrammar cannot compile this regex: bad (llguidance too: llguidance cannot compile this regex: "
+          "bad too)")),
+    ],
+)
+def test_a_start_every_backend_failed_is_retriable_when_one_only_ran_out_of_time(
+        first: GrammarError, later: str, err: GrammarError, kind: type, message: str) -> None:
+    """A final refusal by one backend and a timeout (or full queue) of the other: a retry may still succeed."""
+    combined = engine_module._also(first, later, err)
+    assert type(combined) is kind
+    assert str(combined) == message
 
 
 _DEEP = "(" * 20_000 + '"a"' + ")" * 20_000

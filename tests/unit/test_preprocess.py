@@ -11,6 +11,7 @@ import pytest
 
 import contract
 from grammar_backend.errors import ConfigError, ConstraintError, InvalidArgument
+from pipeline.checker import Checker
 from pipeline.preprocess import (
     GenerationParams,
     PreprocessConfig,
@@ -218,3 +219,84 @@ def test_logprobs_out_of_range_are_refused_by_name(pre: Preprocessor, logprobs: 
     with pytest.raises(InvalidArgument, match=rf"^logprobs: must be null \(off\) or an integer in 0\.\.20 "
                                               rf"\(alternatives per token\), got {logprobs}$"):
         pre(RawRequest(prompt=b"hi", logprobs=logprobs))
+
+
+HEAVY = dataclasses.replace(CONFIG, heavy_constraint_bytes=100)
+
+
+def _schema_request(tag: str, *, bad: bool = False, size: int = 200) -> RawRequest:
+    """A schema request of about ``size`` bytes, new to this process (``tag``)."""
+    schema: dict[str, Any] = {"description": f"{tag} " + "x" * size, "type": "integer" if not bad else 1}
+    return RawRequest(prompt=b"x", seed=7, grammar_type=b"json_schema", grammar=json.dumps(schema).encode())
+
+
+@pytest.mark.parametrize(
+    ("raw", "heavy"),
+    [
+        (RawRequest(prompt=b"x"), False),  # no constraint
+        (_schema_request("small", size=10), False),  # within heavy_constraint_bytes
+        (_schema_request("large"), True),  # larger, never seen
+        (_schema_request("large and bad", bad=True), True),  # a refusal is the lane's to find
+    ],
+)
+def test_only_a_large_constraint_new_to_the_process_goes_to_the_heavy_lane(pre: Preprocessor, raw: RawRequest,
+                                                                          heavy: bool) -> None:
+    lanes = Preprocessor(HEAVY, pre.tokenizer)
+    assert lanes.heavy(lanes.prepare(raw)) is heavy
+
+
+@pytest.mark.parametrize("bad", [False, True])
+def test_a_large_constraint_checked_once_stays_on_the_stubs_thread(pre: Preprocessor, bad: bool) -> None:
+    """Seen before (either verdict, from the heavy lane's child): it does not queue behind new large ones,
+    and it completes from the verdict, exactly as the first time."""
+    lanes = Preprocessor(HEAVY, pre.tokenizer)
+    raw = _schema_request(f"seen {bad}", bad=bad)
+    pending = lanes.prepare(raw)
+    assert lanes.heavy(pending)
+    checker = Checker(cpu_s=30.0)
+    try:
+        if bad:
+            with pytest.raises(ConstraintError, match=r"^grammar#/type: not a valid JSON Schema"):
+                lanes.complete(pending, checker.check)
+        else:
+            first = lanes.complete(pending, checker.check)
+    finally:
+        checker.close()
+    again = lanes.prepare(raw)
+    assert not lanes.heavy(again)
+    if bad:
+        with pytest.raises(ConstraintError, match=r"^grammar#/type: not a valid JSON Schema"):
+            lanes.complete(again)
+    else:
+        assert lanes.complete(again) == first
+
+
+def test_only_a_heavy_constraint_is_handed_to_the_check(pre: Preprocessor) -> None:
+    """The heavy lane's check (a child process) is for large new constraints; a small one is checked here."""
+    lanes = Preprocessor(HEAVY, pre.tokenizer)
+    handed: list[bytes] = []
+    small = lanes.prepare(_schema_request("handed small", size=10))
+    assert lanes.complete(small, lambda c: handed.append(c.payload))[1].constraint is not None
+    assert handed == []
+    large = lanes.prepare(_schema_request("handed large"))
+    assert large.constraint is not None
+    # The stand-in check records no verdict, so the constraint is then checked here.
+    assert lanes.complete(large, lambda c: handed.append(c.payload))[1].constraint is not None
+    assert handed == [large.constraint.payload]
+
+
+def test_prepare_then_complete_is_the_whole_check(pre: Preprocessor) -> None:
+    raw = _schema_request("whole")
+    pending = pre.prepare(raw)
+    assert pending.params.constraint is None  # not checked yet
+    ids, params = pre.complete(pending)
+    assert (ids, params) == pre(raw)
+    assert params.constraint is not None and params.constraint["kind"] == "json_schema"
+
+
+@pytest.mark.parametrize(("field", "value"), [("heavy_constraint_bytes", -1), ("heavy_queue", 0), ("heavy_cpu_s", 0.0)])
+def test_heavy_lane_settings_out_of_range_are_refused(field: str, value: float) -> None:
+    settings: dict[str, Any] = {field: value}
+    with pytest.raises(ConfigError, match=r"^preprocessing: need heavy_constraint_bytes >= 0, heavy_queue >= 1 and "
+                                          r"heavy_cpu_s > 0, got "):
+        dataclasses.replace(CONFIG, **settings)

@@ -14,11 +14,11 @@ import xgrammar as xgr
 
 from grammar_backend.errors import CompileError, ConfigError, GrammarError
 from grammar_backend.spec import ConstraintSpec, SpecLimits, parse_constraint
+from grammar_service.child import worker_python
 from grammar_service.workers import (
     CompileWorkers,
     WorkerConfig,
     WorkerStats,
-    worker_python,
 )
 from tests.support.poll import HANG_S, poll
 from tests.support.procs import alive

@@ -1,5 +1,13 @@
 """Triton model ``preprocessing`` (Python backend): a thin adapter over pipeline.preprocess.
 
+Decoupled, with two lanes: a request is checked and tokenized on the stub's
+thread and answered at once, unless its constraint is large and new
+(``Preprocessor.heavy``); then its constraint is checked in the heavy lane
+(``pipeline.lane.HeavyLane``: one thread, which hands the check to a child
+process at nice 19, ``pipeline.checker.Checker``), which answers it, so
+requests behind it never wait for its checks.  Each request gets exactly
+one response, sent with the final flag.
+
 Tensor contract (``max_batch_size: 0``; all inputs optional, exactly one of PROMPT/MESSAGES):
 
 Inputs
@@ -20,12 +28,14 @@ Outputs
                                  {"rejected": {"status", "message"}} naming the field and the reason
 
 A refused request is data, never an error response (see pipeline.postprocess):
-``llm`` answers it with one final error RESULT.
+``llm`` answers it with one final error RESULT.  A full heavy lane refuses
+with RESOURCE_EXHAUSTED (``pipeline.lane.LaneFull``).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -33,10 +43,14 @@ import triton_python_backend_utils as pb_utils
 
 import contract
 from contract.errors import ServingError
+from pipeline.checker import Checker
+from pipeline.lane import HeavyLane, LaneClosed
 from pipeline.preprocess import (
+    Pending,
     PreprocessConfig,
     Preprocessor,
     RawRequest,
+    RequestConstraint,
     rejection_json,
 )
 from triton_support.params import from_parameters, parameter_values
@@ -74,29 +88,55 @@ def _to_raw(request: Any) -> RawRequest:
     )
 
 
+def _send(sender: Any, ids: list[int], request_json: str) -> None:
+    sender.send(pb_utils.InferenceResponse(output_tensors=[
+        pb_utils.Tensor("INPUT_IDS", np.array(ids, np.int32)),
+        pb_utils.Tensor("REQUEST", np.array([request_json.encode("utf-8")], np.object_)),
+    ]), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
+def _refused(err: BaseException) -> tuple[list[int], str]:
+    if not isinstance(err, ServingError):  # a bug: INTERNAL as data, never an error response
+        pb_utils.Logger.log_error(f"preprocessing failed: {err!r}")
+    return [], rejection_json(err)
+
+
 class TritonPythonModel:
-    """Adapter: ensemble request fields -> Preprocessor -> INPUT_IDS, REQUEST."""
+    """Adapter: ensemble request fields -> Preprocessor -> INPUT_IDS, REQUEST (one final response each)."""
 
     def initialize(self, args: dict[str, str]) -> None:
         config = from_parameters(PreprocessConfig, parameter_values(json.loads(args["model_config"])), "preprocessing")
         self.preprocess = Preprocessor.from_config(config)
+        self.checker = Checker(config.heavy_cpu_s)
+        self.lane: HeavyLane[tuple[Pending, Any]] = HeavyLane("preprocessing", config.heavy_queue, self._heavy)
 
-    def execute(self, requests: list[Any]) -> list[Any]:
-        responses = []
+    def _answer(self, pending: Pending, sender: Any, check: Callable[[RequestConstraint], None] | None) -> None:
+        try:
+            ids, params = self.preprocess.complete(pending, check)
+            answer = ids, params.to_json()
+        except Exception as err:  # noqa: BLE001 - every refusal and bug is answered as data
+            answer = _refused(err)
+        _send(sender, *answer)
+
+    def _heavy(self, item: tuple[Pending, Any]) -> None:
+        """The heavy lane's work: the constraint checked in the child process first."""
+        self._answer(*item, self.checker.check)
+
+    def execute(self, requests: list[Any]) -> None:
         for request in requests:
+            sender = request.get_response_sender()
             try:
-                ids, params = self.preprocess(_to_raw(request))
-                request_json = params.to_json()
-            except ServingError as err:
-                ids, request_json = [], rejection_json(err)
-            except Exception as err:  # noqa: BLE001 - a bug: INTERNAL as data, never an error response
-                pb_utils.Logger.log_error(f"preprocessing failed: {err!r}")
-                ids, request_json = [], rejection_json(err)
-            responses.append(pb_utils.InferenceResponse(output_tensors=[
-                pb_utils.Tensor("INPUT_IDS", np.array(ids, np.int32)),
-                pb_utils.Tensor("REQUEST", np.array([request_json.encode("utf-8")], np.object_)),
-            ]))
-        return responses
+                pending = self.preprocess.prepare(_to_raw(request))
+                if self.preprocess.heavy(pending):
+                    self.lane.submit((pending, sender))  # answered by the lane's thread
+                    continue
+            except Exception as err:  # noqa: BLE001 - every refusal and bug is answered as data
+                _send(sender, *_refused(err))
+                continue
+            self._answer(pending, sender, None)
 
     def finalize(self) -> None:
+        self.checker.close()  # a check in progress ends (its request is answered INTERNAL)
+        for _, sender in self.lane.close(timeout_s=60.0):
+            _send(sender, *_refused(LaneClosed(self.lane.closed_message)))
         quiesce_for_exit()
