@@ -67,7 +67,6 @@ class HeavyLane(Generic[T]):
         self._queue: collections.deque[T] = collections.deque()
         self._cond = threading.Condition()
         self._closed = False
-        self._busy = False
         self._thread = threading.Thread(target=self._loop, name=f"{name}-heavy", daemon=True)
         self._thread.start()
 
@@ -76,12 +75,6 @@ class HeavyLane(Generic[T]):
         """Items submitted and not yet started."""
         with self._cond:
             return len(self._queue)
-
-    @property
-    def busy(self) -> bool:
-        """Whether an item is running now."""
-        with self._cond:
-            return self._busy
 
     def submit(self, item: T) -> None:
         """Queue ``item``.
@@ -125,11 +118,7 @@ class HeavyLane(Generic[T]):
                 if self._closed:
                     return
                 item = self._queue.popleft()
-                self._busy = True
             try:
                 self._run(item)
             except Exception:  # the lane outlives a bug in one item's answer; the bug is logged whole
                 log.exception("%s: the heavy lane's work item failed", self.name)
-            finally:
-                with self._cond:
-                    self._busy = False

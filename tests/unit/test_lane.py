@@ -38,7 +38,7 @@ def test_items_run_one_at_a_time_in_arrival_order() -> None:
     for item in range(5):
         lane.submit(item)
     _take(gate.started, 1)
-    assert (lane.busy, lane.waiting) == (True, 4)
+    assert lane.waiting == 4  # the first is running (it started), the rest wait
     gate.release.set()
     _take(gate.finished, 5)
     assert gate.done == [0, 1, 2, 3, 4]
