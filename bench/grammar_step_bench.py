@@ -275,6 +275,20 @@ def summary(times: Sequence[float]) -> dict[str, float]:
             "max_ms": float(a.max() * 1e3), "mean_ms": float(a.mean() * 1e3)}
 
 
+def paired(times: Sequence[float], floor: Sequence[float], steps: int) -> dict[str, float]:
+    """``times`` over ``floor`` step by step: both hold rounds of the same ``steps`` path steps, in order.
+
+    Each step's median over the rounds, then the ratio at each step: ``p50`` of those ratios, and
+    ``total`` (the sums' ratio, what a whole output costs).  The paths' steps cost either about 1 ms or
+    about 6 ms at 64 rows (llguidance's bounded strings, xgrammar's email format: docs/benchmarks.md),
+    so a p50 over all steps lands in either group as a few steps move, and a ratio of two such p50s
+    moved by 2x between runs; the step-by-step ratio compares each state with itself.
+    """
+    a = np.median(np.asarray(times).reshape(-1, steps), axis=0)
+    b = np.median(np.asarray(floor).reshape(-1, steps), axis=0)
+    return {"p50": float(np.median(a / b)), "total": float(a.sum() / b.sum())}
+
+
 def served_values(rows: int, threads: int) -> dict[str, str]:
     """The grammar model alone (MODEL_DIR: the Qwen3 tokenizer), ``rows`` a step, filled on ``threads``."""
     return harness.render_values(QWEN_DIR, {"VOCAB_SIZE": str(QWEN_VOCAB), "MAX_BATCH": str(rows),
@@ -312,12 +326,16 @@ def sweep(bundle: Any, llg: LlgBackend, toks: list[list[int]], threads: int, rou
                                     times[k] += v[1:]
                     for mode, values in times.items():
                         figures[(rows, n, backend, mode)] = summary(values)
+                    figures[(rows, n, backend, "channel")].update(
+                        {f"over raw fill {k}": v for k, v in paired(times["channel"], times["raw fill"],
+                                                                       len(toks[0])).items()})
     print(f"== grammar step at GPU batch sizes, Qwen3 vocabulary, {len(toks[0])} steps x {rounds} rounds, "
           f"jump-forward {'on' if jump else 'off'} (ms per step) ==")
     print(f"  {'rows':>4} {'threads':>7} {'backend':10} {'mode':8} {'p50':>8} {'p99':>8} {'max':>8}"
-          "  channel/raw fill p50")
+          "  channel/raw fill: step by step p50, total; p50/p50")
     for (rows, n, backend, mode), f in figures.items():
-        over = f"  {f['p50_ms'] / figures[(rows, n, backend, 'raw fill')]['p50_ms']:.2f}" if mode == "channel" else ""
+        over = (f"  {f['over raw fill p50']:.2f}, {f['over raw fill total']:.2f}; "
+                f"{f['p50_ms'] / figures[(rows, n, backend, 'raw fill')]['p50_ms']:.2f}") if mode == "channel" else ""
         print(f"  {rows:>4} {n:>7} {backend:10} {mode:8} {f['p50_ms']:8.3f} {f['p99_ms']:8.3f} {f['max_ms']:8.3f}"
               f"{over}")
     for backend in ("xgrammar", "llguidance"):
@@ -330,11 +348,11 @@ def sweep(bundle: Any, llg: LlgBackend, toks: list[list[int]], threads: int, rou
         print(f"  auto channel p50 / xgrammar raw fill p50 at 64 rows, {n} fill threads: {auto:.2f}")
 
     def channel_over_fill(backend: str) -> float:
-        return figures[(64, 1, backend, "channel")]["p50_ms"] / figures[(64, 1, backend, "raw fill")]["p50_ms"]
+        return figures[(64, 1, backend, "channel")]["over raw fill p50"]
 
     print(f"step at 64 rows: channel/raw fill {channel_over_fill('xgrammar'):.2f} (xgrammar), "
-          f"{channel_over_fill('llguidance'):.2f} (llguidance); p99 {figures[(64, 1, 'auto', 'channel')]['p99_ms']:.2f}"
-          " ms (auto)")
+          f"{channel_over_fill('llguidance'):.2f} (llguidance), step by step; p99 "
+          f"{figures[(64, 1, 'auto', 'channel')]['p99_ms']:.2f} ms (auto)")
     return figures
 
 
@@ -410,12 +428,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     for k, f in figures.items():
         print(f"  {k:13s} p50 {f['p50_ms']:7.3f} ms   p99 {f['p99_ms']:7.3f} ms   max {f['max_ms']:7.3f} ms   "
               f"mean {f['mean_ms']:7.3f} ms")
-    floor = figures["raw fill"]["p50_ms"]
-    local = figures["local"]["p50_ms"]
-    print(f"  p50 ratios: local/raw fill {local / floor:.2f}; local checked/local "
-          f"{figures['local checked']['p50_ms'] / local:.2f}; " + "; ".join(
-        f"{m}/raw fill {figures[m]['p50_ms'] / floor:.2f}, {m}/local {figures[m]['p50_ms'] / local:.2f}"
-        for m in ("bls tensor", "channel")))
+    steps = len(toks[0])
+
+    def over(mode: str, floor: str) -> str:
+        ratio = paired(times[mode], times[floor], steps)
+        return f"{mode}/{floor} {ratio['p50']:.2f} ({ratio['total']:.2f})"
+
+    print("  step-by-step p50 ratios (total): " + "; ".join(
+        over(mode, floor) for mode, floor in (("local", "raw fill"), ("local checked", "local"),
+                                              ("bls tensor", "raw fill"), ("channel", "raw fill"),
+                                              ("channel", "local"), ("channel", "local checked"))))
     if args.json is not None:
         harness.write_json(args.json, {"figures": figures, "times": times})
     return 0

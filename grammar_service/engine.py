@@ -629,19 +629,22 @@ class GrammarEngine:
         terminated, closing, dropped, hold = self._terminated, self._closing, self._dropped, self._hold
         ban_rows, forced_rows, calm_rows = self._ban_rows, self._forced_rows, self._calm_rows
         matchers: list[Matcher | None] = [None] * len(id_list)
-        for i, seq_id in enumerate(id_list):
+        for i, seq in enumerate(self.table.get_rows(id_list)):
             count = count_list[i]
             try:
                 if not 0 <= count <= width:
-                    raise SequenceError(seq_id, f"TOKEN_COUNT {count} outside 0..{width}")
-                seq = self.table.get(seq_id)
+                    raise SequenceError(id_list[i], f"TOKEN_COUNT {count} outside 0..{width}")
+                if isinstance(seq, SequenceError):
+                    raise seq
                 if count:
                     seq.accept(token_rows[i][:count])
                 seq.steps += 1
+                done = seq.terminated
+                closes = seq.closes
                 if seq.thinking is not None:
                     token = seq.reason(self.closer)
                 else:
-                    token = seq.plan(self.closer, self._stop_token) if seq.closes and not seq.terminated else FREE
+                    token = seq.plan(self.closer, self._stop_token) if closes and not done else FREE
             except (SequenceError, MatcherFailed) as err:
                 errors.add(i, err)
                 continue
@@ -654,7 +657,7 @@ class GrammarEngine:
                 else:
                     ban_rows.append((i, seq.thinking_row()))
                 continue
-            if seq.terminated:
+            if done:
                 terminated[i] = True
                 continue
             scanner = seq.values.scanner if seq.values is not None else None
@@ -668,7 +671,7 @@ class GrammarEngine:
                 if keep is not None:
                     ban_rows.append((i, keep))
                     banned = True  # forced text may be spelled with a banned token: no jump here
-            if seq.closes:
+            if closes:
                 closing[i] = seq.close_state
                 if seq.forcing:
                     forced_rows.append((i, token))

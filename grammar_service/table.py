@@ -116,6 +116,22 @@ class SequenceTable:
             self._seqs.move_to_end(seq_id)
             return seq
 
+    def get_rows(self, seq_ids: Sequence[int]) -> list[GrammarSequence | UnknownSequence]:
+        """:meth:`get` of every row of a step under one lock and one clock read: each row's sequence, or the
+        error of a row whose sequence is not active (that row's alone)."""
+        found: list[GrammarSequence | UnknownSequence] = []
+        with self._lock:
+            seqs, now = self._seqs, self._clock()
+            for seq_id in seq_ids:
+                seq = seqs.get(seq_id)
+                if seq is None:
+                    found.append(UnknownSequence(seq_id, "not active (never started, ended or evicted)"))
+                    continue
+                seq.last_used = now
+                seqs.move_to_end(seq_id)
+                found.append(seq)
+        return found
+
     def accept(self, seq_id: int, tokens: Sequence[int] | np.ndarray) -> bool:
         """Accept tokens for one sequence; returns whether it is now terminated."""
         seq = self.get(seq_id)

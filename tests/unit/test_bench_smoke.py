@@ -319,6 +319,20 @@ def test_e2e_equal_work_ratio_reads_the_step_stats(monkeypatch: pytest.MonkeyPat
     assert e2e_bench.equal_work_ratios(stats, (8,)) == {8: (0.100, 0.125, 1.0)}
 
 
+def test_step_bench_compares_each_step_with_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import grammar_step_bench
+
+    # Two rounds of a 4-step path: cheap, costly, costly, cheap; the served step costs 0.5 ms more at each.
+    floor = [1.0, 6.0, 6.0, 1.0, 1.0, 6.0, 6.0, 1.0]
+    served = [1.5, 6.5, 6.5, 1.5, 1.5, 6.5, 6.5, 1.5]
+    assert grammar_step_bench.paired(served, floor, 4) == {"p50": pytest.approx(0.5 * (1.5 + 6.5 / 6)),
+                                                           "total": pytest.approx(16 / 14)}
+    # One round's costly third step (a host hiccup) moves its step's median only halfway.
+    served[6] = 16.5
+    assert grammar_step_bench.paired(served, floor, 4)["total"] == pytest.approx(21 / 14)
+
+
 def test_e2e_step_parts_read_the_step_stats(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(REPO / "bench"))
     import e2e_bench

@@ -97,6 +97,21 @@ def test_capacity_and_idle_eviction(compiled: xgr.CompiledGrammar) -> None:
     assert table.evict_idle() == [2, 3] and len(table) == 0
 
 
+def test_a_step_looks_its_rows_up_at_once(compiled: xgr.CompiledGrammar) -> None:
+    now = [0.0]
+    table = _table(capacity=3, ttl=10, now=now)
+    for seq_id in (1, 2, 3):
+        table.start(seq_id, SPEC, xgr.GrammarMatcher(compiled))
+    now[0] = 8
+    rows = table.get_rows([3, 9, 1])
+    assert [r.seq_id for r in rows] == [3, 9, 1]
+    assert isinstance(rows[1], UnknownSequence)
+    assert str(rows[1]) == "sequence 9: not active (never started, ended or evicted)"
+    now[0] = 12  # 1 and 3 were used at 8; 2 has been idle since 0
+    table.start(4, SPEC, xgr.GrammarMatcher(compiled))
+    assert 2 not in table and 1 in table and 3 in table
+
+
 OPS = st.lists(
     st.tuples(
         st.sampled_from(["start", "accept", "bad", "rollback", "end", "tick"]),
