@@ -117,6 +117,10 @@ MAX_CONSTRAINT_BYTES: Final = 2 * 1024 * 1024
 #: ``HEAVY_CONSTRAINT_BYTES``).  A 61 KB schema's checks took 0.17 s; of the 2,890 maskbench-dev schemas (real
 #: tool and extraction schemas) the median is 0.7 KB and 31 are larger (the largest 229 KB).
 HEAVY_CONSTRAINT_BYTES: Final = 65_536
+#: Most draft tokens one row of a grammar step may carry (speculative decoding): a step returns a mask for
+#: the position after each.  TensorRT-LLM's linear drafters (MTP, Eagle-3's chain, n-gram) propose a few a
+#: step; the engine's draft masks take this many times ``max_batch`` rows at most.
+MAX_DRAFT_TOKENS: Final = 16
 #: Deepest JSON nesting of a constraint payload (objects and arrays).
 MAX_CONSTRAINT_DEPTH: Final = 128
 #: Largest gRPC message the public port takes or sends (deploy/gateway.py): one

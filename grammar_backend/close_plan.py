@@ -11,6 +11,7 @@ tells it what the matcher took (:meth:`ClosePlan.followed`) and dropped
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -156,6 +157,15 @@ class ClosePlan:
                     self.close_state = CloseState.OPEN
                     self.next_check = accepted if self.budget else -1
                     break
+
+    def fork(self) -> ClosePlan:
+        """A copy that goes on apart: a step's draft positions are planned on it (:meth:`GrammarSequence.fork`)."""
+        twin = copy.copy(self)
+        if self.repeats is not None:
+            twin.repeats = self.repeats.fork()
+        if self.scalar_tokens is not None:
+            twin.scalar_tokens = self.scalar_tokens.copy()
+        return twin
 
     def rolled_back(self, count: int, accepted: int) -> None:
         """The matcher dropped its last ``count`` tokens (``accepted`` are left)."""

@@ -635,6 +635,12 @@ class RepeatDetector:
         if count > 0:
             del self._tail[-count:]
 
+    def fork(self) -> RepeatDetector:
+        """A copy that goes on apart (the tail copied)."""
+        twin = RepeatDetector(self.config)
+        twin._tail = self._tail.copy()
+        return twin
+
     def repeating(self, digit_run: int = 0) -> bool:
         """Whether the output runs away (see :class:`RepeatConfig`).
 

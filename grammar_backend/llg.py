@@ -238,7 +238,11 @@ class LlgMatcher:
         """
         if self._terminated:
             return False
+        size = 1
         if token in self._stops:
+            # Where only the stop was left, llguidance has stopped already: the stop it consumes then is
+            # not in its history, and a rollback of one token would undo the token before it.
+            size = 0 if self._m.is_stopped() else 1
             ok = self._m.is_accepting() and self._m.consume_token(token)
         else:
             ok = self._m.validate_tokens([token]) == 1 and self._m.consume_token(token)
@@ -246,7 +250,7 @@ class LlgMatcher:
             self._check()
             return False
         self._terminated = token in self._stops
-        self._steps.append(1)
+        self._steps.append(size)
         return True
 
     def completes(self, tokens: Sequence[int]) -> bool:
@@ -296,10 +300,8 @@ class LlgMatcher:
         if steps:
             tokens = sum(self._steps[-steps:])
             del self._steps[-steps:]
-            if self._terminated:
-                # The stop token is the last step; llguidance keeps it in its history.
-                self._terminated = False
-            if not self._m.rollback(tokens):
+            self._terminated = False  # a stop token can only be the last step
+            if tokens and not self._m.rollback(tokens):
                 raise RuntimeError(f"llguidance could not roll back {tokens} tokens: {self._m.get_error()}")
 
     @property

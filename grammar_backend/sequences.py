@@ -35,6 +35,7 @@ decides the step's forced, calm or free row.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import numpy as np
@@ -42,7 +43,7 @@ import numpy as np
 from grammar_backend.bitmask import Matcher
 from grammar_backend.close_plan import FREE, ClosePlan
 from grammar_backend.closing import Closer, ClosingConfig
-from grammar_backend.errors import SequenceError, TokenRejected
+from grammar_backend.errors import MatcherFailed, SequenceError, TokenRejected
 from grammar_backend.protocol import CloseState
 from grammar_backend.reasoning import MarkerTable, ReasoningConfig, Thinking
 from grammar_backend.spec import ConstraintSpec
@@ -102,6 +103,26 @@ class GrammarSequence:
         self.reasoning = ReasoningConfig()
         #: The matcher's tokens, kept where a list is set (a replay of the output wants them), else None.
         self.recording: list[int] | None = None
+
+    def fork(self) -> GrammarSequence:
+        """A copy for a step's draft positions (speculative decoding): it shares this sequence's matcher and
+        goes on with its own thinking and closing state, without value checks.
+
+        The caller accepts the drafts into the fork (so into the shared
+        matcher), plans and fills each position as for a row, then rolls the
+        matcher back by ``fork.tokens_accepted - self.tokens_accepted``: this
+        sequence is left as it was.  Drafts are not scanned: a value they
+        complete is checked when the target's accepted tokens come back as
+        the next step's tokens, and dropped there if it breaks the schema
+        (what follows it in the same step is dropped with it), as without
+        speculation.
+        """
+        twin = copy.copy(self)
+        twin.close = self.close.fork()
+        twin.thinking = None if self.thinking is None else copy.copy(self.thinking)
+        twin.values = None
+        twin.recording = None
+        return twin
 
     # ------------------------------------------------------------------ thinking
 
@@ -215,6 +236,39 @@ class GrammarSequence:
                     self._accept_end(tokens, i)
                     return
         self._accept(tokens)
+
+    def accept_each(self, tokens: Sequence[int], closer: Closer, stop_token: int) -> None:
+        """:meth:`accept` one token at a time, planned after each (:meth:`reason` or :meth:`plan`) but the last.
+
+        Several tokens that come back at once (the drafts a target accepted,
+        a jump-forward run) leave the sequence as as many one-token steps
+        would: closing checks the budget where it would have, and a value is
+        checked or not as the row stood when it completed.  The caller plans
+        after the last token, as after any accept.  A value that breaks the
+        schema drops what follows it too (:attr:`dropped` counts it).
+
+        Raises
+        ------
+        TokenRejected, SequenceError, MatcherFailed
+            As :meth:`accept`; the matcher tokens this call accepted are rolled back.
+        """
+        start = self.tokens_accepted
+        last = len(tokens) - 1
+        try:
+            for n, token in enumerate(tokens):
+                self.accept((token,))
+                if self.dropped:
+                    self.dropped += last - n
+                    return
+                if n < last:
+                    if self.thinking is not None:
+                        self.reason(closer)
+                    elif self.closes and not self.terminated:
+                        self.plan(closer, stop_token)
+        except (SequenceError, MatcherFailed):
+            if self.tokens_accepted > start:
+                self.rollback(self.tokens_accepted - start)
+            raise
 
     def _accept_end(self, tokens: Sequence[int] | np.ndarray, i: int) -> None:
         """:meth:`accept` of ``tokens`` whose ``i``-th is a stop token.

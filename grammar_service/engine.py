@@ -83,6 +83,8 @@ class GrammarEngineConfig:
     reasoning : ReasoningConfig
         What the thinking section of a ``reasoning`` request leaves to the
         answer (:mod:`grammar_backend.reasoning`).
+    max_draft_tokens : int
+        Most draft tokens a row of a step may carry (:meth:`GrammarEngine.step`'s ``drafts``).
     """
 
     max_batch: int = 256
@@ -90,6 +92,7 @@ class GrammarEngineConfig:
     auto_timeout_s: float = 5.0
     llg_compile_threads: int = 2
     heavy_constraint_bytes: int = contract.HEAVY_CONSTRAINT_BYTES
+    max_draft_tokens: int = contract.MAX_DRAFT_TOKENS
     closing: ClosingConfig = field(default_factory=ClosingConfig)
     reasoning: ReasoningConfig = field(default_factory=ReasoningConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -100,6 +103,9 @@ class GrammarEngineConfig:
     def __post_init__(self) -> None:
         if min(self.max_batch, self.fill_threads, self.llg_compile_threads) <= 0 or not self.auto_timeout_s > 0:
             raise ConfigError("engine: max_batch, fill_threads, llg_compile_threads and auto_timeout_s must be positive")
+        if not 0 <= self.max_draft_tokens <= contract.MAX_DRAFT_TOKENS:
+            raise ConfigError(f"engine: max_draft_tokens must be within 0..{contract.MAX_DRAFT_TOKENS}, "
+                              f"got {self.max_draft_tokens}")
 
 
 @dataclass(frozen=True)
@@ -138,6 +144,16 @@ class StepResult:
         many of the first of them no value check can drop once accepted
         (0 elsewhere: the caller holds forced tokens until the next step's
         ``hold``).  A reused buffer's view.
+    draft_bitmask : numpy.ndarray or None
+        With ``drafts``: int32 ``[K, B, ceil(V/32)]``, ``draft_bitmask[j, i]``
+        the mask of the position after row ``i``'s drafts ``0..j`` (its mask
+        after its new tokens is ``bitmask[i]``).  A reused buffer's view.
+    draft_valid : numpy.ndarray or None
+        With ``drafts``: int32 ``[B]``, how many of row ``i``'s draft masks
+        hold (the rest are all ones): up to the first draft the mask before
+        it forbids (the target cannot accept it, nor what follows), one
+        after which the grammar has ended, or the row's draft count.
+        A reused buffer's view.
     """
 
     bitmask: np.ndarray
@@ -148,6 +164,8 @@ class StepResult:
     dropped: np.ndarray
     hold: np.ndarray
     forced_safe: np.ndarray
+    draft_bitmask: np.ndarray | None = None
+    draft_valid: np.ndarray | None = None
 
     def answer(self, *, jump_forward: bool, copy: bool, bitmask: np.ndarray | None = None,
                seconds: float = float("nan"), active: int = -1) -> MaskStep:
@@ -160,6 +178,10 @@ class StepResult:
         else the engine's (copied too, with ``copy``).  ``dropped`` and
         ``hold`` are None where no row has any, as the protocol sends them.
         """
+        if self.draft_bitmask is not None:
+            raise GrammarError("grammar: the step protocol carries no draft masks yet (a step with drafts is "
+                               "in-process only)")
+
         def own(a: np.ndarray) -> np.ndarray:
             return a.copy() if copy else a
 
@@ -259,6 +281,11 @@ class GrammarEngine:
         self._ban_rows: list[tuple[int, np.ndarray]] = []  # reused: (row, what its bans leave allowed)
         self._forced_rows: list[tuple[int, int]] = []  # reused: (row, token) forced this step
         self._calm_rows: list[tuple[int, int, GrammarSequence]] = []  # reused: (row, completion token, its sequence)
+        self._draft_seqs: list[tuple[int, GrammarSequence]] = []  # reused: (row, sequence) with drafts this step
+        #: The draft masks, ``[K, max_batch, width]``, grown to the most draft tokens a step has carried.
+        self._draft_masks = np.full((0, config.max_batch, self.bitmask.width), -1, dtype=np.int32)
+        self._draft_valid = np.zeros(config.max_batch, dtype=np.int32)
+        self._draft_closing = np.zeros(config.max_batch, dtype=np.int8)  # draft rows' CLOSING: not returned
         self.closer = Closer(tokenizer_info, config.closing.search)
         #: Packed calm rows by (whole characters only, more openers): see :meth:`Closer.calm_tokens`.
         self._calm: Lru[tuple[bool, bytes], np.ndarray] = Lru(_CALM_ROWS)
@@ -523,8 +550,10 @@ class GrammarEngine:
         *,
         jump_forward: bool = False,
         out: np.ndarray | None = None,
+        drafts: np.ndarray | None = None,
+        draft_counts: Sequence[int] | np.ndarray | None = None,
     ) -> StepResult:
-        """Accept each row's new tokens, then fill the mask of each row's next token.
+        """Accept each row's new tokens, then fill the mask of each row's next token (and of its drafts').
 
         The order matters; each phase reads what the ones before it left
         (phases 1-2: :meth:`_plan_rows`, 4: :meth:`_close_rows`, 6: :meth:`_jump`):
@@ -551,6 +580,12 @@ class GrammarEngine:
         5. Bans (thinking rows' masks, value retries) and-ed into the rows.
         6. Jump-forward: each asking row's forced tokens, and how many of an
            output's first forced tokens stream at once.
+        7. Drafts (speculative decoding, :meth:`_drafts`): each row's draft
+           tokens, one position at a time, on a fork of the row's sequence
+           (:meth:`GrammarSequence.fork`), each position's mask made as in
+           phases 1-5; then the matcher is rolled back.  The drafts are never
+           kept: the tokens the target accepts come back as the next step's
+           ``tokens``, so a row's state is always that of the tokens accepted.
 
         Parameters
         ----------
@@ -566,6 +601,14 @@ class GrammarEngine:
             int32 ``[B, ceil(V/32)]``, C-contiguous: the masks are written
             there (the caller's mask buffer) instead of the engine's buffer,
             and ``StepResult.bitmask`` is ``out``.
+        drafts : int32 array, shape [B, K], optional
+            Row i's first ``draft_counts[i]`` entries are draft tokens
+            proposed after its new tokens (``K <= max_draft_tokens``); their
+            masks are ``StepResult.draft_bitmask``.  A row that jumps
+            forward does not draft: it gets no forced tokens at a step where
+            it has drafts.
+        draft_counts : int array, shape [B], optional
+            With ``drafts``.
 
         Returns
         -------
@@ -589,25 +632,33 @@ class GrammarEngine:
             raise GrammarError(
                 f"step: SEQUENCE_ID has {rows} rows, TOKEN_COUNT {len(counts)}, TOKENS shape {tokens.shape}"
             )
+        draft_width = self._check_drafts(rows, drafts, draft_counts)
         self.table.evict_idle()
         for per_row in (self._terminated, self._closing, self._dropped, self._hold, self._forced_safe):
             per_row[:rows].fill(0)
         self._ban_rows.clear()
         self._forced_rows.clear()
         self._calm_rows.clear()
+        self._draft_seqs.clear()
         # Python ints from here on: the per-row work (matcher, value scanner, closer) iterates a row's
         # tokens several times, and a NumPy scalar costs each read and int() more than a Python int.
         id_list: list[int] = seq_ids.tolist() if isinstance(seq_ids, np.ndarray) else [int(s) for s in seq_ids]
         count_list: list[int] = counts.tolist() if isinstance(counts, np.ndarray) else [int(c) for c in counts]
         token_rows: list[list[int]] = tokens.tolist() if rows else []
+        draft_list: list[int] | None = None
+        if draft_counts is not None:
+            draft_list = draft_counts.tolist() if isinstance(draft_counts, np.ndarray) else [int(c) for c in draft_counts]
         errors = _RowErrors(id_list)
         jump_rows: list[tuple[int, GrammarSequence]] | None = [] if jump_forward else None
-        matchers = self._plan_rows(id_list, count_list, token_rows, tokens.shape[1] if rows else 0, jump_rows, errors)
+        matchers = self._plan_rows(id_list, count_list, token_rows, tokens.shape[1] if rows else 0, jump_rows, errors,
+                                   draft_list, draft_width)
         bitmask = self.bitmask.fill(matchers, out)
-        self._close_rows(bitmask, errors)
-        for i, keep in self._ban_rows:
-            np.bitwise_and(bitmask[i], keep, out=bitmask[i])
+        self._close_rows(bitmask, errors, self._forced_rows, self._calm_rows, self._closing)
+        self._ban(bitmask, self._ban_rows)
         forced = self._jump(jump, jump_rows, rows, errors) if jump_rows and jump is not None else self._no_forced[:rows]
+        draft_bitmask = draft_valid = None
+        if drafts is not None and draft_list is not None:
+            draft_bitmask, draft_valid = self._drafts(bitmask, drafts.tolist(), draft_list, draft_width, rows, errors)
         return StepResult(
             bitmask=bitmask,
             terminated=self._terminated[:rows],
@@ -617,14 +668,41 @@ class GrammarEngine:
             dropped=self._dropped[:rows],
             hold=self._hold[:rows],
             forced_safe=self._forced_safe[:rows],
+            draft_bitmask=draft_bitmask,
+            draft_valid=draft_valid,
         )
 
+    def _check_drafts(self, rows: int, drafts: np.ndarray | None,
+                      draft_counts: Sequence[int] | np.ndarray | None) -> int:
+        """The drafts' width K (0: none), once their shapes are checked.
+
+        Raises
+        ------
+        GrammarError
+            One of ``drafts`` and ``draft_counts`` without the other, a shape
+            that is not ``[B, K]`` and ``[B]``, or K over ``max_draft_tokens``.
+        """
+        if drafts is None and draft_counts is None:
+            return 0
+        if drafts is None or draft_counts is None:
+            raise GrammarError("step: DRAFT_TOKENS and DRAFT_COUNT come together")
+        if drafts.ndim != 2 or drafts.shape[0] != rows or len(draft_counts) != rows:
+            raise GrammarError(f"step: SEQUENCE_ID has {rows} rows, DRAFT_COUNT {len(draft_counts)}, "
+                               f"DRAFT_TOKENS shape {drafts.shape}")
+        width = int(drafts.shape[1])
+        if width > self.config.max_draft_tokens:
+            raise GrammarError(f"step: DRAFT_TOKENS has {width} columns, more than max_draft_tokens "
+                               f"{self.config.max_draft_tokens}")
+        return width
+
     def _plan_rows(self, id_list: list[int], count_list: list[int], token_rows: list[list[int]], width: int,
-                   jump_rows: list[tuple[int, GrammarSequence]] | None, errors: _RowErrors) -> list[Matcher | None]:
+                   jump_rows: list[tuple[int, GrammarSequence]] | None, errors: _RowErrors,
+                   draft_list: list[int] | None = None, draft_width: int = 0) -> list[Matcher | None]:
         """:meth:`step`'s phases 1 and 2: each row's accept and plan, and what its answer says.
 
         Returns the matcher of each row the fill is for (None: the fill leaves it all ones: an error,
-        terminated or forced row, or a thinking row, whose mask is its own).
+        terminated or forced row, or a thinking row, whose mask is its own).  The rows with drafts that
+        :meth:`_drafts` steps on are left in ``_draft_seqs``.
         """
         terminated, closing, dropped, hold = self._terminated, self._closing, self._dropped, self._hold
         ban_rows, forced_rows, calm_rows = self._ban_rows, self._forced_rows, self._calm_rows
@@ -634,9 +712,14 @@ class GrammarEngine:
             try:
                 if not 0 <= count <= width:
                     raise SequenceError(id_list[i], f"TOKEN_COUNT {count} outside 0..{width}")
+                drafting = draft_list[i] if draft_list is not None else 0
+                if not 0 <= drafting <= draft_width:
+                    raise SequenceError(id_list[i], f"DRAFT_COUNT {drafting} outside 0..{draft_width}")
                 if isinstance(seq, SequenceError):
                     raise seq
-                if count:
+                if count > 1 and (seq.closes or seq.thinking is not None):
+                    seq.accept_each(token_rows[i][:count], self.closer, self._stop_token)
+                elif count:
                     seq.accept(token_rows[i][:count])
                 seq.steps += 1
                 done = seq.terminated
@@ -648,6 +731,9 @@ class GrammarEngine:
             except (SequenceError, MatcherFailed) as err:
                 errors.add(i, err)
                 continue
+            if drafting and not done and not (count and seq.dropped):
+                # A row whose value check dropped tokens is fed again from before them: its drafts are moot.
+                self._draft_seqs.append((i, seq))
             if seq.thinking is not None:
                 # The thinking section: free but for the stop, special and overrunning tokens, or the
                 # end marker forced token by token; no jump, value check or closing before the answer.
@@ -678,7 +764,7 @@ class GrammarEngine:
                     continue  # its row is all ones after the fill, then one bit below
                 if token != FREE:
                     calm_rows.append((i, token, seq))
-            if jump_rows is not None and seq.spec.options.jump_forward and not banned:
+            if jump_rows is not None and seq.spec.options.jump_forward and not banned and not drafting:
                 # A calm row (near its budget) jumps too: forced text is part of
                 # every completion, so appending it cannot grow what is still
                 # open; a forcing row (above) follows its plan token by token.
@@ -686,16 +772,20 @@ class GrammarEngine:
             matchers[i] = seq.matcher
         return matchers
 
-    def _close_rows(self, bitmask: np.ndarray, errors: _RowErrors) -> None:
-        """:meth:`step`'s phase 4: forced rows get their one bit; calm rows are restricted or screened."""
-        for i, token in self._forced_rows:
+    def _close_rows(self, bitmask: np.ndarray, errors: _RowErrors, forced_rows: list[tuple[int, int]],
+                    calm_rows: list[tuple[int, int, GrammarSequence]], closing: np.ndarray) -> None:
+        """:meth:`step`'s phase 4: forced rows get their one bit; calm rows are restricted or screened.
+
+        ``bitmask`` is what the last fill wrote; a calm row's new close state goes to ``closing``.
+        """
+        for i, token in forced_rows:
             self.bitmask.force(i, token)
-        for i, token, seq in self._calm_rows:
+        for i, token, seq in calm_rows:
             try:
                 if not self.bitmask.allows(i, token):
                     # The kept completion no longer starts here (checked between budget checks, not searched).
                     token = seq.recheck(self.closer, self._stop_token)
-                    self._closing[i] = seq.close_state
+                    closing[i] = seq.close_state
                 if token == FREE:
                     continue
                 if seq.close.calm_ok:
@@ -708,6 +798,85 @@ class GrammarEngine:
                 self.bitmask.keep(i, seq.screen(self.closer, allowed.tolist(), self._stop_token), token)
             except MatcherFailed as err:
                 errors.add(i, err)
+
+    @staticmethod
+    def _ban(bitmask: np.ndarray, ban_rows: list[tuple[int, np.ndarray]]) -> None:
+        """:meth:`step`'s phase 5: each banned row and-ed with what its bans leave allowed."""
+        for i, keep in ban_rows:
+            np.bitwise_and(bitmask[i], keep, out=bitmask[i])
+
+    def _drafts(self, bitmask: np.ndarray, drafts: list[list[int]], draft_list: list[int], width: int, rows: int,
+                errors: _RowErrors) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`step`'s phase 7: the masks after each row's drafts, position by position, one batched fill each.
+
+        Each row in ``_draft_seqs`` goes on a fork of its sequence: a draft the mask before it allows is
+        accepted there (thinking, matcher, closing; no value check, see :meth:`GrammarSequence.fork`),
+        then the position is planned and its mask made as phases 2-5 make a row's: the thinking row or its
+        forced marker, the closer's forced token or calm restriction.  No value check bans a token past the
+        row's position (a backtrack drops the bans after where it goes back to), so none applies to a draft's.
+        A row stops drafting at a draft its mask forbids (the target cannot accept it), after a stop token,
+        or where its matcher fails (that row's error).  Every fork's matcher tokens are rolled back at the end.
+        """
+        if self._draft_masks.shape[0] < width:
+            self._draft_masks = np.full((width, self.config.max_batch, self.bitmask.width), -1, dtype=np.int32)
+        masks = self._draft_masks[:width, :rows]
+        valid = self._draft_valid[:rows]
+        valid.fill(0)
+        live = [(i, seq, seq.fork()) for i, seq in self._draft_seqs]
+        vocab = self.vocab_size
+        try:
+            for j in range(width):
+                before = bitmask if j == 0 else masks[j - 1]
+                matchers: list[Matcher | None] = [None] * rows
+                forced_rows: list[tuple[int, int]] = []
+                calm_rows: list[tuple[int, int, GrammarSequence]] = []
+                ban_rows: list[tuple[int, np.ndarray]] = []
+                going = []
+                for i, seq, fork in live:
+                    if valid[i] < j or draft_list[i] <= j:
+                        continue
+                    token = drafts[i][j]
+                    if not 0 <= token < vocab or not (int(before[i, token >> 5]) >> (token & 31)) & 1:
+                        continue
+                    try:
+                        fork.accept((token,))
+                        if fork.terminated:
+                            continue
+                        if fork.thinking is not None:
+                            planned = fork.reason(self.closer)
+                            if planned != FREE:
+                                forced_rows.append((i, planned))
+                            else:
+                                ban_rows.append((i, fork.thinking_row()))
+                        else:
+                            planned = fork.plan(self.closer, self._stop_token) if fork.closes else FREE
+                            if fork.forcing:
+                                forced_rows.append((i, planned))
+                            else:
+                                if planned != FREE:
+                                    calm_rows.append((i, planned, fork))
+                                matchers[i] = fork.matcher
+                    except SequenceError:
+                        continue  # allowed by the mask, refused by a policy (a thinking marker's overrun): stop here
+                    except MatcherFailed as err:  # llguidance past a limit: the row's matcher is done for
+                        errors.add(i, err)
+                        continue
+                    going.append(i)
+                if not going:
+                    break
+                filled = self.bitmask.fill(matchers, masks[j])
+                self._close_rows(filled, errors, forced_rows, calm_rows, self._draft_closing)
+                self._ban(filled, ban_rows)
+                for i in going:
+                    valid[i] = j + 1
+        finally:
+            for i, seq, fork in live:
+                if fork.tokens_accepted > seq.tokens_accepted:
+                    try:
+                        seq.matcher.rollback(fork.tokens_accepted - seq.tokens_accepted)
+                    except (RuntimeError, ValueError) as err:
+                        errors.add(i, SequenceError(seq.seq_id, f"its drafts could not be rolled back: {err}"))
+        return masks, valid
 
     def _jump(self, jump: JumpForward, jump_rows: list[tuple[int, GrammarSequence]], rows: int,
               errors: _RowErrors) -> tuple[tuple[int, ...], ...]:

@@ -116,6 +116,35 @@ def test_a_rejected_token_leaves_the_llguidance_matcher_usable(engine: GrammarEn
         engine.end([4])
 
 
+@pytest.mark.parametrize(
+    ("schema", "text", "complete_before_last"),
+    [
+        ({"type": "array", "items": {"type": "integer"}}, "[1,2]", False),  # only the stop is left: llguidance stopped
+        ({"type": "integer", "maximum": 9}, "1", False),  # the same, by a bound
+        ({"type": "integer"}, "12", True),  # a digit may still follow: the stop goes into llguidance's history
+    ],
+)
+def test_a_rolled_back_stop_token_leaves_the_output_complete(engine: GrammarEngine, qwen_tokenizer: Any,
+                                                           schema: dict[str, Any], text: str,
+                                                           complete_before_last: bool) -> None:
+    # A draft stop token is accepted, then rolled back (grammar_service.engine._drafts): the output before
+    # it must still end there, and the token before it must still be there.
+    llg = engine.llg
+    assert llg is not None
+    stop = int(qwen_tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    spec = parse_constraint("json_schema", json.dumps(schema), {"backend": "llguidance"})
+    ids = qwen_tokenizer.encode(text, add_special_tokens=False)
+    matcher = llg.matcher(llg.compile(spec))
+    for token in ids:
+        assert matcher.accept_token(token)
+    assert matcher.accept_token(stop) and matcher.is_terminated()
+    matcher.rollback(1)
+    assert (matcher.is_terminated(), matcher.is_completed()) == (False, True)
+    matcher.rollback(1)  # and the output's last token, as a value check's backtrack would
+    assert matcher.is_completed() is complete_before_last
+    assert matcher.accept_token(ids[-1]) and matcher.accept_token(stop)
+
+
 def test_auto_serves_what_xgrammar_cannot_compile_with_llguidance(engine: GrammarEngine, qwen_tokenizer: Any) -> None:
     with pytest.raises(CompileError, match="Unicode character class escape sequence is not supported"):
         engine.start(5, parse_constraint("regex", LETTERS, {"backend": "xgrammar"}))
