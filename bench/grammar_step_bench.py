@@ -212,7 +212,9 @@ def fill_states(info: xgr.TokenizerInfo, llg: LlgBackend, toks: list[list[int]],
 
 
 def time_local(engine: GrammarEngine, cons: list[tuple[str, str, str]], toks: list[list[int]], rows: int,
-               jump: bool, checks: bool = False) -> list[float]:
+               jump: bool, checks: bool = False, drafts: int = 0) -> list[float]:
+    """In-process steps along the paths; ``drafts``: each step also carries the path's next ``drafts``
+    tokens as draft tokens (all of them the grammar's: the masks of every draft position are made)."""
     provider = LocalMaskProvider(engine)
     ids = np.arange(1, rows + 1, dtype=np.uint64) + np.uint64(10**6 * (1 + int(time.monotonic())))
     for r in range(rows):
@@ -220,11 +222,19 @@ def time_local(engine: GrammarEngine, cons: list[tuple[str, str, str]], toks: li
         provider.start(int(ids[r]), ConstraintRequest(kind, payload, options, value_checks=checks))
     tokens = np.zeros((rows, 1), np.int32)
     counts = np.zeros(rows, np.int32)
+    ahead = np.zeros((rows, drafts), np.int32)
+    ahead_counts = np.zeros(rows, np.int32)
     out: list[float] = []
     try:
         for i in range(len(toks[0]) + 1):
+            if drafts:
+                for r in range(rows):
+                    nxt = toks[r % len(toks)][i : i + drafts]
+                    ahead[r, : len(nxt)] = nxt
+                    ahead_counts[r] = len(nxt)
             t0 = time.perf_counter()
-            step = provider.step(ids, tokens, counts, jump_forward=jump)
+            step = provider.step(ids, tokens, counts, jump_forward=jump, drafts=ahead if drafts else None,
+                                 draft_counts=ahead_counts if drafts else None)
             out.append(time.perf_counter() - t0)
             if any(e is not None for e in step.errors):
                 raise RuntimeError(f"local step {i}: {step.errors}")
@@ -368,6 +378,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true",
                         help="64 and 256 rows, every backend and auto, 1 and --threads fill threads: raw fill "
                              "and the channel step only")
+    parser.add_argument("--drafts", type=int, default=0,
+                        help="also time in-process steps that carry each row's next DRAFTS path tokens as draft "
+                             "tokens (speculative decoding: a mask per draft position; mode 'local drafted')")
     parser.add_argument("--fill-states", action="store_true",
                         help="the raw batched fill alone at --rows rows held at steps 2, 10 and 14 of their "
                              "paths, 1 and --threads fill threads (no server)")
@@ -375,6 +388,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads <= 0:
         parser.error("--threads must be positive")
+    if not 0 <= args.drafts <= GrammarEngineConfig().max_draft_tokens:
+        parser.error(f"--drafts must be within 0..{GrammarEngineConfig().max_draft_tokens}")
     bundle = load_tokenizer(QWEN_DIR, vocab_size=QWEN_VOCAB)
     toks = paths(bundle.encode)
     llg = LlgBackend(bundle.hf, bundle.vocab_size, bundle.stop_token_ids)
@@ -397,6 +412,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                            encode=bundle.encode, llg=llg)
     times: dict[str, list[float]] = {"raw fill": [], "raw": [], "local": [], "local checked": [], "bls tensor": [],
                                      "channel": []}
+    if args.drafts:
+        times["local drafted"] = []
     # The grammar model alone (MODEL_DIR: the Qwen3 tokenizer, MAX_BATCH: the rows), plus the bench driver.
     values = served_values(args.rows, args.threads)
     try:
@@ -408,14 +425,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             time_bls(server, cons, toks, args.rows, args.jump_forward, True)  # warm-up: compiles
             time_local(engine, cons, toks, args.rows, args.jump_forward)
             for r in range(args.rounds):
-                order = ["channel", "bls tensor", "local", "local checked", "raw"]
+                order = ["channel", "bls tensor", "local", "local checked", "raw",
+                         *(["local drafted"] if args.drafts else [])]
                 for mode in order if r % 2 == 0 else order[::-1]:
                     if mode in ("bls tensor", "channel"):
                         times[mode] += time_bls(server, cons, toks, args.rows, args.jump_forward,
                                                 mode == "channel")[1:]
                     elif mode.startswith("local"):
                         times[mode] += time_local(engine, cons, toks, args.rows, args.jump_forward,
-                                                  mode == "local checked")[1:]
+                                                  mode == "local checked",
+                                                  args.drafts if mode == "local drafted" else 0)[1:]
                     else:
                         raw_llg = llg if raw_backend(cons) == "llguidance" else None
                         for k, v in time_raw(bundle.info, raw_llg, cons, toks, args.rows, args.threads).items():
@@ -437,7 +456,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("  step-by-step p50 ratios (total): " + "; ".join(
         over(mode, floor) for mode, floor in (("local", "raw fill"), ("local checked", "local"),
                                               ("bls tensor", "raw fill"), ("channel", "raw fill"),
-                                              ("channel", "local"), ("channel", "local checked"))))
+                                              ("channel", "local"), ("channel", "local checked"),
+                                              *((("local drafted", "local"),) if args.drafts else ()))))
     if args.json is not None:
         harness.write_json(args.json, {"figures": figures, "times": times})
     return 0

@@ -29,9 +29,10 @@ import numpy as np
 
 import contract
 
-__all__ = ["BITMASK_TENSOR", "CLOSE_STATE_REASONS", "JUMP_TENSORS", "REASONING_STATES", "ROW_DROP", "ROW_ERROR",
-           "ROW_MASK", "ROW_STOP", "STEP_FIELDS", "STEP_TENSORS", "CloseState", "Field", "MaskStep", "Sent", "StepRows",
-           "answer_from_tensors", "answer_tensors", "bitmask_width"]
+__all__ = ["BITMASK_TENSOR", "CLOSE_STATE_REASONS", "DRAFT_BITMASK_TENSOR", "DRAFT_TENSORS", "JUMP_TENSORS",
+           "REASONING_STATES", "ROW_DROP", "ROW_ERROR", "ROW_MASK", "ROW_STOP", "STEP_FIELDS", "STEP_TENSORS",
+           "CloseState", "Field", "MaskStep", "Sent", "StepRows", "answer_from_tensors", "answer_tensors",
+           "bitmask_width"]
 
 
 class CloseState(IntEnum):
@@ -73,6 +74,8 @@ class Sent(Enum):
     NONZERO = "nonzero"
     #: Only when the step asked for jump-forward.
     JUMP = "jump"
+    #: Only when the step carried draft tokens (speculative decoding).
+    DRAFTS = "drafts"
     #: Only when some row failed (the row errors, as text).
     ERRORS = "errors"
 
@@ -97,13 +100,17 @@ STEP_FIELDS: Final[tuple[Field, ...]] = (
     Field("forced_counts", "FORCED_COUNT", np.int32, Sent.JUMP),
     Field("forced_tokens", "FORCED_TOKENS", np.int32, Sent.JUMP, wide=True),
     Field("forced_safe", "FORCED_SAFE", np.int32, Sent.JUMP),
+    Field("draft_valid", "DRAFT_VALID", np.int32, Sent.DRAFTS),
     Field("errors", "ROW_ERROR", np.object_, Sent.ERRORS),
 )
 #: The mask's tensor where the caller has no mask buffer (int32 ``[B, W]``).
 BITMASK_TENSOR: Final = "BITMASK"
-#: The per-row tensors a step's caller asks for (with or without jump-forward).
-STEP_TENSORS: Final = tuple(f.tensor for f in STEP_FIELDS if f.sent is not Sent.JUMP)
+#: The draft positions' masks where the caller has no mask buffer (int32 ``[D, B, W]``).
+DRAFT_BITMASK_TENSOR: Final = "DRAFT_BITMASK"
+#: The per-row tensors a step's caller asks for (with or without jump-forward, with or without drafts).
+STEP_TENSORS: Final = tuple(f.tensor for f in STEP_FIELDS if f.sent not in (Sent.JUMP, Sent.DRAFTS))
 JUMP_TENSORS: Final = tuple(f.tensor for f in STEP_FIELDS if f.sent is Sent.JUMP)
+DRAFT_TENSORS: Final = tuple(f.tensor for f in STEP_FIELDS if f.sent is Sent.DRAFTS)
 
 
 # Not frozen: one is built every decode step, and a frozen dataclass's __init__ (object.__setattr__
@@ -142,6 +149,14 @@ class MaskStep:
         start its output, how many of the first of them no value check can
         drop once accepted; 0 (or None): hold them until the next step's
         ``hold``.
+    draft_valid : np.ndarray or None
+        int32 ``[B]`` (a step with drafts): how many of row ``i``'s draft
+        masks hold; the target may accept its drafts up to there at most.
+    draft_bitmask : np.ndarray or None
+        int32 ``[D, B, W]`` (a step with drafts): ``draft_bitmask[j, i]`` is
+        the mask of the position after row ``i``'s drafts ``0..j``
+        (:meth:`GrammarEngine.step <grammar_service.engine.GrammarEngine.step>`);
+        rows past ``draft_valid[i]`` are all ones.
     grammar_s : float
         How long the step took on the grammar side itself (NaN: not
         reported); the rest of the caller's wait is the call's transport.
@@ -158,6 +173,8 @@ class MaskStep:
     dropped: np.ndarray | None = None
     hold: np.ndarray | None = None
     forced_safe: np.ndarray | None = None
+    draft_valid: np.ndarray | None = None
+    draft_bitmask: np.ndarray | None = None
     grammar_s: float = float("nan")
     active: int = -1
 
@@ -275,6 +292,8 @@ def answer_tensors(answer: MaskStep, *, with_bitmask: bool) -> list[tuple[str, n
     """The answer as the grammar model's output tensors (name, array): the fields it holds, the bitmask
     where the caller has no mask buffer (``with_bitmask``)."""
     out = [(BITMASK_TENSOR, answer.bitmask)] if with_bitmask else []
+    if with_bitmask and answer.draft_bitmask is not None:
+        out.append((DRAFT_BITMASK_TENSOR, answer.draft_bitmask))
     for f in STEP_FIELDS:
         value = getattr(answer, f.name)
         if f.sent is Sent.ERRORS:
@@ -285,9 +304,11 @@ def answer_tensors(answer: MaskStep, *, with_bitmask: bool) -> list[tuple[str, n
     return out
 
 
-def answer_from_tensors(output: Callable[[str], Any], rows: int, bitmask: np.ndarray) -> MaskStep:
+def answer_from_tensors(output: Callable[[str], Any], rows: int, bitmask: np.ndarray,
+                        draft_bitmask: np.ndarray | None = None) -> MaskStep:
     """The answer from the grammar model's output tensors: ``output(name)`` is the named tensor's array
-    (None: not sent); ``bitmask`` the mask (its tensor, or the caller's mask buffer)."""
+    (None: not sent); ``bitmask`` the mask (its tensor, or the caller's mask buffer); ``draft_bitmask`` the
+    draft positions' masks (likewise; None: the step had no drafts)."""
     fields: dict[str, Any] = {}
     for f in STEP_FIELDS:
         value = output(f.tensor)
@@ -296,4 +317,4 @@ def answer_from_tensors(output: Callable[[str], Any], rows: int, bitmask: np.nda
                               else (None,) * rows)
         else:
             fields[f.name] = value
-    return MaskStep(bitmask=bitmask, **fields)
+    return MaskStep(bitmask=bitmask, draft_bitmask=draft_bitmask, **fields)

@@ -15,7 +15,7 @@ import xgrammar as xgr
 
 import contract
 from grammar_backend.backends import LLGUIDANCE, XGRAMMAR, auto_order
-from grammar_backend.bitmask import BitmaskBuffer, Matcher, few_allowed, pack_tokens
+from grammar_backend.bitmask import ALL_ALLOWED, BitmaskBuffer, Matcher, few_allowed, pack_tokens
 from grammar_backend.closing import Closer, ClosingConfig
 from grammar_backend.compile import XGRAMMAR_VERSION
 from grammar_backend.errors import (
@@ -168,20 +168,17 @@ class StepResult:
     draft_valid: np.ndarray | None = None
 
     def answer(self, *, jump_forward: bool, copy: bool, bitmask: np.ndarray | None = None,
-               seconds: float = float("nan"), active: int = -1) -> MaskStep:
+               draft_bitmask: np.ndarray | None = None, seconds: float = float("nan"), active: int = -1) -> MaskStep:
         """This result as the step protocol's answer (:mod:`grammar_backend.protocol`), the one conversion.
 
         ``jump_forward``: the step asked for forced tokens.  ``copy``: copy the
         per-row arrays out of the engine's reused buffers (an answer sent by
         another thread after the next step may have run); the bitmask is
         ``bitmask`` where given (the caller's mask buffer, filled already),
-        else the engine's (copied too, with ``copy``).  ``dropped`` and
+        else the engine's (copied too, with ``copy``); the draft masks likewise
+        (``draft_bitmask``).  ``dropped`` and
         ``hold`` are None where no row has any, as the protocol sends them.
         """
-        if self.draft_bitmask is not None:
-            raise GrammarError("grammar: the step protocol carries no draft masks yet (a step with drafts is "
-                               "in-process only)")
-
         def own(a: np.ndarray) -> np.ndarray:
             return a.copy() if copy else a
 
@@ -196,6 +193,9 @@ class StepResult:
             dropped=own(self.dropped) if self.dropped.any() else None,
             hold=own(self.hold) if self.hold.any() else None,
             forced_safe=own(self.forced_safe) if jump_forward else None,
+            draft_valid=None if self.draft_valid is None else own(self.draft_valid),
+            draft_bitmask=(None if self.draft_bitmask is None
+                           else draft_bitmask if draft_bitmask is not None else own(self.draft_bitmask)),
             grammar_s=seconds,
             active=active,
         )
@@ -552,6 +552,7 @@ class GrammarEngine:
         out: np.ndarray | None = None,
         drafts: np.ndarray | None = None,
         draft_counts: Sequence[int] | np.ndarray | None = None,
+        draft_out: np.ndarray | None = None,
     ) -> StepResult:
         """Accept each row's new tokens, then fill the mask of each row's next token (and of its drafts').
 
@@ -609,6 +610,9 @@ class GrammarEngine:
             it has drafts.
         draft_counts : int array, shape [B], optional
             With ``drafts``.
+        draft_out : numpy.ndarray, optional
+            int32 ``[K, B, ceil(V/32)]``, C-contiguous: the draft masks are
+            written there (the caller's mask buffer, after its ``B`` rows).
 
         Returns
         -------
@@ -632,7 +636,7 @@ class GrammarEngine:
             raise GrammarError(
                 f"step: SEQUENCE_ID has {rows} rows, TOKEN_COUNT {len(counts)}, TOKENS shape {tokens.shape}"
             )
-        draft_width = self._check_drafts(rows, drafts, draft_counts)
+        draft_width = self._check_drafts(rows, drafts, draft_counts, draft_out)
         self.table.evict_idle()
         for per_row in (self._terminated, self._closing, self._dropped, self._hold, self._forced_safe):
             per_row[:rows].fill(0)
@@ -658,7 +662,8 @@ class GrammarEngine:
         forced = self._jump(jump, jump_rows, rows, errors) if jump_rows and jump is not None else self._no_forced[:rows]
         draft_bitmask = draft_valid = None
         if drafts is not None and draft_list is not None:
-            draft_bitmask, draft_valid = self._drafts(bitmask, drafts.tolist(), draft_list, draft_width, rows, errors)
+            draft_bitmask, draft_valid = self._drafts(bitmask, drafts.tolist(), draft_list, draft_width, rows, errors,
+                                                      draft_out)
         return StepResult(
             bitmask=bitmask,
             terminated=self._terminated[:rows],
@@ -672,17 +677,20 @@ class GrammarEngine:
             draft_valid=draft_valid,
         )
 
-    def _check_drafts(self, rows: int, drafts: np.ndarray | None,
-                      draft_counts: Sequence[int] | np.ndarray | None) -> int:
-        """The drafts' width K (0: none), once their shapes are checked.
+    def _check_drafts(self, rows: int, drafts: np.ndarray | None, draft_counts: Sequence[int] | np.ndarray | None,
+                      draft_out: np.ndarray | None) -> int:
+        """The drafts' width K (0: none), once their shapes (and their mask buffer's) are checked.
 
         Raises
         ------
         GrammarError
             One of ``drafts`` and ``draft_counts`` without the other, a shape
-            that is not ``[B, K]`` and ``[B]``, or K over ``max_draft_tokens``.
+            that is not ``[B, K]`` and ``[B]``, K over ``max_draft_tokens``, or a
+            ``draft_out`` that is not a C-contiguous int32 ``[K, B, W]``.
         """
         if drafts is None and draft_counts is None:
+            if draft_out is not None:
+                raise GrammarError("step: a draft mask buffer without drafts")
             return 0
         if drafts is None or draft_counts is None:
             raise GrammarError("step: DRAFT_TOKENS and DRAFT_COUNT come together")
@@ -693,6 +701,11 @@ class GrammarEngine:
         if width > self.config.max_draft_tokens:
             raise GrammarError(f"step: DRAFT_TOKENS has {width} columns, more than max_draft_tokens "
                                f"{self.config.max_draft_tokens}")
+        shape = (width, rows, self.bitmask.width)
+        if draft_out is not None and (draft_out.shape != shape or draft_out.dtype != np.int32
+                                      or not draft_out.flags.c_contiguous):
+            raise GrammarError(f"step: a draft mask buffer must be C-contiguous int32 of shape {shape}, "
+                               f"not {draft_out.dtype} {draft_out.shape}")
         return width
 
     def _plan_rows(self, id_list: list[int], count_list: list[int], token_rows: list[list[int]], width: int,
@@ -806,7 +819,7 @@ class GrammarEngine:
             np.bitwise_and(bitmask[i], keep, out=bitmask[i])
 
     def _drafts(self, bitmask: np.ndarray, drafts: list[list[int]], draft_list: list[int], width: int, rows: int,
-                errors: _RowErrors) -> tuple[np.ndarray, np.ndarray]:
+                errors: _RowErrors, out: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`step`'s phase 7: the masks after each row's drafts, position by position, one batched fill each.
 
         Each row in ``_draft_seqs`` goes on a fork of its sequence: a draft the mask before it allows is
@@ -817,9 +830,14 @@ class GrammarEngine:
         A row stops drafting at a draft its mask forbids (the target cannot accept it), after a stop token,
         or where its matcher fails (that row's error).  Every fork's matcher tokens are rolled back at the end.
         """
-        if self._draft_masks.shape[0] < width:
-            self._draft_masks = np.full((width, self.config.max_batch, self.bitmask.width), -1, dtype=np.int32)
-        masks = self._draft_masks[:width, :rows]
+        if out is not None:
+            masks = out
+        else:
+            if self._draft_masks.shape[0] < width:
+                self._draft_masks = np.full((width, self.config.max_batch, self.bitmask.width), -1, dtype=np.int32)
+            # Each position's rows are one block: the batched fill writes a contiguous [B, W].
+            masks = self._draft_masks[:width].reshape(-1)[: width * rows * self.bitmask.width].reshape(
+                width, rows, self.bitmask.width)
         valid = self._draft_valid[:rows]
         valid.fill(0)
         live = [(i, seq, seq.fork()) for i, seq in self._draft_seqs]
@@ -863,6 +881,7 @@ class GrammarEngine:
                         continue
                     going.append(i)
                 if not going:
+                    masks[j:].fill(ALL_ALLOWED)  # never a stale or all-zero row where no draft reaches
                     break
                 filled = self.bitmask.fill(matchers, masks[j])
                 self._close_rows(filled, errors, forced_rows, calm_rows, self._draft_closing)

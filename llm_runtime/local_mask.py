@@ -31,11 +31,12 @@ class LocalMaskProvider:
         self.engine.start(seq_id, spec, budget=constraint.budget, value_checks=constraint.value_checks)
         return self.engine.table.get(seq_id).backend
 
-    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray,
-             jump_forward: bool = False) -> MaskStep:
-        """Accept new tokens and fill the next masks."""
+    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray, jump_forward: bool = False,
+             drafts: np.ndarray | None = None, draft_counts: np.ndarray | None = None) -> MaskStep:
+        """Accept new tokens and fill the next masks (and the draft positions')."""
         t0 = time.perf_counter()
-        out = self.engine.step(seq_ids, tokens, counts, jump_forward=jump_forward)
+        out = self.engine.step(seq_ids, tokens, counts, jump_forward=jump_forward, drafts=drafts,
+                               draft_counts=draft_counts)
         return out.answer(jump_forward=jump_forward, copy=False, seconds=time.perf_counter() - t0)
 
     def end(self, seq_ids: Sequence[int]) -> None:

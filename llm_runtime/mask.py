@@ -72,8 +72,8 @@ class MaskProvider(Protocol):
         """
         ...
 
-    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray,
-             jump_forward: bool = False) -> MaskStep:
+    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray, jump_forward: bool = False,
+             drafts: np.ndarray | None = None, draft_counts: np.ndarray | None = None) -> MaskStep:
         """Accept the tokens sampled since the previous step and return the next mask.
 
         Parameters
@@ -86,6 +86,12 @@ class MaskProvider(Protocol):
             int32 ``[B]``; 0 on a sequence's first step.
         jump_forward : bool
             Also return each row's forced tokens (``MaskStep.forced_tokens``).
+        drafts, draft_counts : np.ndarray, optional
+            int32 ``[B, D]`` and ``[B]``: draft tokens proposed after each
+            row's new tokens; the masks of the positions after them come back
+            as ``MaskStep.draft_bitmask`` (speculative decoding).  They are
+            not kept: the tokens the target accepts come back as the next
+            step's ``tokens``.
 
         Returns
         -------
@@ -115,8 +121,8 @@ class StepSender(Protocol):
     it; a provider without this method is called on a worker thread.
     """
 
-    def send_step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray,
-                  jump_forward: bool = False) -> PendingStep | None:
+    def send_step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray, jump_forward: bool = False,
+                  drafts: np.ndarray | None = None, draft_counts: np.ndarray | None = None) -> PendingStep | None:
         """Send the step (arguments as :meth:`MaskProvider.step`; copied before it returns).
 
         Returns ``None`` where the step cannot be sent without waiting for

@@ -27,7 +27,14 @@ from typing import Any
 import numpy as np
 
 from grammar_backend.errors import INTERNAL, UNAVAILABLE, GrammarError, RemoteGrammarError
-from grammar_backend.protocol import BITMASK_TENSOR, JUMP_TENSORS, STEP_TENSORS, answer_from_tensors
+from grammar_backend.protocol import (
+    BITMASK_TENSOR,
+    DRAFT_BITMASK_TENSOR,
+    DRAFT_TENSORS,
+    JUMP_TENSORS,
+    STEP_TENSORS,
+    answer_from_tensors,
+)
 from grammar_service.transport.channel import ChannelClient
 from grammar_service.transport.maskbuf import MaskBuffer
 from llm_runtime.mask import ConstraintRequest, MaskStep
@@ -74,14 +81,19 @@ class RemoteMaskProvider:
         instead of as a BLS tensor, and the steps go over the grammar
         channel.  0: always as a tensor, over BLS (starts and ends still
         take the channel).
+    max_draft : int
+        Most draft tokens a row of a step carries (speculative decoding): the
+        mask buffer holds ``max_rows * (1 + max_draft)`` rows, the draft
+        positions' masks after the step's own.
     """
 
     def __init__(self, pb_utils: ModuleType, model_name: str = "grammar",
-                 clock: Callable[[], float] = time.monotonic, max_rows: int = 0) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_rows: int = 0, max_draft: int = 0) -> None:
         self._pb = pb_utils
         self._model = model_name
         self._clock = clock
         self._max_rows = max_rows
+        self._max_draft = max_draft
         self._buffer: MaskBuffer | None = None
         self._path: str | None = None  # the grammar channel's socket (asked for over BLS)
         self._path_after = 0.0  # clock time of the next attempt to ask for it
@@ -169,10 +181,15 @@ class RemoteMaskProvider:
             raise RemoteGrammarError(f"{self._model}: start answered without BACKEND", INTERNAL)
         return bytes(backend.as_numpy().reshape(-1)[0]).decode()
 
-    def send_step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray,
-                  jump_forward: bool = False) -> _ChannelPending | None:
+    def _buffer_for(self, rows: int, drafts: np.ndarray | None) -> MaskBuffer | None:
+        """The mask buffer where it holds a step of ``rows`` rows and their draft positions (None: BLS tensors)."""
+        need = rows * (1 + (0 if drafts is None else int(drafts.shape[1])))
+        return self._buffer if self._buffer is not None and need <= self._buffer.array.shape[0] else None
+
+    def send_step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray, jump_forward: bool = False,
+                  drafts: np.ndarray | None = None, draft_counts: np.ndarray | None = None) -> _ChannelPending | None:
         """Send the step over the grammar channel; ``None`` where it goes over BLS (no channel or mask
-        buffer yet): :meth:`step` then makes the whole call.
+        buffer yet, or one too small for the drafts): :meth:`step` then makes the whole call.
 
         Raises
         ------
@@ -180,7 +197,7 @@ class RemoteMaskProvider:
             The channel failed as the step was sent (the next calls ask for it again).
         """
         rows = len(seq_ids)
-        buffer = self._buffer if self._buffer is not None and rows <= self._buffer.array.shape[0] else None
+        buffer = self._buffer_for(rows, drafts)
         if buffer is None:
             return None
         if self._channel is None or self._channel.closed:
@@ -189,25 +206,25 @@ class RemoteMaskProvider:
         if channel is None:
             return None
         try:
-            channel.send_step(seq_ids, tokens, counts, jump_forward)
+            channel.send_step(seq_ids, tokens, counts, jump_forward, drafts, draft_counts)
         except RemoteGrammarError as err:
             self._channel_failed(channel, err)
             raise
-        return _ChannelPending(self, channel, buffer, rows)
+        return _ChannelPending(self, channel, buffer, rows, 0 if drafts is None else int(drafts.shape[1]))
 
-    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray,
-             jump_forward: bool = False) -> MaskStep:
-        """Accept each row's new tokens and return the masks of the next tokens.
+    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray, jump_forward: bool = False,
+             drafts: np.ndarray | None = None, draft_counts: np.ndarray | None = None) -> MaskStep:
+        """Accept each row's new tokens and return the masks of the next tokens (and of the drafts' positions).
 
         With a mask buffer the returned bitmask is a view of it: valid until
         the next step (the decode loop consumes it before asking again).
         """
-        pending = self.send_step(seq_ids, tokens, counts, jump_forward)
+        pending = self.send_step(seq_ids, tokens, counts, jump_forward, drafts, draft_counts)
         if pending is not None:
             return pending.result()[0]
         pb = self._pb
         rows = len(seq_ids)
-        buffer = self._buffer if self._buffer is not None and rows <= self._buffer.array.shape[0] else None
+        buffer = self._buffer_for(rows, drafts)
         inputs = [
             self._op(b"step"),
             pb.Tensor("SEQUENCE_ID", np.ascontiguousarray(seq_ids, np.uint64)),
@@ -222,19 +239,29 @@ class RemoteMaskProvider:
         if jump_forward:
             inputs.append(pb.Tensor("JUMP_FORWARD", np.array([True])))
             outputs += JUMP_TENSORS
+        if drafts is not None and draft_counts is not None:
+            inputs += [pb.Tensor("DRAFT_TOKENS", np.ascontiguousarray(drafts, np.int32)),
+                       pb.Tensor("DRAFT_COUNT", np.ascontiguousarray(draft_counts, np.int32))]
+            outputs += DRAFT_TENSORS
+            if buffer is None:
+                outputs.append(DRAFT_BITMASK_TENSOR)
         reply = self._call(inputs, outputs)
 
         def output(name: str) -> np.ndarray | None:
             tensor = pb.get_output_tensor_by_name(reply, name)
             return None if tensor is None else tensor.as_numpy()
 
+        draft_bitmask = None
         if buffer is not None:
             bitmask = buffer.array[:rows]
+            if drafts is not None:
+                draft_bitmask = _draft_rows(buffer, rows, int(drafts.shape[1]))
         else:
             bitmask = pb.get_output_tensor_by_name(reply, BITMASK_TENSOR).as_numpy()
+            draft_bitmask = output(DRAFT_BITMASK_TENSOR) if drafts is not None else None
             if self._max_rows and self._buffer is None:
                 self._open_buffer(int(bitmask.shape[1]) * 32)
-        return answer_from_tensors(output, rows, bitmask)
+        return answer_from_tensors(output, rows, bitmask, draft_bitmask)
 
     def _channel_failed(self, channel: ChannelClient, err: RemoteGrammarError) -> None:
         if channel.closed:
@@ -298,7 +325,7 @@ class RemoteMaskProvider:
 
     def _open_buffer(self, vocab_bits: int) -> None:
         try:
-            self._buffer = MaskBuffer.create(self._max_rows, vocab_bits)
+            self._buffer = MaskBuffer.create(self._max_rows * (1 + self._max_draft), vocab_bits)
         except GrammarError as err:
             # Masks keep coming as BLS tensors (slower, same results); said once, here.
             _log.error("%s; masks stay BLS tensors", err)
@@ -337,13 +364,15 @@ class RemoteMaskProvider:
 class _ChannelPending:
     """A step sent over the grammar channel (:meth:`RemoteMaskProvider.send_step`), answered by :meth:`result`."""
 
-    __slots__ = ("_buffer", "_channel", "_provider", "_rows")
+    __slots__ = ("_buffer", "_channel", "_drafts", "_provider", "_rows")
 
-    def __init__(self, provider: RemoteMaskProvider, channel: ChannelClient, buffer: MaskBuffer, rows: int) -> None:
+    def __init__(self, provider: RemoteMaskProvider, channel: ChannelClient, buffer: MaskBuffer, rows: int,
+                 drafts: int = 0) -> None:
         self._provider = provider
         self._channel = channel
         self._buffer = buffer
         self._rows = rows
+        self._drafts = drafts
 
     def result(self) -> tuple[MaskStep, float]:
         """The grammar model's answer (the bitmask a view of the mask buffer) and the round trip."""
@@ -353,4 +382,11 @@ class _ChannelPending:
             self._provider._channel_failed(self._channel, err)
             raise
         answer.bitmask = self._buffer.array[: self._rows]
+        if self._drafts:
+            answer.draft_bitmask = _draft_rows(self._buffer, self._rows, self._drafts)
         return answer, round_trip
+
+
+def _draft_rows(buffer: MaskBuffer, rows: int, drafts: int) -> np.ndarray:
+    """The draft positions' masks in the mask buffer: ``[drafts, rows, W]`` after the step's ``rows`` rows."""
+    return buffer.array[rows : rows * (1 + drafts)].reshape(drafts, rows, buffer.array.shape[1])

@@ -137,6 +137,8 @@ class GrammarRequest:
     budget: int = 0
     mask_buffer: str = ""
     value_checks: bool = False
+    drafts: np.ndarray | None = None  # step: int32 [B, D] draft tokens (speculative decoding)
+    draft_counts: np.ndarray | None = None  # step: int32 [B], with drafts
 
 
 @dataclass(frozen=True)
@@ -196,7 +198,8 @@ class GrammarService:
     def channel_step(self, step: ChannelStep) -> MaskStep:
         """A step that came over the channel: exactly :meth:`handle`'s ``step``."""
         reply = self.handle(GrammarRequest(op="step", seq_ids=step.seq_ids, tokens=step.tokens, counts=step.counts,
-                                           jump_forward=step.jump_forward, mask_buffer=step.mask_buffer))
+                                           jump_forward=step.jump_forward, mask_buffer=step.mask_buffer,
+                                           drafts=step.drafts, draft_counts=step.draft_counts))
         if reply.step is None:
             raise GrammarError("grammar: a step without its answer")
         return reply.step
@@ -347,13 +350,19 @@ class GrammarService:
             return GrammarReply(active=eng.active_count, row_errors=[str(e) if e else "" for e in errors])
         tokens = req.tokens if req.tokens is not None else np.zeros((rows, 0), np.int32)
         t0 = time.perf_counter()
+        # The draft masks follow the step's rows in the caller's buffer: [D, B, W] after its first B rows.
+        width = 0 if req.drafts is None or req.drafts.ndim != 2 else int(req.drafts.shape[1])
         # The caller's buffer is checked before any token is accepted: a bad one fails the step whole.
-        buffer = self.buffers.rows(req.mask_buffer, rows) if req.mask_buffer else None
-        out = eng.step(req.seq_ids, tokens, counts, jump_forward=req.jump_forward, out=buffer)
+        buffer = self.buffers.rows(req.mask_buffer, rows * (1 + width)) if req.mask_buffer else None
+        draft_out = None if buffer is None or not width else buffer[rows:].reshape(width, rows, buffer.shape[1])
+        if buffer is not None:
+            buffer = buffer[:rows]
+        out = eng.step(req.seq_ids, tokens, counts, jump_forward=req.jump_forward, out=buffer, drafts=req.drafts,
+                       draft_counts=req.draft_counts, draft_out=draft_out)
         seconds = time.perf_counter() - t0
         self.step_latency.add(seconds)
         # The per-row arrays are copied (B bytes each): the engine's buffers are the next step's, which
         # another caller's thread may run before this reply is sent.
-        answer = out.answer(jump_forward=req.jump_forward, copy=True, bitmask=buffer, seconds=seconds,
-                            active=eng.active_count)
+        answer = out.answer(jump_forward=req.jump_forward, copy=True, bitmask=buffer, draft_bitmask=draft_out,
+                            seconds=seconds, active=eng.active_count)
         return GrammarReply(active=answer.active, step=answer, bitmask_in_buffer=buffer is not None)

@@ -36,8 +36,10 @@ Wire format (little-endian; ``B`` rows, ``K`` tokens per row, ``F`` forced
 tokens per row)::
 
     hello   HELLO_MAGIC u32 name_len, name (the caller's mask buffer; empty: no steps)
-    request u8 op u8 flags u16 0 u32 seq u32 B u32 K, then by op:
-            step  (1; flags 1 = jump forward)  seq_ids u64[B], counts i32[B], tokens i32[B*K]
+    request u8 op u8 flags u16 D u32 seq u32 B u32 K, then by op:
+            step  (1; flags 1 = jump forward, 2 = drafts)  seq_ids u64[B], counts i32[B], tokens i32[B*K],
+                  with drafts: draft counts i32[B], draft tokens i32[B*D] (D: the u16; masks of the
+                  positions after them go to the mask buffer's rows B..B+D*B, [D, B, W])
             start (2; flags 1 = validated, 2 = value checks; B = 1, K = 0)
                   seq_id u64, budget i32, u32 lengths of kind, payload, options, their UTF-8 bytes
             end   (3; K = 0)                   seq_ids u64[B]
@@ -87,6 +89,7 @@ HELLO_MAGIC: Final = b"CGC2"
 OP_STEP, OP_START, OP_END = 1, 2, 3
 _OP_NAMES: Final = {OP_STEP: "step", OP_START: "start", OP_END: "end"}
 _FLAG_JUMP: Final = 1
+_FLAG_DRAFTS: Final = 2
 _FLAG_VALIDATED: Final = 1
 _FLAG_VALUE_CHECKS: Final = 2
 #: Each field of a step's answer: its flag bit, the field and its bytes per value.
@@ -120,6 +123,8 @@ class ChannelStep:
     counts: np.ndarray
     jump_forward: bool
     mask_buffer: str
+    drafts: np.ndarray | None = None  # int32 [B, D]
+    draft_counts: np.ndarray | None = None  # int32 [B]
 
 
 @dataclass(frozen=True)
@@ -392,7 +397,7 @@ class ChannelServer:
                 raise GrammarError(f"grammar channel: a request of {n} bytes exceeds {MAX_MESSAGE}")
             if n < _REQUEST.size:
                 raise GrammarError(f"grammar channel: a request of {n} bytes")
-            op, flags, _, seq, rows, width = _REQUEST.unpack_from(view)
+            op, flags, draft_width, seq, rows, width = _REQUEST.unpack_from(view)
             if op not in _OP_NAMES:
                 raise GrammarError(f"grammar channel: unknown op {op}")
             name = _OP_NAMES[op]
@@ -405,7 +410,8 @@ class ChannelServer:
                     raise GrammarError(f"grammar channel: an end of {rows} rows needs {at + 8 * rows} bytes, got {n}")
                 active = self._handler.channel_end([int(s) for s in np.frombuffer(view, np.uint64, rows, at)])
                 return _REPLY.pack(0, 0, seq, 0, 0, active, 0.0), name
-            need = at + rows * (8 + 4 + 4 * width)
+            drafting = bool(flags & _FLAG_DRAFTS)
+            need = at + rows * (8 + 4 + 4 * width) + (rows * (4 + 4 * draft_width) if drafting else 0)
             if n != need:
                 raise GrammarError(f"grammar channel: {rows} rows of {width} tokens need {need} bytes, got {n}")
             if not mask_buffer:
@@ -413,7 +419,12 @@ class ChannelServer:
             seq_ids = np.frombuffer(view, np.uint64, rows, at)
             counts = np.frombuffer(view, np.int32, rows, at + 8 * rows)
             tokens = np.frombuffer(view, np.int32, rows * width, at + 12 * rows).reshape(rows, width)
-            step = ChannelStep(seq_ids, tokens, counts, bool(flags & _FLAG_JUMP), mask_buffer)
+            drafts = draft_counts = None
+            if drafting:
+                at += rows * (12 + 4 * width)
+                draft_counts = np.frombuffer(view, np.int32, rows, at)
+                drafts = np.frombuffer(view, np.int32, rows * draft_width, at + 4 * rows).reshape(rows, draft_width)
+            step = ChannelStep(seq_ids, tokens, counts, bool(flags & _FLAG_JUMP), mask_buffer, drafts, draft_counts)
             return encode_reply(seq, self._handler.channel_step(step)), name
         except GrammarError as err:
             return encode_error(seq, err), name
@@ -488,9 +499,10 @@ class ChannelClient:
             self._sock.close()
             raise RemoteGrammarError(f"grammar channel {path}: {err}", UNAVAILABLE) from err
 
-    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray, jump_forward: bool) -> MaskStep:
+    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray, jump_forward: bool,
+             drafts: np.ndarray | None = None, draft_counts: np.ndarray | None = None) -> MaskStep:
         """One step, sent and waited for; the returned arrays are views valid until the next call, and its
-        bitmask :data:`NO_MASK` (the masks are in the mask buffer).
+        bitmask :data:`NO_MASK` (the masks are in the mask buffer, the drafts' after the step's rows).
 
         Raises
         ------
@@ -498,10 +510,11 @@ class ChannelClient:
             The grammar model's request-level error (its status kept), or
             ``UNAVAILABLE`` when the channel failed (the client is then closed).
         """
-        self.send_step(seq_ids, tokens, counts, jump_forward)
+        self.send_step(seq_ids, tokens, counts, jump_forward, drafts, draft_counts)
         return self.receive_step()[0]
 
-    def send_step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray, jump_forward: bool) -> None:
+    def send_step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray, jump_forward: bool,
+                  drafts: np.ndarray | None = None, draft_counts: np.ndarray | None = None) -> None:
         """Send a step without waiting for its reply: :meth:`receive_step` takes it.
 
         The decode loop sends before its forward and receives after it, so
@@ -520,16 +533,21 @@ class ChannelClient:
         """
         rows = len(seq_ids)
         width = int(tokens.shape[1]) if tokens.ndim == 2 else 0
+        flags = _FLAG_JUMP if jump_forward else 0
+        parts = [np.ascontiguousarray(seq_ids, np.uint64).tobytes(), np.ascontiguousarray(counts, np.int32).tobytes(),
+                 np.ascontiguousarray(tokens, np.int32).tobytes()]
+        draft_width = 0
+        if drafts is not None and draft_counts is not None:
+            flags |= _FLAG_DRAFTS
+            draft_width = int(drafts.shape[1])
+            parts += [np.ascontiguousarray(draft_counts, np.int32).tobytes(),
+                      np.ascontiguousarray(drafts, np.int32).tobytes()]
         with self._lock:
             if self._in_flight is not None:
                 raise RemoteGrammarError(f"grammar channel {self.path}: a step is already in flight", INTERNAL)
             seq = self._next()
-            self._send(b"".join((
-                _REQUEST.pack(OP_STEP, _FLAG_JUMP if jump_forward else 0, 0, seq, rows, width),
-                np.ascontiguousarray(seq_ids, np.uint64).tobytes(),
-                np.ascontiguousarray(counts, np.int32).tobytes(),
-                np.ascontiguousarray(tokens, np.int32).tobytes(),
-            )), self._timeout)
+            self._send(b"".join((_REQUEST.pack(OP_STEP, flags, draft_width, seq, rows, width), *parts)),
+                       self._timeout)
             self._in_flight = seq
 
     def receive_step(self) -> tuple[MaskStep, float]:

@@ -35,7 +35,7 @@ from grammar_service.transport.channel import (
 )
 from grammar_service.transport.maskbuf import SHM_DIR, MaskBuffer
 from tests.support.poll import HANG_S
-from tests.unit.conftest import TINY_VOCAB_SIZE
+from tests.unit.conftest import TINY_STOP, TINY_VOCAB_SIZE
 from triton_support.service import GrammarRequest, GrammarService
 
 pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="no /dev/shm on this machine")
@@ -83,6 +83,49 @@ def test_steps_over_the_channel_equal_steps_over_bls(channel_service: GrammarSer
     assert client.end([1, 2, 99]) == 1  # an unknown id is ignored, as over BLS
     channel_service.handle(GrammarRequest("end", np.array([3], np.uint64)))
     client.close()
+
+
+def test_draft_masks_over_the_channel_equal_those_over_bls(channel_service: GrammarService) -> None:
+    """A step with drafts: the draft positions' masks land in the mask buffer after the step's rows, and
+    equal BLS's DRAFT_BITMASK; a buffer too small for them fails that step only, by name."""
+    buf = MaskBuffer.create(2 * 4, TINY_VOCAB_SIZE)  # 2 rows and 3 drafts each
+    small = MaskBuffer.create(4, TINY_VOCAB_SIZE)
+    try:
+        client = ChannelClient(_path(channel_service), buf.name)
+        _start(client, 1)
+        _start(client, 2)
+        channel_service.handle(GrammarRequest("start", np.array([3], np.uint64), grammar_type="regex",
+                                              grammar=b"[ab]+c"))
+        ids, bls_id = np.array([1, 2], np.uint64), np.array([3], np.uint64)
+        # Row 1 drafts "ab" then "c" and "a" (past the end: its mask is the grammar's end), row 2 "z" (refused).
+        drafts = np.array([[ord("a"), ord("b"), ord("c")], [ord("z"), 0, 0]], np.int32)
+        counts, tokens = np.zeros(2, np.int32), np.zeros((2, 1), np.int32)
+        reply = client.step(ids, tokens, counts, False, drafts, np.array([3, 1], np.int32))
+        bls = channel_service.handle(GrammarRequest("step", bls_id, tokens[:1], counts[:1], drafts=drafts[:1],
+                                                    draft_counts=np.array([3], np.int32)))
+        assert bls.step is not None and bls.step.draft_bitmask is not None and bls.step.draft_valid is not None
+        assert reply.draft_valid is not None and reply.draft_valid.tolist() == [3, 0]
+        assert bls.step.draft_valid.tolist() == [3]
+        in_buffer = buf.array[2:8].reshape(3, 2, -1)
+        for j in range(3):
+            assert np.array_equal(in_buffer[j, 0], bls.step.draft_bitmask[j, 0])
+            assert (in_buffer[j, 1] == -1).all()  # row 2 stopped at its first draft: all ones
+        allowed = [{t for t in range(TINY_VOCAB_SIZE) if (int(m[t >> 5]) >> (t & 31)) & 1}
+                   for m in bls.step.draft_bitmask[:, 0]]
+        assert allowed[0] == allowed[1] and ord("c") in allowed[0]  # after "a", "ab": [ab] or the closing "c"
+        assert allowed[2] == {TINY_STOP}  # after "abc", only the end
+        # The drafts were not kept: the next step accepts "a" as the row's first token.
+        reply = client.step(ids, np.full((2, 1), ord("a"), np.int32), np.ones(2, np.int32), False)
+        assert reply.errors == (None, None) and reply.draft_valid is None
+        with pytest.raises(RemoteGrammarError, match=r"BITMASK_BUFFER: .* holds 4 rows, the step has 8"):
+            ChannelClient(_path(channel_service), small.name).step(ids, tokens[:, :0], counts, False, drafts,
+                                                                    np.array([3, 1], np.int32))
+        assert client.end([1, 2]) == 1
+        channel_service.handle(GrammarRequest("end", bls_id))
+        client.close()
+    finally:
+        buf.close()
+        small.close()
 
 
 def test_a_row_error_is_that_rows_only(channel_service: GrammarService, buffer: MaskBuffer) -> None:

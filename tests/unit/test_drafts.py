@@ -19,8 +19,7 @@ import pytest
 import xgrammar as xgr
 
 from contract.reasoning import Reasoning
-from grammar_backend.closing import ClosingConfig, RepeatConfig
-from grammar_backend.errors import GrammarError
+from grammar_backend.errors import ConfigError, GrammarError
 from grammar_backend.llg import LlgBackend
 from grammar_backend.protocol import CloseState
 from grammar_backend.sequences import GrammarSequence
@@ -202,3 +201,119 @@ def test_greedy_output_with_drafts_is_the_output_without(engine: GrammarEngine, 
         assert drafted.output == plain.output, f"{k} drafts a step"
         accepted += drafted.accepted
     assert accepted > 0 or len(plain.output) < 4  # drafts were taken, not only proposed
+
+
+# -- the step's draft inputs ------------------------------------------------------------------------
+
+
+def _started(engine: GrammarEngine, seq_ids: tuple[int, ...], **options: Any) -> None:
+    for seq_id in seq_ids:
+        engine.start(seq_id, parse_constraint("json_schema", json.dumps(COLOURS), options))
+
+
+@pytest.mark.parametrize(
+    ("drafts", "draft_counts", "match"),
+    [
+        (np.zeros((2, 2), np.int32), None, r"^step: DRAFT_TOKENS and DRAFT_COUNT come together$"),
+        (None, np.zeros(2, np.int32), r"^step: DRAFT_TOKENS and DRAFT_COUNT come together$"),
+        (np.zeros((1, 2), np.int32), np.zeros(2, np.int32),
+         r"^step: SEQUENCE_ID has 2 rows, DRAFT_COUNT 2, DRAFT_TOKENS shape \(1, 2\)$"),
+        (np.zeros((2, 7), np.int32), np.zeros(2, np.int32),
+         r"^step: DRAFT_TOKENS has 7 columns, more than max_draft_tokens 6$"),
+    ],
+    ids=["no-counts", "no-tokens", "rows", "too-wide"],
+)
+def test_a_malformed_draft_batch_fails_whole(engine: GrammarEngine, drafts: np.ndarray | None,
+                                             draft_counts: np.ndarray | None, match: str) -> None:
+    _started(engine, (11, 12))
+    try:
+        with pytest.raises(GrammarError, match=match):
+            engine.step(np.array([11, 12], np.uint64), np.zeros((2, 1), np.int32), np.zeros(2, np.int32),
+                        drafts=drafts, draft_counts=draft_counts)
+        # Nothing was accepted: the rows step on from where they were.
+        res = engine.step(np.array([11, 12], np.uint64), np.zeros((2, 1), np.int32), np.zeros(2, np.int32))
+        assert res.errors == (None, None)
+    finally:
+        engine.end([11, 12])
+
+
+def test_a_bad_draft_count_fails_its_row_only(engine: GrammarEngine, qwen_tokenizer: Any) -> None:
+    _started(engine, (11, 12))
+    bracket = qwen_tokenizer.convert_tokens_to_ids("[")
+    try:
+        res = engine.step(np.array([11, 12], np.uint64), np.zeros((2, 1), np.int32), np.zeros(2, np.int32),
+                          drafts=np.full((2, 2), bracket, np.int32), draft_counts=np.array([3, 1], np.int32))
+        assert str(res.errors[0]) == "sequence 11: DRAFT_COUNT 3 outside 0..2" and res.errors[1] is None
+        assert res.draft_valid is not None and res.draft_valid.tolist() == [0, 1]
+    finally:
+        engine.end([11, 12])
+
+
+def test_a_draft_mask_buffer_of_another_shape_is_refused(engine: GrammarEngine, qwen_tokenizer: Any) -> None:
+    _started(engine, (11,))
+    bracket = qwen_tokenizer.convert_tokens_to_ids("[")
+    try:
+        with pytest.raises(GrammarError, match=r"^step: a draft mask buffer must be C-contiguous int32 of shape "
+                                               r"\(2, 1, 4748\), not int32 \(1, 1, 4748\)$"):
+            engine.step(np.array([11], np.uint64), np.array([[bracket]], np.int32), np.ones(1, np.int32),
+                        drafts=np.zeros((1, 2), np.int32), draft_counts=np.array([2], np.int32),
+                        draft_out=np.zeros((1, 1, 4748), np.int32))
+        # Refused before the row's token was accepted: "[" is still its first.
+        res = engine.step(np.array([11], np.uint64), np.array([[bracket]], np.int32), np.ones(1, np.int32))
+        assert res.errors == (None,)
+    finally:
+        engine.end([11])
+
+
+def test_draft_rows_no_draft_reaches_are_all_ones(engine: GrammarEngine, qwen_tokenizer: Any) -> None:
+    # A buffer full of zeros (a new mask buffer): an all-zero row would leave the target nothing to sample.
+    _started(engine, (11, 12))
+    out = np.zeros((3, 2, 4748), np.int32)
+    bracket = qwen_tokenizer.convert_tokens_to_ids("[")
+    try:
+        res = engine.step(np.array([11, 12], np.uint64), np.zeros((2, 1), np.int32), np.zeros(2, np.int32),
+                          drafts=np.array([[bracket, bracket, 0], [0, 0, 0]], np.int32),
+                          draft_counts=np.array([2, 0], np.int32), draft_out=out)
+        assert res.draft_valid is not None and res.draft_valid.tolist() == [1, 0]  # "[[" is not a colour list
+        assert res.draft_bitmask is out
+        assert not (out[0, 0] == -1).all() and (out[1:, 0] == -1).all() and (out[:, 1] == -1).all()
+    finally:
+        engine.end([11, 12])
+
+
+def test_a_row_with_drafts_does_not_jump(engine: GrammarEngine, qwen_tokenizer: Any) -> None:
+    # '{"' is forced at the start of an object with required keys: jump-forward offers it, unless the row drafts.
+    spec = parse_constraint("json_schema", json.dumps(PERSON), {})
+    for seq_id in (11, 12):
+        engine.start(seq_id, spec)
+    try:
+        res = engine.step(np.array([11, 12], np.uint64), np.zeros((2, 1), np.int32), np.zeros(2, np.int32),
+                          jump_forward=True, drafts=np.zeros((2, 1), np.int32), draft_counts=np.array([0, 1]))
+        assert res.forced[0] and res.forced[1] == ()
+    finally:
+        engine.end([11, 12])
+
+
+def test_a_fork_goes_on_apart(engine: GrammarEngine, qwen_tokenizer: Any) -> None:
+    spec = parse_constraint("json_schema", json.dumps(COLOURS), {})
+    engine.start(11, spec, budget=20)
+    try:
+        seq = engine.table.get(11)
+        assert isinstance(seq, GrammarSequence) and seq.close.repeats is not None
+        fork = seq.fork()
+        tokens = qwen_tokenizer.encode('["red",', add_special_tokens=False)
+        fork.accept(tokens)
+        fork.plan(engine.closer, int(qwen_tokenizer.convert_tokens_to_ids("<|im_end|>")))
+        assert (fork.tokens_accepted, seq.tokens_accepted) == (len(tokens), 0)
+        assert fork.close.repeats is not None and len(fork.close.repeats._tail) == len(tokens)
+        assert len(seq.close.repeats._tail) == 0 and seq.close.close_state == CloseState.OPEN
+        assert fork.matcher is seq.matcher  # shared: the engine rolls it back
+        seq.matcher.rollback(len(tokens))
+    finally:
+        engine.end([11])
+
+
+@pytest.mark.parametrize("value", [-1, 17])
+def test_the_draft_bound_is_checked(value: int) -> None:
+    with pytest.raises(ConfigError, match=rf"^engine: max_draft_tokens must be within 0\.\.16, got {value}$"):
+        GrammarEngineConfig(max_draft_tokens=value)

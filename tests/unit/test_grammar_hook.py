@@ -54,8 +54,8 @@ class CountingProvider(LocalMaskProvider):
         self.fail_steps = False
         self.short_masks = False  # answer with bitmask rows one word short (a malformed answer)
 
-    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray,
-             jump_forward: bool = False) -> MaskStep:
+    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray, jump_forward: bool = False,
+             drafts: np.ndarray | None = None, draft_counts: np.ndarray | None = None) -> MaskStep:
         self.step_rows.append(int(seq_ids.shape[0]))
         if self.fail_steps:
             raise RuntimeError("grammar model unreachable")

@@ -39,8 +39,8 @@ class Recording(LocalMaskProvider):
         self.fail: Exception | None = None
         self.answer: MaskStep | None = None
 
-    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray,
-             jump_forward: bool = False) -> MaskStep:
+    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray, jump_forward: bool = False,
+             drafts: np.ndarray | None = None, draft_counts: np.ndarray | None = None) -> MaskStep:
         self.calls.append(([int(s) for s in seq_ids], [list(map(int, tokens[i, : counts[i]]))
                                                         for i in range(len(seq_ids))],
                            jump_forward, threading.current_thread().name))

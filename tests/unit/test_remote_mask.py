@@ -80,7 +80,8 @@ class FakePb:
             grammar_type=text("GRAMMAR_TYPE").decode(), grammar=text("GRAMMAR"), grammar_options=text("GRAMMAR_OPTIONS"),
             validated="VALIDATED" in inputs, jump_forward="JUMP_FORWARD" in inputs,
             mask_buffer=text("BITMASK_BUFFER").decode(), budget=int(inputs["MAX_TOKENS"][0]) if "MAX_TOKENS" in inputs
-            else 0, value_checks="VALUE_CHECKS" in inputs)
+            else 0, value_checks="VALUE_CHECKS" in inputs, drafts=inputs.get("DRAFT_TOKENS"),
+            draft_counts=inputs.get("DRAFT_COUNT"))
         reply = self.service.handle(req)
         # As model_repository/grammar/1/model.py's _to_response sends them.
         outs: dict[str, np.ndarray | None] = {
@@ -127,6 +128,34 @@ def test_the_channel_carries_starts_steps_and_ends(channel_service: GrammarServi
         assert pb.ops == ["channel", "step"]  # the start, the second step and the end took the channel
     finally:
         provider.close()
+
+
+def test_draft_masks_are_the_same_over_bls_and_the_channel(channel_service: GrammarService) -> None:
+    over_bls = RemoteMaskProvider(FakePb(channel_service))  # type: ignore[arg-type]
+    pb = FakePb(channel_service)
+    provider = RemoteMaskProvider(pb, max_rows=2, max_draft=2)  # type: ignore[arg-type]
+    ids, drafts, counts = np.array([1, 2], np.uint64), np.array([[ord("b"), ord("c")]] * 2, np.int32), np.full(2, 2)
+    try:
+        for seq_id in (1, 2, 3):
+            (over_bls if seq_id == 3 else provider).start(seq_id, REGEX)
+        _step(provider, [1, 2], None)  # over BLS: the mask buffer opens, 2 x (1 + 2) rows
+        _step(over_bls, [3], None)
+        a = np.full((2, 1), ord("a"), np.int32)
+        sent = provider.step(ids, a, np.ones(2, np.int32), drafts=drafts, draft_counts=counts)
+        want = over_bls.step(np.array([3], np.uint64), a[:1], np.ones(1, np.int32), drafts=drafts[:1],
+                             draft_counts=counts[:1])
+        assert pb.ops == ["channel", "step"] and provider.channel_open  # the drafted step took the channel
+        assert sent.draft_bitmask is not None and want.draft_bitmask is not None
+        assert sent.draft_bitmask.shape == (2, 2, (TINY_VOCAB_SIZE + 31) // 32)
+        assert np.array_equal(sent.draft_bitmask[:, 0], want.draft_bitmask[:, 0])
+        assert np.array_equal(sent.draft_bitmask[:, 1], want.draft_bitmask[:, 0])
+        assert sent.draft_valid is not None and want.draft_valid is not None
+        assert sent.draft_valid.tolist() == [2, 2] and want.draft_valid.tolist() == [2]
+        provider.end([1, 2])
+        over_bls.end([3])
+    finally:
+        provider.close()
+        over_bls.close()
 
 
 def test_calls_go_over_bls_while_the_channel_is_gone_and_come_back(channel_service: GrammarService,

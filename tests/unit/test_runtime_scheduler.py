@@ -92,8 +92,8 @@ class XGrammarMaskProvider:
             self.started.append(seq_id)
         return "xgrammar"
 
-    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray,
-             jump_forward: bool = False) -> MaskStep:
+    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray, jump_forward: bool = False,
+             drafts: np.ndarray | None = None, draft_counts: np.ndarray | None = None) -> MaskStep:
         b = seq_ids.shape[0]
         bitmask = xgr.allocate_token_bitmask(b, self.vocab_size)
         terminated = np.zeros(b, dtype=bool)
@@ -148,8 +148,8 @@ class FaultyRowProvider(XGrammarMaskProvider):
             self.fail_seq = seq_id
         return backend
 
-    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray,
-             jump_forward: bool = False) -> MaskStep:
+    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray, jump_forward: bool = False,
+             drafts: np.ndarray | None = None, draft_counts: np.ndarray | None = None) -> MaskStep:
         out = super().step(seq_ids, tokens, counts)
         errors = list(out.errors)
         for i, s in enumerate(seq_ids):
@@ -589,8 +589,8 @@ class HeldStep(XGrammarMaskProvider):
         self.held = threading.Event()  # set once the armed step has begun
         self.release = threading.Event()
 
-    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray,
-             jump_forward: bool = False) -> MaskStep:
+    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray, jump_forward: bool = False,
+             drafts: np.ndarray | None = None, draft_counts: np.ndarray | None = None) -> MaskStep:
         if self.armed:
             self.armed = False
             began = time.monotonic()
@@ -1035,8 +1035,8 @@ class CountingProvider(LocalMaskProvider):
         super().__init__(engine)
         self.step_calls = 0
 
-    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray,
-             jump_forward: bool = False) -> MaskStep:
+    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray, jump_forward: bool = False,
+             drafts: np.ndarray | None = None, draft_counts: np.ndarray | None = None) -> MaskStep:
         self.step_calls += 1
         return super().step(seq_ids, tokens, counts, jump_forward)
 

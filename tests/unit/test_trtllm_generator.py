@@ -164,7 +164,8 @@ class FailingSteps(LocalMaskProvider):
 
     fail = False
 
-    def step(self, seq_ids: Any, tokens: Any, counts: Any, jump_forward: bool = False) -> Any:
+    def step(self, seq_ids: Any, tokens: Any, counts: Any, jump_forward: bool = False, drafts: Any = None,
+             draft_counts: Any = None) -> Any:
         if self.fail:
             raise RuntimeError("grammar model unreachable")
         return super().step(seq_ids, tokens, counts, jump_forward)

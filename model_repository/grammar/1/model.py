@@ -22,6 +22,9 @@ Inputs
     VALUE_CHECKS     BOOL [1]       start: the caller drops the tokens DROPPED reports, so
                                     completed values are checked (grammar_backend.values;
                                     optional; absent: off)
+    DRAFT_TOKENS     INT32 [B, D]   step: draft tokens proposed after each row's new tokens
+                                    (speculative decoding; optional, with DRAFT_COUNT)
+    DRAFT_COUNT      INT32 [B]      step: valid entries of each DRAFT_TOKENS row
 
 Outputs (exactly one response per request, sent with the FINAL flag; a step's answer is
 grammar_backend.protocol.MaskStep, its tensors derived from STEP_FIELDS)
@@ -39,6 +42,10 @@ grammar_backend.protocol.MaskStep, its tensors derived from STEP_FIELDS)
                                             when a row dropped some)
     HOLD             INT32 [B]              step: the row's last tokens a value check may still
                                             drop (sent only when a row holds some)
+    DRAFT_VALID      INT32 [B]              step with drafts: how many of the row's draft masks hold
+    DRAFT_BITMASK    INT32 [D, B, ceil(V/32)]  step with drafts, without BITMASK_BUFFER: row i's mask
+                                            after its drafts 0..j at [j, i] (with a buffer: its rows
+                                            B..B+D*B)
     ACTIVE_SEQUENCES INT32 [1]              sequences holding a matcher after this request
     STATS            BYTES [1]              stats: JSON of cache and table counters
     BACKEND          BYTES [1]              start: the grammar backend serving the sequence
@@ -113,6 +120,8 @@ def _to_request(request: Any) -> GrammarRequest:
         mask_buffer=_bytes(request, "BITMASK_BUFFER").decode("utf-8", "replace"),
         budget=0 if budget is None or budget.size == 0 else int(budget.reshape(-1)[0]),
         value_checks=bool(checks is not None and checks.reshape(-1)[0]),
+        drafts=_array(request, "DRAFT_TOKENS"),
+        draft_counts=_array(request, "DRAFT_COUNT"),
     )
 
 
