@@ -46,8 +46,12 @@ def start_ensemble(tmp: Path, values: dict[str, str] | None = None, **fields: An
     return server
 
 
-def grammar_stats(server: TritonServer) -> dict[str, Any]:
-    """The grammar model's counters (its `stats` op, over gRPC streaming).
+_TRITON_DTYPES = {np.dtype(np.uint64): "UINT64", np.dtype(np.int32): "INT32", np.dtype(np.bool_): "BOOL",
+                  np.dtype(np.object_): "BYTES"}
+
+
+def grammar_call(server: TritonServer, inputs: dict[str, np.ndarray], outputs: tuple[str, ...] = ()) -> Any:
+    """One request to the grammar model over gRPC streaming (it is decoupled); its result, or its error raised.
 
     `grammar` is internal: only tritonserver's own endpoint behind the gateway,
     with the secret, reaches it.
@@ -59,19 +63,29 @@ def grammar_stats(server: TritonServer) -> dict[str, Any]:
         results.append(error if error is not None else result)
         done.set()
 
+    tensors = []
+    for name, value in inputs.items():
+        tensor = grpcclient.InferInput(name, list(value.shape), _TRITON_DTYPES[value.dtype])
+        tensor.set_data_from_numpy(value)
+        tensors.append(tensor)
     c = grpcclient.InferenceServerClient(server.internal_grpc_url)
-    op = grpcclient.InferInput("OP", [1], "BYTES")
-    op.set_data_from_numpy(np.array([b"stats"], np.object_))
-    ids = grpcclient.InferInput("SEQUENCE_ID", [0], "UINT64")
-    ids.set_data_from_numpy(np.zeros(0, np.uint64))
     c.start_stream(callback, headers=server.internal_headers)
     try:
-        c.async_stream_infer("grammar", [op, ids])
+        c.async_stream_infer("grammar", tensors,
+                             outputs=[grpcclient.InferRequestedOutput(o) for o in outputs] or None)
         assert done.wait(HANG_S)
     finally:
         c.stop_stream()
         c.close()
-    return json.loads(results[0].as_numpy("STATS")[0])  # type: ignore[no-any-return]
+    if isinstance(results[0], Exception):
+        raise results[0]
+    return results[0]
+
+
+def grammar_stats(server: TritonServer) -> dict[str, Any]:
+    """The grammar model's counters (its `stats` op)."""
+    result = grammar_call(server, {"OP": np.array([b"stats"], np.object_), "SEQUENCE_ID": np.zeros(0, np.uint64)})
+    return json.loads(result.as_numpy("STATS")[0])  # type: ignore[no-any-return]
 
 
 def grammar_active(server: TritonServer) -> int:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import numpy as np
 import pytest
 
 from client import Client, Constraint
@@ -30,6 +31,7 @@ from tests.integration.served import (
     assert_cancelled,
     counter_sum,
     grammar_active,
+    grammar_call,
     metric,
     sequences_freed,
     wait_active_zero,
@@ -376,3 +378,43 @@ def test_logprobs_over_grpc_one_entry_per_token_beside_a_request_without(client:
             tops = [t.logprob for t in e.top_logprobs]
             assert e.logprob <= 0.0 and 1 <= len(tops) <= 3 and tops == sorted(tops, reverse=True), e
             assert all(t <= 0.0 for t in tops)
+
+
+def test_the_grammar_model_answers_draft_positions_through_tritonserver(server: TritonServer) -> None:
+    """DRAFT_TOKENS and DRAFT_COUNT in, DRAFT_VALID and DRAFT_BITMASK out, over the grammar model's BLS
+    tensors on a real tritonserver: each draft position's mask is the one a plain step reaches by taking
+    the same tokens (on a second sequence), and the drafts are not kept."""
+    a, b = 9_100_000_001, 9_100_000_002
+
+    def step(seq: int, tokens: list[int], drafts: list[int] | None = None) -> Any:
+        inputs = {"OP": np.array([b"step"], np.object_), "SEQUENCE_ID": np.array([seq], np.uint64),
+                  "TOKENS": np.array([tokens or [0]], np.int32), "TOKEN_COUNT": np.array([len(tokens)], np.int32)}
+        outputs: tuple[str, ...] = ("BITMASK", "TERMINATED")
+        if drafts is not None:
+            inputs |= {"DRAFT_TOKENS": np.array([drafts], np.int32), "DRAFT_COUNT": np.array([len(drafts)], np.int32)}
+            outputs += ("DRAFT_VALID", "DRAFT_BITMASK")
+        return grammar_call(server, inputs, outputs)
+
+    for seq in (a, b):
+        grammar_call(server, {"OP": np.array([b"start"], np.object_), "SEQUENCE_ID": np.array([seq], np.uint64),
+                              "GRAMMAR_TYPE": np.array([b"regex"], np.object_),
+                              "GRAMMAR": np.array([b"[ab]{6,8}c"], np.object_)}, ("BACKEND",))
+    try:
+        # Sequence b, one token a step: the lowest allowed token each time, and the mask after it.
+        masks = [step(b, []).as_numpy("BITMASK")[0]]
+        taken: list[int] = []
+        for _ in range(3):
+            taken.append(int(np.flatnonzero(np.unpackbits(masks[-1].view(np.uint8), bitorder="little"))[0]))
+            masks.append(step(b, taken[-1:]).as_numpy("BITMASK")[0])
+        # Sequence a, its first step with those three tokens as drafts.
+        drafted = step(a, [], taken)
+        assert drafted.as_numpy("DRAFT_VALID").tolist() == [3]
+        assert np.array_equal(drafted.as_numpy("BITMASK")[0], masks[0])
+        draft_masks = drafted.as_numpy("DRAFT_BITMASK")
+        assert draft_masks.shape == (3, 1, masks[0].shape[0])
+        for j in range(3):
+            assert np.array_equal(draft_masks[j, 0], masks[j + 1])
+        # Not kept: a takes the first token as its own and stands where b stood after it.
+        assert np.array_equal(step(a, taken[:1]).as_numpy("BITMASK")[0], masks[1])
+    finally:
+        grammar_call(server, {"OP": np.array([b"end"], np.object_), "SEQUENCE_ID": np.array([a, b], np.uint64)})
