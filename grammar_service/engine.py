@@ -285,7 +285,6 @@ class GrammarEngine:
         #: The draft masks, ``[K, max_batch, width]``, grown to the most draft tokens a step has carried.
         self._draft_masks = np.full((0, config.max_batch, self.bitmask.width), -1, dtype=np.int32)
         self._draft_valid = np.zeros(config.max_batch, dtype=np.int32)
-        self._draft_closing = np.zeros(config.max_batch, dtype=np.int8)  # draft rows' CLOSING: not returned
         self.closer = Closer(tokenizer_info, config.closing.search)
         #: Packed calm rows by (whole characters only, more openers): see :meth:`Closer.calm_tokens`.
         self._calm: Lru[tuple[bool, bytes], np.ndarray] = Lru(_CALM_ROWS)
@@ -786,10 +785,11 @@ class GrammarEngine:
         return matchers
 
     def _close_rows(self, bitmask: np.ndarray, errors: _RowErrors, forced_rows: list[tuple[int, int]],
-                    calm_rows: list[tuple[int, int, GrammarSequence]], closing: np.ndarray) -> None:
+                    calm_rows: list[tuple[int, int, GrammarSequence]], closing: np.ndarray | None) -> None:
         """:meth:`step`'s phase 4: forced rows get their one bit; calm rows are restricted or screened.
 
-        ``bitmask`` is what the last fill wrote; a calm row's new close state goes to ``closing``.
+        ``bitmask`` is what the last fill wrote; a calm row's new close state goes to ``closing`` (None: a
+        draft position's, which no answer reports).
         """
         for i, token in forced_rows:
             self.bitmask.force(i, token)
@@ -798,7 +798,8 @@ class GrammarEngine:
                 if not self.bitmask.allows(i, token):
                     # The kept completion no longer starts here (checked between budget checks, not searched).
                     token = seq.recheck(self.closer, self._stop_token)
-                    closing[i] = seq.close_state
+                    if closing is not None:
+                        closing[i] = seq.close_state
                 if token == FREE:
                     continue
                 if seq.close.calm_ok:
@@ -884,7 +885,7 @@ class GrammarEngine:
                     masks[j:].fill(ALL_ALLOWED)  # never a stale or all-zero row where no draft reaches
                     break
                 filled = self.bitmask.fill(matchers, masks[j])
-                self._close_rows(filled, errors, forced_rows, calm_rows, self._draft_closing)
+                self._close_rows(filled, errors, forced_rows, calm_rows, None)
                 self._ban(filled, ban_rows)
                 for i in going:
                     valid[i] = j + 1

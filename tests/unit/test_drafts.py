@@ -65,9 +65,8 @@ def allowed(row: np.ndarray) -> np.ndarray:
 class Target:
     """A greedy model: at output position p it prefers tokens in a seeded random order (the same in every run).
 
-    Half the tokens of the Qwen3 vocabulary score high at random, which walks a schema's strings and
-    numbers to their limits; the stop token scores low, so an output ends where the grammar or the
-    closer leaves nothing else.
+    Random preferences walk a schema's strings and numbers to their limits; the stop token scores lowest,
+    so an output ends where the grammar or the closer leaves nothing else.
     """
 
     def __init__(self, seed: int, stops: list[int]) -> None:
@@ -86,9 +85,7 @@ class Target:
 @dataclasses.dataclass
 class Run:
     output: list[int]
-    steps: int
-    drafted: int = 0
-    accepted: int = 0
+    accepted: int = 0  # drafts the target took
 
 
 def step(engine: GrammarEngine, seq_id: int, pending: list[int], drafts: list[int] | None = None) -> StepResult:
@@ -106,11 +103,11 @@ def plain_run(engine: GrammarEngine, spec: ConstraintSpec, budget: int, checks: 
     output: list[int] = []
     pending: list[int] = []
     try:
-        for n in range(STEPS):
+        for _ in range(STEPS):
             res = step(engine, 1, pending)
             assert res.errors[0] is None, res.errors[0]
             if res.terminated[0]:
-                return Run(output, n)
+                return Run(output)
             if res.dropped[0]:
                 del output[len(output) - int(res.dropped[0]):]
                 pending = []  # fed again from before the dropped tokens: this mask is not sampled
@@ -128,10 +125,10 @@ def drafted_run(engine: GrammarEngine, spec: ConstraintSpec, budget: int, checks
     """Each step carries up to ``k`` drafts: mostly the reference's next tokens, some wrong; the target
     accepts them while its own pick matches, then adds its own token."""
     engine.start(2, spec, budget=budget, value_checks=checks)
-    run = Run([], 0)
+    run = Run([])
     pending: list[int] = []
     try:
-        for n in range(STEPS):
+        for _ in range(STEPS):
             at = len(run.output)
             drafts = [reference[at + j] if at + j < len(reference) and rng.random() < 0.8 else rng.randrange(V)
                       for j in range(rng.randint(0, k))]
@@ -139,7 +136,6 @@ def drafted_run(engine: GrammarEngine, spec: ConstraintSpec, budget: int, checks
             assert res.errors[0] is None, res.errors[0]
             assert res.draft_bitmask is not None and res.draft_valid is not None
             if res.terminated[0]:
-                run.steps = n
                 return run
             if res.dropped[0]:
                 assert res.draft_valid[0] == 0
@@ -155,7 +151,6 @@ def drafted_run(engine: GrammarEngine, spec: ConstraintSpec, budget: int, checks
                 pending.append(token)
                 if token in target.stops or j >= len(drafts) or token != drafts[j]:
                     break
-            run.drafted += len(drafts)
             run.accepted += len(pending) - 1
             run.output += pending
         raise AssertionError(f"no end in {STEPS} steps")
