@@ -88,7 +88,7 @@ class Field:
     tensor: str  # the grammar model's output tensor
     dtype: type[np.generic]  # on every transport (BLS: the tensor's TYPE_*; the channel: its bytes)
     sent: Sent
-    wide: bool = False  # [B, F] (F: the step's widest row) rather than [B]
+    wide: bool = False  # [B, F] rather than [B]; F: the step's widest forced run, or its draft width (DRAFTS)
 
 
 #: The answer's per-row fields, in the channel's order (flag bit ``1 << i`` for the ``i``-th optional one).
@@ -101,6 +101,7 @@ STEP_FIELDS: Final[tuple[Field, ...]] = (
     Field("forced_tokens", "FORCED_TOKENS", np.int32, Sent.JUMP, wide=True),
     Field("forced_safe", "FORCED_SAFE", np.int32, Sent.JUMP),
     Field("draft_valid", "DRAFT_VALID", np.int32, Sent.DRAFTS),
+    Field("draft_closing", "DRAFT_CLOSING", np.int8, Sent.DRAFTS, wide=True),
     Field("errors", "ROW_ERROR", np.object_, Sent.ERRORS),
 )
 #: The mask's tensor where the caller has no mask buffer (int32 ``[B, W]``).
@@ -157,6 +158,13 @@ class MaskStep:
         the mask of the position after row ``i``'s drafts ``0..j``
         (:meth:`GrammarEngine.step <grammar_service.engine.GrammarEngine.step>`);
         rows past ``draft_valid[i]`` are all ones.
+    draft_closing : np.ndarray or None
+        int8 ``[B, D]`` (a step with drafts): ``draft_closing[i, j]`` is the
+        close state (as :attr:`closing`) of the position after row ``i``'s
+        drafts ``0..j``, for ``j < draft_valid[i]`` (0 past it): a target
+        that accepts drafts learns the state of the position where it
+        samples, as a one-token step would (a stop sampled there while the
+        grammar closes at the budget is a ``length`` finish).
     grammar_s : float
         How long the step took on the grammar side itself (NaN: not
         reported); the rest of the caller's wait is the call's transport.
@@ -175,6 +183,7 @@ class MaskStep:
     forced_safe: np.ndarray | None = None
     draft_valid: np.ndarray | None = None
     draft_bitmask: np.ndarray | None = None
+    draft_closing: np.ndarray | None = None
     grammar_s: float = float("nan")
     active: int = -1
 

@@ -154,6 +154,10 @@ class StepResult:
         it forbids (the target cannot accept it, nor what follows), one
         after which the grammar has ended, or the row's draft count.
         A reused buffer's view.
+    draft_closing : numpy.ndarray or None
+        With ``drafts``: int8 ``[B, K]``, the close state of each position a
+        draft reaches (as ``closing``; 0 past ``draft_valid[i]``).  A reused
+        buffer's view.
     """
 
     bitmask: np.ndarray
@@ -166,6 +170,7 @@ class StepResult:
     forced_safe: np.ndarray
     draft_bitmask: np.ndarray | None = None
     draft_valid: np.ndarray | None = None
+    draft_closing: np.ndarray | None = None
 
     def answer(self, *, jump_forward: bool, copy: bool, bitmask: np.ndarray | None = None,
                draft_bitmask: np.ndarray | None = None, seconds: float = float("nan"), active: int = -1) -> MaskStep:
@@ -194,6 +199,7 @@ class StepResult:
             hold=own(self.hold) if self.hold.any() else None,
             forced_safe=own(self.forced_safe) if jump_forward else None,
             draft_valid=None if self.draft_valid is None else own(self.draft_valid),
+            draft_closing=None if self.draft_closing is None else own(self.draft_closing),
             draft_bitmask=(None if self.draft_bitmask is None
                            else draft_bitmask if draft_bitmask is not None else own(self.draft_bitmask)),
             grammar_s=seconds,
@@ -285,6 +291,7 @@ class GrammarEngine:
         #: The draft masks, ``[K, max_batch, width]``, grown to the most draft tokens a step has carried.
         self._draft_masks = np.full((0, config.max_batch, self.bitmask.width), -1, dtype=np.int32)
         self._draft_valid = np.zeros(config.max_batch, dtype=np.int32)
+        self._draft_closing = np.zeros((config.max_batch, 0), dtype=np.int8)  # [max_batch, K], grown as the masks
         self.closer = Closer(tokenizer_info, config.closing.search)
         #: Packed calm rows by (whole characters only, more openers): see :meth:`Closer.calm_tokens`.
         self._calm: Lru[tuple[bool, bytes], np.ndarray] = Lru(_CALM_ROWS)
@@ -604,9 +611,10 @@ class GrammarEngine:
         drafts : int32 array, shape [B, K], optional
             Row i's first ``draft_counts[i]`` entries are draft tokens
             proposed after its new tokens (``K <= max_draft_tokens``); their
-            masks are ``StepResult.draft_bitmask``.  A row that jumps
-            forward does not draft: it gets no forced tokens at a step where
-            it has drafts.
+            masks are ``StepResult.draft_bitmask``.  A row with drafts gets
+            its forced tokens too: a caller that jumps drops the drafts (the
+            output is then what it is without them: a sampled token where
+            the grammar forces text could spell it otherwise).
         draft_counts : int array, shape [B], optional
             With ``drafts``.
         draft_out : numpy.ndarray, optional
@@ -659,10 +667,10 @@ class GrammarEngine:
         self._close_rows(bitmask, errors, self._forced_rows, self._calm_rows, self._closing)
         self._ban(bitmask, self._ban_rows)
         forced = self._jump(jump, jump_rows, rows, errors) if jump_rows and jump is not None else self._no_forced[:rows]
-        draft_bitmask = draft_valid = None
+        draft_bitmask = draft_valid = draft_closing = None
         if drafts is not None and draft_list is not None:
-            draft_bitmask, draft_valid = self._drafts(bitmask, drafts.tolist(), draft_list, draft_width, rows, errors,
-                                                      draft_out)
+            draft_bitmask, draft_valid, draft_closing = self._drafts(bitmask, drafts.tolist(), draft_list,
+                                                                     draft_width, rows, errors, draft_out)
         return StepResult(
             bitmask=bitmask,
             terminated=self._terminated[:rows],
@@ -674,6 +682,7 @@ class GrammarEngine:
             forced_safe=self._forced_safe[:rows],
             draft_bitmask=draft_bitmask,
             draft_valid=draft_valid,
+            draft_closing=draft_closing,
         )
 
     def _check_drafts(self, rows: int, drafts: np.ndarray | None, draft_counts: Sequence[int] | np.ndarray | None,
@@ -776,7 +785,7 @@ class GrammarEngine:
                     continue  # its row is all ones after the fill, then one bit below
                 if token != FREE:
                     calm_rows.append((i, token, seq))
-            if jump_rows is not None and seq.spec.options.jump_forward and not banned and not drafting:
+            if jump_rows is not None and seq.spec.options.jump_forward and not banned:
                 # A calm row (near its budget) jumps too: forced text is part of
                 # every completion, so appending it cannot grow what is still
                 # open; a forcing row (above) follows its plan token by token.
@@ -820,7 +829,7 @@ class GrammarEngine:
             np.bitwise_and(bitmask[i], keep, out=bitmask[i])
 
     def _drafts(self, bitmask: np.ndarray, drafts: list[list[int]], draft_list: list[int], width: int, rows: int,
-                errors: _RowErrors, out: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+                errors: _RowErrors, out: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """:meth:`step`'s phase 7: the masks after each row's drafts, position by position, one batched fill each.
 
         Each row in ``_draft_seqs`` goes on a fork of its sequence: a draft the mask before it allows is
@@ -830,6 +839,7 @@ class GrammarEngine:
         row's position (a backtrack drops the bans after where it goes back to), so none applies to a draft's.
         A row stops drafting at a draft its mask forbids (the target cannot accept it), after a stop token,
         or where its matcher fails (that row's error).  Every fork's matcher tokens are rolled back at the end.
+        Each position a draft reaches reports its close state (``draft_closing``), as phase 2 reports a row's.
         """
         if out is not None:
             masks = out
@@ -841,7 +851,12 @@ class GrammarEngine:
                 width, rows, self.bitmask.width)
         valid = self._draft_valid[:rows]
         valid.fill(0)
+        if self._draft_closing.shape[1] < width:
+            self._draft_closing = np.zeros((self.config.max_batch, width), dtype=np.int8)
+        closing = self._draft_closing[:rows, :width]
+        closing.fill(0)
         live = [(i, seq, seq.fork()) for i, seq in self._draft_seqs]
+        forks = {i: fork for i, _, fork in live}
         vocab = self.vocab_size
         try:
             for j in range(width):
@@ -889,6 +904,9 @@ class GrammarEngine:
                 self._ban(filled, ban_rows)
                 for i in going:
                     valid[i] = j + 1
+                    fork = forks[i]
+                    closing[i, j] = fork.reasoning_state if fork.thinking is not None else \
+                        fork.close_state if fork.closes else 0
         finally:
             for i, seq, fork in live:
                 if fork.tokens_accepted > seq.tokens_accepted:
@@ -896,7 +914,7 @@ class GrammarEngine:
                         seq.matcher.rollback(fork.tokens_accepted - seq.tokens_accepted)
                     except (RuntimeError, ValueError) as err:
                         errors.add(i, SequenceError(seq.seq_id, f"its drafts could not be rolled back: {err}"))
-        return masks, valid
+        return masks, valid, closing
 
     def _jump(self, jump: JumpForward, jump_rows: list[tuple[int, GrammarSequence]], rows: int,
               errors: _RowErrors) -> tuple[tuple[int, ...], ...]:

@@ -43,11 +43,12 @@ tokens per row)::
             start (2; flags 1 = validated, 2 = value checks; B = 1, K = 0)
                   seq_id u64, budget i32, u32 lengths of kind, payload, options, their UTF-8 bytes
             end   (3; K = 0)                   seq_ids u64[B]
-    reply   u8 status (0 ok, 1 error) u8 0 u16 flags u32 seq u32 B u32 F i32 active (-1: not
+    reply   u8 status (0 ok, 1 error) u8 0 u16 flags u32 seq u32 B u32 F | D << 16 i32 active (-1: not
             reported) f32 seconds (the step's time in the grammar model; NaN: not measured), then by op:
             step  each field of grammar_backend.protocol.STEP_FIELDS, in order, where
-                  flags & (1 << its index): B values of its dtype (B*F where it is wide;
-                  bool as u8), the row errors a JSON list of B strings ("": none)
+                  flags & (1 << its index): B values of its dtype (B*F where it is wide, B*D
+                  where it is a wide draft field; bool as u8), the row errors a JSON list of B
+                  strings ("": none)
             start the backend's name (UTF-8)
             end   nothing
     error   the reply header with status 1, then JSON {"status": name, "message": text}
@@ -73,7 +74,7 @@ from typing import Any, Final, Protocol, TypeVar
 import numpy as np
 
 from grammar_backend.errors import INTERNAL, INVALID_ARGUMENT, UNAVAILABLE, GrammarError, RemoteGrammarError, status_of
-from grammar_backend.protocol import STEP_FIELDS, MaskStep, Sent
+from grammar_backend.protocol import STEP_FIELDS, Field, MaskStep, Sent
 
 __all__ = [
     "NO_MASK", "SOCKET_DIR", "ChannelBroken", "ChannelClient", "ChannelHandler", "ChannelServer",
@@ -173,7 +174,7 @@ def encode_reply(seq: int, answer: MaskStep) -> bytes:
     """
     rows = len(answer.terminated)
     flags = 0
-    forced_width = 0
+    forced_width = draft_width = 0
     parts = []
     for bit, f, _ in _FIELD_BITS:
         value = getattr(answer, f.name)
@@ -183,12 +184,16 @@ def encode_reply(seq: int, answer: MaskStep) -> bytes:
                 parts.append(json.dumps([e or "" for e in value]).encode())
         elif value is not None:
             flags |= bit
-            if f.wide:
+            if f.wide and f.sent is Sent.DRAFTS:
+                draft_width = int(value.shape[1])
+            elif f.wide:
                 forced_width = int(value.shape[1])
             parts.append(np.ascontiguousarray(value, f.dtype).tobytes())
         elif f.sent is Sent.ALWAYS:
             raise GrammarError(f"grammar channel: a step answer without {f.name}")
-    return _REPLY.pack(0, flags, seq, rows, forced_width, answer.active, answer.grammar_s) + b"".join(parts)
+    # One u32 of the header holds both widths: a forced run and a draft count are each at most u16.
+    widths = forced_width | draft_width << 16
+    return _REPLY.pack(0, flags, seq, rows, widths, answer.active, answer.grammar_s) + b"".join(parts)
 
 
 def encode_error(seq: int, err: BaseException) -> bytes:
@@ -223,10 +228,11 @@ def decode_reply(data: memoryview, seq: int) -> MaskStep:
     ChannelBroken
         The reply is malformed.
     """
-    flags, rows, fw, active, seconds, body = _reply_body(data, seq)
+    flags, rows, widths, active, seconds, body = _reply_body(data, seq)
+    fw, dw = widths & 0xFFFF, widths >> 16
     # The arrays' sizes, known from the header, are checked at once; each
     # array is then one frombuffer (this runs on the decode loop every step).
-    size = sum(rows * (fw if f.wide else 1) * itemsize
+    size = sum(rows * _width(f, fw, dw) * itemsize
                for bit, f, itemsize in _FIELD_BITS if flags & bit and f.sent is not Sent.ERRORS)
     if len(body) < size:
         raise ChannelBroken(f"grammar channel: a reply of {rows} rows needs {size} bytes of arrays, got {len(body)}")
@@ -243,11 +249,19 @@ def decode_reply(data: memoryview, seq: int) -> MaskStep:
                 raise ChannelBroken(f"grammar channel: {len(errors)} row errors for {rows} rows")
             fields[f.name] = tuple(str(e) or None for e in errors)
         else:
-            count = rows * (fw if f.wide else 1)
+            w = _width(f, fw, dw)
+            count = rows * w
             value = np.frombuffer(body, f.dtype, count, at)
-            fields[f.name] = value.reshape(rows, fw) if f.wide else value
+            fields[f.name] = value.reshape(rows, w) if f.wide else value
             at += count * itemsize
     return MaskStep(bitmask=NO_MASK, grammar_s=seconds, active=active, **fields)
+
+
+def _width(f: Field, forced: int, drafts: int) -> int:
+    """Elements per row of field ``f`` in a reply whose header gave these widths."""
+    if not f.wide:
+        return 1
+    return drafts if f.sent is Sent.DRAFTS else forced
 
 
 def _decode_start(view: memoryview, at: int, n: int, flags: int) -> ChannelStart:

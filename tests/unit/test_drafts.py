@@ -86,6 +86,7 @@ class Target:
 class Run:
     output: list[int]
     accepted: int = 0  # drafts the target took
+    closes: list[int] = dataclasses.field(default_factory=list)  # the close state where each token was picked
 
 
 def step(engine: GrammarEngine, seq_id: int, pending: list[int], drafts: list[int] | None = None) -> StepResult:
@@ -101,19 +102,22 @@ def plain_run(engine: GrammarEngine, spec: ConstraintSpec, budget: int, checks: 
     """One token a step, as without speculation (``budget`` 0: no closing)."""
     engine.start(1, spec, budget=budget, value_checks=checks)
     output: list[int] = []
+    closes: list[int] = []
     pending: list[int] = []
     try:
         for _ in range(STEPS):
             res = step(engine, 1, pending)
             assert res.errors[0] is None, res.errors[0]
             if res.terminated[0]:
-                return Run(output)
+                return Run(output, closes=closes)
             if res.dropped[0]:
                 del output[len(output) - int(res.dropped[0]):]
+                del closes[len(output):]
                 pending = []  # fed again from before the dropped tokens: this mask is not sampled
                 continue
             token = target.pick(res.bitmask[0], len(output))
             output.append(token)
+            closes.append(int(res.closing[0]))
             pending = [token]
         raise AssertionError(f"no end in {STEPS} steps")
     finally:
@@ -140,15 +144,20 @@ def drafted_run(engine: GrammarEngine, spec: ConstraintSpec, budget: int, checks
             if res.dropped[0]:
                 assert res.draft_valid[0] == 0
                 del run.output[len(run.output) - int(res.dropped[0]):]
+                del run.closes[len(run.output):]
                 pending = []
                 continue
             valid = int(res.draft_valid[0])
             assert valid <= len(drafts)
+            assert res.draft_closing is not None and res.draft_closing.shape == res.draft_bitmask.shape[1::-1]
+            assert not res.draft_closing[0, valid:].any()
             masks = [res.bitmask[0], *(res.draft_bitmask[j, 0] for j in range(valid))]
+            closes = [int(res.closing[0]), *(int(c) for c in res.draft_closing[0, :valid])]
             pending = []
             for j, mask in enumerate(masks):
                 token = target.pick(mask, at + j)
                 pending.append(token)
+                run.closes.append(closes[j])
                 if token in target.stops or j >= len(drafts) or token != drafts[j]:
                     break
             run.accepted += len(pending) - 1
@@ -194,6 +203,8 @@ def test_greedy_output_with_drafts_is_the_output_without(engine: GrammarEngine, 
     for k, draft_seed in ((1, seed), (3, seed + 10), (6, seed + 20)):
         drafted = drafted_run(engine, spec, budget, checks, target, plain.output, random.Random(draft_seed), k)
         assert drafted.output == plain.output, f"{k} drafts a step"
+        # Each draft position reports the close state a step of its own would have (draft_closing).
+        assert drafted.closes == plain.closes, f"{k} drafts a step"
         accepted += drafted.accepted
     assert accepted > 0 or len(plain.output) < 4  # drafts were taken, not only proposed
 
@@ -276,15 +287,16 @@ def test_draft_rows_no_draft_reaches_are_all_ones(engine: GrammarEngine, qwen_to
         engine.end([11, 12])
 
 
-def test_a_row_with_drafts_does_not_jump(engine: GrammarEngine, qwen_tokenizer: Any) -> None:
-    # '{"' is forced at the start of an object with required keys: jump-forward offers it, unless the row drafts.
+def test_a_row_with_drafts_jumps_too(engine: GrammarEngine, qwen_tokenizer: Any) -> None:
+    # '{"' is forced at the start of an object with required keys: jump-forward offers it, drafts or not (the
+    # caller jumps and drops the drafts, as its output without them would have).
     spec = parse_constraint("json_schema", json.dumps(PERSON), {})
     for seq_id in (11, 12):
         engine.start(seq_id, spec)
     try:
         res = engine.step(np.array([11, 12], np.uint64), np.zeros((2, 1), np.int32), np.zeros(2, np.int32),
                           jump_forward=True, drafts=np.zeros((2, 1), np.int32), draft_counts=np.array([0, 1]))
-        assert res.forced[0] and res.forced[1] == ()
+        assert res.forced[0] and res.forced[1] == res.forced[0]
     finally:
         engine.end([11, 12])
 

@@ -43,6 +43,7 @@ grammar_backend.protocol.MaskStep, its tensors derived from STEP_FIELDS)
     HOLD             INT32 [B]              step: the row's last tokens a value check may still
                                             drop (sent only when a row holds some)
     DRAFT_VALID      INT32 [B]              step with drafts: how many of the row's draft masks hold
+    DRAFT_CLOSING    INT8 [B, D]            step with drafts: the close state after each held draft
     DRAFT_BITMASK    INT32 [D, B, ceil(V/32)]  step with drafts, without BITMASK_BUFFER: row i's mask
                                             after its drafts 0..j at [j, i] (with a buffer: its rows
                                             B..B+D*B)
