@@ -24,7 +24,9 @@ What a ``GuidedRequests`` gives (TensorRT-LLM 1.2.x, read in
 
 * ``valid_requests_with_offsets()`` yields each request that has guided
   params and a slot, with its bitmask row (its position in the scheduled
-  batch, contexts first; a generation row is followed by its draft rows);
+  batch, contexts first; a generation row is followed by
+  ``max_num_draft_tokens`` rows for its drafts, a context or draft-model row
+  has one);
 * ``require_matcher_init()``: the last context chunk (also when a paused
   request is scheduled again: its context is rebuilt from all its tokens);
 * ``require_matcher_advance()``: a generation step; ``new_token`` is the
@@ -33,6 +35,74 @@ What a ``GuidedRequests`` gives (TensorRT-LLM 1.2.x, read in
   ``_update_requests`` of the previous batch);
 * ``seq_slot`` is reused by later requests; a finished request is not
   scheduled again.
+
+Speculative decoding (issue 50 part 2): what TensorRT-LLM 1.2.1 does
+--------------------------------------------------------------------
+Read with the project's search tool (the 1.2.1 tag itself is not stored
+there; each file's versions around it agree on all of this):
+``tensorrt_llm/_torch/pyexecutor/guided_decoder.py`` at 07dacbbc and 40bb912b,
+and its newest stored version (``_build`` returning the failed requests, PR
+9078); ``pyexecutor/py_executor.py``, ``pyexecutor/py_executor_creator.py``,
+``pyexecutor/sampler.py``, ``speculative/model_drafter.py`` and
+``speculative/interface.py`` as stored around 1.2 (the index names no commit
+for those versions: they are the ones whose ``create_py_executor`` passes
+``max_num_draft_tokens=spec_config.max_total_draft_tokens`` and whose
+``SpeculativeDecodingMode`` runs MTP .. SAVE_HIDDEN_STATES).
+
+* ``GuidedRequest`` also carries ``is_draft`` (a request of the draft model,
+  its ``seq_slot`` the target's), ``draft_tokens`` (``py_draft_tokens``,
+  padded with 0 to the layout by ``pad_draft_tokens_for_cuda_graph``) and
+  ``num_accepted_draft_tokens`` (``py_num_accepted_draft_tokens``: how many
+  of the previous step's drafts the target accepted).  TorchSampler sets the
+  latter only for a step that had drafts and did not stop at its first token
+  (``update_requests``), so after a step without drafts it is an older step's.
+* TensorRT-LLM's own ``_build`` accepts ``new_token`` and fills row
+  ``offset``, then accepts each draft and fills ``offset + i`` until a draft
+  the matcher refuses or one that ends it; those drafts stay accepted.
+  ``_rollback_rejected_tokens`` (after the verification, before the next
+  drafting loop) rolls back all but ``1 + num_accepted_draft_tokens`` of them;
+  the draft model's builds (``ModelDrafter``: the same decoder, a request
+  per target request with ``is_draft``, ``new_token`` the target's last token
+  at the first draft step, then the previous draft) advance the matcher and
+  ``_rollback_draft_tokens`` undoes them before the target's build.
+* ``_executor_loop``: ``add_batch`` -> ``rollback_rejected_tokens`` ->
+  ``drafter.prepare_draft_tokens`` (the draft model's builds) -> pad ->
+  ``add_batch`` -> ``rollback_draft_tokens`` -> forward -> ``execute``
+  (the target's build) -> sample.  ``_executor_loop_overlap`` with a draft
+  model (``_handle_speculative_decoding``): ``_update_requests`` of the
+  previous batch -> ``generate_draft_tokens_with_overlap`` (the draft
+  model's builds) -> forward -> ``_process_draft_results`` (``add_batch``,
+  ``rollback_draft_tokens``) -> ``add_batch`` -> ``execute``: it never calls
+  ``rollback_rejected_tokens``.
+* ``create_py_executor`` builds ``GuidedDecoder`` for no speculation and the
+  modes with a drafter (EAGLE3, DRAFT_TARGET, MTP_EAGLE, NGRAM,
+  USER_PROVIDED, SAVE_HIDDEN_STATES), and ``CapturableGuidedDecoder`` for the
+  one-model modes (MTP, MTP_EAGLE_ONE_MODEL, EAGLE3_ONE_MODEL), handed to the
+  model engine: see :mod:`llm_runtime.trtllm_decoder` for why those are refused.
+
+What :class:`GrammarRows` does with them.  The grammar side never keeps a
+draft: the tokens the target accepted are committed at the next build, as
+one multi-token commit (``counts[i] > 1``), and the drafts are sent as
+``MaskProvider.step``'s ``drafts``:
+
+* a target row commits the tokens due (the drafts it sent last time that
+  TensorRT-LLM accepted, then ``new_token``), sends its drafts (up to the
+  layout), and writes row ``offset`` and rows ``offset + 1 ..`` from
+  ``draft_bitmask`` for the drafts that hold (``draft_valid``), token_mask 1;
+  the rows past them stay token_mask 0, as TensorRT-LLM leaves them: the
+  target cannot accept the draft before them, so they are never sampled;
+* ``_rollback_rejected_tokens`` is where TensorRT-LLM says, before its draft
+  model's builds, how many drafts it accepted (:meth:`GrammarRows.accepted`);
+* a draft-model row: the first draft build of an iteration commits the tokens
+  due (the target's build then commits none, and checks that its
+  ``new_token`` is the one fed); each later one asks for the mask after the
+  drafts so far, never committing them.  Where TensorRT-LLM did not say how
+  many drafts it accepted (its overlap loop), or the row cannot be known, the
+  draft row is left unmasked (token_mask 0): drafts are proposals, the
+  target's rows alone decide what is accepted;
+* a row is never written all-zero (TensorRT-LLM issue 18896: an all-zero mask
+  turns the logits into NaN): the grammar side's rows past the valid drafts
+  are all ones, and those are not written here anyway.
 
 Which grammar sequence a row belongs to travels in the request itself: the
 guide string of its ``GuidedDecodingParams`` (:meth:`GrammarRows.guide`), so no
@@ -64,11 +134,12 @@ import re
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final, Protocol
 
 import numpy as np
 
+from contract import MAX_DRAFT_TOKENS
 from grammar_backend.protocol import REASONING_STATES, CloseState, bitmask_width
 
 from .errors import EngineError
@@ -106,6 +177,8 @@ class GuidedRequestView(Protocol):
     def is_draft(self) -> bool: ...
     @property
     def draft_tokens(self) -> Sequence[int] | None: ...
+    @property
+    def num_accepted_draft_tokens(self) -> int | None: ...
     def require_matcher_init(self) -> bool: ...
     def require_matcher_advance(self) -> bool: ...
 
@@ -115,6 +188,8 @@ class GuidedRequestsView(Protocol):
 
     @property
     def num_bitmask_tokens(self) -> int: ...
+    @property
+    def max_num_draft_tokens(self) -> int: ...
     def valid_requests_with_offsets(self) -> Iterator[tuple[GuidedRequestView, int]]: ...
 
 
@@ -167,16 +242,34 @@ class RowsStats:
     build_s: float
 
 
+#: No drafts (a row made before :meth:`GrammarRows.reserve_drafts`, the unused step entries).
+_NO_DRAFTS: Final = np.zeros(0, dtype=np.int32)
+
+
 @dataclass(eq=False)
 class _Row:
     seq_id: int
     stepped: bool = False  # a mask was computed: a sampled token is due at the next step
     error: str | None = None
+    reported: bool = False  # the error went out in a target build's failure list (a draft build's does not)
     close_state: int = CloseState.OPEN
     terminated: bool = False
     reasoning_tokens: int | None = None
     reasoning_cut: bool = False
     retired: bool = False  # ended here, its grammar sequence too; TensorRT-LLM may still list it
+    # Speculative decoding (the module docstring): the drafts its last target build sent, never kept by
+    # the grammar side; how many of them TensorRT-LLM accepted, as _rollback_rejected_tokens said before
+    # this iteration's draft builds (-1: not said); the new token a draft build committed with them
+    # (-1: none yet this iteration); the tokens the draft model proposed so far this iteration.
+    drafts: np.ndarray = field(default_factory=lambda: _NO_DRAFTS)  # the shared empty one: never written
+    n_drafts: int = 0
+    accepted: int = -1
+    fed: int = -1
+    chain: np.ndarray = field(default_factory=lambda: _NO_DRAFTS)
+    chain_len: int = 0
+    # The close state of the position after each of those drafts that holds (the answer's draft_closing):
+    # where the target sampled the token after each accepted draft.
+    closes: np.ndarray = field(default_factory=lambda: _NO_DRAFTS)
 
     def outcome(self) -> RowOutcome:
         return RowOutcome(self.error, self.close_state, self.terminated, self.reasoning_tokens, self.reasoning_cut)
@@ -184,6 +277,10 @@ class _Row:
 
 #: Fills the unused entries of the per-step row list (no allocation per step).
 _NO_ROW: Final = _Row(0)
+
+#: What a step entry is: a target row (its due tokens and its drafts); the first draft-model build of an
+#: iteration (commits the due tokens); a later draft-model build (the mask after the drafts so far).
+_TARGET, _COMMIT, _CHAIN = 0, 1, 2
 
 
 class GrammarRows:
@@ -201,16 +298,20 @@ class GrammarRows:
     max_rows : int
         Most constrained rows of one step (the engine's batch size); the
         step buffers are preallocated for it.
+    max_draft_tokens : int
+        Most draft tokens a row carries (TensorRT-LLM's
+        ``max_num_draft_tokens``; 0: no speculative decoding).  The decoder,
+        which learns it from TensorRT-LLM, calls :meth:`reserve_drafts`.
 
     Notes
     -----
     Thread safety: :meth:`start` and :meth:`remove` run on the engine
-    adapter's threads while :meth:`build` runs on TensorRT-LLM's executor
-    thread.  A grammar ``end`` never overlaps a ``step``.
+    adapter's threads while :meth:`build` and :meth:`accepted` run on
+    TensorRT-LLM's executor thread.  A grammar ``end`` never overlaps a ``step``.
     """
 
     def __init__(self, provider: MaskProvider, *, vocab_size: int, end_token_ids: Iterable[int],
-                 max_rows: int) -> None:
+                 max_rows: int, max_draft_tokens: int = 0) -> None:
         ends = sorted({int(t) for t in end_token_ids})
         if not ends or ends[0] < 0 or ends[-1] >= vocab_size:
             raise EngineError(f"end_token_ids must be non-empty ids in [0, {vocab_size}), got {ends}")
@@ -222,11 +323,15 @@ class GrammarRows:
         self._max_rows = max_rows
         # Reused every step: the grammar-step inputs and where each answer goes.
         self._ids = np.zeros(max_rows, dtype=np.uint64)
-        self._tokens = np.zeros((max_rows, 1), dtype=np.int32)
         self._counts = np.zeros(max_rows, dtype=np.int32)
         self._offsets = np.zeros(max_rows, dtype=np.int64)
         self._request_ids = np.zeros(max_rows, dtype=np.int64)
         self._stepped: list[_Row] = [_NO_ROW] * max_rows
+        self._kinds = [_TARGET] * max_rows
+        self._max_draft = 0
+        self._tokens = np.zeros((max_rows, 1), dtype=np.int32)
+        self._drafts = np.zeros((max_rows, 1), dtype=np.int32)
+        self._draft_counts = np.zeros(max_rows, dtype=np.int32)
         self._end_row = np.zeros(0, dtype=np.int32)  # sized to the decoder's rows at the first build
         self._by_seq: dict[int, _Row] = {}
         self._by_slot: dict[int, _Row] = {}
@@ -237,6 +342,34 @@ class GrammarRows:
         self._rows = 0
         self._grammar_s = 0.0
         self._build_s = 0.0
+        self.reserve_drafts(max_draft_tokens)
+
+    def reserve_drafts(self, max_draft_tokens: int) -> None:
+        """Size the step buffers (and every row's) for ``max_draft_tokens`` drafts a row; once, before steps.
+
+        Raises
+        ------
+        EngineError
+            Outside ``0..contract.MAX_DRAFT_TOKENS`` (the most a grammar step answers).
+        """
+        if not 0 <= max_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise EngineError(f"max_draft_tokens must be within 0..{MAX_DRAFT_TOKENS} (the most draft tokens a "
+                              f"grammar step answers), got {max_draft_tokens}")
+        with self._step_lock:
+            self._max_draft = max_draft_tokens
+            # The tokens a step commits: the accepted drafts, then the new token.
+            self._tokens = np.zeros((self._max_rows, 1 + max_draft_tokens), dtype=np.int32)
+            self._drafts = np.zeros((self._max_rows, max(1, max_draft_tokens)), dtype=np.int32)
+            with self._lock:
+                for row in self._by_seq.values():
+                    row.drafts, row.chain, row.closes = self._row_buffers()
+
+    def _row_buffers(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A row's draft buffers, made when it starts (never per step)."""
+        if not self._max_draft:
+            return _NO_DRAFTS, _NO_DRAFTS, _NO_DRAFTS
+        return (np.zeros(self._max_draft, dtype=np.int32), np.zeros(self._max_draft, dtype=np.int32),
+                np.zeros(self._max_draft, dtype=np.int32))
 
     def __reduce__(self) -> tuple[object, ...]:
         # It holds the grammar channel and lives in the executor's process; were
@@ -266,8 +399,9 @@ class GrammarRows:
         if seq_id < 1:
             raise EngineError(f"seq_id must be positive, got {seq_id}")
         backend = self._provider.start(seq_id, constraint)
+        drafts, chain, closes = self._row_buffers()
         with self._lock:
-            self._by_seq[seq_id] = _Row(seq_id)
+            self._by_seq[seq_id] = _Row(seq_id, drafts=drafts, chain=chain, closes=closes)
         return backend
 
     def remove(self, seq_ids: Sequence[int]) -> list[RowOutcome | None]:
@@ -321,14 +455,37 @@ class GrammarRows:
         """The counters (see :class:`RowsStats`)."""
         return RowsStats(self._builds, self._requests, self._rows, self._grammar_s, self._build_s)
 
-    # -- the per-step call --------------------------------------------------------
+    # -- the per-step calls --------------------------------------------------------
+    def accepted(self, requests: GuidedRequestsView) -> None:
+        """TensorRT-LLM verified the last step's drafts: note how many each row's target accepted.
+
+        What ``GuidedDecoder._rollback_rejected_tokens`` is called with (the
+        target's requests, after ``_update_requests``, before the draft
+        model's builds of the iteration): the first of those builds commits
+        these drafts and the new token.  Never raises (TensorRT-LLM's executor
+        loop); a count that does not fit is left for the target's build, which
+        fails the row with it.
+        """
+        with self._step_lock:
+            try:
+                for req, _ in requests.valid_requests_with_offsets():
+                    if req.is_draft or not req.require_matcher_advance() or req.seq_slot is None:
+                        continue
+                    row = self._by_slot.get(req.seq_slot)
+                    if row is not None:
+                        k = self._accepted_of(row, req)
+                        row.accepted = k if isinstance(k, int) else -1
+            except Exception:  # noqa: BLE001 -- never into the executor loop: the draft rows stay unmasked
+                _log.exception("grammar rows: reading the accepted drafts failed")
+
     def build(self, requests: GuidedRequestsView, bitmask: np.ndarray, token_mask: np.ndarray) -> list[tuple[int, str]]:
         """Write the bitmask rows of one step, in place, with one grammar request.
 
         Parameters
         ----------
         requests : GuidedRequestsView
-            TensorRT-LLM's ``GuidedRequests`` of this step.
+            TensorRT-LLM's ``GuidedRequests`` of this step: the target's, or
+            (``is_draft``) the draft model's.
         bitmask : numpy.ndarray
             int32 ``[rows, words]``: the decoder's ``bitmask_host`` (at least
             :attr:`width` words; the words past it are left 0, so ids past the
@@ -339,9 +496,10 @@ class GrammarRows:
         Returns
         -------
         list of (int, str)
-            ``(request_id, error)`` of every row that failed at this step.
-            Never raises: an exception inside TensorRT-LLM's executor loop
-            would fail the whole batch.
+            ``(request_id, error)`` of every row that failed at this step
+            (a draft-model build's failures wait for the target's build: its
+            caller drops them).  Never raises: an exception inside
+            TensorRT-LLM's executor loop would fail the whole batch.
         """
         t0 = time.perf_counter()
         failed: list[tuple[int, str]] = []
@@ -362,50 +520,23 @@ class GrammarRows:
             self._end_row = np.zeros(bitmask.shape[1], dtype=np.int32)
             for t in self._ends:
                 self._end_row[t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+        layout = int(requests.max_num_draft_tokens)
+        if layout > self._max_draft:
+            raise EngineError(f"TensorRT-LLM lays out {layout} draft rows a request, the grammar rows hold "
+                              f"{self._max_draft} (GrammarRows.reserve_drafts)")
         token_mask[: requests.num_bitmask_tokens] = 0
         c = 0
+        widest = 0  # the most drafts an entry of this step sends
         for req, offset in requests.valid_requests_with_offsets():
-            init = req.require_matcher_init()
-            if not (init or req.require_matcher_advance()):
-                continue  # an earlier context chunk: no mask yet
-            slot = req.seq_slot
-            if init:
-                row = self._row_of_guide(req)
-                if slot is not None and row is not None:
-                    self._by_slot[slot] = row
-                # A paused request scheduled again: the token sampled before it was paused is still due.
-                feed = row is not None and row.stepped
-            else:
-                row = self._by_slot.get(slot) if slot is not None else None
-                feed = True
-            rid = -1 if req.request_id is None else int(req.request_id)
-            if row is None:
-                failed.append((rid, "no grammar sequence for this request"))
-                self._write_end(bitmask, token_mask, offset)
-                continue
-            if row.retired:
-                self._write_end(bitmask, token_mask, offset)  # its abort is on its way: no failure
-                continue
-            if row.error is None and (req.is_draft or req.draft_tokens):
-                row.error = "speculative decoding is not supported with the grammar model's constraints"
-                failed.append((rid, row.error))
-            if row.error is not None or row.terminated:
-                self._write_end(bitmask, token_mask, offset)
-                continue
             if c == self._max_rows:
                 raise EngineError(f"more than {self._max_rows} constrained rows in one step")
-            token = req.new_token
-            if feed and token is None:
-                row.error = "the request has no sampled token to feed"
-                failed.append((rid, row.error))
-                self._write_end(bitmask, token_mask, offset)
-                continue
-            self._ids[c] = row.seq_id
-            self._tokens[c, 0] = token if feed else 0
-            self._counts[c] = 1 if feed else 0
+            sent = (self._add_draft_model(req, c) if req.is_draft
+                    else self._add_target(req, offset, c, layout, bitmask, token_mask, failed))
+            if sent < 0:
+                continue  # no grammar work for this row
             self._offsets[c] = offset
-            self._stepped[c] = row
-            self._request_ids[c] = rid
+            self._request_ids[c] = -1 if req.request_id is None else int(req.request_id)
+            widest = max(widest, sent)
             c += 1
         if not c:
             return
@@ -413,43 +544,260 @@ class GrammarRows:
         out: MaskStep | None = None
         rows: StepRows | None = None
         fault: str | None = None
+        valid: list[int] = []
         try:
-            out = self._provider.step(self._ids[:c], self._tokens[:c], self._counts[:c])
+            if widest:
+                out = self._provider.step(self._ids[:c], self._tokens[:c], self._counts[:c],
+                                          drafts=self._drafts[:c, :widest], draft_counts=self._draft_counts[:c])
+            else:
+                out = self._provider.step(self._ids[:c], self._tokens[:c], self._counts[:c])
         except Exception as err:  # noqa: BLE001 -- every row of this step fails with it; the engine goes on
             _log.exception("MaskProvider.step failed; failing its %d constrained rows", c)
             fault = f"grammar step failed: {err}"
         else:
             read = "MaskProvider.step returned None" if out is None else out.read(c, self.width)
             fault, rows = (read, None) if isinstance(read, str) else (None, read)
+            if rows is not None and out is not None and widest:
+                drafts_read = self._read_drafts(out, c, widest)
+                fault, valid = (drafts_read, []) if isinstance(drafts_read, str) else (None, drafts_read)
+                rows = None if fault is not None else rows
         self._grammar_s += time.perf_counter() - t0
+        answer = out if rows is not None else None
         for j in range(c):
-            row, offset, rid = self._stepped[j], int(self._offsets[j]), int(self._request_ids[j])
+            row, offset = self._stepped[j], int(self._offsets[j])
             self._stepped[j] = _NO_ROW
-            row.stepped = True
-            if rows is not None and out is not None:
-                row.close_state = rows.close[j]
-                if row.close_state in REASONING_STATES:
-                    row.reasoning_tokens = (row.reasoning_tokens or 0) + 1
-                    row.reasoning_cut = row.reasoning_cut or row.close_state == CloseState.REASONING_END
-                kind = rows.kind[j]
-                if kind == ROW_MASK:
-                    bitmask[offset, : self.width] = out.bitmask[j]
-                    token_mask[offset] = 1
-                    continue
-                if kind == ROW_STOP:
-                    row.terminated = True
-                elif kind == ROW_ERROR:
-                    row.error = out.errors[j]
-                else:  # never asked for: these sequences run without value checks
-                    row.error = "the grammar side dropped tokens, which TensorRT-LLM's decoder cannot take back"
+            kind = self._kinds[j]
+            if kind == _TARGET:
+                self._write_target(j, row, offset, rows, answer, valid, fault, bitmask, token_mask, failed)
+            elif kind == _COMMIT:
+                self._write_commit(j, row, offset, rows, answer, fault, bitmask, token_mask)
             else:
-                row.error = fault
-            if row.error is not None:
-                failed.append((rid, row.error))
-            self._write_end(bitmask, token_mask, offset)
+                self._write_chain(j, row, offset, rows, answer, valid, bitmask, token_mask)
         self._builds += 1
         self._requests += 1
         self._rows += c
+
+    def _add_target(self, req: GuidedRequestView, offset: int, c: int, layout: int, bitmask: np.ndarray,
+                    token_mask: np.ndarray, failed: list[tuple[int, str]]) -> int:
+        """Step entry ``c`` for a target row: its due tokens and its drafts; the drafts sent (-1: no entry)."""
+        init = req.require_matcher_init()
+        if not (init or req.require_matcher_advance()):
+            return -1  # an earlier context chunk: no mask yet
+        slot = req.seq_slot
+        if init:
+            row = self._row_of_guide(req)
+            if slot is not None and row is not None:
+                self._by_slot[slot] = row
+            # A paused request scheduled again: the token sampled before it was paused is still due.
+            feed = row is not None and row.stepped
+        else:
+            row = self._by_slot.get(slot) if slot is not None else None
+            feed = True
+        rid = -1 if req.request_id is None else int(req.request_id)
+        if row is None:
+            failed.append((rid, "no grammar sequence for this request"))
+            self._write_end(bitmask, token_mask, offset)
+            return -1
+        if row.retired:
+            self._write_end(bitmask, token_mask, offset)  # its abort is on its way: no failure
+            return -1
+        if row.error is None and row.terminated:
+            self._write_end(bitmask, token_mask, offset)
+            return -1
+        count = 0
+        if row.error is None and feed:
+            token = req.new_token
+            if token is None:
+                row.error = "the request has no sampled token to feed"
+            elif row.fed >= 0:
+                # This iteration's first draft build committed the due tokens, this new token last.
+                if token != row.fed:
+                    row.error = f"the new token {token} is not the {row.fed} the draft model's build fed"
+            else:
+                k = self._accepted_of(row, req)
+                if isinstance(k, str):
+                    row.error = k
+                else:
+                    self._tokens[c, :k] = row.drafts[:k]
+                    self._tokens[c, k] = token
+                    count = k + 1
+                    self._count_reasoning(row, k)
+        if row.error is not None:
+            if not row.reported:
+                row.reported = True
+                failed.append((rid, row.error))
+            self._write_end(bitmask, token_mask, offset)
+            return -1
+        sent = 0
+        drafts = req.draft_tokens
+        # TensorRT-LLM lays out draft rows after a generation row only (a context row has one); the drafts
+        # past the layout would land in the next request's rows (07dacbbc's own _build does not bound them).
+        if drafts and not init:
+            sent = min(len(drafts), layout)
+            # TensorRT-LLM pads them to the layout (pad_draft_tokens_for_cuda_graph): no slice to copy then.
+            self._drafts[c, :sent] = drafts if len(drafts) == sent else drafts[:sent]
+        self._draft_counts[c] = sent
+        self._ids[c] = row.seq_id
+        self._counts[c] = count
+        self._stepped[c] = row
+        self._kinds[c] = _TARGET
+        return sent
+
+    def _add_draft_model(self, req: GuidedRequestView, c: int) -> int:
+        """Step entry ``c`` for a draft-model row; the drafts sent (-1: the row stays unmasked)."""
+        if not req.require_matcher_advance():
+            return -1
+        # By its guide, not its slot: the draft request of a target still in its context chunks has the
+        # target's slot before the target's first build made it this row's.
+        row = self._row_of_guide(req)
+        if row is None:
+            return -1
+        first = row.fed < 0
+        # The iteration's first draft build commits (its new token is the target's last one, after the drafts
+        # the target accepted); the later ones chain on it. Told by _rollback_rejected_tokens, once: unknown in
+        # TensorRT-LLM's overlap loop, which never calls it, and the draft rows then stay unmasked.
+        k = row.accepted
+        if first:
+            row.accepted = -1  # said once an iteration: a later draft build must never commit again
+        if (row.retired or row.error is not None or row.terminated or not row.stepped or req.new_token is None
+                or (first and k < 0)):
+            return -1
+        token = int(req.new_token)
+        if first:
+            self._tokens[c, :k] = row.drafts[:k]
+            self._tokens[c, k] = token
+            self._counts[c] = k + 1
+            sent = 0
+            self._kinds[c] = _COMMIT
+        else:
+            # A later draft build: the new token is the draft sampled at the one before; nothing is committed.
+            sent = row.chain_len + 1
+            if sent > self._max_draft:
+                return -1
+            row.chain[sent - 1] = token
+            row.chain_len = sent
+            self._drafts[c, :sent] = row.chain[:sent]
+            self._counts[c] = 0
+            self._kinds[c] = _CHAIN
+        self._draft_counts[c] = sent
+        self._ids[c] = row.seq_id
+        self._stepped[c] = row
+        return sent
+
+    def _read_drafts(self, out: MaskStep, rows: int, widest: int) -> list[int] | str:
+        """Each row's ``draft_valid`` (checked with the draft masks' shape), or why the answer does not fit."""
+        dv, db = out.draft_valid, out.draft_bitmask
+        if not isinstance(db, np.ndarray) or db.dtype != np.int32 or db.shape != (widest, rows, self.width):
+            return (f"draft_bitmask must be int32 [{widest}, {rows}, {self.width}], got "
+                    f"{getattr(db, 'dtype', type(db))} {getattr(db, 'shape', '')}")
+        if not isinstance(dv, np.ndarray) or dv.shape != (rows,):
+            return f"draft_valid must be int32 [{rows}]"
+        valid: list[int] = dv.tolist()
+        for j in range(rows):
+            if not 0 <= valid[j] <= self._draft_counts[j]:
+                return f"draft_valid[{j}] is {valid[j]}, outside 0..{int(self._draft_counts[j])}"
+        return valid
+
+    def _write_target(self, j: int, row: _Row, offset: int, rows: StepRows | None, out: MaskStep | None,
+                      valid: list[int], fault: str | None, bitmask: np.ndarray, token_mask: np.ndarray,
+                      failed: list[tuple[int, str]]) -> None:
+        """A target row's answer: row ``offset`` and the rows of the drafts that hold, or the end tokens."""
+        row.stepped = True
+        row.fed, row.accepted, row.chain_len = -1, -1, 0
+        sent = int(self._draft_counts[j])
+        row.n_drafts = sent
+        if sent:
+            row.drafts[:sent] = self._drafts[j, :sent]
+        if rows is not None and out is not None:
+            row.close_state = rows.close[j]
+            if row.close_state in REASONING_STATES:
+                row.reasoning_tokens = (row.reasoning_tokens or 0) + 1
+                row.reasoning_cut = row.reasoning_cut or row.close_state == CloseState.REASONING_END
+            kind = rows.kind[j]
+            if kind == ROW_MASK:
+                bitmask[offset, : self.width] = out.bitmask[j]
+                token_mask[offset] = 1
+                if sent and out.draft_bitmask is not None:
+                    # Row offset + 1 + i is the position after draft i. Past the drafts that hold, the rows stay
+                    # token_mask 0 as TensorRT-LLM leaves them: the target cannot accept the draft before them.
+                    held = valid[j]
+                    bitmask[offset + 1: offset + 1 + held, : self.width] = out.draft_bitmask[:held, j]
+                    token_mask[offset + 1: offset + 1 + held] = 1
+                    if out.draft_closing is not None:
+                        row.closes[:held] = out.draft_closing[j, :held]
+                return
+            if kind == ROW_STOP:
+                row.terminated = True
+            elif kind == ROW_ERROR:
+                row.error = out.errors[j]
+            else:  # never asked for: these sequences run without value checks
+                row.error = "the grammar side dropped tokens, which TensorRT-LLM's decoder cannot take back"
+        else:
+            row.error = fault
+        if row.error is not None:
+            row.reported = True
+            failed.append((int(self._request_ids[j]), row.error))
+        self._write_end(bitmask, token_mask, offset)
+
+    def _write_commit(self, j: int, row: _Row, offset: int, rows: StepRows | None, out: MaskStep | None,
+                      fault: str | None, bitmask: np.ndarray, token_mask: np.ndarray) -> None:
+        """The first draft build's answer: the due tokens are committed; the draft row is the next mask."""
+        count = int(self._counts[j])
+        k = count - 1
+        if rows is None or out is None:
+            # Whether the grammar side took the due tokens is unknown: the target's build fails the row.
+            row.error = fault
+            return
+        self._count_reasoning(row, k)
+        row.n_drafts = 0
+        kind = rows.kind[j]
+        if kind == ROW_MASK:
+            row.fed = int(self._tokens[j, k])
+            bitmask[offset, : self.width] = out.bitmask[j]
+            token_mask[offset] = 1
+        elif kind == ROW_STOP:
+            row.terminated = True
+        elif kind == ROW_ERROR:
+            row.error = out.errors[j]
+        else:
+            row.error = "the grammar side dropped tokens, which TensorRT-LLM's decoder cannot take back"
+
+    def _write_chain(self, j: int, row: _Row, offset: int, rows: StepRows | None, out: MaskStep | None,
+                     valid: list[int], bitmask: np.ndarray, token_mask: np.ndarray) -> None:
+        """A later draft build's answer: the mask after the drafts so far, if they all hold."""
+        if rows is None or out is None or out.draft_bitmask is None:
+            return  # nothing was committed: the draft row stays unmasked
+        kind = rows.kind[j]
+        if kind == ROW_ERROR:
+            row.error = out.errors[j]  # the grammar side's verdict on the row (its matcher failed)
+            return
+        sent = int(self._draft_counts[j])
+        if kind == ROW_MASK and valid[j] == sent:
+            bitmask[offset, : self.width] = out.draft_bitmask[sent - 1, j]
+            token_mask[offset] = 1
+        # Otherwise a draft so far is one the grammar refuses (the target will reject it) or ends it: unmasked,
+        # as TensorRT-LLM's is_draft_terminated leaves it.
+
+    def _accepted_of(self, row: _Row, req: GuidedRequestView) -> int | str:
+        """How many of the drafts ``row`` sent at its last target build TensorRT-LLM accepted, or why not known."""
+        if not row.n_drafts:
+            # TorchSampler sets py_num_accepted_draft_tokens only at a step with drafts: here it is an older one's.
+            return 0
+        k = req.num_accepted_draft_tokens
+        if k is None or not 0 <= k <= row.n_drafts:
+            return f"TensorRT-LLM accepted {k} of the {row.n_drafts} draft tokens sent"
+        return int(k)
+
+    @staticmethod
+    def _count_reasoning(row: _Row, accepted: int) -> None:
+        # The target sampled a token at row offset (counted at that build) and one after each of the
+        # ``accepted`` drafts, at the draft positions, under their close states (draft_closing): the row
+        # is then where the last of them was sampled.
+        for state in row.closes[:accepted].tolist():
+            row.close_state = state
+            if state in REASONING_STATES:
+                row.reasoning_tokens = (row.reasoning_tokens or 0) + 1
+                row.reasoning_cut = row.reasoning_cut or state == CloseState.REASONING_END
 
     def _row_of_guide(self, req: GuidedRequestView) -> _Row | None:
         params = req.guided_decoding_params
@@ -465,14 +813,27 @@ class GrammarRows:
 
     def _fail_all(self, requests: GuidedRequestsView, bitmask: np.ndarray, token_mask: np.ndarray, error: str,
                   failed: list[tuple[int, str]]) -> None:
-        """Fail every constrained row of the step and try to leave it only the end tokens."""
+        """Fail every constrained row of the step and try to leave it only the end tokens.
+
+        A draft-model build's rows are failed too (a step may have committed
+        their due tokens), but reported and ended at the target's build; their
+        draft rows stay unmasked.
+        """
         failed.clear()
+        for j in range(self._max_rows):
+            self._stepped[j] = _NO_ROW
         try:
             for req, offset in requests.valid_requests_with_offsets():
+                if req.is_draft:
+                    row = self._row_of_guide(req)
+                    if row is not None and not row.retired:
+                        row.error = row.error or error
+                    continue
                 row = self._by_slot.get(req.seq_slot) if req.seq_slot is not None else None
                 if row is None or not row.retired:  # a retired row's abort is on its way: never failed
                     if row is not None:
                         row.error = row.error or error
+                        row.reported = True
                     failed.append((-1 if req.request_id is None else int(req.request_id), error))
                 if self._end_row.shape[0] == bitmask.shape[1]:
                     self._write_end(bitmask, token_mask, offset)

@@ -22,8 +22,8 @@ import numpy as np
 
 from grammar_backend.errors import ConfigError
 
-__all__ = ["TRTLLM_GUIDED_API", "TRTLLM_HOST_BUFFERS", "TRTLLM_VERSION", "check_trtllm_api", "host_buffers",
-           "import_tensorrt_llm"]
+__all__ = ["ONE_MODEL_REFUSAL", "TRTLLM_GUIDED_API", "TRTLLM_HOST_BUFFERS", "TRTLLM_ONE_MODEL_MODES", "TRTLLM_SPEC_MODES", "TRTLLM_VERSION",
+           "check_trtllm_api", "host_buffers", "import_tensorrt_llm", "speculative_refusal"]
 
 #: The TensorRT-LLM release this engine is written against (NGC tritonserver
 #: 26.04-26.07 trtllm-python-py3).  The grammar decoder subclasses private API,
@@ -32,12 +32,29 @@ TRTLLM_VERSION: Final = "1.2.1"
 #: What :func:`check_trtllm_api` requires of ``tensorrt_llm._torch.pyexecutor.guided_decoder``:
 #: each class, and the methods (with their parameters) or attributes the grammar decoder uses.
 TRTLLM_GUIDED_API: Final[dict[str, dict[str, tuple[str, ...] | None]]] = {
-    "GuidedDecoder": {"add_batch": None, "build": ("self",), "_build": ("self", "requests"), "execute": None},
-    "GuidedRequests": {"valid_requests_with_offsets": ("self",), "num_bitmask_tokens": None},
+    "GuidedDecoder": {"add_batch": None, "build": ("self",), "_build": ("self", "requests"), "execute": None,
+                      "_rollback_rejected_tokens": ("self", "requests")},
+    "GuidedRequests": {"valid_requests_with_offsets": ("self",), "num_bitmask_tokens": None,
+                       "max_num_draft_tokens": None},
     "GuidedRequest": {"require_matcher_init": ("self",), "require_matcher_advance": ("self",),
                       "from_llm_request": None, "guided_decoding_params": None, "request_id": None,
-                      "seq_slot": None, "new_token": None, "is_draft": None, "draft_tokens": None},
+                      "seq_slot": None, "new_token": None, "is_draft": None, "draft_tokens": None,
+                      "num_accepted_draft_tokens": None},
 }
+
+#: ``SpeculativeDecodingMode`` names (``tensorrt_llm/_torch/speculative/interface.py`` as stored around
+#: 1.2, the enum MTP .. AUTO) whose executor masks with ``GuidedDecoder``: no speculation, and the modes with
+#: a drafter (``support_guided_decoder()``: ``is_none() or has_spec_drafter()``).  ``create_py_executor``
+#: builds that decoder by its global name, and hands the drafter the same one (``get_spec_drafter(...,
+#: guided_decoder=guided_decoder)``): the grammar decoder serves them.  AUTO is resolved to one of these
+#: (``suggest_spec_config``) before the decoder is built.
+TRTLLM_SPEC_MODES: Final = ("NONE", "EAGLE3", "DRAFT_TARGET", "MTP_EAGLE", "NGRAM", "USER_PROVIDED",
+                            "SAVE_HIDDEN_STATES")
+#: The one-model modes (``support_capturable_guided_decoder()``: ``is_mtp_one_model() or
+#: is_eagle3_one_model()``): ``create_py_executor`` builds ``CapturableGuidedDecoder`` by that name and hands
+#: it to the model engine (``model_engine.set_guided_decoder``), not to the executor.  Refused: see
+#: :func:`speculative_refusal`.
+TRTLLM_ONE_MODEL_MODES: Final = ("MTP", "MTP_EAGLE_ONE_MODEL", "EAGLE3_ONE_MODEL")
 
 
 #: The host buffers ``GuidedDecoder.__init__`` creates (instance attributes, so
@@ -161,3 +178,58 @@ def host_buffers(decoder: object, width: int) -> tuple[np.ndarray, np.ndarray]:
         raise ConfigError(f"llm: TensorRT-LLM's guided decoder is not the {TRTLLM_VERSION} API this engine hooks: "
                           + "; ".join(problems))
     return bitmask, token_mask
+
+
+_ONE_MODEL_WHY: Final = (
+    f"is one-model ({', '.join(TRTLLM_ONE_MODEL_MODES)}): its guided decoder is CapturableGuidedDecoder, run as "
+    "host callbacks inside the model's CUDA graph, which the grammar model's constraints do not serve; use a "
+    "drafter mode (EAGLE3 two-model, DRAFT_TARGET, MTP_EAGLE, NGRAM, USER_PROVIDED) or no speculative decoding")
+#: What a one-model executor fails with while it is built (``CapturableGuidedDecoder`` is replaced by a
+#: refusal then: :func:`llm_runtime.trtllm_decoder.installed`), before its mode can be read.
+ONE_MODEL_REFUSAL: Final = f"llm: TensorRT-LLM's speculative decoding {_ONE_MODEL_WHY}"
+
+
+def speculative_refusal(mode: str | None) -> str | None:
+    """Why the grammar decoder refuses TensorRT-LLM's speculative decoding mode ``mode`` (None: served).
+
+    Parameters
+    ----------
+    mode : str or None
+        ``spec_config.spec_dec_mode.name`` of the executor's model engine
+        (None: no speculative config, as ``NONE``).
+
+    Returns
+    -------
+    str or None
+        The refusal, naming the mode; ``None`` for :data:`TRTLLM_SPEC_MODES`.
+
+    Notes
+    -----
+    The one-model modes (:data:`TRTLLM_ONE_MODEL_MODES`) mask through
+    ``CapturableGuidedDecoder``, whose ``build`` is a CUDA-graph host callback
+    that calls the same ``_build``, so overriding it would fill the rows; what
+    1.2.1 wraps around it does not fit a grammar model behind a channel:
+
+    * ``fetch_draft_batch`` computes each row's accepted drafts as
+      ``min(num_accepted_tokens, self.num_advanced_tokens[slot]) - 1``, a
+      count only TensorRT-LLM's own ``_build`` keeps (here it would stay 0:
+      ``-1`` accepted drafts);
+    * every build, the target's and each draft step's, runs inside the
+      captured graph as a host callback (``cudaLaunchHostFunc``): the grammar
+      channel's round trip would run there, holding the stream, with the
+      GIL/CUDA-mutex deadlock TensorRT-LLM's tech blog 12 ("Combining Guided
+      Decoding and Speculative Decoding") describes for Python callbacks;
+    * the callback drops what ``_build`` returns (07dacbbc); the newest stored
+      version records it for ``drain_async_failures`` instead.
+
+    None of this can be checked where this project is built (no GPU, no
+    ``tensorrt_llm``), so those modes are refused by name rather than served
+    unverified.
+    """
+    if mode is None or mode in TRTLLM_SPEC_MODES:
+        return None
+    if mode in TRTLLM_ONE_MODEL_MODES:
+        return f"llm: TensorRT-LLM's speculative decoding mode {mode} {_ONE_MODEL_WHY}"
+    return (f"llm: TensorRT-LLM's speculative decoding mode {mode} is not one TensorRT-LLM {TRTLLM_VERSION} was "
+            f"read to have ({', '.join(TRTLLM_SPEC_MODES + TRTLLM_ONE_MODEL_MODES)}); the grammar model's "
+            "constraints do not serve it")

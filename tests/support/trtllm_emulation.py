@@ -5,9 +5,11 @@ versions named in ``llm_runtime/trtllm_engine.py`` and ``deploy/gpu/README.md``)
 
 * the guided decoder's data: :class:`GuidedRequest` (the fields
   :class:`llm_runtime.grammar_hook.GrammarRows` reads, its two predicates
-  verbatim), :class:`GuidedRequests` (rows at batch offsets, contexts first)
+  verbatim), :class:`GuidedRequests` (rows at batch offsets, contexts first,
+  a generation row followed by its draft rows)
   and :class:`GuidedDecoder` (``bitmask_host`` and ``token_mask_host`` made in
   ``__init__``; ``add_batch``; ``build`` -> ``_build(requests)``;
+  ``rollback_rejected_tokens`` -> ``_rollback_rejected_tokens(requests)``;
   ``execute(logits)`` builds, masks the rows whose ``token_mask`` is 1 and
   returns the failed rows);
 * :func:`install`: the modules :class:`llm_runtime.trtllm_engine.TrtllmGenerator`
@@ -72,6 +74,7 @@ class GuidedRequest:
     new_token: int | None
     is_draft: bool = False
     draft_tokens: list[int] = field(default_factory=list)
+    num_accepted_draft_tokens: int | None = None
 
     def require_matcher_init(self) -> bool:
         if self.guided_decoding_params is None or self.is_draft:
@@ -79,34 +82,46 @@ class GuidedRequest:
         return self.is_context_init_state and self.is_last_context_chunk
 
     def require_matcher_advance(self) -> bool:
-        if self.guided_decoding_params is None or self.is_draft:
+        if self.guided_decoding_params is None:
             return False
+        if self.is_draft:
+            return (self.is_context_init_state and self.is_last_context_chunk) or self.is_generation_in_progress_state
         return self.is_generation_in_progress_state
 
     @classmethod
     def from_llm_request(cls, request: Any) -> GuidedRequest:
-        """From an ``LlmRequest`` (the attributes it reads, by their names there)."""
-        return cls(request.guided_decoding_params, request.py_request_id, request.py_seq_slot,
+        """From an ``LlmRequest`` (the attributes it reads, by their names there; a draft request's slot is
+        its target's)."""
+        return cls(request.guided_decoding_params, request.py_request_id,
+                   request.py_target_seq_slot if request.py_is_draft else request.py_seq_slot,
                    request.is_context_init_state, request.is_context_init_state and request.is_last_context_chunk,
                    request.is_generation_in_progress_state, request.get_last_tokens(0), request.py_is_draft,
-                   list(request.py_draft_tokens or ()))
+                   list(request.py_draft_tokens or ()), request.py_num_accepted_draft_tokens)
 
 
 @dataclass
 class GuidedRequests:
-    """TensorRT-LLM's ``GuidedRequests`` (no draft tokens: one row per request)."""
+    """TensorRT-LLM's ``GuidedRequests``: a generation row is followed by ``max_num_draft_tokens`` draft rows;
+    a context row, and every row of a draft-model batch, has one."""
 
     requests: list[GuidedRequest]
     num_contexts: int
+    max_num_draft_tokens: int = 0
 
     @property
     def num_bitmask_tokens(self) -> int:
-        return len(self.requests)
+        if self.requests and self.requests[0].is_draft:
+            return len(self.requests)
+        return self.num_contexts + (len(self.requests) - self.num_contexts) * (self.max_num_draft_tokens + 1)
 
     def valid_requests_with_offsets(self) -> Iterator[tuple[GuidedRequest, int]]:
-        for offset, req in enumerate(self.requests):
+        offset = 0
+        for req in self.requests:
             if req.guided_decoding_params is not None and req.seq_slot is not None:
                 yield req, offset
+            offset += 1
+            if not req.is_draft and req.is_generation_in_progress_state:
+                offset += self.max_num_draft_tokens
 
 
 def apply_rows(logits: torch.Tensor, bitmask: np.ndarray, token_mask: np.ndarray, vocab: int) -> None:
@@ -129,8 +144,9 @@ class GuidedDecoder:
 
     def __init__(self, guided_decoding_config: object, max_num_sequences: int, vocab_size_padded: int,
                  max_num_draft_tokens: int = 0) -> None:
-        del guided_decoding_config, max_num_draft_tokens
-        rows, words = max_num_sequences, math.ceil(vocab_size_padded / 32)
+        del guided_decoding_config
+        self.max_num_draft_tokens = max_num_draft_tokens
+        rows, words = max_num_sequences * (max_num_draft_tokens + 1), math.ceil(vocab_size_padded / 32)
         if "bitmask_host" in self.buffers:
             self.bitmask_host = torch.zeros((rows, words), dtype=torch.int32)
         if "token_mask_host" in self.buffers:
@@ -141,7 +157,8 @@ class GuidedDecoder:
     def add_batch(self, scheduled: list[Any]) -> None:
         """``GuidedRequests.from_scheduled_requests``: contexts first, then generations."""
         contexts = sum(bool(r.is_context_init_state) for r in scheduled)
-        self.requests = GuidedRequests([GuidedRequest.from_llm_request(r) for r in scheduled], contexts)
+        self.requests = GuidedRequests([GuidedRequest.from_llm_request(r) for r in scheduled], contexts,
+                                       self.max_num_draft_tokens)
 
     def build(self) -> list[tuple[int, str]]:
         assert self.requests is not None
@@ -149,6 +166,13 @@ class GuidedDecoder:
 
     def _build(self, requests: GuidedRequests) -> list[tuple[int, str]]:
         raise AssertionError("TensorRT-LLM's own matchers: the grammar decoder replaces _build")
+
+    def rollback_rejected_tokens(self) -> None:
+        assert self.requests is not None
+        self._rollback_rejected_tokens(self.requests)
+
+    def _rollback_rejected_tokens(self, requests: GuidedRequests) -> None:
+        raise AssertionError("TensorRT-LLM's own matchers: the grammar decoder replaces _rollback_rejected_tokens")
 
     def execute(self, logits: torch.Tensor) -> list[tuple[int, str]]:
         failed = self.build()
@@ -212,6 +236,8 @@ class LlmRequestNames:
     state: str
     py_is_draft = False
     py_draft_tokens: list[int] | None = None
+    py_num_accepted_draft_tokens = 0
+    py_target_seq_slot: int | None = None
 
     @property
     def py_request_id(self) -> int:

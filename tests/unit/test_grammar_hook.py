@@ -432,10 +432,9 @@ def test_retire_is_idempotent_and_remove_after_it_ends_nothing_twice(engine: Tor
     assert rows.row_count == 0
 
 
-def view(seq: int | None, *, slot: int = 0, init: bool = True, token: int | None = None,
-         draft: list[int] | None = None) -> GuidedRequests:
+def view(seq: int | None, *, slot: int = 0, init: bool = True, token: int | None = None) -> GuidedRequests:
     req = GuidedRequest(None if seq is None else Guide(f"constrained-llm-sequence-{seq}"), 7, slot, init, init,
-                        not init, token, draft_tokens=draft or [])
+                        not init, token)
     return GuidedRequests([req], int(init))
 
 
@@ -443,7 +442,6 @@ def view(seq: int | None, *, slot: int = 0, init: bool = True, token: int | None
     ("case", "message"),
     [
         ("unknown sequence", "no grammar sequence for this request"),
-        ("draft tokens", "speculative decoding is not supported with the grammar model's constraints"),
         ("step fails", "grammar step failed: grammar model unreachable"),
     ],
 )
@@ -454,7 +452,7 @@ def test_failed_rows_are_returned_and_left_only_end_tokens(engine: TorchEngine, 
     bitmask = np.zeros((2, bitmask_width(engine.vocab_size) + PAD_WORDS), dtype=np.int32)
     token_mask = np.zeros(2, dtype=np.int32)
     provider.fail_steps = case == "step fails"
-    requests = view(99 if case == "unknown sequence" else 5, draft=[1] if case == "draft tokens" else None)
+    requests = view(99 if case == "unknown sequence" else 5)
     assert rows.build(requests, bitmask, token_mask) == [(7, message)]
     allowed = allowed_tokens(bitmask[0], engine.vocab_size)
     assert (allowed, token_mask.tolist()) == (set(engine.eos_token_ids), [1, 0])
