@@ -177,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--logprobs", type=int, metavar="K",
                           help=f"in 0..{contract.MAX_TOP_LOGPROBS}: report each token's log probability and its K "
                                "most likely alternatives (printed by --print-result, as RESULT's logprobs)")
+    sampling.add_argument("--draft-tokens", type=int, metavar="D",
+                          help=f"in 0..{contract.MAX_DRAFT_TOKENS}: prompt-lookup speculation, at most D tokens copied "
+                               "from the prompt and output verified per forward (0: off; default: the server's)")
 
     output = parser.add_argument_group("output")
     output.add_argument("--print-result", action="store_true", help="print the final RESULT JSON after the text")

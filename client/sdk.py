@@ -621,6 +621,7 @@ class RequestFields(TypedDict, total=False):
     presence_penalty: float | None
     min_p: float | None
     logprobs: int | None
+    draft_tokens: int | None
     reasoning: Reasoning | bool | Mapping[str, Any] | None
     require_complete: bool
 
@@ -692,6 +693,13 @@ class GenerateRequest:
         token's log probability and this many most likely alternatives
         (:attr:`Chunk.logprobs`, :attr:`Result.logprobs`, see
         :class:`TokenLogprob`); None (default) reports none.
+    draft_tokens : int, optional
+        In [0, 16] (``contract.MAX_DRAFT_TOKENS``): prompt-lookup speculation,
+        the most tokens copied from earlier in the prompt and output that one
+        forward may verify (0 turns it off; None, the default, takes the
+        server's ``DRAFT_TOKENS``).  The output is the same with and without
+        it (greedy); it pays where the output copies from the input.  Not
+        with a penalty or ``logprobs`` (:func:`contract.check_draft_tokens`).
     reasoning : Reasoning, bool or mapping, optional
         The model thinks first (:mod:`contract.reasoning`): the constraint
         applies after the thinking's end marker, and the result carries the
@@ -732,6 +740,7 @@ class GenerateRequest:
     presence_penalty: float | None = None
     min_p: float | None = None
     logprobs: int | None = None
+    draft_tokens: int | None = None
     reasoning: Reasoning | bool | Mapping[str, Any] | None = None
     require_complete: bool = True
     # The checked tensors, computed once by __post_init__ (not a request field).
@@ -791,12 +800,15 @@ class GenerateRequest:
             raise InvalidRequest(err.field, err.reason) from err
         if thinking is not None:
             wire.append(_utf8("REASONING", [thinking]))
-        try:  # the server's own check, as for the sampling fields
+        try:  # the server's own checks, as for the sampling fields
             logprobs = contract.check_logprobs(self.logprobs)
+            drafts = contract.check_draft_tokens(self.draft_tokens, penalties=penalties, logprobs=logprobs)
         except contract.ContractError as err:
             raise InvalidRequest(err.field, err.reason) from err
         if logprobs is not None:
             wire.append(("LOGPROBS", "INT32", (logprobs,)))
+        if drafts is not None:
+            wire.append(("DRAFT_TOKENS", "INT32", (drafts,)))
         return wire
 
     @property
@@ -815,7 +827,7 @@ class GenerateRequest:
         ``TOP_K`` (INT32); ``SEED`` (UINT64); ``REPETITION_PENALTY``,
         ``FREQUENCY_PENALTY``, ``PRESENCE_PENALTY``, ``MIN_P`` (FP32); ``STOP`` (BYTES ``[n]``);
         ``REASONING`` (BYTES, JSON: ``contract.reasoning.reasoning_wire``);
-        ``LOGPROBS`` (INT32).
+        ``LOGPROBS`` (INT32); ``DRAFT_TOKENS`` (INT32).
 
         Returns
         -------

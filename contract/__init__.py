@@ -22,6 +22,7 @@ __all__ = [
     "CLOSE_REASONS",
     "CONSTRAINT_KINDS",
     "DECODING_FLAGS",
+    "DRAFT_EXCLUDED_PENALTIES",
     "FINISH_REASONS",
     "JSON_KINDS",
     "JSON_OBJECT_SCHEMA",
@@ -51,6 +52,7 @@ __all__ = [
     "TAG_WHITESPACE_RUN",
     "VALUE_RETRIES",
     "ContractError",
+    "check_draft_tokens",
     "check_logprobs",
     "check_options",
     "check_sampling",
@@ -347,6 +349,61 @@ def check_logprobs(logprobs: object) -> int | None:
         raise ContractError("logprobs", f"must be null (off) or an integer in 0..{MAX_TOP_LOGPROBS} (alternatives "
                                         f"per token), got {logprobs!r}")
     return logprobs
+
+
+#: The sampling fields whose logits at a position depend on the tokens before it: a request with one of
+#: them on cannot ask for draft tokens (:func:`check_draft_tokens`).
+DRAFT_EXCLUDED_PENALTIES: Final = ("repetition_penalty", "frequency_penalty", "presence_penalty")
+
+
+def check_draft_tokens(draft_tokens: object, *, penalties: Mapping[str, object] | None = None,
+                       logprobs: object = None) -> int | None:
+    """Check ``draft_tokens``: ``None`` (the server's default) or the most draft tokens a step may feed.
+
+    Prompt-lookup speculation (``llm_runtime.speculation``): each step feeds,
+    after the request's last token, up to this many tokens copied from
+    earlier in its prompt and output, and keeps those the model would have
+    sampled (0: off).  The grammar masks every draft position, so a draft
+    it forbids is never kept, and greedy outputs are those without
+    speculation.  A penalty changes the logits at each position by the
+    tokens before it, and log probabilities are reported per sampled
+    position: a request with either cannot ask for drafts.
+
+    Parameters
+    ----------
+    draft_tokens : object
+        The request's value.
+    penalties : mapping, optional
+        The request's :data:`PENALTY_FIELDS` (checked already; absent or None:
+        off).
+    logprobs : object
+        The request's ``logprobs`` (None: off).
+
+    Returns
+    -------
+    int or None
+        The value, checked.
+
+    Raises
+    ------
+    ContractError
+        Naming ``draft_tokens``: not ``None`` nor an integer in
+        ``[0, MAX_DRAFT_TOKENS]``, or positive with a penalty or ``logprobs``.
+    """
+    if draft_tokens is None:
+        return None
+    if (isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int)
+            or not 0 <= draft_tokens <= MAX_DRAFT_TOKENS):
+        raise ContractError("draft_tokens", f"must be null (the server's default) or an integer in "
+                                            f"0..{MAX_DRAFT_TOKENS}, got {draft_tokens!r}")
+    if draft_tokens:
+        given = penalties or {}
+        if any(given.get(name) not in (None, PENALTY_FIELDS[name]) for name in DRAFT_EXCLUDED_PENALTIES):
+            raise ContractError("draft_tokens", "prompt-lookup speculation cannot be combined with a repetition, "
+                                                "frequency or presence penalty")
+        if logprobs is not None:
+            raise ContractError("draft_tokens", "prompt-lookup speculation cannot be combined with logprobs")
+    return draft_tokens
 
 
 def _number_in(value: object, lo: float, hi: float) -> bool:

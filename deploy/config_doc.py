@@ -81,6 +81,9 @@ MEANINGS: Final[Mapping[str, str]] = {
     "MAX_PREFILL_TOKENS": "torch only: most prompt positions one step prefills (prompts times the longest); "
                           "empty: the default for the device (`llm_runtime.scheduler.DEFAULT_PREFILL_TOKENS`). A longer prompt prefills alone, in chunks of that "
                           "size between decode steps.",
+    "DRAFT_TOKENS": "torch only: prompt-lookup speculation for requests that do not set `DRAFT_TOKENS`: at most "
+                    "this many tokens copied from the prompt and output verified per forward; `0`: off. Pays "
+                    "where outputs copy from their input (docs/benchmarks.md).",
     "GRAMMAR_MODE": "How `llm` consumes the bitmask; empty: the engine's default (table above).",
     "TRTLLM_SAMPLER": "tensorrt_llm only: TensorRT-LLM's `sampler_type`; empty: `TorchSampler` "
                       "([GPU](../deploy/gpu/README.md)).",

@@ -131,9 +131,11 @@ class Engine(Protocol):
     ) -> torch.Tensor: ...
     def prefill_chunk(self, seq_id: int, prompt_ids: Sequence[int] | np.ndarray, stop: int) -> torch.Tensor | None: ...
     def decode(self, seq_ids: Sequence[int], tokens: Sequence[int] | np.ndarray) -> torch.Tensor: ...
-    def extend(self, seq_ids: Sequence[int], tokens: np.ndarray, counts: np.ndarray) -> torch.Tensor: ...
+    def extend(self, seq_ids: Sequence[int], tokens: np.ndarray, counts: np.ndarray | None,
+               every: bool = False) -> torch.Tensor: ...
     def release(self, seq_id: int) -> None: ...
     def truncate(self, seq_id: int, length: int) -> None: ...
+    def length(self, seq_id: int) -> int: ...
 
 
 class _SlotKVCache(Cache):
@@ -387,8 +389,9 @@ class TorchEngine:
             raise EngineError(f"sequence {seq_id} is not live in the engine") from err
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
-                 keep: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits of the last position (``[B, V]``), or of positions ``keep`` (``[B, len(keep), V]``)."""
+                 keep: torch.Tensor | int | None = None) -> torch.Tensor:
+        """Logits of the last position (``[B, V]``), or of positions ``keep`` (``[B, len(keep), V]``;
+        ``0``: every position, ``[B, K, V]``)."""
         kwargs: dict[str, Any] = {
             "input_ids": input_ids,
             "position_ids": position_ids,
@@ -613,8 +616,9 @@ class TorchEngine:
         return self.extend(seq_ids, toks, None)
 
     @torch.no_grad()
-    def extend(self, seq_ids: Sequence[int], tokens: np.ndarray, counts: np.ndarray | None) -> torch.Tensor:
-        """Feed one or more tokens to every live sequence in ONE forward (jump-forward).
+    def extend(self, seq_ids: Sequence[int], tokens: np.ndarray, counts: np.ndarray | None,
+               every: bool = False) -> torch.Tensor:
+        """Feed one or more tokens to every live sequence in ONE forward (jump-forward, speculation).
 
         Rows are right-padded to the longest: a padded position is written to
         the row's cache past its length, where the attention mask hides it
@@ -631,12 +635,18 @@ class TorchEngine:
             int ``[B, K]``; row ``i``'s first ``counts[i]`` entries are fed to ``seq_ids[i]``.
         counts : np.ndarray or None
             int ``[B]``, each in ``1..K``; ``None``: every row feeds ``K`` tokens.
+        every : bool
+            Return the logits after every fed position (speculation verifies
+            each draft), not only after each row's last token.
 
         Returns
         -------
         torch.Tensor
             float32 ``[B, vocab_size]``: row ``i`` holds the logits after
-            ``seq_ids[i]``'s last fed token.
+            ``seq_ids[i]``'s last fed token; with ``every``, ``[B, K,
+            vocab_size]``: ``[i, j]`` after its token ``j`` (padded positions'
+            logits are meaningless).  A sequence that keeps fewer of the fed
+            tokens (rejected drafts) is :meth:`truncate`-d after.
 
         Raises
         ------
@@ -677,7 +687,9 @@ class TorchEngine:
         pos = torch.from_numpy(lengths.copy()).to(self._device).view(b, 1) + self._arange[:k].view(1, k)
         mask = (self._arange[:ctx].view(1, 1, ctx) <= pos.view(b, k, 1)).view(b, 1, k, ctx)
         self._cache.set_decode(b, self._rows[:b].view(b, 1), pos, ctx)
-        if k == 1 or counts is None:
+        if every:
+            logits = self._forward(input_ids, pos, mask, keep=0)
+        elif k == 1 or counts is None:
             logits = self._forward(input_ids, pos, mask)
         else:
             # Only each row's last real position reaches the LM head.

@@ -54,8 +54,23 @@ _log = logging.getLogger(__name__)
 _EMA: Final = 0.1
 
 
+def _draft_fault(step: MaskStep, rows: int, drafts: int, width: int) -> str:
+    """Why the draft part of an answer does not fit a step of ``rows`` rows with ``drafts`` draft
+    positions of ``width`` words ("": it fits)."""
+    valid, masks, closing = step.draft_valid, step.draft_bitmask, step.draft_closing
+    if not isinstance(valid, np.ndarray) or valid.shape != (rows,):
+        return f"draft_valid must be int32 [{rows}] in a step with drafts"
+    if not isinstance(masks, np.ndarray) or masks.dtype != np.int32 or masks.shape != (drafts, rows, width):
+        return f"draft_bitmask must be int32 [{drafts}, {rows}, {width}] in a step with drafts"
+    if not isinstance(closing, np.ndarray) or closing.shape != (rows, drafts):
+        return f"draft_closing must be int8 [{rows}, {drafts}] in a step with drafts"
+    if rows and (int(valid.min()) < 0 or int(valid.max()) > drafts):
+        return f"draft_valid must be in 0..{drafts}"
+    return ""
+
+
 class JumpPolicy:
-    """How wide a step's jumps may be, from what wider forwards are measured to cost on this engine.
+    """How wide a step's jumps and drafts may be, from what wider forwards are measured to cost on this engine.
 
     Parameters
     ----------
@@ -67,11 +82,12 @@ class JumpPolicy:
 
     Notes
     -----
-    :meth:`record` takes the time of every decode step with constrained rows
-    (jumps happen in those only): a moving average per batch size for one
-    token wide, and per (batch size, width) the ratio to it.  :meth:`width`
-    picks the width that adds the most tokens per unit of that cost, or 0
-    where a plain step does better.
+    :meth:`record` takes the time of every decode step no prompt joined: a
+    moving average per batch size for one token wide, and per (batch size,
+    width) the ratio to it.  :meth:`width` picks the jump width that adds the
+    most tokens per unit of that cost, or 0 where a plain step does better;
+    :meth:`draft_width` the same for drafts, weighed by how likely each is
+    kept.
     """
 
     def __init__(self, min_fill: float) -> None:
@@ -101,6 +117,24 @@ class JumpPolicy:
         measured = self._ratio.get((rows, width))
         return measured if measured is not None else 1.0 + self._fill * (width - 1)
 
+    def draft_width(self, rows: int, floor: int, base: float, drafts: Sequence[tuple[int, float]]) -> int:
+        """The forward width of a step whose rows propose drafts (speculation), at least ``floor``.
+
+        ``drafts`` holds each drafting row's draft count and the chance it keeps each next draft
+        (:attr:`llm_runtime.speculation.PromptLookup.acceptance`); ``base`` is the tokens the step adds
+        without drafts (a token a row, and the jumps beyond).  A width ``W`` lets a row keep up to
+        ``W - 1`` drafts, ``a + a**2 + ...`` of them expected, for :meth:`cost` ``(rows, W)``: the width
+        that adds the most tokens per unit of cost wins (the narrower on a tie), ``floor`` where drafts
+        do not pay.
+        """
+        best, best_rate = floor, base / self.cost(rows, floor)
+        for w in range(floor + 1, 1 + max((k for k, _ in drafts), default=0) + 1):
+            gain = sum(_kept(min(k, w - 1), a) for k, a in drafts)
+            rate = (base + gain) / self.cost(rows, w)
+            if rate > best_rate:
+                best, best_rate = w, rate
+        return best
+
     def width(self, lengths: Sequence[int], rows: int) -> int:
         """The jump width for this step: its rows' forced-token counts ``lengths`` (each at least 2), 0: none.
 
@@ -115,6 +149,11 @@ class JumpPolicy:
         return best
 
 
+def _kept(n: int, a: float) -> float:
+    """Expected drafts kept of ``n`` when each next one is kept with chance ``a``: ``a + a**2 + ... + a**n``."""
+    return n * a if a >= 1.0 else a * (1.0 - a**n) / (1.0 - a)
+
+
 class PhaseRow(Protocol):
     """What :class:`GrammarPhase` reads of a constrained row (the scheduler's sequence state)."""
 
@@ -123,6 +162,8 @@ class PhaseRow(Protocol):
     in_engine: bool
     refeed: bool
     last_token: int
+    accepted: tuple[int, ...]
+    drafts: tuple[int, ...]
 
 
 class GrammarPhase:
@@ -137,6 +178,9 @@ class GrammarPhase:
     max_jump_tokens : int
         Most forced tokens a row may feed (the token buffer's width); 0: the
         request never asks for forced tokens.
+    max_draft_tokens : int
+        Most draft tokens a row may carry (speculation); a row's new tokens
+        are then its accepted drafts and the token sampled after them.
     overlap : bool
         Run the request beside the forward (True) or after it (False).
 
@@ -162,14 +206,18 @@ class GrammarPhase:
         Grammar requests issued.
     """
 
-    def __init__(self, provider: MaskProvider, *, max_rows: int, max_jump_tokens: int, overlap: bool) -> None:
+    def __init__(self, provider: MaskProvider, *, max_rows: int, max_jump_tokens: int, overlap: bool,
+                 max_draft_tokens: int = 0) -> None:
         if max_rows < 1:
             raise config_error("scheduler.max_batch_size", f"must be positive, got {max_rows}")
         self._provider = provider
         self._jump_forward = max_jump_tokens > 0
         self._ids = np.zeros(max_rows, dtype=np.uint64)
-        self._tokens = np.zeros((max_rows, max(1, max_jump_tokens)), dtype=np.int32)
+        self._tokens = np.zeros((max_rows, max(1, max_jump_tokens, 1 + max_draft_tokens)), dtype=np.int32)
         self._counts = np.zeros(max_rows, dtype=np.int32)
+        self._drafts = np.zeros((max_rows, max(1, max_draft_tokens)), dtype=np.int32)
+        self._draft_counts = np.zeros(max_rows, dtype=np.int32)
+        self._draft_width = 0  # the step's widest row of drafts (0: no row has any)
         self._sender: StepSender | None = provider if overlap and isinstance(provider, StepSender) else None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="llm-grammar-step") if overlap else None
         self._future: Future[tuple[MaskStep, float]] | None = None
@@ -190,11 +238,18 @@ class GrammarPhase:
 
     def _launch(self, rows: Sequence[PhaseRow]) -> None:
         width = 1
+        dw = 0
         for j, s in enumerate(rows):
             self._ids[j] = s.seq_id
             if s.jump:
                 n = len(s.jump)
                 self._tokens[j, :n] = s.jump
+                self._counts[j] = n
+                width = max(width, n)
+            elif s.accepted and not s.refeed:  # the drafts the target kept, then the token sampled after them
+                n = len(s.accepted) + 1
+                self._tokens[j, : n - 1] = s.accepted
+                self._tokens[j, n - 1] = s.last_token
                 self._counts[j] = n
                 width = max(width, n)
             elif s.in_engine and not s.refeed:
@@ -203,14 +258,22 @@ class GrammarPhase:
             else:  # joins now, or fed again after a drop: nothing to accept
                 self._tokens[j, 0] = 0
                 self._counts[j] = 0
+            d = len(s.drafts)
+            self._draft_counts[j] = d
+            if d:
+                self._drafts[j, :d] = s.drafts
+                dw = max(dw, d)
         self.step, self.rows, self.error = None, None, None
         self.wait_s = self.call_s = self.grammar_s = math.nan
         self.requests += 1
         self._rows = n = len(rows)
+        self._draft_width = dw
+        drafts, draft_counts = (self._drafts[:n, :dw], self._draft_counts[:n]) if dw else (None, None)
         if self._sender is not None:
             try:
                 self._sent = self._sender.send_step(self._ids[:n], self._tokens[:n, :width], self._counts[:n],
-                                                    jump_forward=self._jump_forward)
+                                                    jump_forward=self._jump_forward, drafts=drafts,
+                                                    draft_counts=draft_counts)
             except Exception as err:  # noqa: BLE001 -- reported by collect, as a failed answer
                 self._sent = err
             if self._sent is not None:
@@ -263,6 +326,8 @@ class GrammarPhase:
         read = step.read(self._rows, width)
         if isinstance(read, str):
             self.error, self.step = read, None
+        elif self._draft_width and (fault := _draft_fault(step, self._rows, self._draft_width, width)):
+            self.error, self.step = fault, None
         else:
             self.rows = read
 
@@ -272,8 +337,14 @@ class GrammarPhase:
 
     def _call(self, count: int, width: int) -> tuple[MaskStep, float]:
         t0 = time.perf_counter()
-        result = self._provider.step(self._ids[:count], self._tokens[:count, :width], self._counts[:count],
-                                     jump_forward=self._jump_forward)
+        dw = self._draft_width
+        if dw:
+            result = self._provider.step(self._ids[:count], self._tokens[:count, :width], self._counts[:count],
+                                         jump_forward=self._jump_forward, drafts=self._drafts[:count, :dw],
+                                         draft_counts=self._draft_counts[:count])
+        else:  # a provider without speculation takes the step as before
+            result = self._provider.step(self._ids[:count], self._tokens[:count, :width], self._counts[:count],
+                                         jump_forward=self._jump_forward)
         return result, time.perf_counter() - t0
 
     def close(self) -> None:

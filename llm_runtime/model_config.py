@@ -9,6 +9,7 @@ from typing import Final, Protocol
 
 from tokenizers import Tokenizer
 
+import contract
 from grammar_backend.errors import ConfigError
 from telemetry import Snapshot
 
@@ -63,6 +64,11 @@ class LlmModelConfig:
     the prompt positions one step prefills
     (:attr:`~llm_runtime.scheduler.SchedulerConfig.max_prefill_tokens`;
     TensorRT-LLM bounds a step with its own ``max_num_tokens``).
+    ``draft_tokens`` (torch only; 0, the default: off) is prompt-lookup
+    speculation for the requests that do not set their own
+    (:attr:`~llm_runtime.scheduler.SchedulerConfig.draft_tokens`); a request
+    may ask for it either way, up to ``contract.MAX_DRAFT_TOKENS``, so the
+    grammar channel's mask buffer holds that many draft positions a row.
     """
 
     model_dir: str
@@ -78,6 +84,7 @@ class LlmModelConfig:
     trtllm_sampler: str = ""
     stream_interval_ms: float = 0.0
     max_prefill_tokens: int | None = None
+    draft_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -93,6 +100,11 @@ class LlmModelConfig:
             raise ConfigError("llm: kv_cache_free_fraction applies to engine 'tensorrt_llm' only")
         if self.engine != "torch" and self.max_prefill_tokens is not None:
             raise ConfigError("llm: max_prefill_tokens applies to engine 'torch' only")
+        if not 0 <= self.draft_tokens <= contract.MAX_DRAFT_TOKENS:
+            raise ConfigError(f"llm: draft_tokens must be in 0..{contract.MAX_DRAFT_TOKENS}, got {self.draft_tokens}")
+        if self.engine != "torch" and self.draft_tokens:
+            raise ConfigError("llm: draft_tokens (prompt-lookup speculation) applies to engine 'torch' only; "
+                              "TensorRT-LLM speculates with its own speculative_config")
         if self.engine == "torch" and self.trtllm_sampler:
             raise ConfigError("llm: trtllm_sampler applies to engine 'tensorrt_llm' only")
         if self.trtllm_sampler and self.trtllm_sampler not in TRTLLM_SAMPLERS:
@@ -124,7 +136,7 @@ class LlmModelConfig:
                          max_seq_len=self.max_seq_len, num_threads=self.torch_threads or None),
         )
         limits = SchedulerConfig(max_batch_size=self.max_batch, grammar_mode=self.mode,
-                                 max_prefill_tokens=self.max_prefill_tokens)
+                                 max_prefill_tokens=self.max_prefill_tokens, draft_tokens=self.draft_tokens)
         return Scheduler(engine, mask_provider, limits, on_metrics=on_metrics)
 
 
@@ -135,5 +147,8 @@ def served_generator(config: LlmModelConfig, pb_utils: ModuleType,
     Masks come from ``config.grammar_model`` over its channel (BLS where the channel cannot be opened),
     through a shared-memory mask buffer of ``max_batch`` rows (:mod:`grammar_service.transport.maskbuf`).
     """
-    provider = RemoteMaskProvider(pb_utils, config.grammar_model, max_rows=config.max_batch)
+    # Draft positions ride in the mask buffer after the step's rows: any torch request may ask for drafts
+    # (GenerationRequest.draft_tokens), and TensorRT-LLM's drafter modes send theirs (GrammarRows).
+    provider = RemoteMaskProvider(pb_utils, config.grammar_model, max_rows=config.max_batch,
+                                  max_draft=contract.MAX_DRAFT_TOKENS)
     return config.build(provider, on_metrics), provider

@@ -81,6 +81,7 @@ from .grammar_phase import GrammarPhase, JumpPolicy
 from .logprobs import TokenLogprobs, forced
 from .mask import ROW_DROP, ROW_ERROR, ROW_STOP, ConstraintRequest, MaskProvider, bitmask_width
 from .sampler import Sampler, SamplingParams, TokenCounts
+from .speculation import PromptLookup
 
 if TYPE_CHECKING:
     # The torch engine (transformers) is not imported at run time: the TensorRT-LLM
@@ -198,6 +199,14 @@ class SchedulerConfig:
         constrained throughput below free at 16 rows (docs/benchmarks.md,
         jump-forward, and constrained vs unconstrained with jump-forward).
         0: jumps assumed free until measured.
+    draft_tokens : int
+        Prompt-lookup speculation (:mod:`llm_runtime.speculation`) for
+        requests that do not set ``draft_tokens``: the most draft tokens a row
+        feeds per step, copied from earlier in its sequence; 0 (the default):
+        off.  Each step's forward is as wide as its widest row of drafts,
+        which every row pays for, so it pays where outputs copy from their
+        input (``bench/speculation_bench.py``; docs/benchmarks.md).  In
+        ``0..contract.MAX_DRAFT_TOKENS``.
     """
 
     max_batch_size: int | None = None
@@ -211,6 +220,7 @@ class SchedulerConfig:
     max_prefill_tokens: int | None = None
     max_jump_tokens: int = 16
     jump_min_fill: float = 0.25
+    draft_tokens: int = 0
 
     def __post_init__(self) -> None:
         def positive_int(name: str, value: object) -> None:
@@ -226,6 +236,10 @@ class SchedulerConfig:
         j = self.max_jump_tokens
         if isinstance(j, bool) or not isinstance(j, int) or not 0 <= j <= MAX_JUMP_TOKENS:
             raise config_error("scheduler.max_jump_tokens", f"must be an integer in 0..{MAX_JUMP_TOKENS}, got {j!r}")
+        d = self.draft_tokens
+        if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= contract.MAX_DRAFT_TOKENS:
+            raise config_error("scheduler.draft_tokens",
+                               f"must be an integer in 0..{contract.MAX_DRAFT_TOKENS}, got {d!r}")
         f = self.jump_min_fill
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1:
             raise config_error("scheduler.jump_min_fill", f"must be a number in [0, 1], got {f!r}")
@@ -265,6 +279,14 @@ class GenerationRequest:
     logprobs : int or None
         Report each output token's log probability and this many alternatives
         (:func:`contract.check_logprobs`) in :attr:`TokenEvent.logprobs`; None: off.
+    draft_tokens : int or None
+        Prompt-lookup speculation for this request: the most draft tokens it
+        feeds per step (0: off; :func:`contract.check_draft_tokens`); None:
+        the scheduler's ``draft_tokens``.  Greedy outputs are the same with
+        and without; a seeded sampled output too, but for floating-point
+        differences between a wide forward and one-token ones.  A request
+        with a repetition, frequency or presence penalty or with log
+        probabilities does not draft (refused where it asks for drafts).
     """
 
     prompt_token_ids: Sequence[int]
@@ -281,6 +303,7 @@ class GenerationRequest:
     presence_penalty: float = 0.0
     min_p: float = 0.0
     logprobs: int | None = None
+    draft_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -336,6 +359,10 @@ class SchedulerStats:
     output_tokens, jump_tokens : np.ndarray
         int32 tokens the step added to outputs, and how many of them were
         forced by jump-forward (not sampled).
+    draft_tokens, kept_drafts : np.ndarray
+        int32 draft tokens the step's forward fed (prompt-lookup
+        speculation), and how many of them the rows kept (part of
+        ``output_tokens``).
     max_batch_size_seen : int
         Largest batch since the last reset.
     end_errors : int
@@ -354,6 +381,8 @@ class SchedulerStats:
     prefill_rows: np.ndarray
     output_tokens: np.ndarray
     jump_tokens: np.ndarray
+    draft_tokens: np.ndarray
+    kept_drafts: np.ndarray
     max_batch_size_seen: int
     end_errors: int
 
@@ -375,12 +404,14 @@ class _Stats:
         self.prefill = np.zeros(capacity, dtype=np.int32)
         self.outputs = np.zeros(capacity, dtype=np.int32)
         self.jumps = np.zeros(capacity, dtype=np.int32)
+        self.drafts = np.zeros(capacity, dtype=np.int32)
+        self.kept = np.zeros(capacity, dtype=np.int32)
         self.steps = 0
         self.max_batch = 0
         self.end_errors = 0
 
     def record(self, step: float, fwd: float, phase: GrammarPhase | None, batch: int, constrained: int,
-               prefill: int, outputs: int, jumps: int) -> None:
+               prefill: int, outputs: int, jumps: int, drafts: int, kept: int) -> None:
         with self.lock:
             i = self.steps % self.capacity
             self.step[i] = step
@@ -395,6 +426,8 @@ class _Stats:
             self.prefill[i] = prefill
             self.outputs[i] = outputs
             self.jumps[i] = jumps
+            self.drafts[i] = drafts
+            self.kept[i] = kept
             self.steps += 1
             self.max_batch = max(self.max_batch, batch)
 
@@ -416,6 +449,8 @@ class _Stats:
                 prefill_rows=self.prefill[order].copy(),
                 output_tokens=self.outputs[order].copy(),
                 jump_tokens=self.jumps[order].copy(),
+                draft_tokens=self.drafts[order].copy(),
+                kept_drafts=self.kept[order].copy(),
                 max_batch_size_seen=self.max_batch,
                 end_errors=self.end_errors,
             )
@@ -467,6 +502,23 @@ class _Seq:
     # Log probabilities (request field logprobs; None: not asked): the entries of the output's tokens not
     # streamed yet, aligned with them (with out[committed:] where value checks hold tokens back).
     lps: list[TokenLogprobs] | None = None
+    # Prompt-lookup speculation (None: off for this request): the sequence's tokens and their n-grams.
+    lookup: PromptLookup | None = None
+    spec: int = 0  # most draft tokens a step
+    drafts: tuple[int, ...] = ()  # fed after last_token in this step's forward
+    accepted: tuple[int, ...] = ()  # drafts the target kept at the last step: the grammar gets them before last_token
+
+
+@dataclass(slots=True)
+class _Walk:
+    """One drafting row's verification (:meth:`Scheduler._verify`)."""
+
+    row: int  # in the step's batch
+    col: int  # in the grammar answer (-1: a free row)
+    limit: int  # drafts it may keep (the grammar holds them)
+    last: int  # the token sampled at its current position
+    closes: list[int]  # the close state of each position sampled so far
+    kept: int = 0
 
 
 @dataclass(frozen=True)
@@ -477,6 +529,7 @@ class CheckedRequest:
     params: SamplingParams
     stop: tuple[str, ...]
     constraint: ConstraintRequest | None  # with the request's budget
+    draft_tokens: int | None  # None: the engine's default
 
 
 def check_request(
@@ -524,6 +577,9 @@ def check_request(
                                 frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
                                 min_p=req.min_p)
         logprobs = contract.check_logprobs(req.logprobs)
+        drafts = contract.check_draft_tokens(req.draft_tokens, penalties={name: getattr(req, name)
+                                                                          for name in contract.PENALTY_FIELDS},
+                                             logprobs=logprobs)
     except contract.ContractError as err:
         raise RequestError(err.field, err.reason) from err
     # Unseeded is random, and the seed drawn is reported (FinishEvent.seed) so the output can be replayed.
@@ -533,7 +589,7 @@ def check_request(
                             presence_penalty=req.presence_penalty, min_p=req.min_p, logprobs=logprobs)
     # The budget rides with the constraint: the grammar side closes the output before it runs out.
     constraint = None if req.constraint is None else dataclasses.replace(req.constraint, budget=mt)
-    return CheckedRequest(prompt, params, stop, constraint)
+    return CheckedRequest(prompt, params, stop, constraint, drafts)
 
 
 class Scheduler:
@@ -598,8 +654,11 @@ class Scheduler:
         self._bitmask_dev = torch.empty((b, w), dtype=torch.int32, device=self._device) if cuda else None
         self._logits = torch.empty((b, self._vocab), dtype=torch.float32, device=self._device)
         self._phase = GrammarPhase(mask_provider, max_rows=b, max_jump_tokens=cfg.max_jump_tokens,
-                                   overlap=cfg.grammar_mode == "overlap")
+                                   max_draft_tokens=contract.MAX_DRAFT_TOKENS, overlap=cfg.grammar_mode == "overlap")
+        # What wider forwards cost, measured apart for steps with constrained rows (the grammar's work
+        # grows with the width too) and steps without: each step's jumps and drafts are weighed on its own.
         self._jumps = JumpPolicy(cfg.jump_min_fill)
+        self._free_widths = JumpPolicy(cfg.jump_min_fill)
 
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -622,6 +681,8 @@ class Scheduler:
         self._lat_wait = LatencyWindow()
         self._lat_loop = LatencyWindow()
         self._steps_total = 0
+        self._drafts_total = 0  # prompt-lookup drafts fed, and kept (the two counters)
+        self._kept_total = 0
         self._gauges_published: tuple[int, ...] = ()
         self._published_at = -math.inf
         self._compile_pool = ThreadPoolExecutor(cfg.start_threads, thread_name_prefix="llm-grammar-start")
@@ -704,6 +765,8 @@ class Scheduler:
                     out[f"tokens_per_step_b{int(b)}_{kind}"] = float(s.output_tokens[rows].mean())
         out["output_tokens"] = int(s.output_tokens.sum())
         out["jump_tokens"] = int(s.jump_tokens.sum())
+        out["draft_tokens"] = int(s.draft_tokens.sum())
+        out["kept_drafts"] = int(s.kept_drafts.sum())
         return out
 
     def submit(self, request: GenerationRequest, callback: EventCallback) -> str:
@@ -799,6 +862,10 @@ class Scheduler:
         constraint = checked.constraint
         # This loop can drop tokens, so completed JSON values are checked.
         checks = constraint is not None and constraint.kind in contract.JSON_KINDS
+        params = checked.params
+        spec = self._cfg.draft_tokens if checked.draft_tokens is None else checked.draft_tokens
+        if params.penalized or params.logprobs is not None:
+            spec = 0  # the server's default does not apply to them (contract.check_draft_tokens)
         return _Seq(
             rid=req.request_id or "",
             seq_id=0,
@@ -814,6 +881,8 @@ class Scheduler:
             counts=(TokenCounts(self._sampler.vocab_size, checked.prompt, self._sampler.device)
                     if checked.params.penalized else None),
             lps=None if checked.params.logprobs is None else [],
+            lookup=PromptLookup(checked.prompt) if spec else None,
+            spec=spec,
         )
 
     # -- the loop -------------------------------------------------------------------
@@ -969,19 +1038,30 @@ class Scheduler:
         nd = len(dec)
         constrained = [i for i, s in enumerate(order) if s.constraint is not None]
         c = len(constrained)
+        widths = self._jumps if c else self._free_widths
+        drafting = self._propose(dec, widths)
         phase = self._phase
         if c:
             phase.launch([order[i] for i in constrained])
 
         ends: list[int] = []
         t0 = time.perf_counter()
-        width = max((len(s.jump) for s in dec), default=0) or 1
+        width = max((max(len(s.jump), 1 + len(s.drafts)) for s in dec), default=1) if drafting else \
+            max((len(s.jump) for s in dec), default=0) or 1
         forward_err: BaseException | None = None
         logits: torch.Tensor | None = None
+        every: torch.Tensor | None = None  # [nd, width, V] where a row drafts: the logits after each fed token
         try:
             if dec:
                 ids = [s.seq_id for s in dec]
-                if width > 1:
+                if drafting:
+                    feed, counts = self._jump_feed(dec, width)
+                    every = self._engine.extend(ids, feed, counts, every=True)
+                    # A row's own next token is sampled after its last token: a drafting row's first position,
+                    # a jumping row's last.
+                    last = np.where(np.fromiter((bool(s.drafts) for s in dec), bool, nd), 0, counts - 1)
+                    out = every[torch.arange(nd, device=every.device), torch.from_numpy(last).to(every.device)]
+                elif width > 1:
                     out = self._engine.extend(ids, *self._jump_feed(dec, width))
                 else:
                     out = self._engine.decode(ids, np.fromiter((s.last_token for s in dec), np.int64, nd))
@@ -996,6 +1076,7 @@ class Scheduler:
             forward_err = err
         for s in dec:
             s.jump = ()  # fed: the engine and the grammar step have them
+            s.accepted = ()
         prefill_failed: list[tuple[_Seq, BaseException]] = []
         if forward_err is None and logits is not None and chunk is not None:
             try:
@@ -1058,7 +1139,8 @@ class Scheduler:
                                             [len(s.jump) for s in order],
                                             [s.counts for s in order] if any(s.counts is not None for s in order) else None)
         step_lps = self._step_logprobs(order, logits, tokens, dead) if self._logprobs else None
-        outputs = jumped = 0
+        runs = self._verify(dec, constrained, tokens, dead, every) if every is not None else {}
+        outputs = jumped = kept = 0
         for i, s in enumerate(order):
             if s.finished or s.refeed:
                 continue
@@ -1069,6 +1151,11 @@ class Scheduler:
                 continue
             if dead[i]:
                 self._finish(s, "error", ends, error="no token is allowed at this step", status="INTERNAL")
+                continue
+            run = runs.get(i)
+            if run is not None:
+                outputs += self._take_run(s, run[0], run[1], ends)
+                kept += len(run[0]) - 1
                 continue
             tok = int(tokens[i])
             s.generated += 1
@@ -1082,6 +1169,8 @@ class Scheduler:
             if tok in self._eos:  # not part of the output (nor of its log probabilities)
                 self._finish(s, "stop", ends)
                 continue
+            if s.lookup is not None:
+                s.lookup.extend((tok,))
             if s.lps is not None and step_lps is not None:
                 s.lps.append(step_lps[i])
             sent: tuple[int, ...] = (tok,)
@@ -1097,22 +1186,146 @@ class Scheduler:
                 self._finish(s, "length", ends, delta=delta, tokens=sent)
             elif sent:
                 self._deliver(s, self._event(s, delta, sent))
-        step_s = self._record(t_step, fwd_s, phase if c else None, b, c, joined, outputs, jumped)
-        if c and not joined:
+        drafted = sum(len(s.drafts) for s in dec) if every is not None else 0
+        self._drafts_total += drafted
+        self._kept_total += kept
+        step_s = self._record(t_step, fwd_s, phase if c else None, b, c, joined, outputs, jumped, drafted, kept)
+        if not joined:
             # What a step of this width costs, whole (forward, grammar, masking, streaming),
-            # for the jump decisions of the next steps.
-            self._jumps.record(nd, width, step_s)
+            # for the jump and draft decisions of the next steps.
+            widths.record(nd, width, step_s)
         self._purge()
         self._end(ends)
 
     def _record(self, t_step: float, fwd_s: float, phase: GrammarPhase | None, b: int, c: int, joined: int,
-                outputs: int, jumped: int) -> float:
+                outputs: int, jumped: int, drafted: int = 0, kept: int = 0) -> float:
         step_s = time.perf_counter() - t_step
         self._last_step_s = step_s
         self._lat_step.add(step_s)
         self._lat_loop.add(math.nan if phase is None else phase.loop_s)
-        self._stats.record(step_s, fwd_s, phase, b, c, joined, outputs, jumped)
+        self._stats.record(step_s, fwd_s, phase, b, c, joined, outputs, jumped, drafted, kept)
         return step_s
+
+    def _verify(self, dec: list[_Seq], constrained: list[int], tokens: np.ndarray, dead: np.ndarray,
+                every: torch.Tensor) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Speculation's verification: the drafts each drafting row keeps, and the token sampled after them.
+
+        A row's token at its first position is sampled with the batch (``tokens``).  While it equals
+        the row's next draft, and the grammar holds that draft (``draft_valid``), the draft is kept
+        and the position after it is sampled, under that position's mask (``draft_bitmask``), from
+        the logits the forward computed there (``every``): each kept token is the one a step of its
+        own would have sampled, with the same draw of the row's generator.  The rows still going
+        are sampled together, one position at a time.  The cache keeps the kept drafts only
+        (:meth:`Engine.truncate`).
+
+        Returns
+        -------
+        dict
+            By batch row, for a row that kept at least one draft: its tokens (the kept drafts, then
+            the sampled token) and the close state of the position where each was sampled.
+        """
+        phase = self._phase
+        mstep, rows = phase.step, phase.rows
+        column = {i: j for j, i in enumerate(constrained)}
+        valid = mstep.draft_valid.tolist() if mstep is not None and mstep.draft_valid is not None else None
+        closing = mstep.draft_closing if mstep is not None else None
+        masks = mstep.draft_bitmask if mstep is not None else None
+        walks: list[_Walk] = []
+        for i, s in enumerate(dec):
+            if not s.drafts or s.finished or s.refeed or (dead[i] and not s.jump):
+                continue
+            j = column.get(i, -1)
+            # A row the grammar makes jump keeps none: it jumps as it would have without drafts.
+            limit = 0 if s.jump else len(s.drafts) if j < 0 else (valid[j] if valid is not None else 0)
+            walks.append(_Walk(i, j, limit, int(tokens[i]), [rows.close[j] if j >= 0 and rows is not None else 0]))
+
+        def goes(w: _Walk) -> bool:  # the token sampled is the next draft, the grammar holds it, it ends nothing
+            return w.kept < w.limit and w.last == dec[w.row].drafts[w.kept] and w.last not in self._eos
+
+        going = [w for w in walks if goes(w)]
+        pos = 1
+        width = self._bitmask_np.shape[1]
+        while going:
+            lg = every[torch.tensor([w.row for w in going], device=every.device), pos]  # a copy: sampling writes it
+            cons = [r for r, w in enumerate(going) if w.col >= 0]
+            if cons and masks is not None:
+                bm = np.full((len(going), width), -1, dtype=np.int32)
+                bm[cons] = masks[pos - 1, [going[r].col for r in cons]]
+                self._sampler.apply_mask(lg, bm if self._device.type == "cpu" else torch.from_numpy(bm).to(self._device),
+                                         cons)
+            toks, gone = self._sampler.sample(lg, [dec[w.row].params for w in going], [dec[w.row].gen for w in going])
+            nxt = []
+            for r, w in enumerate(going):
+                w.kept += 1  # the draft left of this position is the token sampled before it
+                if gone[r]:
+                    dead[w.row] = True  # never where the grammar holds the draft: finished as a dead row
+                    continue
+                w.last = int(toks[r])
+                w.closes.append(int(closing[w.col, pos - 1]) if w.col >= 0 and closing is not None else 0)
+                if goes(w):
+                    nxt.append(w)
+            going = nxt
+            pos += 1
+        runs: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        for w in walks:
+            s = dec[w.row]
+            if dead[w.row] and not s.jump:
+                continue  # finished by the caller: its slot is released
+            rejected = len(s.drafts) - w.kept
+            if rejected:
+                self._engine.truncate(s.seq_id, self._engine.length(s.seq_id) - rejected)
+            if s.lookup is not None and not s.jump:  # a jump drops drafts whatever they were
+                s.lookup.kept(w.kept, len(s.drafts))
+            if w.kept:
+                runs[w.row] = ((*s.drafts[: w.kept], w.last), tuple(w.closes))
+        return runs
+
+    def _take_run(self, s: _Seq, toks: tuple[int, ...], closes: tuple[int, ...], ends: list[int]) -> int:
+        """Append a drafting row's kept drafts and the token sampled after them (:meth:`_verify`), each as
+        a step of its own would (close state, thinking count, end token, stop string, ``max_tokens``);
+        returns the tokens taken."""
+        lookup = s.lookup
+        taken = 0
+        delta = ""
+        sent: list[int] = []
+        for tok, state in zip(toks, closes, strict=True):
+            s.close_state = state
+            s.generated += 1
+            taken += 1
+            if state in REASONING_STATES:
+                s.reasoning_tokens = (s.reasoning_tokens or 0) + 1
+                s.reasoning_cut = s.reasoning_cut or state == CloseState.REASONING_END
+            s.last_token = tok
+            if tok in self._eos:
+                if s.out is not None:
+                    self._finish(s, "stop", ends)
+                else:
+                    self._finish(s, "stop", ends, delta=delta, tokens=tuple(sent))
+                return taken
+            if lookup is not None:
+                lookup.extend((tok,))
+            if s.out is None:
+                delta += s.detok.push(tok)
+                sent.append(tok)
+                if s.detok.stopped:
+                    self._finish(s, "stop", ends, delta=delta, tokens=tuple(sent), stop_string=True)
+                    return taken
+            else:
+                s.out.append(tok)
+        out_sent: tuple[int, ...] = tuple(sent)
+        if s.out is not None:
+            # None of them is accepted by the grammar yet (the next step sends them): held with its hold.
+            delta, out_sent = self._commit(s, len(s.out) - taken - s.held)
+            if s.detok.stopped:
+                self._finish(s, "stop", ends, delta=delta, tokens=out_sent, stop_string=True)
+                return taken
+        if s.generated >= s.max_tokens:
+            self._finish(s, "length", ends, delta=delta, tokens=out_sent)
+        else:
+            s.accepted = toks[:-1]
+            if out_sent:
+                self._deliver(s, self._event(s, delta, out_sent))
+        return taken
 
     def _step_logprobs(self, order: list[_Seq], logits: torch.Tensor, tokens: np.ndarray,
                        dead: np.ndarray) -> dict[int, TokenLogprobs]:
@@ -1218,7 +1431,8 @@ class Scheduler:
                 s.jump = s.jump[:width] if width else ()
 
     def _jump_feed(self, dec: list[_Seq], width: int) -> tuple[np.ndarray, np.ndarray]:
-        """The decode rows' input for :meth:`Engine.extend`: each row's jump tokens, or its last token."""
+        """The decode rows' input for :meth:`Engine.extend`: each row's jump tokens, or its last token
+        and its drafts."""
         feed = np.zeros((len(dec), width), dtype=np.int64)
         counts = np.ones(len(dec), dtype=np.int64)
         for r, s in enumerate(dec):
@@ -1227,7 +1441,45 @@ class Scheduler:
                 counts[r] = len(s.jump)
             else:
                 feed[r, 0] = s.last_token
+                if s.drafts:
+                    n = len(s.drafts)
+                    feed[r, 1 : 1 + n] = s.drafts
+                    counts[r] = 1 + n
         return feed, counts
+
+    def _propose(self, dec: list[_Seq], widths: JumpPolicy) -> bool:
+        """Each speculating row's drafts for this step (prompt lookup); whether any row has some.
+
+        A row that jumps, is fed again after a drop, or has room for no token past its next one
+        drafts nothing.  The drafts are cut to the width whose expected kept tokens pay for the
+        wider forward every row of the step runs (:meth:`JumpPolicy.draft_width`, each row's
+        :attr:`PromptLookup.acceptance`; none where a plain step does better).
+        """
+        proposing: list[tuple[_Seq, PromptLookup]] = []
+        for s in dec:
+            lookup = s.lookup
+            if lookup is None:  # only a speculating row ever has drafts
+                continue
+            s.drafts = ()
+            if s.jump or s.refeed:
+                continue
+            room = min(s.spec, s.max_tokens - s.generated - 1)
+            if room > 0:
+                s.drafts = lookup.propose(room)
+                if s.drafts:
+                    proposing.append((s, lookup))
+                else:
+                    lookup.idle()
+        if not proposing:
+            return False
+        floor = max(1, max(len(s.jump) for s in dec))
+        base = sum(len(s.jump) or 1 for s in dec)
+        width = widths.draft_width(len(dec), floor, base, [(len(s.drafts), lk.acceptance) for s, lk in proposing])
+        for s, lookup in proposing:
+            s.drafts = s.drafts[: width - 1]
+            if not s.drafts:
+                lookup.idle()
+        return any(s.drafts for s, _ in proposing)
 
     def _commit(self, s: _Seq, upto: int) -> tuple[str, tuple[int, ...]]:
         """Stream ``s.out[s.committed:upto]`` (no value check can drop them any more): their text and ids.
@@ -1272,6 +1524,8 @@ class Scheduler:
         s.refeed = True
         prompt_len = int(s.prompt.shape[0])
         s.last_token = out[-1] if out else int(s.prompt[-1])
+        if s.lookup is not None:
+            s.lookup.truncate(prompt_len + keep)
         # The cache holds the prompt and every token fed so far, the dropped ones too.
         self._engine.truncate(s.seq_id, prompt_len + keep - 1)
 
@@ -1280,6 +1534,8 @@ class Scheduler:
         toks = s.jump
         if s.counts is not None:
             s.counts.add(toks)
+        if s.lookup is not None:
+            s.lookup.extend(toks)
         if s.lps is not None:
             k = s.params.logprobs or 0
             s.lps.extend(forced(t, k) for t in toks)
@@ -1330,6 +1586,8 @@ class Scheduler:
                                 "llm_constrained_sequences"), gauges, strict=True):
             snap.put(name, value)
         snap.put("llm_steps_total", self._steps_total)
+        snap.put("llm_draft_tokens_total", self._drafts_total)
+        snap.put("llm_draft_tokens_kept_total", self._kept_total)
         snap.put_latency("llm_step_seconds", self._lat_step)
         snap.put_latency("llm_grammar_roundtrip_seconds", self._lat_grammar)
         snap.put_latency("llm_mask_wait_seconds", self._lat_wait)

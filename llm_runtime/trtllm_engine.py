@@ -476,6 +476,9 @@ class TrtllmGenerator:
         """Queue a request; thread-safe (see :meth:`llm_runtime.scheduler.Scheduler.submit`)."""
         checked = check_request(request, callback, self._limits, vocab_size=self._vocab,
                                 context_len=self._cfg.max_seq_len)
+        if checked.draft_tokens:
+            raise RequestError("draft_tokens", "prompt-lookup speculation is the torch engine's; TensorRT-LLM "
+                                               "speculates for every request with its own speculative_config")
         p = checked.params
         req = _Request(
             rid=request.request_id or f"req-{secrets.token_hex(16)}",

@@ -47,7 +47,8 @@ to whichever constraint the request has); the sampling fields OpenAI lacks:
 ``top_k``, ``repetition_penalty``, ``min_p`` (:data:`EXTENSION_SAMPLING`);
 ``reasoning`` (the request's thinking section, :mod:`contract.reasoning`:
 ``true``, ``false`` or ``{start, end, max_reasoning_tokens}``; a server whose
-model reasons has it on by default).
+model reasons has it on by default); ``draft_tokens`` (prompt-lookup
+speculation, :func:`contract.check_draft_tokens`).
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ COMPLETION_FIELDS: Final = frozenset((*_COMPLETION_HONOURED, *_COMPLETION_NEUTRA
 _EXTENSION_KINDS: Final[Mapping[str, str]] = {"regex": "regex", "choice": "choice", "ebnf": "ebnf",
                                              "grammar": "ebnf", "lark": "lark",
                                              "structural_tag": "structural_tag"}
-_EXTENSION_FIELDS: Final = (*_EXTENSION_KINDS, "options", *EXTENSION_SAMPLING, "reasoning")
+_EXTENSION_FIELDS: Final = (*_EXTENSION_KINDS, "options", *EXTENSION_SAMPLING, "reasoning", "draft_tokens")
 # The SDK's names for a constraint's payload itself (its errors are about the field as a whole).
 _PAYLOAD_FIELDS: Final = ("grammar", "schema", "regex", "ebnf", "lark", "choices", "structural_tag")
 _SCHEMA_NAME: Final = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -324,6 +325,8 @@ def _extension(body: dict[str, Any]) -> tuple[Constraint | None, str | None, dic
             sampling[name] = _sampling_value(ext[name], name, f"{EXTENSION}.{name}")
     if ext.get("reasoning") is not None:
         sampling["reasoning"] = ext["reasoning"]  # checked with the SDK's request (contract.reasoning)
+    if ext.get("draft_tokens") is not None:
+        sampling["draft_tokens"] = ext["draft_tokens"]  # checked with the SDK's request (contract.check_draft_tokens)
     if not kinds:
         return None, None, options, sampling
     name = kinds[0]
@@ -684,7 +687,7 @@ def _build(endpoint: Endpoint, body: dict[str, Any], *, prompt: str | None, mess
                 seed=choice_seed, stop=stop, frequency_penalty=_number(body, "frequency_penalty", None),
                 presence_penalty=_number(body, "presence_penalty", None), top_k=sampling.get("top_k"),
                 repetition_penalty=sampling.get("repetition_penalty"), min_p=sampling.get("min_p"),
-                reasoning=sampling.get("reasoning"), logprobs=logprobs))
+                reasoning=sampling.get("reasoning"), logprobs=logprobs, draft_tokens=sampling.get("draft_tokens")))
     except InvalidRequest as err:
         field = err.field or "request"
         head = field.partition(".")[0]

@@ -110,6 +110,7 @@ class RawRequest:
     min_p: float | None = None
     reasoning: bytes | None = None
     logprobs: int | None = None
+    draft_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,8 @@ class GenerationParams:
     request without one (so unseeded requests differ, and RESULT ``seed``
     says which seed replays the output).  ``logprobs``: None (off) or how
     many alternatives to report per output token (:func:`contract.check_logprobs`).
+    ``draft_tokens``: None (the engine's default) or the most prompt-lookup
+    draft tokens a step may feed (:func:`contract.check_draft_tokens`).
     """
 
     max_tokens: int
@@ -135,10 +138,11 @@ class GenerationParams:
     min_p: float = 0.0
     reasoning: Reasoning | None = None
     logprobs: int | None = None
+    draft_tokens: int | None = None
 
     def to_json(self) -> str:
         """Serialize for the REQUEST tensor (``reasoning`` only when the request has a thinking section,
-        ``logprobs`` only when it asks for them)."""
+        ``logprobs`` and ``draft_tokens`` only when it sets them)."""
         doc: dict[str, Any] = {
             "max_tokens": self.max_tokens, "temperature": self.temperature, "top_p": self.top_p,
             "top_k": self.top_k, "seed": self.seed, "stop": list(self.stop), "constraint": self.constraint,
@@ -147,6 +151,8 @@ class GenerationParams:
             doc["reasoning"] = self.reasoning.as_dict()
         if self.logprobs is not None:
             doc["logprobs"] = self.logprobs
+        if self.draft_tokens is not None:
+            doc["draft_tokens"] = self.draft_tokens
         return json.dumps(doc, ensure_ascii=False)
 
     @classmethod
@@ -164,12 +170,14 @@ class GenerationParams:
             raise RejectedRequest(rejected["message"], rejected["status"])
         reasoning = doc.get("reasoning")
         logprobs = doc.get("logprobs")
+        drafts = doc.get("draft_tokens")
         return cls(
             max_tokens=int(doc["max_tokens"]), temperature=float(doc["temperature"]), top_p=float(doc["top_p"]),
             top_k=int(doc["top_k"]), seed=int(doc["seed"]), stop=tuple(doc["stop"]), constraint=doc["constraint"],
             **{name: float(doc[name]) for name in contract.PENALTY_FIELDS},
             reasoning=None if reasoning is None else Reasoning(**reasoning),
             logprobs=None if logprobs is None else int(logprobs),
+            draft_tokens=None if drafts is None else int(drafts),
         )
 
 
@@ -360,6 +368,7 @@ def parse_fields(raw: RawRequest, config: PreprocessConfig) -> tuple[GenerationP
         contract.check_sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=raw.seed, stop=stop,
                                 **penalties)
         logprobs = contract.check_logprobs(raw.logprobs)
+        drafts = contract.check_draft_tokens(raw.draft_tokens, penalties=penalties, logprobs=logprobs)
     except contract.ContractError as err:
         raise InvalidArgument(err.field, err.reason) from err
     try:
@@ -383,7 +392,7 @@ def parse_fields(raw: RawRequest, config: PreprocessConfig) -> tuple[GenerationP
     params = GenerationParams(
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         seed=seed, stop=stop, constraint=None, **penalties,
-        reasoning=reasoning, logprobs=logprobs,
+        reasoning=reasoning, logprobs=logprobs, draft_tokens=drafts,
     )
     return params, constraint
 

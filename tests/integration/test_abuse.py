@@ -152,6 +152,11 @@ BAD_INPUTS = [
      "repetition_penalty: must be a number in (0, 2] (1 = off), got 0.0"),
     ([_prompt(), _tensor("MIN_P", "FP32", np.array([-1.0], np.float32))], "INVALID_ARGUMENT",
      "min_p: must be a number in 0..1 (0 = off), got -1.0"),
+    ([_prompt(), _ints("DRAFT_TOKENS", 17)], "INVALID_ARGUMENT",
+     "draft_tokens: must be null (the server's default) or an integer in 0..16, got 17"),
+    ([_prompt(), _ints("DRAFT_TOKENS", 4), _tensor("FREQUENCY_PENALTY", "FP32", np.array([0.5], np.float32))],
+     "INVALID_ARGUMENT", ("draft_tokens: prompt-lookup speculation cannot be combined with a repetition, frequency "
+                          "or presence penalty")),
     ([_prompt(b"\xff\xfe")], "INVALID_ARGUMENT", "prompt: not valid UTF-8 at byte 0"),
     ([_prompt(b"   ")], "INVALID_ARGUMENT", "prompt: is empty"),
     ([_tensor("MESSAGES", "BYTES", [b'[{"role":"user","content":"\\ud800"}]'])], "INVALID_ARGUMENT",

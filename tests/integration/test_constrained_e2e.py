@@ -35,8 +35,9 @@ from tests.integration.served import (
     metric,
     sequences_freed,
     wait_active_zero,
+    wait_freed,
 )
-from tests.support.poll import wait_for
+from tests.support.poll import HANG_S, poll, wait_for
 
 SCHEMAS = Path(__file__).resolve().parents[1] / "fixtures" / "schemas"
 
@@ -378,6 +379,31 @@ def test_logprobs_over_grpc_one_entry_per_token_beside_a_request_without(client:
             tops = [t.logprob for t in e.top_logprobs]
             assert e.logprob <= 0.0 and 1 <= len(tops) <= 3 and tops == sorted(tops, reverse=True), e
             assert all(t <= 0.0 for t in tops)
+
+
+COPIED = {"type": "object", "properties": {"name": {"type": "string"}, "city": {"type": "string"},
+                                           "born": {"type": "integer"}},
+          "required": ["name", "city", "born"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("constrained", [False, True], ids=["free", "json_schema"])
+def test_prompt_lookup_speculation_over_grpc_gives_the_text_without_it(client: Client, server: TritonServer,
+                                                                       constrained: bool) -> None:
+    """An output that copies its prompt, greedy, with DRAFT_TOKENS 6 and 0 (the server's default is off):
+    the same text and finish; the drafts were fed and some kept (the llm model's counters); nothing leaks."""
+    prompt = ('Copy this record exactly, as JSON: {"name": "Ada Lovelace", "city": "London", "born": 1815}. '
+              'Then copy it again: {"name": "Ada Lovelace", "city": "London", "born": 1815}')
+    constraint = Constraint.json_schema(COPIED) if constrained else None
+    plain = client.generate(prompt, constraint=constraint, max_tokens=48, draft_tokens=0, require_complete=False)
+    fed, kept = metric(server, "llm_draft_tokens_total"), metric(server, "llm_draft_tokens_kept_total")
+    drafted = client.generate(prompt, constraint=constraint, max_tokens=48, draft_tokens=6, require_complete=False)
+    assert (drafted.text, drafted.finish_reason, drafted.usage.completion_tokens) == (
+        plain.text, plain.finish_reason, plain.usage.completion_tokens)
+    assert "Ada Lovelace" in plain.text
+    # Published at the next metrics snapshot (at most llm_runtime's interval after the last step).
+    assert poll(lambda: metric(server, "llm_draft_tokens_total"), lambda v: v > fed, HANG_S) > fed
+    assert poll(lambda: metric(server, "llm_draft_tokens_kept_total"), lambda v: v > kept, HANG_S) > kept
+    assert wait_freed(server) == (0, 0.0)
 
 
 def test_the_grammar_model_answers_draft_positions_through_tritonserver(server: TritonServer) -> None:

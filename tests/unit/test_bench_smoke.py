@@ -448,3 +448,24 @@ def test_penalty_bench_figures(monkeypatch: pytest.MonkeyPatch) -> None:
         "valid": 2, "loop": 1, "tokens": 22.5}
     assert penalty_bench._LOOP.search('{"a":[' + '"type",' * 6 + '"x"]}') is not None
     assert penalty_bench._LOOP.search('{"name":"Ada","age":36}') is None
+
+
+def test_speculation_bench_report(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The on/off table and last-line part from records: sums over rounds, the first concurrency's ratio,
+    greedy outputs that differ counted."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import speculation_bench as sb
+
+    records = []
+    for workload in sb.WORKLOADS:
+        for constrained in (False, True):
+            for mode, wall, forwards, texts in (("off", 2.0, 40, ("a",)), ("on", 1.0, 20, ("a" if constrained else "b",))):
+                records.append(sb.Record("m", workload, constrained, 1, mode, 0, wall, 40, forwards,
+                                         30 if mode == "on" else 0, 20 if mode == "on" else 0, texts))
+    records.append(sb.Record("m", "extract", False, 1, "on", -1, 99.0, 1, 1, 0, 0, ("warm-up",)))  # not counted
+    assert sb.report(records, "m", [1]) == "extract 2.00 (json 2.00), free 2.00 (json 2.00) (m)"
+    table = capsys.readouterr().out.splitlines()
+    assert table[-4].split() == ["extract", "text", "1", "1.00", "2.00", "20.0", "40.0", "2.000", "20/30", "1"]
+    assert table[-3].split()[-1] == "0"  # json: the same text on and off
+    prompt, constraint = sb.request_of("extract", True, 5)
+    assert "Alan Turing" in prompt and constraint is not None and constraint.kind == "json_schema"

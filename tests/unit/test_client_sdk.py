@@ -246,7 +246,7 @@ def test_request_fields_are_the_dataclass_fields() -> None:
     assert RequestFields.__required_keys__ == frozenset()
     assert REQUEST_FIELDS == ("prompt", "messages", "constraint", "max_tokens", "temperature", "top_p", "top_k",
                               "seed", "stop", "repetition_penalty", "frequency_penalty", "presence_penalty",
-                              "min_p", "logprobs", "reasoning", "require_complete")
+                              "min_p", "logprobs", "draft_tokens", "reasoning", "require_complete")
 
 
 def test_build_inputs_takes_the_request_fields() -> None:
@@ -256,12 +256,12 @@ def test_build_inputs_takes_the_request_fields() -> None:
     every: dict[str, Any] = {"constraint": Constraint.regex("[a-z]+"), "max_tokens": 9, "temperature": 0.5,
                              "top_p": 0.9, "top_k": 3, "seed": 1, "stop": ["\n"], "repetition_penalty": 1.1,
                              "frequency_penalty": 0.5, "presence_penalty": -0.5, "min_p": 0.1, "logprobs": 2,
-                             "reasoning": {"max_reasoning_tokens": 8}, "require_complete": False}
+                             "draft_tokens": 0, "reasoning": {"max_reasoning_tokens": 8}, "require_complete": False}
     assert set(every) | {"prompt", "messages"} == set(REQUEST_FIELDS)
     expected = tensors(GenerateRequest("hi", **every).inputs())
     assert tensors(build_inputs("hi", **every)) == expected
     assert tensors(build_inputs(prompt="hi", **every)) == expected
-    assert len(expected) == 15  # every optional tensor is there
+    assert len(expected) == 16  # every optional tensor is there
 
 
 def test_generate_request_is_frozen_and_replace_checks_again() -> None:
@@ -823,3 +823,30 @@ def test_logprobs_to_openai_is_openais_entry_shape() -> None:
 def test_logprobs_malformed_are_refused_by_path(raw: bytes, message: str) -> None:
     with pytest.raises(GenerationError, match=message):
         parse_logprobs(raw)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"draft_tokens": 17}, "draft_tokens: must be null (the server's default) or an integer in 0..16, got 17"),
+        ({"draft_tokens": 2, "repetition_penalty": 1.2},
+         "draft_tokens: prompt-lookup speculation cannot be combined with a repetition, frequency or presence penalty"),
+        ({"draft_tokens": 2, "logprobs": 1}, "draft_tokens: prompt-lookup speculation cannot be combined with logprobs"),
+    ],
+    ids=["too-many", "penalty", "logprobs"],
+)
+def test_draft_tokens_are_checked_with_the_servers_rule(fields: dict[str, Any], message: str) -> None:
+    """The SDK and preprocessing apply the one rule (contract.check_draft_tokens): the same refusal, by name."""
+    from pipeline.preprocess import InvalidArgument, PreprocessConfig, RawRequest, parse_fields  # the server's side
+
+    with pytest.raises(InvalidRequest) as client_err:
+        GenerateRequest("hi", **fields)
+    assert str(client_err.value) == message
+    with pytest.raises(InvalidArgument) as server_err:
+        parse_fields(RawRequest(prompt=b"hi", **fields), PreprocessConfig(tokenizer="unused"))
+    assert str(server_err.value) == message
+
+
+def test_draft_tokens_travel_as_their_tensor() -> None:
+    assert ("DRAFT_TOKENS", "INT32", [1], [4]) in tensors(GenerateRequest("hi", draft_tokens=4).inputs())
+    assert all(t[0] != "DRAFT_TOKENS" for t in tensors(GenerateRequest("hi").inputs()))

@@ -28,6 +28,8 @@ class Row:
     in_engine: bool = True
     refeed: bool = False
     last_token: int = -1
+    accepted: tuple[int, ...] = ()
+    drafts: tuple[int, ...] = ()
 
 
 class Recording(LocalMaskProvider):

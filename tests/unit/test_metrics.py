@@ -333,6 +333,7 @@ def test_scheduler_snapshots_show_the_present(tmp_path: Path) -> None:
         "llm_grammar_roundtrip_seconds_sum": 0.0, "llm_grammar_roundtrip_seconds_count": 0.0,
         "llm_mask_wait_seconds_sum": 0.0, "llm_mask_wait_seconds_count": 0.0,
         "llm_grammar_loop_seconds_sum": 0.0, "llm_grammar_loop_seconds_count": 0.0,
+        "llm_draft_tokens_total": 0.0, "llm_draft_tokens_kept_total": 0.0,
     }
     # Plain finite floats (no numpy scalars, no nan): JSON gives back exactly what went in.
     assert {type(v) for v in last.values()} == {float}

@@ -435,7 +435,7 @@ BAD = [
      "give one constraint: response_format or the extension's, not both", "invalid_argument"),
     ("chat", chat(**{EXTENSION: []}), "constrained_llm", "must be an object, got array", "invalid_argument"),
     ("chat", chat(**{EXTENSION: {"schema": {}}}), "constrained_llm.schema",
-     "unknown field; expected one of regex, choice, ebnf, grammar, lark, structural_tag, options, top_k, repetition_penalty, min_p, reasoning",
+     "unknown field; expected one of regex, choice, ebnf, grammar, lark, structural_tag, options, top_k, repetition_penalty, min_p, reasoning, draft_tokens",
      "invalid_argument"),
     ("chat", chat(**{EXTENSION: {"regex": "a", "choice": ["a"]}}), "constrained_llm.choice",
      "give one constraint, not regex and choice", "invalid_argument"),

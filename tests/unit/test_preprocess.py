@@ -221,6 +221,31 @@ def test_logprobs_out_of_range_are_refused_by_name(pre: Preprocessor, logprobs: 
         pre(RawRequest(prompt=b"hi", logprobs=logprobs))
 
 
+@pytest.mark.parametrize("drafts", [None, 0, 4, 16])
+def test_draft_tokens_travel_in_request(pre: Preprocessor, drafts: int | None) -> None:
+    _, params = pre(RawRequest(prompt=b"hi", draft_tokens=drafts))
+    assert params.draft_tokens == drafts
+    assert ("draft_tokens" in json.loads(params.to_json())) == (drafts is not None)  # absent: the llm's default
+    assert GenerationParams.from_json(params.to_json()) == params
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"draft_tokens": 17}, r"^draft_tokens: must be null \(the server's default\) or an integer in 0\.\.16, got 17$"),
+        ({"draft_tokens": -1}, r"^draft_tokens: must be null .* got -1$"),
+        ({"draft_tokens": 3, "presence_penalty": 0.5},
+         (r"^draft_tokens: prompt-lookup speculation cannot be combined with a repetition, frequency or presence "
+          r"penalty$")),
+        ({"draft_tokens": 3, "logprobs": 0}, r"^draft_tokens: prompt-lookup speculation cannot be combined with logprobs$"),
+    ],
+    ids=["too-many", "negative", "penalty", "logprobs"],
+)
+def test_bad_draft_tokens_are_refused_by_name(pre: Preprocessor, fields: dict[str, Any], match: str) -> None:
+    with pytest.raises(InvalidArgument, match=match):
+        pre(RawRequest(prompt=b"hi", **fields))
+
+
 HEAVY = dataclasses.replace(CONFIG, heavy_constraint_bytes=100)
 
 

@@ -202,6 +202,8 @@ def test_overlap_sends_over_the_channel_from_the_loops_thread(channel_service: G
         seq_id: int = 1
         jump: tuple[int, ...] = ()
         refeed: bool = False
+        accepted: tuple[int, ...] = ()
+        drafts: tuple[int, ...] = ()
 
     width = (TINY_VOCAB_SIZE + 31) // 32
 

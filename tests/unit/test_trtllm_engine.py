@@ -66,6 +66,10 @@ def test_grammar_mode_defaults_per_engine(params: dict[str, str], mode: str) -> 
         ({"trtllm_sampler": "TRTLLMSampler"}, "trtllm_sampler applies to engine 'tensorrt_llm' only"),
         ({"engine": "tensorrt_llm", "max_prefill_tokens": "4096"}, "max_prefill_tokens applies to engine 'torch' only"),
         ({"max_prefill_tokens": "1k"}, "parameter 'max_prefill_tokens': invalid literal"),
+        ({"draft_tokens": "17"}, r"draft_tokens must be in 0\.\.16, got 17"),
+        ({"engine": "tensorrt_llm", "draft_tokens": "4"},
+         ("draft_tokens \\(prompt-lookup speculation\\) applies to engine 'torch' only; TensorRT-LLM speculates "
+          "with its own speculative_config")),
         ({"engine": "tensorrt_llm", "trtllm_sampler": "auto"},
          "trtllm_sampler must be one of TorchSampler, TRTLLMSampler or empty, got 'auto'"),
     ],

@@ -245,11 +245,12 @@ def _cuda_numpy(name: str) -> None:
 
 
 @pytest.mark.parametrize("seed", [None, 5])
-def test_the_seed_is_reported_and_logprobs_refused_by_name(trtllm: Callable[..., Trtllm], tiny: TinyModelInfo,
+def test_the_seed_is_reported_and_logprobs_and_drafts_refused_by_name(trtllm: Callable[..., Trtllm], tiny: TinyModelInfo,
                                                            grammar: GrammarEngine, engine: TorchEngine,
                                                            seed: int | None) -> None:
     """The seed TensorRT-LLM samples with (drawn where the request has none) is the finish's; logprobs are
-    refused at admission, naming the field and why, rather than passed off (trtllm_engine.TRTLLM_LOGPROBS_REFUSAL)."""
+    refused at admission, naming the field and why, rather than passed off (trtllm_engine.TRTLLM_LOGPROBS_REFUSAL),
+    and so is a request's own prompt-lookup speculation."""
     trtllm()
     gen = generator(tiny, grammar)
     try:
@@ -257,6 +258,10 @@ def test_the_seed_is_reported_and_logprobs_refused_by_name(trtllm: Callable[...,
         with pytest.raises(RequestError, match=r"^logprobs: not served by the tensorrt_llm engine \(TensorRT-LLM "
                                                r"1\.2\.1's log probabilities are not checked to be this field's: "):
             gen.submit(GenerationRequest(prompt, constraint=CHOICE, max_tokens=8, logprobs=0), Events())
+        with pytest.raises(RequestError, match=r"^draft_tokens: prompt-lookup speculation is the torch engine's; "
+                                               r"TensorRT-LLM speculates for every request with its own "
+                                               r"speculative_config$"):
+            gen.submit(GenerationRequest(prompt, constraint=CHOICE, max_tokens=8, draft_tokens=4), Events())
         events = Events()
         gen.submit(GenerationRequest(prompt, constraint=CHOICE, max_tokens=8, temperature=1.0, seed=seed), events)
         fin = events.wait()

@@ -94,6 +94,7 @@ def _to_request(request: Any) -> tuple[dict[str, str] | None, Reasoning | None, 
         presence_penalty=params.presence_penalty,
         min_p=params.min_p,
         logprobs=params.logprobs,
+        draft_tokens=params.draft_tokens,
     )
 
 

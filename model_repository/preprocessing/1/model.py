@@ -22,6 +22,8 @@ Inputs
     REASONING        BYTES [1]   JSON: true, false or {start, end, max_reasoning_tokens} (contract.reasoning)
     LOGPROBS         INT32 [1]   alternatives to report per output token, 0..contract.MAX_TOP_LOGPROBS
                                  (absent: no log probabilities; contract.check_logprobs)
+    DRAFT_TOKENS     INT32 [1]   prompt-lookup speculation: most draft tokens a step, 0..contract.MAX_DRAFT_TOKENS
+                                 (0: off; absent: the llm model's draft_tokens; contract.check_draft_tokens)
 Outputs
     INPUT_IDS        INT32 [T]   prompt token ids ([0] when the request is refused)
     REQUEST          BYTES [1]   validated parameters + canonical constraint (JSON), or
@@ -85,6 +87,7 @@ def _to_raw(request: Any) -> RawRequest:
         **{name: _first(request, name.upper()) for name in contract.PENALTY_FIELDS},
         reasoning=_first(request, "REASONING"),
         logprobs=_first(request, "LOGPROBS"),
+        draft_tokens=_first(request, "DRAFT_TOKENS"),
     )
 
 
