@@ -14,6 +14,7 @@
 #   make bench-path  the serving path around a fast (tiny) forward: served vs in-process, CPU per process
 #   make bench-step  the grammar step at GPU batch sizes (64, 256 rows of Qwen3's vocabulary), both backends
 #   make bench-openai  OpenAI endpoint vs gRPC, same prompts, one server (BENCH_QUICK=1, BENCH_TINY=1)
+#   make bench-spec  prompt-lookup speculation on and off, served: tokens per forward and per second
 #   make loadtest    locust over gRPC, every output checked (LOADTEST_TIME, LOADTEST_USERS, LOADTEST_SHAPE)
 #
 # Expensive steps are guarded by stamp files under build/, so re-running a
@@ -76,10 +77,10 @@ RENDER_EXTRA ?=
 CLIENT_SCHEMA := {"type":"object","properties":{"name":{"type":"string","maxLength":40},"age":{"type":"integer","minimum":0,"maximum":120}},"required":["name","age"],"additionalProperties":false}
 CLIENT_HINT   := $(PY) -m client --url $(HOST):$(GRPC_PORT) --schema '$(CLIENT_SCHEMA)' "Invent a person."
 
-.PHONY: help venv k8s-tools model tokenizers render serve test test-gpu lint bench bench-e2e bench-path bench-step bench-openai loadtest clean
+.PHONY: help venv k8s-tools model tokenizers render serve test test-gpu lint bench bench-e2e bench-path bench-step bench-openai bench-spec loadtest clean
 
 help:
-	@sed -n '1p;3,16p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
+	@sed -n '1p;3,18p' $(firstword $(MAKEFILE_LIST)) | sed 's/^# \{0,1\}//'
 
 # --------------------------------------------------------------------- venv
 venv: $(VENV_STAMP)
@@ -220,6 +221,13 @@ BENCH_TINY ?=
 bench-openai: venv model
 	$(PY) bench/openai_bench.py $(if $(filter 1,$(BENCH_QUICK)),--quick) \
 		$(if $(filter 1,$(BENCH_TINY)),--tiny) --json $(BUILD)/bench/openai.json
+
+# --------------------------------------------------------------------- bench-spec
+# Prompt-lookup speculation (DRAFT_TOKENS) on and off, served, greedy, on the
+# default model and the tiny stand-in (bench/speculation_bench.py; BENCH_QUICK=1:
+# a few minutes). Its last line is the on/off tokens/s per workload and model.
+bench-spec: venv model
+	$(PY) bench/speculation_bench.py --json $(BUILD)/bench/speculation.json
 
 # --------------------------------------------------------------------- bench
 BENCH_DATA := $(SHARED)/data/maskbench-dev
