@@ -1005,21 +1005,24 @@ class Scheduler:
         """One decode step of the running batch, in this order (each phase reads what the ones before left):
 
         1. The rows: decoding ones first, then the prompts that join (or one
-           chunk of a long prompt).
+           chunk of a long prompt); the speculating rows' drafts
+           (:meth:`_propose`).
         2. The grammar step is launched for the constrained rows
            (:meth:`GrammarPhase.launch`: overlap mode sends it now, so the
-           grammar side works while the forward runs).
-        3. The forward: decode (or extend, feeding jump-forward tokens), then
-           the joining prompts' prefill.
+           grammar side works while the forward runs), with their drafts.
+        3. The forward: decode (or extend, feeding jump-forward tokens or a
+           token and its drafts), then the joining prompts' prefill.
         4. The grammar answer is collected (:meth:`GrammarPhase.collect`); a
            failed forward fails the batch here.
         5. The answer is applied (:meth:`_apply_grammar`): masks onto the
            logits, and per row its kind (error, stop, value-check drop), close
            state, held tokens and forced tokens.
-        6. Sampling, then per row: the jump it takes, or its token, its end
-           (stop token, stop string, ``max_tokens``) or its streamed delta (held
-           tokens stay back until a value check can no longer drop them).
-        7. Step metrics, the jump decisions' cost table, and the ends.
+        6. Sampling, the drafts' verification (:meth:`_verify`), then per row:
+           the jump it takes, or its token (or its kept drafts and the token
+           after them, :meth:`_take_run`), its end (stop token, stop string,
+           ``max_tokens``) or its streamed delta (held tokens stay back until a
+           value check can no longer drop them).
+        7. Step metrics, the jump and draft decisions' cost table, and the ends.
         """
         t_step = time.perf_counter()
         active = self._active

@@ -837,7 +837,8 @@ def test_logprobs_malformed_are_refused_by_path(raw: bytes, message: str) -> Non
 )
 def test_draft_tokens_are_checked_with_the_servers_rule(fields: dict[str, Any], message: str) -> None:
     """The SDK and preprocessing apply the one rule (contract.check_draft_tokens): the same refusal, by name."""
-    from pipeline.preprocess import InvalidArgument, PreprocessConfig, RawRequest, parse_fields  # the server's side
+    from grammar_backend.errors import InvalidArgument
+    from pipeline.preprocess import PreprocessConfig, RawRequest, parse_fields  # the server's side
 
     with pytest.raises(InvalidRequest) as client_err:
         GenerateRequest("hi", **fields)

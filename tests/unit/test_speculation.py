@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -161,14 +162,18 @@ REQUESTS: list[tuple[str, ConstraintRequest | None, int, tuple[str, ...]]] = [
 ]
 
 
+Request = tuple[str, ConstraintRequest | None, int, tuple[str, ...]]
+
+
 def run(engine: TorchEngine, tiny: TinyModelInfo, *, temperature: float, drafts: int | None,
-        server: int = 0, fill: float = 0.25) -> tuple[list[tuple[Any, ...]], dict[str, float | int]]:
+        server: int = 0, fill: float = 0.25,
+        requests: list[Request] = REQUESTS) -> tuple[list[tuple[Any, ...]], dict[str, float | int]]:
     grammar = tiny_grammar(tiny)
     config = SchedulerConfig(max_batch_size=8, draft_tokens=server, jump_min_fill=fill)
     try:
         with Scheduler(engine, LocalMaskProvider(grammar), config) as s:
             results = []
-            for i, (text, constraint, max_tokens, stop) in enumerate(REQUESTS):
+            for i, (text, constraint, max_tokens, stop) in enumerate(requests):
                 r = Result()
                 s.submit(GenerationRequest(engine.tokenizer.encode(text).ids, max_tokens=max_tokens,
                                            temperature=temperature, seed=i, constraint=constraint, stop=stop,
@@ -276,3 +281,30 @@ def test_the_server_default_is_bounded(value: object) -> None:
     with pytest.raises(ConfigError, match=r"scheduler\.draft_tokens: must be an integer in 0\.\.16"):
         SchedulerConfig(draft_tokens=value)  # type: ignore[arg-type]
 
+
+
+MASKBENCH = Path(__file__).resolve().parents[3] / "shared" / "data" / "maskbench-dev"
+
+
+def _maskbench_sample(count: int, seed: int) -> list[Request]:
+    """A seeded sample of maskbench-dev's smaller schemas (under 2 KB), as JSON-schema requests."""
+    files = sorted(p for p in MASKBENCH.glob("*.json") if p.stat().st_size < 2048)
+    picked = random.Random(seed).sample(files, count)
+    return [(f"Write {p.stem} as JSON.", ConstraintRequest("json_schema", json.dumps(json.loads(p.read_text())["schema"]),
+                                                          ""), 40, ()) for p in picked]
+
+
+@pytest.mark.skipif(not MASKBENCH.is_dir(), reason=f"{MASKBENCH} is absent (the shared test data)")
+def test_speculation_gives_the_tokens_without_it_on_a_maskbench_sample(engine: TorchEngine, tiny: TinyModelInfo,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eight held-in MaskBench schemas (real tool and extraction schemas), greedy, drafts mostly right:
+    every outcome (errors included) is the one without speculation."""
+    monkeypatch.setattr("llm_runtime.scheduler.JumpPolicy", PriorJumps)
+    sample = _maskbench_sample(8, seed=59)
+    plain, _ = run(engine, tiny, temperature=0.0, drafts=0, requests=sample)
+    prompts = [tuple(engine.tokenizer.encode(text).ids) for text, *_ in sample]
+    oracle = Oracle({p: list(r[2]) for p, r in zip(prompts, plain, strict=True)}, 0.8, seed=1, vocab=tiny.vocab_size)
+    monkeypatch.setattr(PromptLookup, "propose", lambda self, limit: oracle.propose(self, limit))
+    drafted, summary = run(engine, tiny, temperature=0.0, drafts=4, requests=sample)
+    assert drafted == plain
+    assert summary["kept_drafts"] > 0
