@@ -203,7 +203,7 @@ def test_bad_input_gets_its_exact_status_as_data(server: TritonServer, inputs: l
          "INVALID_ARGUMENT: input 'MAX_TOKENS': datatype FP32, expected INT32"),
         (CONSTRAINED_LLM, [_prompt(), _ints("NOT_AN_INPUT", 1)],
          ("INVALID_ARGUMENT: input 'NOT_AN_INPUT': not an input of constrained_llm; expected one of "
-          "FREQUENCY_PENALTY, GRAMMAR, ")),
+          "DRAFT_TOKENS, FREQUENCY_PENALTY, GRAMMAR, ")),
         (CONSTRAINED_LLM, [_tensor("PROMPT", "BYTES", [[b"a", b"b"]])],
          "INVALID_ARGUMENT: input 'PROMPT': shape [1, 2], expected [1] (-1: any size)"),
         (CONSTRAINED_LLM, [_prompt(), _prompt()], "INVALID_ARGUMENT: input 'PROMPT': given more than once"),
