@@ -44,6 +44,9 @@ __all__ = ["Probe", "Supervisor", "SupervisorConfig", "default_probes"]
 _log = logging.getLogger(__name__)
 
 _EMPTY_IDS: Final = np.zeros(0, np.uint64)
+#: After a failed probe, how long the server's process is watched for an exit before the probe's failure is
+#: taken as the cause (the failure path only: a healthy round never waits).
+EXIT_GRACE_S: Final = 1.0
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,13 @@ class Supervisor:
         for probe in self.probes:
             error = self._probe(probe)
             if error is not None:
+                # A killed server's streams break a moment before its exit status can be read: the exit,
+                # where it follows, is the cause (a full `make test` once reported the probe's broken stream).
+                deadline = time.monotonic() + EXIT_GRACE_S
+                while (code := self.server.returncode) is None and time.monotonic() < deadline:
+                    self._stop.wait(0.05)
+                if code is not None:
+                    return f"tritonserver exited with status {code}"
                 return f"model {probe.model!r} failed its probe: {error}"
         return None
 

@@ -393,10 +393,12 @@ def test_prompt_lookup_speculation_over_grpc_gives_the_text_without_it(client: C
     the same text, finish and tokens; the drafts were fed and some kept (the llm model's counters); nothing
     leaks.  Jump-forward is off: how far a step jumps follows the step times the server measures, and a
     jump cut short spells the rest of its forced text under the mask, so with it on two runs of the same
-    request can count different tokens for the same text, speculation or not."""
+    request can count different tokens for the same text, speculation or not.  The backend is pinned:
+    under auto, a replay of the first output may move the schema to xgrammar in between."""
     prompt = ('Copy this record exactly, as JSON: {"name": "Ada Lovelace", "city": "London", "born": 1815}. '
               'Then copy it again: {"name": "Ada Lovelace", "city": "London", "born": 1815}')
-    constraint = Constraint.json_schema(COPIED).with_policies(jump_forward=False) if constrained else None
+    constraint = (Constraint.json_schema(COPIED).with_policies(jump_forward=False, backend="llguidance")
+                  if constrained else None)
     plain = client.generate(prompt, constraint=constraint, max_tokens=48, draft_tokens=0, require_complete=False)
     fed, kept = metric(server, "llm_draft_tokens_total"), metric(server, "llm_draft_tokens_kept_total")
     drafted = client.generate(prompt, constraint=constraint, max_tokens=48, draft_tokens=6, require_complete=False)
