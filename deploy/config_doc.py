@@ -87,6 +87,11 @@ MEANINGS: Final[Mapping[str, str]] = {
     "GRAMMAR_MODE": "How `llm` consumes the bitmask; empty: the engine's default (table above).",
     "TRTLLM_SAMPLER": "tensorrt_llm only: TensorRT-LLM's `sampler_type`; empty: `TorchSampler` "
                       "([GPU](../deploy/gpu/README.md)).",
+    "TRTLLM_SPECULATIVE_CONFIG": "tensorrt_llm only: TensorRT-LLM's `speculative_config` as one JSON object in its "
+                                 "`extra_llm_api_options` form, e.g. `{\"decoding_type\": \"NGram\", "
+                                 "\"max_draft_len\": 4, \"max_matching_ngram_size\": 2}`; `Eagle`/`Eagle3`, "
+                                 "`DraftTarget`, `NGram`, `MTP`; empty: none "
+                                 "([GPU](../deploy/gpu/README.md#speculative-decoding)).",
 }
 
 #: ``parameters { key: "k" value: { string_value: "${V}" } }`` and any other ``${V}`` in a template.

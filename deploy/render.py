@@ -26,6 +26,12 @@ Only ``${KEY}`` (braces required, ``KEY`` = ``[A-Za-z_][A-Za-z0-9_]*``) is a
 placeholder; ``$$`` is a literal ``$``.  Any other ``$`` sequence in a template
 is an error, because protobuf text format never needs a bare ``$`` and a typo
 such as ``$MODEL_DIR`` must not reach Triton unrendered.
+
+A value is written escaped for a protobuf text string (``\\``, ``\"``, ``\'``
+and control characters as octal escapes, :func:`pbtxt_escape`): every string
+placeholder sits between double quotes, so a value holding a quote or a
+backslash (a JSON object, a Windows path, a regex) reaches the model as it was
+given instead of breaking the file Triton parses.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ __all__ = [
     "load_values",
     "main",
     "parse_assignments",
+    "pbtxt_escape",
     "render_repository",
     "render_template",
 ]
@@ -60,6 +67,9 @@ _KEY_RE: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # One alternation so that a single left-to-right scan classifies every `$`:
 # escaped `$$`, a well-formed `${KEY}`, or anything else (an error).
 _TOKEN_RE: Final = re.compile(r"\$(?:(?P<escaped>\$)|\{(?P<key>[A-Za-z_][A-Za-z0-9_]*)\}|(?P<bad>))")
+# What a protobuf text string literal cannot hold as it is: backslash, quotes, control characters.
+_ESCAPE_RE: Final = re.compile(r"[\\\"'\x00-\x1f\x7f]")
+_ESCAPES: Final = {"\\": "\\\\", '"': '\\"', "'": "\\'"}
 # Files that are build debris, never part of a model repository.
 _IGNORED_NAMES: Final = frozenset({"__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache"})
 _IGNORED_SUFFIXES: Final = (".pyc", ".pyo", "~", ".swp")
@@ -162,6 +172,17 @@ def load_values(path: Path) -> dict[str, str]:
     return values
 
 
+def pbtxt_escape(value: str) -> str:
+    """``value`` as the inside of a protobuf text string literal (what ``TextFormat`` unescapes back to it).
+
+    Backslashes and both quote characters get a backslash; control characters
+    (a newline would end the literal) become three-digit octal escapes.  A
+    value without any of these (every number, name and path the shipped
+    values hold) is unchanged.
+    """
+    return _ESCAPE_RE.sub(lambda m: _ESCAPES.get(m.group(0)) or f"\\{ord(m.group(0)):03o}", value)
+
+
 def render_template(text: str, values: Mapping[str, str], *, origin: str) -> tuple[str, frozenset[str]]:
     """Substitute ``${KEY}`` placeholders in one template.
 
@@ -202,7 +223,7 @@ def render_template(text: str, values: Mapping[str, str], *, origin: str) -> tup
                 missing.append(key)
             return match.group(0)
         used.add(key)
-        return values[key]
+        return pbtxt_escape(values[key])
 
     rendered = _TOKEN_RE.sub(replace, text)
     if missing:

@@ -24,6 +24,7 @@ from .scheduler import (
 )
 from .streaming import MAX_STREAM_INTERVAL_MS
 from .trtllm_engine import TRTLLM_GRAMMAR_MODES, TRTLLM_SAMPLERS, TrtllmConfig
+from .trtllm_speculative import parse_speculative_config
 
 ENGINES: Final = ("torch", "tensorrt_llm")
 #: The grammar modes each engine takes; the first is its default.
@@ -53,7 +54,9 @@ class LlmModelConfig:
     (see :mod:`llm_runtime.trtllm_engine`; TensorRT-LLM's PyTorch backend, which
     loads ``model_dir``).  ``kv_cache_free_fraction`` and ``trtllm_sampler``
     (TensorRT-LLM's ``sampler_type``, ``""`` = TorchSampler, see
-    :attr:`~llm_runtime.trtllm_engine.TrtllmConfig.sampler_type`) apply to tensorrt_llm only.
+    :attr:`~llm_runtime.trtllm_engine.TrtllmConfig.sampler_type`) apply to tensorrt_llm only, and so does
+    ``trtllm_speculative_config`` (TensorRT-LLM's ``speculative_config`` as a JSON object,
+    :mod:`llm_runtime.trtllm_speculative`; ``""``: none).
     ``stream_interval_ms``: after the first text delta (sent at once), a
     request's text is sent once this many milliseconds have passed since its
     last response, and at the end (:class:`llm_runtime.streaming.DeltaCoalescer`;
@@ -82,6 +85,7 @@ class LlmModelConfig:
     grammar_mode: str = ""
     kv_cache_free_fraction: float = 0.85
     trtllm_sampler: str = ""
+    trtllm_speculative_config: str = ""
     stream_interval_ms: float = 0.0
     max_prefill_tokens: int | None = None
     draft_tokens: int = 0
@@ -110,24 +114,30 @@ class LlmModelConfig:
         if self.trtllm_sampler and self.trtllm_sampler not in TRTLLM_SAMPLERS:
             raise ConfigError(f"llm: trtllm_sampler must be one of {', '.join(TRTLLM_SAMPLERS)} or empty, "
                               f"got {self.trtllm_sampler!r}")
+        if self.engine == "torch" and self.trtllm_speculative_config.strip():
+            raise ConfigError("llm: trtllm_speculative_config applies to engine 'tensorrt_llm' only (the torch "
+                              "engine's speculation is draft_tokens)")
+        if self.engine == "tensorrt_llm":
+            self.trtllm_config()  # every TensorRT-LLM setting checked here, before the model loads
 
     @property
     def mode(self) -> str:
         """The grammar mode in force."""
         return self.grammar_mode or ENGINE_GRAMMAR_MODES[self.engine][0]
 
+    def trtllm_config(self) -> TrtllmConfig:
+        """The TensorRT-LLM engine's settings (engine ``tensorrt_llm``)."""
+        return TrtllmConfig(model_dir=self.model_dir, grammar_mode=self.mode, max_batch=self.max_batch,
+                            max_seq_len=self.max_seq_len, kv_cache_free_fraction=self.kv_cache_free_fraction,
+                            sampler_type=self.trtllm_sampler or TRTLLM_SAMPLERS[0],
+                            speculative=parse_speculative_config(self.trtllm_speculative_config))
+
     def build(self, mask_provider: MaskProvider, on_metrics: Callable[[Snapshot], None] | None = None) -> Generator:
         """Load the model and start generating (masks from ``mask_provider``; metric snapshots to ``on_metrics``)."""
         if self.engine == "tensorrt_llm":
             from .trtllm_engine import TrtllmGenerator
 
-            return TrtllmGenerator(
-                TrtllmConfig(model_dir=self.model_dir, grammar_mode=self.mode, max_batch=self.max_batch,
-                             max_seq_len=self.max_seq_len, kv_cache_free_fraction=self.kv_cache_free_fraction,
-                             sampler_type=self.trtllm_sampler or TRTLLM_SAMPLERS[0]),
-                mask_provider,
-                on_metrics=on_metrics,
-            )
+            return TrtllmGenerator(self.trtllm_config(), mask_provider, on_metrics=on_metrics)
         from .engine import TorchEngine, TorchEngineConfig
 
         engine = TorchEngine(

@@ -63,6 +63,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import importlib
 import json
 import logging
 import os
@@ -107,6 +108,7 @@ from .scheduler import (
     closed_finish,
 )
 from .trtllm_api import import_tensorrt_llm
+from .trtllm_speculative import SpeculativeConfig
 
 __all__ = [
     "TRTLLM_GRAMMAR_MODES",
@@ -168,6 +170,9 @@ class TrtllmConfig:
         and ignores them (TensorRT-LLM PR 16485, 2026-07, added them later), so
         under it a request with a penalty or ``min_p`` is refused by name;
         ``TRTLLMSampler`` (the C++ sampler's penalty kernels) applies them.
+    speculative : SpeculativeConfig or None
+        TensorRT-LLM's speculative decoding (``TRTLLM_SPECULATIVE_CONFIG``,
+        :mod:`llm_runtime.trtllm_speculative`); None: none.
     """
 
     model_dir: str
@@ -179,6 +184,7 @@ class TrtllmConfig:
     tensor_parallel_size: int = 1
     stall_timeout_s: float = 120.0
     sampler_type: str = "TorchSampler"
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.sampler_type not in TRTLLM_SAMPLERS:
@@ -199,6 +205,11 @@ class TrtllmConfig:
         t = self.stall_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 3600:
             raise config_error("stall_timeout_s", f"must be in (0, 3600], got {t!r}")
+        spec = self.speculative
+        if spec is not None and self.sampler_type == "TRTLLMSampler" and spec.decoding_type in ("Eagle", "Eagle3", "MTP"):
+            # _torch/pyexecutor/_util.py validate_feature_combination (1.2 line) raises this after the model loads.
+            raise config_error("trtllm_sampler", f"TensorRT-LLM 1.2.1 does not run TRTLLMSampler with decoding_type "
+                                                 f"{spec.decoding_type} (its speculative sampler decides): use TorchSampler")
 
 
 def occupancy(live: int, compiling: int, max_batch: int) -> tuple[int, int]:
@@ -434,6 +445,10 @@ class TrtllmGenerator:
             "guided_decoding_backend": "xgrammar",
             "sampler_type": config.sampler_type,
         }
+        if config.speculative is not None:
+            kwargs["speculative_config"] = config.speculative.build(importlib.import_module("tensorrt_llm.llmapi"))
+            _log.info("llm: TensorRT-LLM speculative decoding %s (mode %s, %d draft tokens a row)",
+                      config.speculative.decoding_type, config.speculative.mode, config.speculative.draft_len)
         self._rows: GrammarRows | None = None
         if config.grammar_mode == "processor":
             if os.environ.setdefault("TLLM_WORKER_USE_SINGLE_PROCESS", "1") != "1":
@@ -478,7 +493,7 @@ class TrtllmGenerator:
                                 context_len=self._cfg.max_seq_len)
         if checked.draft_tokens:
             raise RequestError("draft_tokens", "prompt-lookup speculation is the torch engine's; TensorRT-LLM "
-                                               "speculates for every request with its own speculative_config")
+                                               "speculates for every request as the server sets it (TRTLLM_SPECULATIVE_CONFIG)")
         p = checked.params
         req = _Request(
             rid=request.request_id or f"req-{secrets.token_hex(16)}",

@@ -14,6 +14,8 @@
 #   MAX_BATCH         decode batch
 #   PROMPT_FORMAT     chat (the checkpoint's chat template; default) | plain (a base model: PROMPT as text)
 #   TRTLLM_SAMPLER    tensorrt_llm: TorchSampler (default; applies no penalty, such requests are refused) | TRTLLMSampler
+#   TRTLLM_SPECULATIVE_CONFIG  tensorrt_llm: TensorRT-LLM's speculative_config as one JSON object, e.g.
+#                     {"decoding_type": "NGram", "max_draft_len": 4, "max_matching_ngram_size": 2} (default empty: none)
 #   STREAM_INTERVAL_MS  least milliseconds between a stream's responses after the first (default 50; 0: every token)
 #   MAX_PREFILL_TOKENS  torch: most prompt positions one step prefills (empty: the scheduler's default, 256)
 #   REASONING_START, REASONING_END  the model's thinking markers, e.g. <think> and </think> (empty: it does not
@@ -39,6 +41,7 @@ python3 -m deploy.render --src model_repository --dst "$repo" --values deploy/va
     --set "MAX_BATCH=${MAX_BATCH}" --set "GRAMMAR_MODE=${GRAMMAR_MODE}" \
     --set "STREAM_INTERVAL_MS=${STREAM_INTERVAL_MS:-50}" --set "MAX_PREFILL_TOKENS=${MAX_PREFILL_TOKENS:-}" \
     --set "PROMPT_FORMAT=${PROMPT_FORMAT:-chat}" --set "TRTLLM_SAMPLER=${TRTLLM_SAMPLER:-}" \
+    --set "TRTLLM_SPECULATIVE_CONFIG=${TRTLLM_SPECULATIVE_CONFIG:-}" \
     --set "GRAMMAR_STORE_DIR=${GRAMMAR_STORE_DIR:-/var/lib/constrained-llm/grammar-store}" \
     --set "GRAMMAR_STORE_MAX_BYTES=${GRAMMAR_STORE_MAX_BYTES:-}" --set "GRAMMAR_FILL_THREADS=${GRAMMAR_FILL_THREADS:-0}" \
     --set "REASONING_START=${REASONING_START:-}" --set "REASONING_END=${REASONING_END:-}" "${envs[@]}"

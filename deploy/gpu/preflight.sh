@@ -1,7 +1,15 @@
 #!/usr/bin/env bash
 # Pre-flight for the first GPU host: one command, a table of checks, tokens/s constrained vs not.
 #
-#   deploy/gpu/preflight.sh IMAGE MODEL_DIR        e.g. constrained-llm:gpu /models/qwen2.5-1.5b-instruct
+#   deploy/gpu/preflight.sh IMAGE MODEL_DIR [SPECULATIVE_CONFIG]
+#       e.g. constrained-llm:gpu /models/qwen2.5-1.5b-instruct
+#
+# SPECULATIVE_CONFIG (TRTLLM_SPECULATIVE_CONFIG's JSON; default an NGram config, which needs no
+# draft model; "-" skips it): after the plain checks, the server starts again with it, and the
+# same greedy constrained requests run through TensorRT-LLM's speculative decoding and the
+# grammar decoder's draft rows.  The outputs must be valid; the texts are compared with the
+# run without speculation (a difference is reported, not fatal: a multi-token forward's
+# numerics may break a near tie, but a difference on every prompt points at the draft rows).
 #
 # NEVER RUN where this project is built (no GPU, no docker daemon): written against the
 # image of deploy/docker/Dockerfile.  It stops at the first failed check, so the table
@@ -10,6 +18,7 @@
 set -euo pipefail
 image="${1:?usage: preflight.sh IMAGE MODEL_DIR}"
 model="${2:?usage: preflight.sh IMAGE MODEL_DIR}"
+speculative="${3-{\"decoding_type\": \"NGram\", \"max_draft_len\": 4, \"max_matching_ngram_size\": 2\}}"
 name="constrained-llm-preflight-$$"
 rows=()
 row() { rows+=("$(printf '| %-44s | %-4s | %s |' "$1" "$2" "$3")"); }
@@ -37,14 +46,17 @@ out="$(in_image 'python3 -c "import torch, tensorrt_llm; assert torch.cuda.is_av
 row "import tensorrt_llm + CUDA" ok "$out"
 
 # 3. The served ensemble: the PyTorch backend loads the checkpoint, the grammar decoder is installed.
-docker run -d --name "$name" --gpus all --shm-size=2g -p 127.0.0.1:18001:8001 -p 127.0.0.1:18003:8003 \
-    -v "$model":/models/hf:ro "$image" >/dev/null
-for _ in $(seq 1 120); do
-    curl -fs http://127.0.0.1:18003/v2/health/ready >/dev/null 2>&1 && break
-    docker inspect -f '{{.State.Running}}' "$name" | grep -q true || fail "server starts" "$(docker logs --tail 20 "$name" 2>&1)"
-    sleep 5
-done
-curl -fs http://127.0.0.1:18003/v2/health/ready >/dev/null || fail "server ready within 10 min" "$(docker logs --tail 20 "$name" 2>&1)"
+serve() {  # serve [docker run options...]: start the server, wait until it is ready (10 min)
+    docker run -d --name "$name" --gpus all --shm-size=2g -p 127.0.0.1:18001:8001 -p 127.0.0.1:18003:8003 \
+        -v "$model":/models/hf:ro "$@" "$image" >/dev/null
+    for _ in $(seq 1 120); do
+        curl -fs http://127.0.0.1:18003/v2/health/ready >/dev/null 2>&1 && return 0
+        docker inspect -f '{{.State.Running}}' "$name" | grep -q true || fail "server starts" "$(docker logs --tail 20 "$name" 2>&1)"
+        sleep 5
+    done
+    fail "server ready within 10 min" "$(docker logs --tail 20 "$name" 2>&1)"
+}
+serve
 row "server ready (PyTorch backend, grammar decoder)" ok "model $model"
 docker logs "$name" 2>&1 | grep -q "Using Python execution env /opt/grammar-env" \
     || fail "grammar models in /opt/grammar-env" "no 'Using Python execution env' line in the log"
@@ -70,4 +82,23 @@ rate() {
 }
 row "tokens/s unconstrained (c1, 4 requests)" ok "$(rate)"
 row "tokens/s constrained (c1, 4 requests)" ok "$(rate --schema "$schema")"
+
+# 5. TensorRT-LLM's speculative decoding through the grammar decoder's draft rows.
+prompts=("A person as JSON." "Copy this record as JSON: name Ada Lovelace, age 36." "A person named Bob, as JSON.")
+texts() { for p in "${prompts[@]}"; do client --schema "$schema" --max-tokens 128 --temperature 0 "$p" | tail -1; done; }
+if [[ "$speculative" != "-" ]]; then
+    plain="$(texts)" || fail "greedy constrained requests" "$plain"
+    docker rm -f "$name" >/dev/null
+    serve -e "TRTLLM_SPECULATIVE_CONFIG=$speculative"
+    docker logs "$name" 2>&1 | grep -q "TensorRT-LLM speculative decoding" \
+        || fail "speculative decoding on" "no 'TensorRT-LLM speculative decoding' line in the log"
+    row "server ready with speculative decoding" ok "${speculative:0:60}"
+    drafted="$(texts)" || fail "constrained requests, speculative" "$drafted"
+    echo "$drafted" | python3 -c 'import json,sys; rs=[json.loads(l) for l in sys.stdin]; assert all(r["json"]["valid"] for r in rs), rs' \
+        || fail "speculative outputs valid" "$drafted"
+    row "speculative outputs parse and validate" ok "${#prompts[@]} prompts"
+    same="$(python3 -c 'import json,sys; a,b=(sys.argv[1].splitlines(), sys.argv[2].splitlines()); print(sum(json.loads(x)["text"] == json.loads(y)["text"] for x, y in zip(a, b)))' "$plain" "$drafted")"
+    row "greedy texts equal to no speculation" "$([[ $same == "${#prompts[@]}" ]] && echo ok || echo DIFF)" "$same of ${#prompts[@]}"
+    row "tokens/s constrained, speculative (c1)" ok "$(rate --schema "$schema")"
+fi
 report

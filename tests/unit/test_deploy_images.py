@@ -31,6 +31,7 @@ from deploy.image_check import (
 )
 from grammar_backend.spec import SpecLimits, parse_constraint
 from llm_runtime.model_config import LlmModelConfig
+from llm_runtime.trtllm_speculative import SpeculativeConfig
 from triton_support.params import from_parameters, parameter_values
 
 REPO = Path(__file__).resolve().parents[2]
@@ -355,6 +356,23 @@ def test_entrypoint_passes_grammar_settings_to_the_grammar_model(tmp_path: Path,
     as_dict = json_format.MessageToDict(parsed, preserving_proto_field_name=True)
     cfg = from_parameters(GrammarModelConfig, parameter_values(as_dict), "grammar")
     assert getattr(cfg, field) == expected
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    ("", None),
+    ('{"decoding_type": "NGram", "max_draft_len": 4, "max_matching_ngram_size": 2}',
+     SpeculativeConfig("NGram", (("max_draft_len", 4), ("max_matching_ngram_size", 2)))),
+    (('{"decoding_type": "Eagle3", "max_draft_len": 3, "speculative_model": "/models/eagle3 \'v2\'",'
+     ' "eagle3_one_model": false}'),
+     SpeculativeConfig("Eagle3", (("eagle3_one_model", False), ("max_draft_len", 3),
+                                  ("speculative_model_dir", "/models/eagle3 'v2'")))),
+])
+def test_entrypoint_passes_the_speculative_config_as_given(tmp_path: Path, value: str,
+                                                           expected: SpeculativeConfig | None) -> None:
+    """TRTLLM_SPECULATIVE_CONFIG's JSON (quotes and all) reaches the llm model's TensorRT-LLM settings intact."""
+    cfg = llm_config(render_gpu_repository(tmp_path, TRTLLM_SPECULATIVE_CONFIG=value))
+    assert cfg.trtllm_speculative_config == value
+    assert cfg.trtllm_config().speculative == expected
 
 
 @pytest.mark.parametrize(("python_env", "expected"), [

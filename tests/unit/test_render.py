@@ -17,6 +17,7 @@ from deploy.render import (
     load_values,
     main,
     parse_assignments,
+    pbtxt_escape,
     render_repository,
     render_template,
 )
@@ -84,6 +85,33 @@ def test_render_template_substitutes(template: str, values: dict[str, str], expe
 def test_render_template_rejects(template: str, match: str) -> None:
     with pytest.raises(RenderError, match=match):
         render_template(template, {}, origin="m/config.pbtxt.in")
+
+
+@pytest.mark.parametrize(
+    ("value", "escaped"),
+    [
+        ("/models/qwen3-8b", "/models/qwen3-8b"),
+        ('{"decoding_type": "NGram"}', '{\\"decoding_type\\": \\"NGram\\"}'),
+        ("C:\\models\\a'b", "C:\\\\models\\\\a\\'b"),
+        ("line\nnext\ttab\x7f", "line\\012next\\011tab\\177"),
+        ("<think>é", "<think>é"),
+    ],
+)
+def test_pbtxt_escape_table(value: str, escaped: str) -> None:
+    assert pbtxt_escape(value) == escaped
+
+
+@pytest.mark.parametrize("value", ['{"decoding_type": "Eagle", "speculative_model_dir": "/m/eagle3", "max_draft_len": 3}',
+                                   "a\\b\\\"c'd", "two\nlines\r\x00end", "plain", "", "ünïcode ✓"])
+def test_rendered_string_parses_back_to_the_value(value: str) -> None:
+    """Triton's own ModelConfig proto, parsed by protobuf's TextFormat as tritonserver does, holds the value as given."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    text, _ = render_template('name: "m"\nparameters { key: "p" value: { string_value: "${V}" } }\n', {"V": value},
+                              origin="t")
+    parsed = text_format.Parse(text, model_config_pb2.ModelConfig())
+    assert parsed.parameters["p"].string_value == value
 
 
 # ------------------------------------------------------------ values parsing
