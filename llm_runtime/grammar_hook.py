@@ -78,7 +78,7 @@ for those versions: they are the ones whose ``create_py_executor`` passes
   modes with a drafter (EAGLE3, DRAFT_TARGET, MTP_EAGLE, NGRAM,
   USER_PROVIDED, SAVE_HIDDEN_STATES), and ``CapturableGuidedDecoder`` for the
   one-model modes (MTP, MTP_EAGLE_ONE_MODEL, EAGLE3_ONE_MODEL), handed to the
-  model engine: see :mod:`llm_runtime.trtllm_decoder` for why those are refused.
+  model engine (below, and :mod:`llm_runtime.trtllm_decoder`).
 
 What :class:`GrammarRows` does with them.  The grammar side never keeps a
 draft: the tokens the target accepted are committed at the next build, as
@@ -103,6 +103,50 @@ one multi-token commit (``counts[i] > 1``), and the drafts are sent as
 * a row is never written all-zero (TensorRT-LLM issue 18896: an all-zero mask
   turns the logits into NaN): the grammar side's rows past the valid drafts
   are all ones, and those are not written here anyway.
+
+One-model speculative modes (:meth:`GrammarRows.serve_one_model`)
+------------------------------------------------------------------
+``CapturableGuidedDecoder`` (same file, 07dacbbc and 40bb912b; the
+speculative workers ``speculative/eagle3.py`` ``Eagle3OneModelWorker`` and
+``speculative/mtp.py`` ``MTPWorker``, ``speculative/interface.py``, and
+``pyexecutor/model_engine.py`` as stored around 1.2) runs its host work as
+CUDA host functions on its own stream, inside the model's forward (captured
+in its CUDA graph for generation-only batches): the target build
+(``fetch_batch``, ``init_disagg_gen_requests``, ``build``), overlapping the
+target forward, then one build per draft step (``fetch_draft_batch(i)``,
+at step 0 ``rollback_rejected_tokens``, ``build``, at the last step
+``rollback_draft_tokens``), each after the draft token before it was sampled
+on the GPU.  Here:
+
+* the target build is ONE grammar request for every target row, its drafts
+  included (``fetch_batch`` sets ``new_token, *draft_tokens`` from the
+  pinned ``new_tokens[:, slot]`` under the overlap scheduler, the request's
+  own fields without it);
+* the draft steps make no grammar request and leave their rows unmasked
+  (token_mask 0): masking them would put D more blocking round trips in
+  sequence on the GPU's critical path every iteration, none of them hidden
+  behind a forward as the target build is.  The drafts are proposals: the
+  masked target rejects a draft the grammar forbids, so the outputs are
+  those without speculation, at some acceptance cost (TensorRT-LLM's tech
+  blog 12, "Combining Guided Decoding and Speculative Decoding", Table 1:
+  acceptance length 2.86 -> 2.65 on JSON Mode Eval and 2.55 -> 2.33 on
+  JSON Schema Bench for EAGLE3 with 3 drafts, drafts masked -> not);
+* the accepted count: ``fetch_draft_batch(0)`` sets each request's
+  ``num_accepted_draft_tokens`` to ``min(num_accepted_tokens[i],
+  num_advanced_tokens[slot]) - 1`` (the verification's count, from pinned
+  memory) and casts it to draft; the step-0 ``_rollback_rejected_tokens``
+  that follows hands those requests to :meth:`GrammarRows.record_accepted`,
+  and the next target build commits with that count, never with the
+  request's (an iteration older under the overlap scheduler).  The target
+  build sets ``num_advanced_tokens[slot]`` to what TensorRT-LLM's own
+  matcher would have advanced (``build(advanced=...)``), so its clamp still
+  stops the count after an end token among the drafts; tokens after an
+  accepted end token are never committed;
+* the builds run on a CUDA driver thread, where an exception is only
+  printed and the graph goes on: nothing raises, a failed row is written
+  with the end tokens only (the request ends at this step; the engine reads
+  the row's error when TensorRT-LLM's final output comes), and the grammar
+  request goes over the channel only, never BLS (:meth:`GrammarRows._channel_step`).
 
 Which grammar sequence a row belongs to travels in the request itself: the
 guide string of its ``GuidedDecodingParams`` (:meth:`GrammarRows.guide`), so no
@@ -143,7 +187,7 @@ from contract import MAX_DRAFT_TOKENS
 from grammar_backend.protocol import REASONING_STATES, CloseState, bitmask_width
 
 from .errors import EngineError
-from .mask import ROW_ERROR, ROW_MASK, ROW_STOP, ConstraintRequest, MaskProvider, MaskStep, StepRows
+from .mask import ROW_ERROR, ROW_MASK, ROW_STOP, ConstraintRequest, MaskProvider, MaskStep, StepRows, StepSender
 
 __all__ = ["GUIDE_PREFIX", "GrammarRows", "GuidedRequestView", "GuidedRequestsView", "RowOutcome", "RowsStats"]
 
@@ -264,6 +308,7 @@ class _Row:
     drafts: np.ndarray = field(default_factory=lambda: _NO_DRAFTS)  # the shared empty one: never written
     n_drafts: int = 0
     accepted: int = -1
+    told: bool = False  # one-model: ``accepted`` was recorded at the last draft step 0 (record_accepted)
     fed: int = -1
     chain: np.ndarray = field(default_factory=lambda: _NO_DRAFTS)
     chain_len: int = 0
@@ -307,7 +352,10 @@ class GrammarRows:
     -----
     Thread safety: :meth:`start` and :meth:`remove` run on the engine
     adapter's threads while :meth:`build` and :meth:`accepted` run on
-    TensorRT-LLM's executor thread.  A grammar ``end`` never overlaps a ``step``.
+    TensorRT-LLM's executor thread (one-model: :meth:`build` and
+    :meth:`record_accepted` on a CUDA driver thread, in host functions).  A
+    grammar ``end`` never overlaps a ``step``; no lock here is held while
+    waiting on the GPU.
     """
 
     def __init__(self, provider: MaskProvider, *, vocab_size: int, end_token_ids: Iterable[int],
@@ -319,6 +367,7 @@ class GrammarRows:
             raise EngineError(f"max_rows must be positive, got {max_rows}")
         self._provider = provider
         self._ends = ends
+        self._end_set = frozenset(ends)
         self.width = bitmask_width(vocab_size)
         self._max_rows = max_rows
         # Reused every step: the grammar-step inputs and where each answer goes.
@@ -326,6 +375,7 @@ class GrammarRows:
         self._counts = np.zeros(max_rows, dtype=np.int32)
         self._offsets = np.zeros(max_rows, dtype=np.int64)
         self._request_ids = np.zeros(max_rows, dtype=np.int64)
+        self._slots = np.zeros(max_rows, dtype=np.int64)
         self._stepped: list[_Row] = [_NO_ROW] * max_rows
         self._kinds = [_TARGET] * max_rows
         self._max_draft = 0
@@ -337,6 +387,7 @@ class GrammarRows:
         self._by_slot: dict[int, _Row] = {}
         self._lock = threading.Lock()  # guards _by_seq
         self._step_lock = threading.Lock()  # build vs. the grammar end of remove()
+        self._one_model = False  # serve_one_model: builds run in CUDA host functions
         self._builds = 0
         self._requests = 0
         self._rows = 0
@@ -363,6 +414,19 @@ class GrammarRows:
             with self._lock:
                 for row in self._by_seq.values():
                     row.drafts, row.chain, row.closes = self._row_buffers()
+
+    def serve_one_model(self) -> None:
+        """Serve TensorRT-LLM's one-model speculative modes: the builds run in CUDA host functions.
+
+        Called once, before any step, by :class:`llm_runtime.trtllm_decoder.GrammarCapturableDecoder`.
+        From then on (see "One-model speculative modes" in the module
+        docstring): :meth:`build` takes each target row's accepted-draft
+        count from :meth:`record_accepted`, never from the request; skips the
+        rows cast to draft (no grammar request for a draft step); and steps
+        only over the grammar channel, never over BLS.  :meth:`start` opens
+        the channel where it is not open yet (its thread is no host function).
+        """
+        self._one_model = True
 
     def _row_buffers(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A row's draft buffers, made when it starts (never per step)."""
@@ -399,10 +463,34 @@ class GrammarRows:
         if seq_id < 1:
             raise EngineError(f"seq_id must be positive, got {seq_id}")
         backend = self._provider.start(seq_id, constraint)
+        if self._one_model:
+            self._open_channel(seq_id)
         drafts, chain, closes = self._row_buffers()
         with self._lock:
             self._by_seq[seq_id] = _Row(seq_id, drafts=drafts, chain=chain, closes=closes)
         return backend
+
+    def _open_channel(self, seq_id: int) -> None:
+        """Open the provider's grammar channel here, on a start thread, where a one-model build cannot.
+
+        ``RemoteMaskProvider`` opens its mask buffer at its first step (over
+        BLS: the answer gives the width) and its step channel at the next
+        one.  A one-model build never goes over BLS (:meth:`_channel_step`),
+        so those first steps are made here: steps of no token on the new
+        sequence, which commit nothing (its first build asks for the same mask
+        again).  Never raises: where the channel stays closed, the builds fail
+        their rows with the reason.
+        """
+        ids = np.array([seq_id], dtype=np.uint64)
+        for _ in range(2):
+            if getattr(self._provider, "channel_open", True):
+                return
+            try:
+                with self._step_lock:
+                    self._provider.step(ids, np.zeros((1, 1), dtype=np.int32), np.zeros(1, dtype=np.int32))
+            except Exception:  # noqa: BLE001 -- the start succeeded; its builds fail the row with the reason
+                _log.exception("grammar rows: opening the grammar channel failed")
+                return
 
     def remove(self, seq_ids: Sequence[int]) -> list[RowOutcome | None]:
         """Forget requests TensorRT-LLM has finished and end their grammar sequences (one call).
@@ -478,7 +566,34 @@ class GrammarRows:
             except Exception:  # noqa: BLE001 -- never into the executor loop: the draft rows stay unmasked
                 _log.exception("grammar rows: reading the accepted drafts failed")
 
-    def build(self, requests: GuidedRequestsView, bitmask: np.ndarray, token_mask: np.ndarray) -> list[tuple[int, str]]:
+    def record_accepted(self, requests: GuidedRequestsView) -> None:
+        """One-model speculation: note how many drafts each row's target accepted, for its next target build.
+
+        What ``CapturableGuidedDecoder._rollback_rejected_tokens`` is called
+        with at draft step 0: the iteration's requests, cast to draft by
+        ``fetch_draft_batch(0)``, whose ``num_accepted_draft_tokens`` it has
+        just set from the verification's count (the pinned
+        ``num_accepted_tokens``, clamped to ``num_advanced_tokens - 1``).  It
+        is the only fresh count: under the overlap scheduler the request's own
+        is an iteration older.  Set, never added: safe to run again on the
+        same batch (CUDA graph warmup).  Never raises; a count that does not
+        fit fails the row at its next target build.
+        """
+        with self._step_lock:
+            try:
+                for req, _ in requests.valid_requests_with_offsets():
+                    if not req.is_draft or not req.require_matcher_advance() or req.seq_slot is None:
+                        continue
+                    row = self._by_slot.get(req.seq_slot)
+                    if row is not None:
+                        k = req.num_accepted_draft_tokens
+                        row.accepted = k if isinstance(k, int) else -1
+                        row.told = True
+            except Exception:  # noqa: BLE001 -- in a host function: the rows fail at their next target build
+                _log.exception("grammar rows: reading the accepted drafts failed")
+
+    def build(self, requests: GuidedRequestsView, bitmask: np.ndarray, token_mask: np.ndarray,
+              advanced: list[int] | None = None) -> list[tuple[int, str]]:
         """Write the bitmask rows of one step, in place, with one grammar request.
 
         Parameters
@@ -492,6 +607,12 @@ class GrammarRows:
             tokenizer's vocabulary stay masked).
         token_mask : numpy.ndarray
             int32 ``[rows]``: the decoder's ``token_mask_host``; 1 where a row was written.
+        advanced : list of int, optional
+            The capturable decoder's ``num_advanced_tokens`` (by slot): set
+            for every target row to 1 + the drafts its grammar holds (0 for a
+            row written with the end tokens or not at all), so that
+            TensorRT-LLM's clamp in ``fetch_draft_batch`` bounds the accepted
+            count by them.
 
         Returns
         -------
@@ -505,15 +626,17 @@ class GrammarRows:
         failed: list[tuple[int, str]] = []
         with self._step_lock:
             try:
-                self._build(requests, bitmask, token_mask, failed)
+                self._build(requests, bitmask, token_mask, failed, advanced)
             except Exception as err:  # noqa: BLE001 -- never into the executor loop: the rows fail instead
                 _log.exception("grammar rows: the step failed; failing its rows")
                 self._fail_all(requests, bitmask, token_mask, f"grammar step failed: {err}", failed)
+                if advanced is not None:
+                    self._no_advance(requests, advanced)
         self._build_s += time.perf_counter() - t0
         return failed
 
     def _build(self, requests: GuidedRequestsView, bitmask: np.ndarray, token_mask: np.ndarray,
-               failed: list[tuple[int, str]]) -> None:
+               failed: list[tuple[int, str]], advanced: list[int] | None) -> None:
         if bitmask.shape[1] < self.width:
             raise EngineError(f"bitmask_host has {bitmask.shape[1]} words per row, the vocabulary needs {self.width}")
         if self._end_row.shape[0] != bitmask.shape[1]:
@@ -525,15 +648,20 @@ class GrammarRows:
             raise EngineError(f"TensorRT-LLM lays out {layout} draft rows a request, the grammar rows hold "
                               f"{self._max_draft} (GrammarRows.reserve_drafts)")
         token_mask[: requests.num_bitmask_tokens] = 0
+        if advanced is not None:
+            self._no_advance(requests, advanced)
         c = 0
         widest = 0  # the most drafts an entry of this step sends
         for req, offset in requests.valid_requests_with_offsets():
             if c == self._max_rows:
                 raise EngineError(f"more than {self._max_rows} constrained rows in one step")
+            if req.is_draft and self._one_model:
+                continue  # a one-model draft step: no grammar request, the row stays unmasked (module docstring)
             sent = (self._add_draft_model(req, c) if req.is_draft
                     else self._add_target(req, offset, c, layout, bitmask, token_mask, failed))
             if sent < 0:
                 continue  # no grammar work for this row
+            self._slots[c] = -1 if req.seq_slot is None else int(req.seq_slot)
             self._offsets[c] = offset
             self._request_ids[c] = -1 if req.request_id is None else int(req.request_id)
             widest = max(widest, sent)
@@ -546,11 +674,12 @@ class GrammarRows:
         fault: str | None = None
         valid: list[int] = []
         try:
+            step = self._channel_step if self._one_model else self._provider.step
             if widest:
-                out = self._provider.step(self._ids[:c], self._tokens[:c], self._counts[:c],
-                                          drafts=self._drafts[:c, :widest], draft_counts=self._draft_counts[:c])
+                out = step(self._ids[:c], self._tokens[:c], self._counts[:c],
+                           drafts=self._drafts[:c, :widest], draft_counts=self._draft_counts[:c])
             else:
-                out = self._provider.step(self._ids[:c], self._tokens[:c], self._counts[:c])
+                out = step(self._ids[:c], self._tokens[:c], self._counts[:c])
         except Exception as err:  # noqa: BLE001 -- every row of this step fails with it; the engine goes on
             _log.exception("MaskProvider.step failed; failing its %d constrained rows", c)
             fault = f"grammar step failed: {err}"
@@ -569,6 +698,8 @@ class GrammarRows:
             kind = self._kinds[j]
             if kind == _TARGET:
                 self._write_target(j, row, offset, rows, answer, valid, fault, bitmask, token_mask, failed)
+                if advanced is not None:
+                    self._advance(j, row, offset, valid, bitmask, token_mask, advanced)
             elif kind == _COMMIT:
                 self._write_commit(j, row, offset, rows, answer, fault, bitmask, token_mask)
             else:
@@ -614,14 +745,23 @@ class GrammarRows:
                 if token != row.fed:
                     row.error = f"the new token {token} is not the {row.fed} the draft model's build fed"
             else:
-                k = self._accepted_of(row, req)
+                k = self._recorded_of(row) if self._one_model else self._accepted_of(row, req)
                 if isinstance(k, str):
                     row.error = k
                 else:
-                    self._tokens[c, :k] = row.drafts[:k]
-                    self._tokens[c, k] = token
-                    count = k + 1
-                    self._count_reasoning(row, k)
+                    end = self._first_end(row.drafts[:k])
+                    if end >= 0:
+                        # TensorRT-LLM ended the request at an end token among the accepted drafts (one-model:
+                        # the GPU's count runs past it, the clamp stops right after it): nothing after it is
+                        # committed, and the grammar answers the stop (the row ends without an error).
+                        self._tokens[c, : end + 1] = row.drafts[: end + 1]
+                        count = end + 1
+                        self._count_reasoning(row, end)
+                    else:
+                        self._tokens[c, :k] = row.drafts[:k]
+                        self._tokens[c, k] = token
+                        count = k + 1
+                        self._count_reasoning(row, k)
         if row.error is not None:
             if not row.reported:
                 row.reported = True
@@ -703,7 +843,7 @@ class GrammarRows:
                       failed: list[tuple[int, str]]) -> None:
         """A target row's answer: row ``offset`` and the rows of the drafts that hold, or the end tokens."""
         row.stepped = True
-        row.fed, row.accepted, row.chain_len = -1, -1, 0
+        row.fed, row.accepted, row.chain_len, row.told = -1, -1, 0, False
         sent = int(self._draft_counts[j])
         row.n_drafts = sent
         if sent:
@@ -787,6 +927,82 @@ class GrammarRows:
         if k is None or not 0 <= k <= row.n_drafts:
             return f"TensorRT-LLM accepted {k} of the {row.n_drafts} draft tokens sent"
         return int(k)
+
+    def _recorded_of(self, row: _Row) -> int | str:
+        """One-model: the accepted-draft count :meth:`record_accepted` noted for ``row``, or why not known."""
+        if not row.n_drafts:
+            return 0
+        if not row.told:
+            return f"TensorRT-LLM did not say how many of the {row.n_drafts} draft tokens sent it accepted"
+        if not 0 <= row.accepted <= row.n_drafts:
+            return f"TensorRT-LLM accepted {row.accepted} of the {row.n_drafts} draft tokens sent"
+        return row.accepted
+
+    def _first_end(self, tokens: np.ndarray) -> int:
+        """The index of the first end token in ``tokens`` (-1: none)."""
+        for i, t in enumerate(tokens.tolist()):
+            if t in self._end_set:
+                return i
+        return -1
+
+    def _channel_step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray,
+                      drafts: np.ndarray | None = None, draft_counts: np.ndarray | None = None) -> MaskStep:
+        """A one-model build's grammar request: over the grammar channel, never over BLS.
+
+        The build runs in a CUDA host function (a driver thread holding the
+        GIL, the stream waiting on it): a BLS call there goes through the
+        Triton stub's IPC, slower and never audited for that thread.
+        ``RemoteMaskProvider`` sends over its channel where it is open and the
+        step fits its mask buffer (``send_step``), and would otherwise fall
+        back to BLS, so the row fails instead (:meth:`_open_channel` opens
+        the channel at a start).  A provider that is no ``StepSender`` runs
+        in this process (``LocalMaskProvider``): no BLS to avoid.
+        """
+        provider = self._provider
+        if not isinstance(provider, StepSender):
+            return provider.step(seq_ids, tokens, counts, drafts=drafts, draft_counts=draft_counts)
+        if not getattr(provider, "channel_open", True):
+            raise EngineError("the grammar channel is not open, and a build in a CUDA host function (one-model "
+                              "speculative decoding) never goes over BLS")
+        pending = provider.send_step(seq_ids, tokens, counts, drafts=drafts, draft_counts=draft_counts)
+        if pending is None:
+            raise EngineError("the step does not fit the grammar channel's mask buffer, and a build in a CUDA host "
+                              "function (one-model speculative decoding) never goes over BLS")
+        return pending.result()[0]
+
+    def _no_advance(self, requests: GuidedRequestsView, advanced: list[int]) -> None:
+        """Every target row's ``num_advanced_tokens`` to 0, as TensorRT-LLM's own ``_build`` starts a row."""
+        try:
+            for req, _ in requests.valid_requests_with_offsets():
+                slot = req.seq_slot
+                if not req.is_draft and slot is not None and 0 <= slot < len(advanced):
+                    advanced[slot] = 0
+        except Exception:  # noqa: BLE001 -- in a host function: the counts stay as they were
+            _log.exception("grammar rows: resetting num_advanced_tokens failed")
+
+    def _advance(self, j: int, row: _Row, offset: int, valid: list[int], bitmask: np.ndarray,
+                 token_mask: np.ndarray, advanced: list[int]) -> None:
+        """Step entry ``j``'s ``num_advanced_tokens``: what TensorRT-LLM's own matcher would have advanced.
+
+        1 (the new token) + the drafts the grammar holds (``draft_valid``) +
+        1 where the draft after them is an end token the mask there allows:
+        TensorRT-LLM's ``_build`` counts the draft that terminates its matcher
+        too, and ``fetch_draft_batch`` clamps the GPU's accepted count to this
+        (the target may accept drafts past an end token, 1.2.1's comment
+        there).  A row written with the end tokens only advances nothing (0):
+        its request ends here.
+        """
+        slot = int(self._slots[j])
+        if not 0 <= slot < len(advanced) or row.error is not None or row.terminated or not token_mask[offset]:
+            return
+        held = valid[j] if valid else 0
+        n = 1 + held
+        if held < row.n_drafts:
+            t = int(row.drafts[held])
+            mask = bitmask[offset + held]
+            if t in self._end_set and (int(mask[t >> 5]) >> (t & 31)) & 1:
+                n += 1
+        advanced[slot] = n
 
     @staticmethod
     def _count_reasoning(row: _Row, accepted: int) -> None:

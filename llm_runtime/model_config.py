@@ -108,7 +108,7 @@ class LlmModelConfig:
             raise ConfigError(f"llm: draft_tokens must be in 0..{contract.MAX_DRAFT_TOKENS}, got {self.draft_tokens}")
         if self.engine != "torch" and self.draft_tokens:
             raise ConfigError("llm: draft_tokens (prompt-lookup speculation) applies to engine 'torch' only; "
-                              "TensorRT-LLM speculates with its own speculative_config")
+                              "TensorRT-LLM speculates as trtllm_speculative_config sets it")
         if self.engine == "torch" and self.trtllm_sampler:
             raise ConfigError("llm: trtllm_sampler applies to engine 'tensorrt_llm' only")
         if self.trtllm_sampler and self.trtllm_sampler not in TRTLLM_SAMPLERS:

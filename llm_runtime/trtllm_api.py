@@ -22,7 +22,7 @@ import numpy as np
 
 from grammar_backend.errors import ConfigError
 
-__all__ = ["ONE_MODEL_REFUSAL", "TRTLLM_GUIDED_API", "TRTLLM_HOST_BUFFERS", "TRTLLM_ONE_MODEL_MODES", "TRTLLM_SPEC_MODES", "TRTLLM_VERSION",
+__all__ = ["TRTLLM_GUIDED_API", "TRTLLM_HOST_BUFFERS", "TRTLLM_ONE_MODEL_MODES", "TRTLLM_SPEC_MODES", "TRTLLM_VERSION",
            "check_trtllm_api", "host_buffers", "import_tensorrt_llm", "speculative_refusal"]
 
 #: The TensorRT-LLM release this engine is written against (NGC tritonserver
@@ -31,15 +31,24 @@ __all__ = ["ONE_MODEL_REFUSAL", "TRTLLM_GUIDED_API", "TRTLLM_HOST_BUFFERS", "TRT
 TRTLLM_VERSION: Final = "1.2.1"
 #: What :func:`check_trtllm_api` requires of ``tensorrt_llm._torch.pyexecutor.guided_decoder``:
 #: each class, and the methods (with their parameters) or attributes the grammar decoder uses.
+#: ``CapturableGuidedDecoder``'s host functions are wrapped by TensorRT-LLM's ``@hostfunc`` (their
+#: signature is the wrapper's): only their presence is checked; the methods the grammar decoder
+#: overrides, which they call, with their parameters.
 TRTLLM_GUIDED_API: Final[dict[str, dict[str, tuple[str, ...] | None]]] = {
     "GuidedDecoder": {"add_batch": None, "build": ("self",), "_build": ("self", "requests"), "execute": None,
                       "_rollback_rejected_tokens": ("self", "requests")},
+    "CapturableGuidedDecoder": {
+        "add_batch": None, "fetch_batch": None, "init_disagg_gen_requests": None, "build": None, "execute": None,
+        "add_draft_batch": None, "fetch_draft_batch": None, "execute_draft_batch": None,
+        "rollback_rejected_tokens": None, "rollback_draft_tokens": None, "_build": ("self", "requests"),
+        "_rollback_rejected_tokens": ("self", "requests"), "_rollback_draft_tokens": ("self", "requests"),
+        "_init_disagg_gen_requests": ("self", "requests")},
     "GuidedRequests": {"valid_requests_with_offsets": ("self",), "num_bitmask_tokens": None,
-                       "max_num_draft_tokens": None},
+                       "max_num_draft_tokens": None, "__len__": ("self",)},
     "GuidedRequest": {"require_matcher_init": ("self",), "require_matcher_advance": ("self",),
                       "from_llm_request": None, "guided_decoding_params": None, "request_id": None,
                       "seq_slot": None, "new_token": None, "is_draft": None, "draft_tokens": None,
-                      "num_accepted_draft_tokens": None},
+                      "num_accepted_draft_tokens": None, "cast_to_draft": ("self",)},
 }
 
 #: ``SpeculativeDecodingMode`` names (``tensorrt_llm/_torch/speculative/interface.py`` as stored around
@@ -52,8 +61,9 @@ TRTLLM_SPEC_MODES: Final = ("NONE", "EAGLE3", "DRAFT_TARGET", "MTP_EAGLE", "NGRA
                             "SAVE_HIDDEN_STATES")
 #: The one-model modes (``support_capturable_guided_decoder()``: ``is_mtp_one_model() or
 #: is_eagle3_one_model()``): ``create_py_executor`` builds ``CapturableGuidedDecoder`` by that name and hands
-#: it to the model engine (``model_engine.set_guided_decoder``), not to the executor.  Refused: see
-#: :func:`speculative_refusal`.
+#: it to the model engine (``model_engine.set_guided_decoder``), not to the executor.  Served by
+#: :class:`llm_runtime.trtllm_decoder.GrammarCapturableDecoder`: one grammar request a target build, the
+#: draft steps unmasked (:mod:`llm_runtime.grammar_hook`, "One-model speculative modes").
 TRTLLM_ONE_MODEL_MODES: Final = ("MTP", "MTP_EAGLE_ONE_MODEL", "EAGLE3_ONE_MODEL")
 
 
@@ -128,6 +138,11 @@ def check_trtllm_api(guided_decoder: ModuleType, creator: ModuleType) -> None:
                     problems.append(f"{cls_name}.{name} takes ({', '.join(found)}), expected ({', '.join(params)})")
     if getattr(creator, "GuidedDecoder", None) is not getattr(guided_decoder, "GuidedDecoder", None):
         problems.append("py_executor_creator does not build GuidedDecoder by that name")
+    # The one-model modes' decoder, where the creator names it (check_installed refuses an executor whose
+    # model engine did not get the grammar's).
+    capturable = getattr(creator, "CapturableGuidedDecoder", None)
+    if capturable is not None and capturable is not getattr(guided_decoder, "CapturableGuidedDecoder", None):
+        problems.append("py_executor_creator does not build CapturableGuidedDecoder by that name")
     if problems:
         raise ConfigError(f"llm: TensorRT-LLM's guided decoder is not the {TRTLLM_VERSION} API this engine hooks: "
                           + "; ".join(problems))
@@ -180,15 +195,6 @@ def host_buffers(decoder: object, width: int) -> tuple[np.ndarray, np.ndarray]:
     return bitmask, token_mask
 
 
-_ONE_MODEL_WHY: Final = (
-    f"is one-model ({', '.join(TRTLLM_ONE_MODEL_MODES)}): its guided decoder is CapturableGuidedDecoder, run as "
-    "host callbacks inside the model's CUDA graph, which the grammar model's constraints do not serve; use a "
-    "drafter mode (EAGLE3 two-model, DRAFT_TARGET, MTP_EAGLE, NGRAM, USER_PROVIDED) or no speculative decoding")
-#: What a one-model executor fails with while it is built (``CapturableGuidedDecoder`` is replaced by a
-#: refusal then: :func:`llm_runtime.trtllm_decoder.installed`), before its mode can be read.
-ONE_MODEL_REFUSAL: Final = f"llm: TensorRT-LLM's speculative decoding {_ONE_MODEL_WHY}"
-
-
 def speculative_refusal(mode: str | None) -> str | None:
     """Why the grammar decoder refuses TensorRT-LLM's speculative decoding mode ``mode`` (None: served).
 
@@ -201,35 +207,38 @@ def speculative_refusal(mode: str | None) -> str | None:
     Returns
     -------
     str or None
-        The refusal, naming the mode; ``None`` for :data:`TRTLLM_SPEC_MODES`.
+        The refusal, naming the mode; ``None`` for :data:`TRTLLM_SPEC_MODES`
+        and :data:`TRTLLM_ONE_MODEL_MODES`.
 
     Notes
     -----
-    The one-model modes (:data:`TRTLLM_ONE_MODEL_MODES`) mask through
-    ``CapturableGuidedDecoder``, whose ``build`` is a CUDA-graph host callback
-    that calls the same ``_build``, so overriding it would fill the rows; what
-    1.2.1 wraps around it does not fit a grammar model behind a channel:
+    The one-model modes mask through ``CapturableGuidedDecoder``, whose
+    builds are CUDA host functions (``cudaLaunchHostFunc``) inside the model's
+    forward.  They are served with the target rows masked and the draft steps
+    unmasked (:mod:`llm_runtime.grammar_hook`, "One-model speculative
+    modes"); what was read of 1.2.1 for that:
 
-    * ``fetch_draft_batch`` computes each row's accepted drafts as
-      ``min(num_accepted_tokens, self.num_advanced_tokens[slot]) - 1``, a
-      count only TensorRT-LLM's own ``_build`` keeps (here it would stay 0:
-      ``-1`` accepted drafts);
-    * every build, the target's and each draft step's, runs inside the
-      captured graph as a host callback (``cudaLaunchHostFunc``): the grammar
-      channel's round trip would run there, holding the stream, with the
-      GIL/CUDA-mutex deadlock TensorRT-LLM's tech blog 12 ("Combining Guided
-      Decoding and Speculative Decoding") describes for Python callbacks;
-    * the callback drops what ``_build`` returns (07dacbbc); the newest stored
-      version records it for ``drain_async_failures`` instead.
+    * the accepted count is the verification's (``num_accepted_tokens``,
+      copied to pinned memory), which ``fetch_draft_batch(0)`` clamps to
+      ``num_advanced_tokens[slot]``, a plain list the grammar decoder sets;
+    * every Python host function runs with the GIL taken on a driver
+      thread, TensorRT-LLM's own xgrammar build too (the GIL/CUDA-mutex
+      hazard of its tech blog 12 is theirs as much as ours); the grammar
+      channel's socket wait releases the GIL while it blocks, but it
+      holds the grammar stream for a round trip (hidden behind the target
+      forward), and the deadlock freedom of the Triton stub's other threads
+      is unverified;
+    * ``build`` drops what ``_build`` returns (07dacbbc), and the executor's
+      ``guided_decoder`` is None, so no failure reaches
+      ``_handle_guided_decoder_errors``: a failed row is written with the
+      end tokens only and the engine reads the row's error at the request's end.
 
-    None of this can be checked where this project is built (no GPU, no
-    ``tensorrt_llm``), so those modes are refused by name rather than served
-    unverified.
+    None of it has run on a GPU (no ``tensorrt_llm`` where this project is
+    built): verified by emulation only (``tests/unit/test_grammar_hook_one_model.py``).
+    A mode 1.2.1 was not read to have is refused by name.
     """
-    if mode is None or mode in TRTLLM_SPEC_MODES:
+    if mode is None or mode in TRTLLM_SPEC_MODES or mode in TRTLLM_ONE_MODEL_MODES:
         return None
-    if mode in TRTLLM_ONE_MODEL_MODES:
-        return f"llm: TensorRT-LLM's speculative decoding mode {mode} {_ONE_MODEL_WHY}"
     return (f"llm: TensorRT-LLM's speculative decoding mode {mode} is not one TensorRT-LLM {TRTLLM_VERSION} was "
             f"read to have ({', '.join(TRTLLM_SPEC_MODES + TRTLLM_ONE_MODEL_MODES)}); the grammar model's "
             "constraints do not serve it")

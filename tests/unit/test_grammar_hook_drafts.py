@@ -797,8 +797,9 @@ def grammar_decoder(module: types.ModuleType, rows: GrammarRows, vocab: int, dra
                                       max_num_draft_tokens=drafts, grammar=rows)
 
 
-ONE_MODEL = (r"is one-model \(MTP, MTP_EAGLE_ONE_MODEL, EAGLE3_ONE_MODEL\): its guided decoder is "
-             r"CapturableGuidedDecoder, run as host callbacks inside the model's CUDA graph")
+#: A one-model mode whose model engine has no grammar decoder (here: the executor has it, as a drafter mode's).
+ONE_MODEL = (r"one-model speculative mode {} \(its guided decoder is NoneType\): it must run in this process "
+             r"\(TLLM_WORKER_USE_SINGLE_PROCESS=1, tensor_parallel_size 1\)$")
 
 
 @pytest.mark.parametrize(
@@ -806,9 +807,9 @@ ONE_MODEL = (r"is one-model \(MTP, MTP_EAGLE_ONE_MODEL, EAGLE3_ONE_MODEL\): its 
     [
         (None, None), ("NONE", None), ("EAGLE3", None), ("DRAFT_TARGET", None), ("MTP_EAGLE", None),
         ("NGRAM", None), ("USER_PROVIDED", None), ("SAVE_HIDDEN_STATES", None),
-        ("MTP", rf"^llm: TensorRT-LLM's speculative decoding mode MTP {ONE_MODEL}"),
-        ("MTP_EAGLE_ONE_MODEL", rf"^llm: TensorRT-LLM's speculative decoding mode MTP_EAGLE_ONE_MODEL {ONE_MODEL}"),
-        ("EAGLE3_ONE_MODEL", rf"^llm: TensorRT-LLM's speculative decoding mode EAGLE3_ONE_MODEL {ONE_MODEL}"),
+        ("MTP", ONE_MODEL.format("MTP")),
+        ("MTP_EAGLE_ONE_MODEL", ONE_MODEL.format("MTP_EAGLE_ONE_MODEL")),
+        ("EAGLE3_ONE_MODEL", ONE_MODEL.format("EAGLE3_ONE_MODEL")),
         ("PARD", (r"^llm: TensorRT-LLM's speculative decoding mode PARD is not one TensorRT-LLM 1\.2\.1 was read "
                   r"to have \(NONE, EAGLE3, DRAFT_TARGET, MTP_EAGLE, NGRAM, USER_PROVIDED, SAVE_HIDDEN_STATES, MTP, "
                   r"MTP_EAGLE_ONE_MODEL, EAGLE3_ONE_MODEL\); the grammar model's constraints do not serve it$")),
@@ -840,27 +841,22 @@ def test_check_installed_refuses_a_drafter_masking_with_another_decoder(
         decoder_module.check_installed(executor_with(decoder, "DRAFT_TARGET", types.SimpleNamespace()))
 
 
-def test_a_one_model_executor_fails_as_it_is_built(decoder_module: types.ModuleType, engine: TorchEngine,
-                                                   grammar: GrammarEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_one_model_executor_gets_the_capturable_grammar_decoder(
+        decoder_module: types.ModuleType, engine: TorchEngine, grammar: GrammarEngine) -> None:
     """``create_py_executor`` builds ``CapturableGuidedDecoder`` by that name for the one-model modes: while
-    ``installed`` runs, that name is a refusal; after it, TensorRT-LLM's class again."""
-    from grammar_backend.errors import ConfigError
-    from llm_runtime.trtllm_api import ONE_MODEL_REFUSAL
-
+    ``installed`` runs, that name builds the grammar's; after it, TensorRT-LLM's class again."""
     creator = sys.modules["tensorrt_llm._torch.pyexecutor.py_executor_creator"]
-
-    class CapturableGuidedDecoder:
-        pass
-
-    monkeypatch.setattr(creator, "CapturableGuidedDecoder", CapturableGuidedDecoder, raising=False)
+    original = creator.CapturableGuidedDecoder
     rows, _ = rows_of(engine, grammar)
     with decoder_module.installed(rows):
-        with pytest.raises(ConfigError, match=f"^{re.escape(ONE_MODEL_REFUSAL)}$"):
-            creator.CapturableGuidedDecoder(max_num_sequences=4)
+        decoder = creator.CapturableGuidedDecoder(guided_decoding_config=None, max_num_sequences=4,
+                                                  vocab_size_padded=engine.vocab_size, max_num_draft_tokens=2)
+        assert isinstance(decoder, decoder_module.GrammarCapturableDecoder) and decoder.grammar is rows
+        decoder.stream.close()
         assert isinstance(creator.GuidedDecoder(guided_decoding_config=None, max_num_sequences=4,
                                                 vocab_size_padded=engine.vocab_size, max_num_draft_tokens=2),
                           decoder_module.GrammarModelDecoder)
-    assert creator.CapturableGuidedDecoder is CapturableGuidedDecoder
+    assert creator.CapturableGuidedDecoder is original
 
 
 def test_the_decoder_refuses_more_drafts_than_a_grammar_step_answers(

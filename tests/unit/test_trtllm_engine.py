@@ -69,7 +69,7 @@ def test_grammar_mode_defaults_per_engine(params: dict[str, str], mode: str) -> 
         ({"draft_tokens": "17"}, r"draft_tokens must be in 0\.\.16, got 17"),
         ({"engine": "tensorrt_llm", "draft_tokens": "4"},
          ("draft_tokens \\(prompt-lookup speculation\\) applies to engine 'torch' only; TensorRT-LLM speculates "
-          "with its own speculative_config")),
+          "as trtllm_speculative_config sets it")),
         ({"engine": "tensorrt_llm", "trtllm_sampler": "auto"},
          "trtllm_sampler must be one of TorchSampler, TRTLLMSampler or empty, got 'auto'"),
     ],

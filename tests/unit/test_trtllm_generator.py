@@ -30,6 +30,7 @@ from llm_runtime.mask import ConstraintRequest
 from llm_runtime.scheduler import FinishEvent, GenerationRequest, TokenEvent
 from llm_runtime.trtllm_api import TRTLLM_VERSION
 from llm_runtime.trtllm_engine import TrtllmConfig, TrtllmGenerator
+from llm_runtime.trtllm_speculative import parse_speculative_config
 from standins.tiny_model import TinyModelInfo, tiny_grammar
 from tests.support.poll import wait_for
 from tests.support.trtllm_emulation import GuidedDecoder, Trtllm, install
@@ -159,6 +160,54 @@ def test_a_cancelled_constrained_request_ends_cancelled(trtllm: Callable[..., Tr
         gen.close()
 
 
+SPECULATIVE = [
+    pytest.param('{{"decoding_type": "Eagle3", "max_draft_len": 3, "speculative_model": "{draft}"}}',
+                 "EagleDecodingConfig", "EAGLE3_ONE_MODEL", 3, id="eagle3"),
+    pytest.param('{{"decoding_type": "MTP", "num_nextn_predict_layers": 2}}', "MTPDecodingConfig",
+                 "MTP_EAGLE_ONE_MODEL", 2, id="mtp"),
+]
+
+
+@pytest.mark.parametrize(("text", "cls", "mode", "drafts"), SPECULATIVE)
+def test_the_speculative_setting_runs_through_the_grammar_decoder(
+        trtllm: Callable[..., Trtllm], tiny: TinyModelInfo, grammar: GrammarEngine, engine: TorchEngine,
+        text: str, cls: str, mode: str, drafts: int) -> None:
+    """TRTLLM_SPECULATIVE_CONFIG end to end over the emulated executor: the engine hands LLM(...) the llmapi
+    class built from it (the draft model under 1.2.1's name), TensorRT-LLM lays out its draft rows, its
+    one-model decoder is the grammar's, drafts are proposed, and the greedy outputs and finishes are those
+    without speculation."""
+    prompt = engine.tokenizer.encode("hello world").ids
+    requests = [GenerationRequest(prompt, constraint=c, max_tokens=24, temperature=0.0)
+                for c in (CHOICE, ConstraintRequest("regex", "[a-z]{8,16}", ""))]
+
+    def outputs(gen: TrtllmGenerator) -> list[tuple[str, str | None, str | None]]:
+        try:
+            done: list[tuple[str, str | None, str | None]] = []
+            for request in requests:
+                events = Events()
+                gen.submit(request, events)
+                fin = events.wait()
+                done.append((fin.text, fin.finish_reason, fin.error))
+            return done
+        finally:
+            gen.close()
+
+    trtllm()
+    plain = outputs(generator(tiny, grammar))
+    made = trtllm()
+    speculative = parse_speculative_config(text.format(draft=tiny.path))
+    gen = TrtllmGenerator(TrtllmConfig(model_dir=str(tiny.path), max_batch=8, max_seq_len=320,
+                                       speculative=speculative), LocalMaskProvider(grammar))
+    built = gen._llm.kwargs["speculative_config"]
+    assert type(built).__name__ == cls and built.mode == mode
+    if cls == "EagleDecodingConfig":
+        assert (built.speculative_model, built.max_draft_len) == (str(tiny.path), 3)
+    decoder = gen._llm._executor.engine.model_engine.guided_decoder
+    assert (type(decoder).__name__, decoder.max_num_draft_tokens) == ("GrammarCapturableDecoder", drafts)
+    assert outputs(gen) == plain
+    assert made.executor is not None and made.executor.tally.drafted > 0  # type: ignore[attr-defined]
+
+
 class FailingSteps(LocalMaskProvider):
     """The grammar side failing its steps once ``fail`` is set (the grammar model gone, say)."""
 
@@ -259,8 +308,8 @@ def test_the_seed_is_reported_and_logprobs_and_drafts_refused_by_name(trtllm: Ca
                                                r"1\.2\.1's log probabilities are not checked to be this field's: "):
             gen.submit(GenerationRequest(prompt, constraint=CHOICE, max_tokens=8, logprobs=0), Events())
         with pytest.raises(RequestError, match=r"^draft_tokens: prompt-lookup speculation is the torch engine's; "
-                                               r"TensorRT-LLM speculates for every request with its own "
-                                               r"speculative_config$"):
+                                               r"TensorRT-LLM speculates for every request as the server sets it "
+                                               r"\(TRTLLM_SPECULATIVE_CONFIG\)$"):
             gen.submit(GenerationRequest(prompt, constraint=CHOICE, max_tokens=8, draft_tokens=4), Events())
         events = Events()
         gen.submit(GenerationRequest(prompt, constraint=CHOICE, max_tokens=8, temperature=1.0, seed=seed), events)
