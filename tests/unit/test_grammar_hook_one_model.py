@@ -264,3 +264,55 @@ def test_a_one_model_build_never_goes_over_bls(monkeypatch: pytest.MonkeyPatch, 
     assert out.errors == {0: message, 1: message, 2: message}
     assert out.finish == {0: "stop", 1: "stop", 2: "stop"}
     assert provider.steps == 2 * len(KINDS)  # the starts' attempts to open the channel, on their own thread
+
+
+class _Sent:
+    """A step sent over the (emulated) channel: answered when asked."""
+
+    def __init__(self, answer: MaskStep) -> None:
+        self.answer = answer
+
+    def result(self) -> tuple[MaskStep, float]:
+        return self.answer, 0.0
+
+
+class LateChannel(DraftProvider):
+    """A remote provider as ``RemoteMaskProvider`` opens itself: its channel opens at its second step (the first
+    goes over BLS and opens the mask buffer); from then on steps are sent over the channel."""
+
+    def __init__(self, engine: GrammarEngine) -> None:
+        super().__init__(engine)
+        self.first_steps: list[tuple[list[int], list[int]]] = []  # (sequence ids, counts) of the steps before
+        self.sent = 0
+
+    @property
+    def channel_open(self) -> bool:
+        return self.steps >= 2
+
+    def step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray, jump_forward: bool = False,
+             drafts: np.ndarray | None = None, draft_counts: np.ndarray | None = None) -> MaskStep:
+        if not self.channel_open:
+            self.first_steps.append((seq_ids.tolist(), counts.tolist()))
+        return super().step(seq_ids, tokens, counts, jump_forward, drafts, draft_counts)
+
+    def send_step(self, seq_ids: np.ndarray, tokens: np.ndarray, counts: np.ndarray, jump_forward: bool = False,
+                  drafts: np.ndarray | None = None, draft_counts: np.ndarray | None = None) -> _Sent | None:
+        if not self.channel_open:
+            return None
+        self.sent += 1
+        return _Sent(super().step(seq_ids, tokens, counts, jump_forward, drafts, draft_counts))
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["loop", "overlap"])
+def test_the_channel_opened_at_the_first_start_changes_nothing(
+        monkeypatch: pytest.MonkeyPatch, engine: TorchEngine, grammar: GrammarEngine, reference: dict[int, list[int]],
+        overlap: bool) -> None:
+    """A remote provider's first steps (which open its channel) are made by the first start, on its own thread,
+    as steps of no token on the new sequence; the later starts make none; every build goes over the channel;
+    and the outputs are those without speculation (asking the first mask twice commits nothing)."""
+    provider = LateChannel(grammar)
+    out = run(monkeypatch, engine, grammar, spec_mode="EAGLE3_ONE_MODEL",
+              drafter=drafter_of("right", reference, engine), overlap=overlap, provider=provider)
+    assert provider.first_steps == [([SEQ0], [0]), ([SEQ0], [0])]
+    assert out.outputs == reference and out.errors == {0: None, 1: None, 2: None}
+    assert provider.sent == provider.steps - 2 > 0
