@@ -264,11 +264,36 @@ class GrammarSequence:
                     if self.thinking is not None:
                         self.reason(closer)
                     elif self.closes and not self.terminated:
-                        self.plan(closer, stop_token)
+                        self._plan_within(closer, stop_token, int(tokens[n + 1]))
         except (SequenceError, MatcherFailed):
             if self.tokens_accepted > start:
                 self.rollback(self.tokens_accepted - start)
             raise
+
+    def _plan_within(self, closer: Closer, stop_token: int, following: int) -> None:
+        """:meth:`plan` at a position inside :meth:`accept_each`'s tokens, leaving the plan as a step would.
+
+        A step does more to a calm row than plan it: where the grammar does not allow the
+        row's calm token (the completion's next one), the step's mask phase asks
+        :meth:`recheck` for a new completion, which the budget checks after it measure.
+        Skipping it here left a row that took several tokens at once (accepted drafts)
+        with another completion, so another close state, than one token a step: CALM
+        where the step-by-step row was already in BUDGET.  The grammar's mask bit is asked
+        of the matcher (accept and roll back; the stop token: :meth:`Matcher.is_completed`),
+        unless ``following`` (the next token taken) is that token.
+        """
+        token = self.plan(closer, stop_token)
+        if token == FREE or token == following or self.forcing:
+            return
+        matcher = self.matcher
+        if token == stop_token:
+            allowed = bool(matcher.is_completed())
+        else:
+            allowed = matcher.accept_token(token)
+            if allowed:
+                matcher.rollback(1)
+        if not allowed:
+            self.recheck(closer, stop_token)
 
     def _accept_end(self, tokens: Sequence[int] | np.ndarray, i: int) -> None:
         """:meth:`accept` of ``tokens`` whose ``i``-th is a stop token.

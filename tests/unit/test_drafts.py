@@ -87,6 +87,20 @@ class Run:
     output: list[int]
     accepted: int = 0  # drafts the target took
     closes: list[int] = dataclasses.field(default_factory=list)  # the close state where each token was picked
+    #: The row's closing state after each step, by the output's length then (see plan_state).
+    states: list[tuple[int, tuple[Any, ...]]] = dataclasses.field(default_factory=list)
+
+
+#: Every field of a row's ClosePlan that a later step reads (not ``new_tokens``, which plan consumes).
+PLAN_FIELDS = ("budget", "close_state", "completion", "completion_at", "completion_kept", "completion_len",
+               "digit_run", "forced", "forced_at", "growth", "next_check", "next_repeat_check", "pending_close",
+               "segment", "utf8_need")
+
+
+def plan_state(engine: GrammarEngine, seq_id: int) -> tuple[Any, ...]:
+    """The row's closing state after its step: with drafts or not, that of the tokens accepted."""
+    plan = engine.table.get(seq_id).close
+    return tuple(getattr(plan, name) for name in PLAN_FIELDS)
 
 
 def step(engine: GrammarEngine, seq_id: int, pending: list[int], drafts: list[int] | None = None) -> StepResult:
@@ -103,13 +117,15 @@ def plain_run(engine: GrammarEngine, spec: ConstraintSpec, budget: int, checks: 
     engine.start(1, spec, budget=budget, value_checks=checks)
     output: list[int] = []
     closes: list[int] = []
+    states: list[tuple[int, tuple[Any, ...]]] = []
     pending: list[int] = []
     try:
         for _ in range(STEPS):
             res = step(engine, 1, pending)
             assert res.errors[0] is None, res.errors[0]
+            states.append((len(output) - int(res.dropped[0]), plan_state(engine, 1)))
             if res.terminated[0]:
-                return Run(output, closes=closes)
+                return Run(output, closes=closes, states=states)
             if res.dropped[0]:
                 del output[len(output) - int(res.dropped[0]):]
                 del closes[len(output):]
@@ -138,6 +154,7 @@ def drafted_run(engine: GrammarEngine, spec: ConstraintSpec, budget: int, checks
                       for j in range(rng.randint(0, k))]
             res = step(engine, 2, pending, drafts)
             assert res.errors[0] is None, res.errors[0]
+            run.states.append((len(run.output) - int(res.dropped[0]), plan_state(engine, 2)))
             assert res.draft_bitmask is not None and res.draft_valid is not None
             if res.terminated[0]:
                 return run
@@ -205,6 +222,10 @@ def test_greedy_output_with_drafts_is_the_output_without(engine: GrammarEngine, 
         assert drafted.output == plain.output, f"{k} drafts a step"
         # Each draft position reports the close state a step of its own would have (draft_closing).
         assert drafted.closes == plain.closes, f"{k} drafts a step"
+        # ... and after the tokens the target accepted, all of the row's closing state is one token a
+        # step's there (with value checks, one of the states it had there: a retry comes back to a length).
+        for at, state in drafted.states:
+            assert state in [s for p, s in plain.states if p == at], f"{k} drafts a step, at {at}"
         accepted += drafted.accepted
     assert accepted > 0 or len(plain.output) < 4  # drafts were taken, not only proposed
 

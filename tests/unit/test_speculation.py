@@ -309,12 +309,6 @@ def _maskbench_sample(count: int, seed: int) -> list[Request]:
 
 
 @pytest.mark.skipif(not MASKBENCH.is_dir(), reason=f"{MASKBENCH} is absent (the shared test data)")
-@pytest.mark.xfail(strict=False, reason=(
-    "issue 50, open (stop 60): budget closing and drafts disagree in some draft patterns. Sample 2 "
-    "({chest, waist, hips, inseam}, max_tokens 40): without drafts the row is in BUDGET at token 21 and its "
-    "mask forbids token 20; with drafts [26, 19] fed at token 19 the grammar answered CALM at every position "
-    "up to 21 and allowed it, so greedy took 20 where it took 18. The oracle's drafts depend on the batch's "
-    "timing, so it fails in about half the runs (6 of 9 alone, 1 of 4 in make test)."))
 def test_speculation_gives_the_tokens_without_it_on_a_maskbench_sample(engine: TorchEngine, tiny: TinyModelInfo,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Eight held-in MaskBench schemas (real tool and extraction schemas), greedy, drafts mostly right:
