@@ -118,9 +118,17 @@ def xgrammar_grammars(info: xgr.TokenizerInfo, cons: list[tuple[str, str, str]])
     return [compiler.compile_json_schema(p, **kwargs) for _, p, _ in cons]
 
 
-def llguidance_grammars(llg: LlgBackend, cons: list[tuple[str, str, str]]) -> list[Any]:
-    """Each constraint compiled by llguidance, as the engine compiles it."""
-    return [llg.compile(parse_constraint(k, p, json.dumps({"backend": "llguidance"}))) for k, p, _ in cons]
+def llguidance_grammars(llg: LlgBackend, cons: list[tuple[str, str, str]], threads: int = 1) -> list[Any]:
+    """Each constraint compiled by llguidance, as the engine compiles it for ``threads`` fill threads."""
+    return [llg.compile(parse_constraint(k, p, json.dumps({"backend": "llguidance"})), threads) for k, p, _ in cons]
+
+
+def llguidance_rows(llg: LlgBackend, compiled: list[Any], rows: int) -> tuple[list[Any], list[tuple[Any, int]]]:
+    """``rows`` llguidance matchers started as the engine starts them (each copies its grammar's next template),
+    and the executor's ``(matcher, row)`` list grouped by template, as the engine's fill hands it over."""
+    matchers = [llg.matcher(compiled[r % len(compiled)]) for r in range(rows)]
+    targets = sorted(((m.inner, r) for r, m in enumerate(matchers)), key=lambda t: matchers[t[1]].family)
+    return [m.inner for m in matchers], targets
 
 
 def time_raw(info: xgr.TokenizerInfo, llg: LlgBackend | None, cons: list[tuple[str, str, str]],
@@ -160,11 +168,9 @@ def time_raw_llguidance(llg: LlgBackend, cons: list[tuple[str, str, str]], toks:
     import llguidance
     import llguidance.numpy
 
-    compiled = llguidance_grammars(llg, cons)
-    matchers = [compiled[r % len(compiled)].template.deep_copy() for r in range(rows)]
+    matchers, targets = llguidance_rows(llg, llguidance_grammars(llg, cons, threads), rows)
     executor = llguidance.LLExecutor(threads)
     bitmask = llguidance.numpy.allocate_token_bitmask(rows, QWEN_VOCAB)
-    targets = [(m, r) for r, m in enumerate(matchers)]
     return _time_path(matchers, lambda m, t: bool(m.consume_token(t)),
                       lambda: llguidance.numpy.fill_next_token_bitmask_par(executor, targets, bitmask), toks)
 
@@ -203,25 +209,30 @@ def fill_states(info: xgr.TokenizerInfo, llg: LlgBackend, toks: list[list[int]],
                 states: Sequence[int] = (2, 10, 14), repeats: int = 30) -> dict[tuple[str, int, int], float]:
     """``--fill-states``: the raw batched fill alone, every row held at step ``s`` of its path, on 1 and
     ``threads`` fill threads; the median ms of ``repeats`` fills of the same states (what the threads do
-    with cheap and with costly rows, apart from the path's mix)."""
+    with cheap and with costly rows, apart from the path's mix).  Then the in-process engine's step along
+    the whole paths on 1 and ``threads`` fill threads (``-1`` in the keys: ms a path)."""
     import llguidance
     import llguidance.numpy
 
     cons = constraints("xgrammar")
-    xgrammars, llgs = xgrammar_grammars(info, cons), llguidance_grammars(llg, cons)
+    xgrammars = xgrammar_grammars(info, cons)
     bitmask = llguidance.numpy.allocate_token_bitmask(rows, QWEN_VOCAB)
     out: dict[tuple[str, int, int], float] = {}
     for state in states:
         xms = [xgr.GrammarMatcher(xgrammars[r % len(cons)]) for r in range(rows)]
-        lms = [llgs[r % len(cons)].template.deep_copy() for r in range(rows)]
         for r in range(rows):
             for t in toks[r % len(toks)][:state]:
-                if not (xms[r].accept_token(t) and lms[r].consume_token(t)):
+                if not xms[r].accept_token(t):
                     raise RuntimeError(f"fill states: row {r} rejected its token")
         for n in sorted({1, threads}):
+            # llguidance's rows as the engine makes them for n fill threads: a template per thread.
+            lms, targets = llguidance_rows(llg, llguidance_grammars(llg, cons, n), rows)
+            for r in range(rows):
+                for t in toks[r % len(toks)][:state]:
+                    if not lms[r].consume_token(t):
+                        raise RuntimeError(f"fill states: row {r} rejected its token")
             batch = xgr.BatchGrammarMatcher(n)
             executor = llguidance.LLExecutor(n)
-            targets = [(m, r) for r, m in enumerate(lms)]
             fills: dict[str, Callable[[], object]] = {
                 "xgrammar": functools.partial(batch.batch_fill_next_token_bitmask, xms, bitmask),
                 "llguidance": functools.partial(llguidance.numpy.fill_next_token_bitmask_par, executor, targets,
@@ -242,6 +253,22 @@ def fill_states(info: xgr.TokenizerInfo, llg: LlgBackend, toks: list[list[int]],
             one, many = out[(backend, state, 1)], out[(backend, state, threads)]
             print(f"  {backend:10} after {state:2d} tokens: 1 thread {one:.3f}, {threads} threads {many:.3f}, "
                   f"ratio {many / one:.2f}")
+    # Held states fill from warm caches; along the paths each step meets new states (llguidance's lexer
+    # grows), as a served batch does: the in-process engine's whole step, its rows started as it starts them.
+    print(f"== in-process engine step along the paths, {rows} rows, ms a path, median of {repeats // 10} ==")
+    for backend in ("xgrammar", "llguidance"):
+        cons = constraints(backend)
+        for n in sorted({1, threads}):
+            engine = GrammarEngine(info, "bench", GrammarEngineConfig(max_batch=rows, fill_threads=n), llg=llg)
+            try:
+                time_local(engine, cons, toks, rows, False)  # compiles and first states
+                path = float(np.median([sum(time_local(engine, cons, toks, rows, False)[1:])
+                                        for _ in range(repeats // 10)]) * 1e3)
+            finally:
+                engine.close()
+            out[(backend, -1, n)] = path
+        one, many = out[(backend, -1, 1)], out[(backend, -1, threads)]
+        print(f"  {backend:10} 1 thread {one:.1f}, {threads} threads {many:.1f}, ratio {many / one:.2f}")
     return out
 
 

@@ -71,6 +71,10 @@ class BitmaskBuffer:
         self._active: list[xgr.GrammarMatcher] = []
         self._rows: list[int] = []
         self._llg_rows: list[tuple[Any, int]] = []
+        # llguidance rows by template (LlgMatcher.family), handed to the executor one family after the other:
+        # its threads take the list in contiguous runs (rayon halves it), and copies of one template take turns
+        # at its lexer (LlgBackend.compile).
+        self._llg_families: list[list[tuple[Any, int]]] = [[] for _ in range(threads)]
 
     def fill(self, matchers: Sequence[Matcher | None], out: np.ndarray | None = None) -> np.ndarray:
         """Fill rows ``0..len(matchers)`` and return that view of the buffer (or ``out``).
@@ -101,10 +105,13 @@ class BitmaskBuffer:
             raise GrammarError(f"bitmask: an out buffer must be C-contiguous int32 of shape {(rows, self.width)}, "
                                f"not {out.dtype} {out.shape}")
         self.filled = target
-        active, indices, llg_rows = self._active, self._rows, self._llg_rows
+        active, indices, llg_rows, families = self._active, self._rows, self._llg_rows, self._llg_families
         active.clear()
         indices.clear()
         llg_rows.clear()
+        for family in families:
+            family.clear()
+        threads = len(families)
         for i, matcher in enumerate(matchers):
             if matcher is None:
                 target[i].fill(ALL_ALLOWED)
@@ -112,11 +119,13 @@ class BitmaskBuffer:
                 active.append(matcher)
                 indices.append(i)
             elif isinstance(matcher, LlgMatcher):
-                llg_rows.append((matcher.inner, i))
+                families[matcher.family % threads].append((matcher.inner, i))
             else:
                 matcher.fill_next_token_bitmask(target, i)
         if active:
             self._batch.batch_fill_next_token_bitmask(active, target, indices)
+        for family in families:
+            llg_rows.extend(family)
         if llg_rows:
             if self._executor is None:
                 for inner, i in llg_rows:

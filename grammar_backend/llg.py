@@ -20,10 +20,11 @@ vocabulary size and stop tokens, so the rows have the same width.
 from __future__ import annotations
 
 import importlib.metadata
+import itertools
 import json
 import re
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 import llguidance
@@ -136,20 +137,29 @@ def _gbnf_to_lark(ebnf: str) -> str:
 
 @dataclass(frozen=True)
 class LlgCompiled:
-    """A validated llguidance grammar: sequences start from copies of ``template``.
+    """A validated llguidance grammar: sequences start from copies of its templates.
 
     Attributes
     ----------
     grammar : str
-    template : llguidance.LLMatcher
-        A matcher in its initial state, never advanced (``deep_copy`` is cheaper than a new one).
+    templates : tuple of llguidance.LLMatcher
+        Matchers in their initial state, never advanced (``deep_copy`` is cheaper than a new one),
+        built apart: one per fill thread (see :meth:`LlgBackend.compile`).
     memory_size_bytes : int
-        What the compile cache charges for it (see :data:`LEXER_ESTIMATE_BYTES`).
+        What the compile cache charges for it (see :data:`LEXER_ESTIMATE_BYTES`, one per template).
+    turns : itertools.count
+        The starts so far: each start copies the next template in turn (:meth:`LlgBackend.matcher`).
     """
 
     grammar: str
-    template: Any
+    templates: tuple[Any, ...]
     memory_size_bytes: int
+    turns: Iterator[int] = field(default_factory=itertools.count, compare=False)
+
+    @property
+    def template(self) -> Any:
+        """The first template (the one every start copies where there is one)."""
+        return self.templates[0]
 
 
 class LlgBackend:
@@ -168,14 +178,27 @@ class LlgBackend:
                                                        eos_token=[int(t) for t in stop_token_ids])
         self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
 
-    def compile(self, spec: ConstraintSpec) -> LlgCompiled:
-        """Build and validate ``spec``'s grammar.
+    def compile(self, spec: ConstraintSpec, copies: int = 1) -> LlgCompiled:
+        """Build and validate ``spec``'s grammar, as ``copies`` templates built apart.
+
+        Copies of one template share its lexer, and llguidance locks it for
+        each use (``Parser.shared``, an ``Arc<Mutex<..>>`` that ``deep_copy``
+        clones): fill threads over copies of one template take turns.  With a
+        template per fill thread, and the rows handed to the executor grouped
+        by template (:class:`~grammar_backend.bitmask.BitmaskBuffer`), the
+        engine's step along the four paths of ``bench/grammar_step_bench.py
+        --fill-states --threads 2`` (64 rows) on two threads over one went
+        from 0.97 to 0.56-0.60 (the host's own ceiling 0.53).  Each further
+        template costs about one more compile (0.9x over 80 maskbench-dev
+        schemas, p50 0.7 ms).
 
         Raises
         ------
         CompileError
             llguidance refuses the constraint (its reason).
         """
+        if copies <= 0:
+            raise ValueError(f"llguidance compile: copies must be positive, got {copies}")
         grammar = lark_of(spec)
         template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         # Some limits show only when the parser advances (a choice of more than
@@ -190,11 +213,13 @@ class LlgBackend:
             if matcher.is_error():
                 reason = matcher.get_error().strip().splitlines()[0]
                 raise CompileError("grammar", f"llguidance cannot compile this {spec.kind.value}: {reason}")
-        return LlgCompiled(grammar, template, len(grammar) + LEXER_ESTIMATE_BYTES)
+        templates = (template, *(llguidance.LLMatcher(self.tokenizer, grammar, log_level=0) for _ in range(copies - 1)))
+        return LlgCompiled(grammar, templates, len(grammar) + copies * LEXER_ESTIMATE_BYTES)
 
     def matcher(self, compiled: LlgCompiled) -> LlgMatcher:
-        """A new sequence's matcher."""
-        return LlgMatcher(compiled.template.deep_copy(), self.tokenizer, self.stop_token_ids)
+        """A new sequence's matcher: a copy of the next template in turn (its :attr:`LlgMatcher.family`)."""
+        family = next(compiled.turns) % len(compiled.templates)
+        return LlgMatcher(compiled.templates[family].deep_copy(), self.tokenizer, self.stop_token_ids, family)
 
 
 class LlgMatcher:
@@ -216,10 +241,12 @@ class LlgMatcher:
       :meth:`rollback` counts it as one step, as xgrammar does.
     """
 
-    __slots__ = ("_eos", "_m", "_steps", "_stops", "_terminated", "_tokenizer")
+    __slots__ = ("_eos", "_m", "_steps", "_stops", "_terminated", "_tokenizer", "family")
 
-    def __init__(self, matcher: Any, tokenizer: Any, stop_token_ids: frozenset[int]) -> None:
+    def __init__(self, matcher: Any, tokenizer: Any, stop_token_ids: frozenset[int], family: int = 0) -> None:
         self._m = matcher
+        #: Which of its grammar's templates it copies (:meth:`LlgBackend.compile`): the batched fill groups rows by it.
+        self.family = family
         self._tokenizer = tokenizer
         self._stops = stop_token_ids
         # The stop token llguidance itself validates (where it is one of ours): completes() asks for it.

@@ -529,14 +529,19 @@ class GrammarEngine:
     def _compile_future(self, spec: ConstraintSpec, backend: str) -> Future[Any]:
         """The compile of ``spec`` on ``backend``: cached, joined, or queued (heavy ones within their share)."""
         cache = self.cache if backend == XGRAMMAR else self.llg_cache
-        heavy = len(spec.payload) > self.config.heavy_constraint_bytes
-        return cache.get_future(self._key(spec, backend), self._compile_fn(spec, backend), heavy)
+        return cache.get_future(self._key(spec, backend), self._compile_fn(spec, backend), self._heavy(spec))
+
+    def _heavy(self, spec: ConstraintSpec) -> bool:
+        return len(spec.payload) > self.config.heavy_constraint_bytes
 
     def _compile_fn(self, spec: ConstraintSpec, backend: str) -> Callable[[], Any]:
         if backend == XGRAMMAR:
             return lambda: self.workers.compile(spec)
         llg = self._llg()
-        return lambda: llg.compile(spec)
+        # A template per fill thread (LlgBackend.compile), but one for a heavy constraint: it costs a compile
+        # each, and a heavy one is mostly a one-off whose few rows fill alone.
+        copies = 1 if self._heavy(spec) else self.config.fill_threads
+        return lambda: llg.compile(spec, copies)
 
     def _llg(self) -> LlgBackend:
         if self.llg is None:

@@ -579,3 +579,54 @@ class _TokenByToken:
 
     def is_completed(self) -> bool:
         return bool(self._inner.is_completed())
+
+
+@pytest.mark.parametrize(("heavy_bytes", "families"), [(65_536, [0, 1, 0, 1, 0]), (16, [0, 0, 0, 0, 0])],
+                         ids=["a-template-per-thread", "heavy-one-template"])
+def test_each_fill_thread_fills_copies_of_its_own_template(qwen_tokenizer: Any, qwen_info: xgr.TokenizerInfo,
+                                                            heavy_bytes: int, families: list[int]) -> None:
+    """On two fill threads an llguidance grammar is two templates built apart (copies of one share its lexer's
+    lock), the starts copy them in turn, and the fill, grouped by template, writes each row's own mask at its
+    own row; a heavy constraint is one template."""
+    from grammar_backend.llg import LEXER_ESTIMATE_BYTES, LlgMatcher
+
+    stops = [int(t) for t in qwen_info.stop_token_ids]
+    llg = LlgBackend(qwen_tokenizer, QWEN_VOCAB, stops)
+    eng = GrammarEngine(qwen_info, "qwen", GrammarEngineConfig(max_batch=5, fill_threads=2,
+                                                               heavy_constraint_bytes=heavy_bytes), llg=llg)
+    spec = parse_constraint("json_schema", json.dumps(load_schema("tool_weather")), {"backend": "llguidance"})
+    compiled = llg.compile(spec, 2)
+    assert len(compiled.templates) == 2 and compiled.templates[0] is not compiled.templates[1]
+    assert compiled.memory_size_bytes == len(compiled.grammar) + 2 * LEXER_ESTIMATE_BYTES
+    text = '{"city":"Paris","unit":"celsius"}'
+    ids = qwen_tokenizer.encode(text, add_special_tokens=False)
+    seq_ids = np.arange(1, 6, dtype=np.uint64)
+    try:
+        for seq_id in seq_ids:
+            eng.start(int(seq_id), spec)
+        matchers = [eng.table.get(int(s)).matcher for s in seq_ids]
+        assert all(isinstance(m, LlgMatcher) for m in matchers)
+        assert [m.family for m in matchers] == families  # type: ignore[attr-defined]
+        # Row r has taken r tokens: every row a state of its own, the families interleaved.
+        for r, seq_id in enumerate(seq_ids):
+            if r:
+                out = eng.step(np.array([seq_id]), np.array([ids[:r]], np.int32), np.array([r], np.int32))
+                assert out.errors == (None,)
+        out = eng.step(seq_ids, np.zeros((5, 1), np.int32), np.zeros(5, np.int32))
+        assert out.errors == (None,) * 5
+        for r in range(5):
+            alone = llg.matcher(llg.compile(spec))
+            for token in ids[:r]:
+                assert alone.accept_token(token)
+            row = np.zeros((1, (QWEN_VOCAB + 31) // 32), np.int32)
+            alone.fill_next_token_bitmask(row, 0)
+            assert np.array_equal(out.bitmask[r], row[0]), f"row {r}"
+    finally:
+        eng.end([int(s) for s in seq_ids])
+        eng.close()
+
+
+def test_a_compile_of_no_template_is_refused(qwen_tokenizer: Any, qwen_info: xgr.TokenizerInfo) -> None:
+    llg = LlgBackend(qwen_tokenizer, QWEN_VOCAB, [int(t) for t in qwen_info.stop_token_ids])
+    with pytest.raises(ValueError, match=r"^llguidance compile: copies must be positive, got 0$"):
+        llg.compile(parse_constraint("regex", "[a-z]+", {"backend": "llguidance"}), 0)
