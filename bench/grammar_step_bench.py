@@ -124,9 +124,26 @@ def llguidance_grammars(llg: LlgBackend, cons: list[tuple[str, str, str]], threa
 
 
 def llguidance_rows(llg: LlgBackend, compiled: list[Any], rows: int) -> tuple[list[Any], list[tuple[Any, int]]]:
-    """``rows`` llguidance matchers started as the engine starts them (each copies its grammar's next template),
-    and the executor's ``(matcher, row)`` list grouped by template, as the engine's fill hands it over."""
-    matchers = [llg.matcher(compiled[r % len(compiled)]) for r in range(rows)]
+    """``rows`` llguidance matchers started as a warm server starts them, and the executor's ``(matcher, row)``
+    list grouped by template, as the engine's fill hands it over (``BitmaskBuffer.fill``).
+
+    Warm: rounds of ``rows`` starts, each let go once the further templates it asked for are built
+    (``LlgCompiled``), until a round builds none.
+    """
+    def starts() -> list[Any]:
+        return [llg.matcher(compiled[r % len(compiled)]) for r in range(rows)]
+
+    sizes: list[int] = []
+    while sizes != [len(c.templates) for c in compiled]:
+        sizes = [len(c.templates) for c in compiled]
+        held = starts()
+        deadline = time.monotonic() + 600
+        while any(c.building for c in compiled):
+            if time.monotonic() > deadline:
+                raise RuntimeError("llguidance: a further template was not built in 600 s")
+            time.sleep(0.001)
+        del held  # each copy gives its template back
+    matchers = starts()
     targets = sorted(((m.inner, r) for r, m in enumerate(matchers)), key=lambda t: matchers[t[1]].family)
     return [m.inner for m in matchers], targets
 

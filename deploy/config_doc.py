@@ -42,9 +42,9 @@ MEANINGS: Final[Mapping[str, str]] = {
     "MAX_BATCH": "Most rows of one decode step (and of one grammar step).",
     "GRAMMAR_FILL_THREADS": "Threads that fill one step's bitmask rows (both backends); 0: half the CPUs the "
                             "grammar model may use (affinity and cgroup quota), 1 to 8: 1 on 2 cores, 8 on a 16-core GPU "
-                            "node. llguidance builds each grammar once per thread (copies of one build take turns at its "
-                            "lexer): a compile and a `GRAMMAR_CACHE_MAX_BYTES` charge each, one build for a "
-                            "heavy constraint (`HEAVY_CONSTRAINT_BYTES`). See docs/benchmarks.md for the scaling measured.",
+                            "node. llguidance builds a grammar whose sequences run side by side up to once per thread "
+                            "(copies of one build take turns at its lexer), off the start's path; a heavy constraint "
+                            "(`HEAVY_CONSTRAINT_BYTES`) once. See docs/benchmarks.md for the scaling measured.",
     "GRAMMAR_COMPILE_WORKERS": "Worker processes that compile grammars.",
     "GRAMMAR_COMPILE_QUEUE": "Distinct compiles that may wait for a worker; beyond, `RESOURCE_EXHAUSTED`.",
     "GRAMMAR_COMPILE_TIMEOUT_S": "How long a request's start waits for its compile.",

@@ -20,11 +20,13 @@ vocabulary size and stop tokens, so the rows have the same width.
 from __future__ import annotations
 
 import importlib.metadata
-import itertools
 import json
+import logging
 import re
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+import threading
+import weakref
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Final
 
 import llguidance
@@ -34,7 +36,7 @@ import llguidance.numpy
 import numpy as np
 
 import contract
-from grammar_backend.errors import CompileError, MatcherFailed
+from grammar_backend.errors import CompileError, ConfigError, MatcherFailed
 from grammar_backend.fidelity.report import UnenforcedKeyword
 from grammar_backend.lru import Lru
 from grammar_backend.regex_dialect import portable_regex
@@ -44,6 +46,8 @@ if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
 LLGUIDANCE_VERSION: Final = importlib.metadata.version("llguidance")
+
+log = logging.getLogger(__name__)
 
 #: What an llguidance grammar is charged in the compile cache: its text plus a
 #: fixed share for the lexer it builds lazily (llguidance does not report its
@@ -135,35 +139,79 @@ def _gbnf_to_lark(ebnf: str) -> str:
         raise CompileError("grammar", f"llguidance cannot compile this ebnf: {reason}") from err
 
 
-@dataclass(frozen=True)
 class LlgCompiled:
     """A validated llguidance grammar: sequences start from copies of its templates.
+
+    Copies of one template share its lexer, and llguidance locks it for each
+    use (``Parser.shared``, an ``Arc<Mutex<..>>`` that ``deep_copy`` clones):
+    fill threads over copies of one template take turns at it.  So a grammar
+    whose sequences run side by side gets further templates, built apart, up
+    to one per fill thread: a start that finds every template copied by a
+    live sequence has one more built off its path (:meth:`LlgBackend.matcher`),
+    and each start copies the template with the fewest live copies.  A
+    grammar one sequence at a time keeps its one template (its lexer warm,
+    no build for nothing).  :class:`~grammar_backend.bitmask.BitmaskBuffer`
+    hands the batched fill its rows grouped by template.  Two threads over
+    one, the engine's step along 64 rows (``bench/grammar_step_bench.py
+    --fill-states --threads 2``): 0.97 with copies of one template, 0.56-0.60
+    with two (this host's own ceiling 0.53).
 
     Attributes
     ----------
     grammar : str
-    templates : tuple of llguidance.LLMatcher
-        Matchers in their initial state, never advanced (``deep_copy`` is cheaper than a new one),
-        built apart: one per fill thread (see :meth:`LlgBackend.compile`).
+    templates : list of llguidance.LLMatcher
+        Matchers in their initial state, never advanced (``deep_copy`` is cheaper than a new one); only
+        appended to.
+    most : int
+        The most templates it may have (the fill threads; 1 for a heavy constraint).
     memory_size_bytes : int
-        What the compile cache charges for it (see :data:`LEXER_ESTIMATE_BYTES`, one per template).
-    turns : itertools.count
-        The starts so far: each start copies the next template in turn (:meth:`LlgBackend.matcher`).
+        What the compile cache charges for it (see :data:`LEXER_ESTIMATE_BYTES`): one template's.  Further
+        templates are built only for a grammar with sequences side by side and are not charged.
     """
 
-    grammar: str
-    templates: tuple[Any, ...]
-    memory_size_bytes: int
-    turns: Iterator[int] = field(default_factory=itertools.count, compare=False)
+    __slots__ = ("_building", "_live", "_lock", "grammar", "memory_size_bytes", "most", "templates")
+
+    def __init__(self, grammar: str, template: Any, memory_size_bytes: int, most: int) -> None:
+        self.grammar = grammar
+        self.templates: list[Any] = [template]
+        self.memory_size_bytes = memory_size_bytes
+        self.most = most
+        self._live = [0]  # live copies of each template
+        self._building = False
+        self._lock = threading.Lock()
 
     @property
-    def template(self) -> Any:
-        """The first template (the one every start copies where there is one)."""
-        return self.templates[0]
+    def building(self) -> bool:
+        """Whether a further template is being built."""
+        return self._building
+
+    def take(self) -> tuple[int, bool]:
+        """The template a new sequence copies (the fewest live copies), and whether to build one more:
+        every template has a live copy, none is being built, and there are fewer than :attr:`most`."""
+        with self._lock:
+            live = self._live
+            family = live.index(min(live))
+            grow = live[family] > 0 and not self._building and len(self.templates) < self.most
+            live[family] += 1
+            self._building = self._building or grow
+        return family, grow
+
+    def release(self, family: int) -> None:
+        """A copy of template ``family`` is gone (its sequence ended)."""
+        with self._lock:
+            self._live[family] -= 1
+
+    def built(self, template: Any | None) -> None:
+        """A further template (None: its build failed) is ready to be copied."""
+        with self._lock:
+            if template is not None:
+                self.templates.append(template)
+                self._live.append(0)
+            self._building = False
 
 
 class LlgBackend:
-    """llguidance's tokenizer (built once per engine) and its compile.
+    """llguidance's tokenizer (built once per engine), its compile, and its sequences' matchers.
 
     Parameters
     ----------
@@ -177,28 +225,23 @@ class LlgBackend:
         self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
                                                        eos_token=[int(t) for t in stop_token_ids])
         self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
+        # Further templates (LlgCompiled) are built here, one at a time, off the start's path: a build is a
+        # compile (about 1 ms for a typical schema), and a start may run on the step's thread.
+        self._builds = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llg-template")
 
-    def compile(self, spec: ConstraintSpec, copies: int = 1) -> LlgCompiled:
-        """Build and validate ``spec``'s grammar, as ``copies`` templates built apart.
-
-        Copies of one template share its lexer, and llguidance locks it for
-        each use (``Parser.shared``, an ``Arc<Mutex<..>>`` that ``deep_copy``
-        clones): fill threads over copies of one template take turns.  With a
-        template per fill thread, and the rows handed to the executor grouped
-        by template (:class:`~grammar_backend.bitmask.BitmaskBuffer`), the
-        engine's step along the four paths of ``bench/grammar_step_bench.py
-        --fill-states --threads 2`` (64 rows) on two threads over one went
-        from 0.97 to 0.56-0.60 (the host's own ceiling 0.53).  Each further
-        template costs about one more compile (0.9x over 80 maskbench-dev
-        schemas, p50 0.7 ms).
+    def compile(self, spec: ConstraintSpec, fill_threads: int = 1) -> LlgCompiled:
+        """Build and validate ``spec``'s grammar, for sequences spread over ``fill_threads`` fill threads
+        (up to that many templates: :class:`LlgCompiled`).
 
         Raises
         ------
         CompileError
             llguidance refuses the constraint (its reason).
+        ConfigError
+            ``fill_threads`` is not positive.
         """
-        if copies <= 0:
-            raise ValueError(f"llguidance compile: copies must be positive, got {copies}")
+        if fill_threads <= 0:
+            raise ConfigError(f"llguidance compile: fill_threads must be positive, got {fill_threads}")
         grammar = lark_of(spec)
         template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         # Some limits show only when the parser advances (a choice of more than
@@ -213,13 +256,32 @@ class LlgBackend:
             if matcher.is_error():
                 reason = matcher.get_error().strip().splitlines()[0]
                 raise CompileError("grammar", f"llguidance cannot compile this {spec.kind.value}: {reason}")
-        templates = (template, *(llguidance.LLMatcher(self.tokenizer, grammar, log_level=0) for _ in range(copies - 1)))
-        return LlgCompiled(grammar, templates, len(grammar) + copies * LEXER_ESTIMATE_BYTES)
+        return LlgCompiled(grammar, template, len(grammar) + LEXER_ESTIMATE_BYTES, fill_threads)
 
     def matcher(self, compiled: LlgCompiled) -> LlgMatcher:
-        """A new sequence's matcher: a copy of the next template in turn (its :attr:`LlgMatcher.family`)."""
-        family = next(compiled.turns) % len(compiled.templates)
-        return LlgMatcher(compiled.templates[family].deep_copy(), self.tokenizer, self.stop_token_ids, family)
+        """A new sequence's matcher: a copy of the template with the fewest live copies (its
+        :attr:`LlgMatcher.family`), which gives the template back when it is collected."""
+        family, grow = compiled.take()
+        try:
+            matcher = LlgMatcher(compiled.templates[family].deep_copy(), self.tokenizer, self.stop_token_ids, family)
+        except BaseException:
+            compiled.release(family)
+            if grow:
+                compiled.built(None)
+            raise
+        weakref.finalize(matcher, compiled.release, family)
+        if grow:
+            self._builds.submit(self._build, compiled)
+        return matcher
+
+    def _build(self, compiled: LlgCompiled) -> None:
+        template = None
+        try:
+            template = llguidance.LLMatcher(self.tokenizer, compiled.grammar, log_level=0)
+        except Exception:  # it compiled once: only a resource failure; its sequences go on with the templates built
+            log.exception("llguidance: a further template of a compiled grammar could not be built")
+        finally:
+            compiled.built(template)
 
 
 class LlgMatcher:
@@ -241,11 +303,11 @@ class LlgMatcher:
       :meth:`rollback` counts it as one step, as xgrammar does.
     """
 
-    __slots__ = ("_eos", "_m", "_steps", "_stops", "_terminated", "_tokenizer", "family")
+    __slots__ = ("__weakref__", "_eos", "_m", "_steps", "_stops", "_terminated", "_tokenizer", "family")
 
     def __init__(self, matcher: Any, tokenizer: Any, stop_token_ids: frozenset[int], family: int = 0) -> None:
         self._m = matcher
-        #: Which of its grammar's templates it copies (:meth:`LlgBackend.compile`): the batched fill groups rows by it.
+        #: Which of its grammar's templates it copies (:class:`LlgCompiled`): the batched fill groups rows by it.
         self.family = family
         self._tokenizer = tokenizer
         self._stops = stop_token_ids
@@ -279,6 +341,18 @@ class LlgMatcher:
         self._terminated = token in self._stops
         self._steps.append(size)
         return True
+
+    def allows(self, token: int) -> bool:
+        """Whether the grammar allows ``token`` next (its mask bit); the matcher does not move.
+
+        One ``validate_tokens`` call: an accept and rollback would advance the
+        parser, where a limit it meets puts the matcher in its error state for good.
+        """
+        if self._terminated:
+            return False
+        if token in self._stops:
+            return bool(self._m.is_accepting())
+        return int(self._m.validate_tokens([token])) == 1
 
     def completes(self, tokens: Sequence[int]) -> bool:
         """Whether ``tokens`` are accepted and leave the grammar complete; the matcher does not move.

@@ -279,20 +279,12 @@ class GrammarSequence:
         Skipping it here left a row that took several tokens at once (accepted drafts)
         with another completion, so another close state, than one token a step: CALM
         where the step-by-step row was already in BUDGET.  The grammar's mask bit is asked
-        of the matcher (accept and roll back; the stop token: :meth:`Matcher.is_completed`),
-        unless ``following`` (the next token taken) is that token.
+        of the matcher (:func:`_allows`), unless ``following`` (the next token taken) is that token.
         """
         token = self.plan(closer, stop_token)
-        if token == FREE or token == following or self.forcing:
-            return
-        matcher = self.matcher
-        if token == stop_token:
-            allowed = bool(matcher.is_completed())
-        else:
-            allowed = matcher.accept_token(token)
-            if allowed:
-                matcher.rollback(1)
-        if not allowed:
+        if token == FREE or token == following or self.forcing or self.close.utf8_need:
+            return  # inside a character a recheck changes nothing
+        if not _allows(self.matcher, token, stop_token):
             self.recheck(closer, stop_token)
 
     def _accept_end(self, tokens: Sequence[int] | np.ndarray, i: int) -> None:
@@ -401,3 +393,16 @@ class GrammarSequence:
     def whole_chars_only(self) -> bool:
         """Whether a calm row takes only whole characters (:meth:`ClosePlan.whole_chars_only`)."""
         return self.close.whole_chars_only(self.tokens_accepted)
+
+
+def _allows(matcher: Matcher, token: int, stop_token: int) -> bool:
+    """Whether the grammar allows ``token`` next, as its mask bit would say; the matcher is left where it was."""
+    if token == stop_token:
+        return bool(matcher.is_completed())
+    allows = getattr(matcher, "allows", None)
+    if allows is not None:  # llguidance: checked without advancing (a limit met advancing fails it for good)
+        return bool(allows(token))
+    if not matcher.accept_token(token):
+        return False
+    matcher.rollback(1)
+    return True

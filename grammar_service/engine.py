@@ -538,10 +538,10 @@ class GrammarEngine:
         if backend == XGRAMMAR:
             return lambda: self.workers.compile(spec)
         llg = self._llg()
-        # A template per fill thread (LlgBackend.compile), but one for a heavy constraint: it costs a compile
-        # each, and a heavy one is mostly a one-off whose few rows fill alone.
-        copies = 1 if self._heavy(spec) else self.config.fill_threads
-        return lambda: llg.compile(spec, copies)
+        # Up to a template per fill thread (LlgCompiled), but one for a heavy constraint: a further one is a
+        # compile, and a heavy one is mostly a one-off whose rows are few.
+        threads = 1 if self._heavy(spec) else self.config.fill_threads
+        return lambda: llg.compile(spec, threads)
 
     def _llg(self) -> LlgBackend:
         if self.llg is None:

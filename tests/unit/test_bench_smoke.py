@@ -14,7 +14,8 @@ error handling is checked directly with tasks that segfault, hang and raise.
 
 Data: the Qwen3 tokenizer (:mod:`tests.support.assets`); the script tests skip
 with the reason when it is absent, or fail under ``REQUIRE_ASSETS=1``.
-Measured on 2 shared cores: pool test ~5 s, maskbench ~35 s, grammar_bench ~20 s.
+Measured on 2 shared cores: pool test ~5 s, maskbench ~35 s, grammar_bench ~20 s, grammar_step_bench's
+fill states ~15 s.
 """
 
 from __future__ import annotations
@@ -334,6 +335,7 @@ def test_step_bench_compares_each_step_with_itself(monkeypatch: pytest.MonkeyPat
 
 
 def test_step_bench_fill_states_compares_thread_counts(tmp_path: Path) -> None:
+    assets.qwen3_dir()  # the script loads the Qwen3 tokenizer: skipped (or failed) with the reason when absent
     out = tmp_path / "fill.json"
     proc = _run("grammar_step_bench.py", ["--fill-states", "--threads", "2", "--rows", "4", "--json", str(out)])
     fills = json.loads(out.read_text())

@@ -91,10 +91,11 @@ class Run:
     states: list[tuple[int, tuple[Any, ...]]] = dataclasses.field(default_factory=list)
 
 
-#: Every field of a row's ClosePlan that a later step reads (not ``new_tokens``, which plan consumes).
+#: The fields of a row's ClosePlan that a later step reads, but ``new_tokens`` (plan consumes it) and the
+#: runaway detector's tail (an object; the cases close at the budget).
 PLAN_FIELDS = ("budget", "close_state", "completion", "completion_at", "completion_kept", "completion_len",
                "digit_run", "forced", "forced_at", "growth", "next_check", "next_repeat_check", "pending_close",
-               "segment", "utf8_need")
+               "scalar_tokens", "segment", "utf8_need")
 
 
 def plan_state(engine: GrammarEngine, seq_id: int) -> tuple[Any, ...]:

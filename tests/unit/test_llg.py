@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +18,7 @@ from grammar_backend.errors import (
     CompileError,
     CompileQueueFull,
     CompileTimeout,
+    ConfigError,
     GrammarError,
     TokenRejected,
 )
@@ -565,6 +567,31 @@ def test_completes_is_the_closers_token_loop_in_one_call(engine: GrammarEngine, 
         engine.end([41])
 
 
+@pytest.mark.parametrize("prefix", ["", '{"city":"Par', '{"city":"Paris","unit":"celsius"', "{"])
+def test_allows_is_the_mask_bit_and_moves_nothing(engine: GrammarEngine, qwen_tokenizer: Any, prefix: str) -> None:
+    """LlgMatcher.allows answers each token's mask bit (the stop token's too) and leaves the mask as it was."""
+    from grammar_backend.llg import LlgMatcher
+
+    spec = parse_constraint("json_schema", json.dumps(load_schema("tool_weather")), {"backend": "llguidance"})
+    engine.start(42, spec)
+    try:
+        matcher = engine.table.get(42).matcher
+        assert isinstance(matcher, LlgMatcher)
+        for token in qwen_tokenizer.encode(prefix, add_special_tokens=False):
+            assert matcher.accept_token(token)
+        before = np.zeros((1, (QWEN_VOCAB + 31) // 32), np.int32)
+        matcher.fill_next_token_bitmask(before, 0)
+        allowed = allowed_tokens(before[0], QWEN_VOCAB).tolist()
+        stop = int(engine.tokenizer_info.stop_token_ids[0])
+        for token in [*allowed[:20], *range(0, QWEN_VOCAB, 7919), stop]:
+            assert matcher.allows(token) is (token in allowed), token
+        after = np.zeros_like(before)
+        matcher.fill_next_token_bitmask(after, 0)
+        assert np.array_equal(before, after)
+    finally:
+        engine.end([42])
+
+
 class _TokenByToken:
     """A matcher seen without its ``completes`` (Closer.accepts then accepts and rolls back token by token)."""
 
@@ -581,33 +608,62 @@ class _TokenByToken:
         return bool(self._inner.is_completed())
 
 
-@pytest.mark.parametrize(("heavy_bytes", "families"), [(65_536, [0, 1, 0, 1, 0]), (16, [0, 0, 0, 0, 0])],
-                         ids=["a-template-per-thread", "heavy-one-template"])
-def test_each_fill_thread_fills_copies_of_its_own_template(qwen_tokenizer: Any, qwen_info: xgr.TokenizerInfo,
-                                                            heavy_bytes: int, families: list[int]) -> None:
-    """On two fill threads an llguidance grammar is two templates built apart (copies of one share its lexer's
-    lock), the starts copy them in turn, and the fill, grouped by template, writes each row's own mask at its
-    own row; a heavy constraint is one template."""
-    from grammar_backend.llg import LEXER_ESTIMATE_BYTES, LlgMatcher
+def _settled(compiled: Any) -> None:
+    deadline = time.monotonic() + HANG_S
+    while compiled.building:
+        assert time.monotonic() < deadline, "a further template was never built"
+        time.sleep(0.001)
+
+
+def test_a_grammar_gets_further_templates_only_for_sequences_side_by_side(qwen_tokenizer: Any,
+                                                                          qwen_info: xgr.TokenizerInfo) -> None:
+    """Copies of one llguidance template take turns at its lexer: a start that finds every template copied by
+    a live sequence has one more built (up to the fill threads), and each start copies the least copied one."""
+    llg = LlgBackend(qwen_tokenizer, QWEN_VOCAB, [int(t) for t in qwen_info.stop_token_ids])
+    compiled = llg.compile(parse_constraint("json_schema", json.dumps(load_schema("tool_weather")),
+                                            {"backend": "llguidance"}), 2)
+    # One sequence at a time: its one template, its lexer warm, nothing built.
+    for _ in range(3):
+        alone = llg.matcher(compiled)
+        assert (alone.family, compiled.building, len(compiled.templates)) == (0, False, 1)
+        del alone  # its copy is given back when it is collected
+    first, second = llg.matcher(compiled), llg.matcher(compiled)
+    assert (first.family, second.family) == (0, 0)  # the second asked for a template; it is built off its path
+    _settled(compiled)
+    assert len(compiled.templates) == 2 and compiled.templates[1] is not compiled.templates[0]
+    third, fourth, fifth = (llg.matcher(compiled) for _ in range(3))
+    assert (third.family, fourth.family, fifth.family) == (1, 1, 0)  # the least copied; no third template
+    assert not compiled.building and len(compiled.templates) == 2
+    del first, second, fifth
+    assert llg.matcher(compiled).family == 0
+    heavy = llg.compile(parse_constraint("regex", "[a-z]+", {"backend": "llguidance"}), 1)
+    held = [llg.matcher(heavy) for _ in range(3)]
+    assert [m.family for m in held] == [0, 0, 0] and not heavy.building and len(heavy.templates) == 1
+
+
+@pytest.mark.parametrize(("heavy_bytes", "families"), [(65_536, [0, 0, 1, 1, 0]), (16, [0, 0, 0, 0, 0])],
+                         ids=["side-by-side", "heavy-one-template"])
+def test_rows_of_every_template_fill_their_own_masks(qwen_tokenizer: Any, qwen_info: xgr.TokenizerInfo,
+                                                     heavy_bytes: int, families: list[int]) -> None:
+    """On two fill threads, rows copied from two templates (one for a heavy constraint), filled grouped by
+    template: each row gets its own mask at its own row."""
+    from grammar_backend.llg import LlgMatcher
 
     stops = [int(t) for t in qwen_info.stop_token_ids]
     llg = LlgBackend(qwen_tokenizer, QWEN_VOCAB, stops)
     eng = GrammarEngine(qwen_info, "qwen", GrammarEngineConfig(max_batch=5, fill_threads=2,
                                                                heavy_constraint_bytes=heavy_bytes), llg=llg)
     spec = parse_constraint("json_schema", json.dumps(load_schema("tool_weather")), {"backend": "llguidance"})
-    compiled = llg.compile(spec, 2)
-    assert len(compiled.templates) == 2 and compiled.templates[0] is not compiled.templates[1]
-    assert compiled.memory_size_bytes == len(compiled.grammar) + 2 * LEXER_ESTIMATE_BYTES
-    text = '{"city":"Paris","unit":"celsius"}'
-    ids = qwen_tokenizer.encode(text, add_special_tokens=False)
+    ids = qwen_tokenizer.encode('{"city":"Paris","unit":"celsius"}', add_special_tokens=False)
     seq_ids = np.arange(1, 6, dtype=np.uint64)
     try:
         for seq_id in seq_ids:
             eng.start(int(seq_id), spec)
+            if seq_id == 2:  # the engine's cached compile: wait for the template the second start asked for
+                _settled(eng._compile_future(spec, "llguidance").result())
         matchers = [eng.table.get(int(s)).matcher for s in seq_ids]
-        assert all(isinstance(m, LlgMatcher) for m in matchers)
-        assert [m.family for m in matchers] == families  # type: ignore[attr-defined]
-        # Row r has taken r tokens: every row a state of its own, the families interleaved.
+        assert [m.family if isinstance(m, LlgMatcher) else None for m in matchers] == families
+        # Row r has taken r tokens: every row a state of its own, the templates interleaved.
         for r, seq_id in enumerate(seq_ids):
             if r:
                 out = eng.step(np.array([seq_id]), np.array([ids[:r]], np.int32), np.array([r], np.int32))
@@ -626,7 +682,7 @@ def test_each_fill_thread_fills_copies_of_its_own_template(qwen_tokenizer: Any, 
         eng.close()
 
 
-def test_a_compile_of_no_template_is_refused(qwen_tokenizer: Any, qwen_info: xgr.TokenizerInfo) -> None:
+def test_a_compile_for_no_fill_thread_is_refused(qwen_tokenizer: Any, qwen_info: xgr.TokenizerInfo) -> None:
     llg = LlgBackend(qwen_tokenizer, QWEN_VOCAB, [int(t) for t in qwen_info.stop_token_ids])
-    with pytest.raises(ValueError, match=r"^llguidance compile: copies must be positive, got 0$"):
+    with pytest.raises(ConfigError, match=r"^llguidance compile: fill_threads must be positive, got 0$"):
         llg.compile(parse_constraint("regex", "[a-z]+", {"backend": "llguidance"}), 0)
