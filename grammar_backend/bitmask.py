@@ -73,7 +73,7 @@ class BitmaskBuffer:
         self._llg_rows: list[tuple[Any, int]] = []
         # llguidance rows by template (LlgMatcher.family), handed to the executor one family after the other:
         # its threads take the list in contiguous runs (rayon halves it), and copies of one template take turns
-        # at its lexer (LlgBackend.compile).
+        # at its lexer (grammar_backend.llg.LlgCompiled).
         self._llg_families: list[list[tuple[Any, int]]] = [[] for _ in range(threads)]
 
     def fill(self, matchers: Sequence[Matcher | None], out: np.ndarray | None = None) -> np.ndarray:

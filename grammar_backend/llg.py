@@ -178,7 +178,9 @@ class LlgCompiled:
         self.most = most
         self._live = [0]  # live copies of each template
         self._building = False
-        self._lock = threading.Lock()
+        # Reentrant: release() runs from a matcher's finalizer, which a collection may start on a thread
+        # that holds this lock.
+        self._lock = threading.RLock()
 
     @property
     def building(self) -> bool:
