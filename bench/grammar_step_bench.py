@@ -76,6 +76,7 @@ from grammar_backend.spec import ConstraintOptions, ConstraintSpec, parse_constr
 from grammar_backend.tokenizer import load_tokenizer
 from grammar_service.auto_switch import OUTCOMES
 from grammar_service.engine import GrammarEngine, GrammarEngineConfig
+from grammar_service.llg_spread import TemplateSpread
 from llm_runtime.local_mask import LocalMaskProvider
 from llm_runtime.mask import ConstraintRequest
 
@@ -127,11 +128,13 @@ def llguidance_rows(llg: LlgBackend, compiled: list[Any], rows: int) -> tuple[li
     """``rows`` llguidance matchers started as a warm server starts them, and the executor's ``(matcher, row)``
     list grouped by template, as the engine's fill hands it over (``BitmaskBuffer.fill``).
 
-    Warm: rounds of ``rows`` starts, each let go once the further templates it asked for are built
-    (``LlgCompiled``), until a round builds none.
+    Warm: rounds of ``rows`` starts (``TemplateSpread``), each let go once the further templates it asked for
+    are built, until a round builds none.
     """
+    spread = TemplateSpread(llg)
+
     def starts() -> list[Any]:
-        return [llg.matcher(compiled[r % len(compiled)]) for r in range(rows)]
+        return [spread.matcher(compiled[r % len(compiled)]) for r in range(rows)]
 
     sizes: list[int] = []
     while sizes != [len(c.templates) for c in compiled]:
@@ -144,6 +147,7 @@ def llguidance_rows(llg: LlgBackend, compiled: list[Any], rows: int) -> tuple[li
             time.sleep(0.001)
         del held  # each copy gives its template back
     matchers = starts()
+    spread.close()
     targets = sorted(((m.inner, r) for r, m in enumerate(matchers)), key=lambda t: matchers[t[1]].family)
     return [m.inner for m in matchers], targets
 

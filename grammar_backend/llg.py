@@ -21,12 +21,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import logging
 import re
-import threading
-import weakref
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final
 
 import llguidance
@@ -46,8 +43,6 @@ if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
 LLGUIDANCE_VERSION: Final = importlib.metadata.version("llguidance")
-
-log = logging.getLogger(__name__)
 
 #: What an llguidance grammar is charged in the compile cache: its text plus a
 #: fixed share for the lexer it builds lazily (llguidance does not report its
@@ -139,6 +134,7 @@ def _gbnf_to_lark(ebnf: str) -> str:
         raise CompileError("grammar", f"llguidance cannot compile this ebnf: {reason}") from err
 
 
+@dataclass(eq=False)
 class LlgCompiled:
     """A validated llguidance grammar: sequences start from copies of its templates.
 
@@ -147,14 +143,17 @@ class LlgCompiled:
     fill threads over copies of one template take turns at it.  So a grammar
     whose sequences run side by side gets further templates, built apart, up
     to one per fill thread: a start that finds every template copied by a
-    live sequence has one more built off its path (:meth:`LlgBackend.matcher`),
-    and each start copies the template with the fewest live copies.  A
-    grammar one sequence at a time keeps its one template (its lexer warm,
+    live sequence has one more built off its path, and each start copies the
+    template with the fewest live copies (:meth:`take`; the threads, the lock
+    and the builds are :class:`grammar_service.llg_spread.TemplateSpread`'s).
+    A grammar one sequence at a time keeps its one template (its lexer warm,
     no build for nothing).  :class:`~grammar_backend.bitmask.BitmaskBuffer`
     hands the batched fill its rows grouped by template.  Two threads over
     one, the engine's step along 64 rows (``bench/grammar_step_bench.py
-    --fill-states --threads 2``): 0.97 with copies of one template, 0.56-0.60
+    --fill-states --threads 2``): 0.97 with copies of one template, 0.56-0.62
     with two (this host's own ceiling 0.53).
+
+    :meth:`take`, :meth:`release` and :meth:`built` are called one at a time (the caller's lock).
 
     Attributes
     ----------
@@ -162,54 +161,44 @@ class LlgCompiled:
     templates : list of llguidance.LLMatcher
         Matchers in their initial state, never advanced (``deep_copy`` is cheaper than a new one); only
         appended to.
-    most : int
-        The most templates it may have (the fill threads; 1 for a heavy constraint).
     memory_size_bytes : int
         What the compile cache charges for it (see :data:`LEXER_ESTIMATE_BYTES`): one template's.  Further
         templates are built only for a grammar with sequences side by side and are not charged.
+    most : int
+        The most templates it may have (the fill threads; 1 for a heavy constraint).
+    live : list of int
+        The live copies of each template.
+    building : bool
+        Whether a further template is being built.
     """
 
-    __slots__ = ("_building", "_live", "_lock", "grammar", "memory_size_bytes", "most", "templates")
-
-    def __init__(self, grammar: str, template: Any, memory_size_bytes: int, most: int) -> None:
-        self.grammar = grammar
-        self.templates: list[Any] = [template]
-        self.memory_size_bytes = memory_size_bytes
-        self.most = most
-        self._live = [0]  # live copies of each template
-        self._building = False
-        # Reentrant: release() runs from a matcher's finalizer, which a collection may start on a thread
-        # that holds this lock.
-        self._lock = threading.RLock()
-
-    @property
-    def building(self) -> bool:
-        """Whether a further template is being built."""
-        return self._building
+    grammar: str
+    templates: list[Any]
+    memory_size_bytes: int
+    most: int = 1
+    live: list[int] = field(default_factory=lambda: [0])
+    building: bool = False
 
     def take(self) -> tuple[int, bool]:
         """The template a new sequence copies (the fewest live copies), and whether to build one more:
         every template has a live copy, none is being built, and there are fewer than :attr:`most`."""
-        with self._lock:
-            live = self._live
-            family = live.index(min(live))
-            grow = live[family] > 0 and not self._building and len(self.templates) < self.most
-            live[family] += 1
-            self._building = self._building or grow
+        live = self.live
+        family = live.index(min(live))
+        grow = live[family] > 0 and not self.building and len(self.templates) < self.most
+        live[family] += 1
+        self.building = self.building or grow
         return family, grow
 
     def release(self, family: int) -> None:
         """A copy of template ``family`` is gone (its sequence ended)."""
-        with self._lock:
-            self._live[family] -= 1
+        self.live[family] -= 1
 
     def built(self, template: Any | None) -> None:
         """A further template (None: its build failed) is ready to be copied."""
-        with self._lock:
-            if template is not None:
-                self.templates.append(template)
-                self._live.append(0)
-            self._building = False
+        if template is not None:
+            self.templates.append(template)
+            self.live.append(0)
+        self.building = False
 
 
 class LlgBackend:
@@ -227,9 +216,6 @@ class LlgBackend:
         self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
                                                        eos_token=[int(t) for t in stop_token_ids])
         self.stop_token_ids = frozenset(int(t) for t in stop_token_ids)
-        # Further templates (LlgCompiled) are built here, one at a time, off the start's path: a build is a
-        # compile (about 1 ms for a typical schema), and a start may run on the step's thread.
-        self._builds = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llg-template")
 
     def compile(self, spec: ConstraintSpec, fill_threads: int = 1) -> LlgCompiled:
         """Build and validate ``spec``'s grammar, for sequences spread over ``fill_threads`` fill threads
@@ -258,32 +244,15 @@ class LlgBackend:
             if matcher.is_error():
                 reason = matcher.get_error().strip().splitlines()[0]
                 raise CompileError("grammar", f"llguidance cannot compile this {spec.kind.value}: {reason}")
-        return LlgCompiled(grammar, template, len(grammar) + LEXER_ESTIMATE_BYTES, fill_threads)
+        return LlgCompiled(grammar, [template], len(grammar) + LEXER_ESTIMATE_BYTES, fill_threads)
 
-    def matcher(self, compiled: LlgCompiled) -> LlgMatcher:
-        """A new sequence's matcher: a copy of the template with the fewest live copies (its
-        :attr:`LlgMatcher.family`), which gives the template back when it is collected."""
-        family, grow = compiled.take()
-        try:
-            matcher = LlgMatcher(compiled.templates[family].deep_copy(), self.tokenizer, self.stop_token_ids, family)
-        except BaseException:
-            compiled.release(family)
-            if grow:
-                compiled.built(None)
-            raise
-        weakref.finalize(matcher, compiled.release, family)
-        if grow:
-            self._builds.submit(self._build, compiled)
-        return matcher
+    def template(self, compiled: LlgCompiled) -> Any:
+        """A further template of ``compiled``, built apart (about one compile)."""
+        return llguidance.LLMatcher(self.tokenizer, compiled.grammar, log_level=0)
 
-    def _build(self, compiled: LlgCompiled) -> None:
-        template = None
-        try:
-            template = llguidance.LLMatcher(self.tokenizer, compiled.grammar, log_level=0)
-        except Exception:  # it compiled once: only a resource failure; its sequences go on with the templates built
-            log.exception("llguidance: a further template of a compiled grammar could not be built")
-        finally:
-            compiled.built(template)
+    def matcher(self, compiled: LlgCompiled, family: int = 0) -> LlgMatcher:
+        """A new sequence's matcher: a copy of template ``family`` (see :class:`LlgCompiled`)."""
+        return LlgMatcher(compiled.templates[family].deep_copy(), self.tokenizer, self.stop_token_ids, family)
 
 
 class LlgMatcher:

@@ -38,6 +38,7 @@ from grammar_backend.values import ValueChecks, rules_for
 from grammar_service.auto_switch import AutoSwitch
 from grammar_service.cache import CacheConfig, CompileCache
 from grammar_service.deadlines import Deadlines
+from grammar_service.llg_spread import TemplateSpread
 from grammar_service.table import SequenceTable, TableConfig
 from grammar_service.workers import CompileWorkers, WorkerConfig
 
@@ -240,6 +241,8 @@ class GrammarEngine:
         self._thinking_banned = frozenset(
             {*map(int, tokenizer_info.stop_token_ids), *map(int, tokenizer_info.special_token_ids), *special_ids})
         self.llg = llg
+        #: Which template each llguidance sequence copies (grammar_service.llg_spread).
+        self._spread = None if llg is None else TemplateSpread(llg)
         # llguidance compiles in this process on its own threads: queued behind
         # slow xgrammar compiles, the fallback from them would wait for them.
         self.llg_cache = CompileCache(
@@ -545,12 +548,14 @@ class GrammarEngine:
 
     def _llg(self) -> LlgBackend:
         if self.llg is None:
-            raise CompileError("grammar_options.backend", "llguidance is not available on this server")
+            raise _no_llguidance()
         return self.llg
 
     def _matcher(self, compiled: Any) -> Matcher:
         if isinstance(compiled, LlgCompiled):
-            return self._llg().matcher(compiled)
+            if self._spread is None:
+                raise _no_llguidance()
+            return self._spread.matcher(compiled)
         return xgr.GrammarMatcher(compiled)
 
     def step(
@@ -969,6 +974,8 @@ class GrammarEngine:
         self.auto_switch.close()
         self.cache.close()
         self.llg_cache.close()
+        if self._spread is not None:
+            self._spread.close()
         self.workers.close()
 
 
@@ -1015,6 +1022,10 @@ def _other(backend: str) -> str:
 def _row_error(seq_id: int, err: SequenceError | MatcherFailed) -> SequenceError:
     """A step's row error: a matcher that cannot go on becomes that row's :class:`BackendFailed`."""
     return BackendFailed(seq_id, str(err)) if isinstance(err, MatcherFailed) else err
+
+
+def _no_llguidance() -> CompileError:
+    return CompileError("grammar_options.backend", "llguidance is not available on this server")
 
 
 def _internal(what: str, err: Exception) -> GrammarError:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
@@ -28,6 +29,7 @@ from grammar_backend.spec import ConstraintOptions, parse_constraint
 from grammar_service import engine as engine_module
 from grammar_service.auto_switch import OUTCOMES, AutoSwitch, replay
 from grammar_service.engine import GrammarEngine, GrammarEngineConfig
+from grammar_service.llg_spread import TemplateSpread
 from tests.support.poll import HANG_S
 from tests.unit.conftest import load_schema
 from triton_support.service import GrammarService
@@ -546,6 +548,18 @@ def test_completes_is_the_closers_token_loop_in_one_call(engine: GrammarEngine, 
     """LlgMatcher.completes answers what accepting the tail token by token, then asking is_completed, answers,
     and leaves the matcher where it was (its next mask unchanged)."""
     from grammar_backend.closing import Closer
+
+    with _weather_at(engine, qwen_tokenizer, prefix) as matcher:
+        ids = tuple(qwen_tokenizer.encode(tail, add_special_tokens=False))
+        before = _mask(matcher)
+        slow = Closer.accepts(_TokenByToken(matcher), ids)  # type: ignore[arg-type]  # only what accepts() calls
+        assert matcher.completes(ids) is expected and slow is expected
+        assert np.array_equal(before, _mask(matcher))
+
+
+@contextlib.contextmanager
+def _weather_at(engine: GrammarEngine, qwen_tokenizer: Any, prefix: str) -> Iterator[Any]:
+    """An llguidance sequence of the weather tool's schema, after ``prefix``; ended on the way out."""
     from grammar_backend.llg import LlgMatcher
 
     spec = parse_constraint("json_schema", json.dumps(load_schema("tool_weather")), {"backend": "llguidance"})
@@ -555,41 +569,27 @@ def test_completes_is_the_closers_token_loop_in_one_call(engine: GrammarEngine, 
         assert isinstance(matcher, LlgMatcher)
         for token in qwen_tokenizer.encode(prefix, add_special_tokens=False):
             assert matcher.accept_token(token)
-        ids = tuple(qwen_tokenizer.encode(tail, add_special_tokens=False))
-        before = np.zeros((1, (QWEN_VOCAB + 31) // 32), np.int32)
-        matcher.fill_next_token_bitmask(before, 0)
-        slow = Closer.accepts(_TokenByToken(matcher), ids)  # type: ignore[arg-type]  # only what accepts() calls
-        assert matcher.completes(ids) is expected and slow is expected
-        after = np.zeros_like(before)
-        matcher.fill_next_token_bitmask(after, 0)
-        assert np.array_equal(before, after)
+        yield matcher
     finally:
         engine.end([41])
+
+
+def _mask(matcher: Any) -> np.ndarray:
+    row = np.zeros((1, (QWEN_VOCAB + 31) // 32), np.int32)
+    matcher.fill_next_token_bitmask(row, 0)
+    return row[0]
 
 
 @pytest.mark.parametrize("prefix", ["", '{"city":"Par', '{"city":"Paris","unit":"celsius"', "{"])
 def test_allows_is_the_mask_bit_and_moves_nothing(engine: GrammarEngine, qwen_tokenizer: Any, prefix: str) -> None:
     """LlgMatcher.allows answers each token's mask bit (the stop token's too) and leaves the mask as it was."""
-    from grammar_backend.llg import LlgMatcher
-
-    spec = parse_constraint("json_schema", json.dumps(load_schema("tool_weather")), {"backend": "llguidance"})
-    engine.start(42, spec)
-    try:
-        matcher = engine.table.get(42).matcher
-        assert isinstance(matcher, LlgMatcher)
-        for token in qwen_tokenizer.encode(prefix, add_special_tokens=False):
-            assert matcher.accept_token(token)
-        before = np.zeros((1, (QWEN_VOCAB + 31) // 32), np.int32)
-        matcher.fill_next_token_bitmask(before, 0)
-        allowed = allowed_tokens(before[0], QWEN_VOCAB).tolist()
+    with _weather_at(engine, qwen_tokenizer, prefix) as matcher:
+        before = _mask(matcher)
+        allowed = set(allowed_tokens(before, QWEN_VOCAB).tolist())
         stop = int(engine.tokenizer_info.stop_token_ids[0])
-        for token in [*allowed[:20], *range(0, QWEN_VOCAB, 7919), stop]:
+        for token in [*sorted(allowed)[:20], *range(0, QWEN_VOCAB, 7919), stop]:
             assert matcher.allows(token) is (token in allowed), token
-        after = np.zeros_like(before)
-        matcher.fill_next_token_bitmask(after, 0)
-        assert np.array_equal(before, after)
-    finally:
-        engine.end([42])
+        assert np.array_equal(before, _mask(matcher))
 
 
 class _TokenByToken:
@@ -620,25 +620,27 @@ def test_a_grammar_gets_further_templates_only_for_sequences_side_by_side(qwen_t
     """Copies of one llguidance template take turns at its lexer: a start that finds every template copied by
     a live sequence has one more built (up to the fill threads), and each start copies the least copied one."""
     llg = LlgBackend(qwen_tokenizer, QWEN_VOCAB, [int(t) for t in qwen_info.stop_token_ids])
+    spread = TemplateSpread(llg)
     compiled = llg.compile(parse_constraint("json_schema", json.dumps(load_schema("tool_weather")),
                                             {"backend": "llguidance"}), 2)
     # One sequence at a time: its one template, its lexer warm, nothing built.
     for _ in range(3):
-        alone = llg.matcher(compiled)
+        alone = spread.matcher(compiled)
         assert (alone.family, compiled.building, len(compiled.templates)) == (0, False, 1)
         del alone  # its copy is given back when it is collected
-    first, second = llg.matcher(compiled), llg.matcher(compiled)
+    first, second = spread.matcher(compiled), spread.matcher(compiled)
     assert (first.family, second.family) == (0, 0)  # the second asked for a template; it is built off its path
     _settled(compiled)
     assert len(compiled.templates) == 2 and compiled.templates[1] is not compiled.templates[0]
-    third, fourth, fifth = (llg.matcher(compiled) for _ in range(3))
+    third, fourth, fifth = (spread.matcher(compiled) for _ in range(3))
     assert (third.family, fourth.family, fifth.family) == (1, 1, 0)  # the least copied; no third template
     assert not compiled.building and len(compiled.templates) == 2
     del first, second, fifth
-    assert llg.matcher(compiled).family == 0
+    assert spread.matcher(compiled).family == 0
     heavy = llg.compile(parse_constraint("regex", "[a-z]+", {"backend": "llguidance"}), 1)
-    held = [llg.matcher(heavy) for _ in range(3)]
+    held = [spread.matcher(heavy) for _ in range(3)]
     assert [m.family for m in held] == [0, 0, 0] and not heavy.building and len(heavy.templates) == 1
+    spread.close()
 
 
 @pytest.mark.parametrize(("heavy_bytes", "families"), [(65_536, [0, 0, 1, 1, 0]), (16, [0, 0, 0, 0, 0])],
