@@ -140,11 +140,7 @@ def llguidance_rows(llg: LlgBackend, compiled: list[Any], rows: int) -> tuple[li
     while sizes != [len(c.templates) for c in compiled]:
         sizes = [len(c.templates) for c in compiled]
         held = starts()
-        deadline = time.monotonic() + 600
-        while any(c.building for c in compiled):
-            if time.monotonic() > deadline:
-                raise RuntimeError("llguidance: a further template was not built in 600 s")
-            time.sleep(0.001)
+        spread.drain(600)
         del held  # each copy gives its template back
     matchers = starts()
     spread.close()

@@ -124,8 +124,11 @@ class BitmaskBuffer:
                 matcher.fill_next_token_bitmask(target, i)
         if active:
             self._batch.batch_fill_next_token_bitmask(active, target, indices)
-        for family in families:
-            llg_rows.extend(family)
+        if threads == 1:
+            llg_rows = families[0]  # one thread: nothing to group
+        else:
+            for family in families:
+                llg_rows.extend(family)
         if llg_rows:
             if self._executor is None:
                 for inner, i in llg_rows:

@@ -56,6 +56,16 @@ class TemplateSpread:
             self._builds.submit(self._build, compiled)
         return matcher
 
+    def drain(self, timeout_s: float | None = None) -> None:
+        """Return once every build asked for so far has ended (one build thread, first in first out).
+
+        Raises
+        ------
+        TimeoutError
+            They did not end within ``timeout_s``.
+        """
+        self._builds.submit(lambda: None).result(timeout_s)
+
     def close(self) -> None:
         """Drop the builds not begun (the one under way ends on its own)."""
         self._builds.shutdown(wait=False, cancel_futures=True)
