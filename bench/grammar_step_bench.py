@@ -222,11 +222,67 @@ def host_parallelism(threads: int, repeats: int = 7) -> float:
     return float(np.median(ratios))
 
 
+def beside_python(fill: Callable[[], object], repeats: int) -> tuple[float, float, float]:
+    """The median ms of ``fill`` alone, of a pure-Python loop of about its length alone, and of the two at once
+    (``fill`` on a second thread, the loop on this one, as the step thread's per-row work would run beside it).
+
+    Both at once near the sum: the fill holds the GIL, and no per-row Python can run beside it in this
+    process; near the longer of the two: it lets go, and the step could overlap the two.
+    """
+
+    def timed(work: Callable[[], object]) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            work()
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times) * 1e3)
+
+    def spin(n: int) -> None:
+        total = 0
+        for i in range(n):
+            total += i
+
+    fill_ms = timed(fill)
+    loop = max(1, int(fill_ms / timed(functools.partial(spin, 10_000)) * 10_000))
+    go, started, done, stop = threading.Event(), threading.Event(), threading.Event(), False
+
+    def worker() -> None:
+        while True:
+            go.wait()
+            go.clear()
+            if stop:
+                return
+            started.set()
+            fill()
+            done.set()
+
+    def both() -> None:
+        go.set()
+        started.wait()
+        started.clear()
+        spin(loop)
+        done.wait()
+        done.clear()
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    try:
+        both_ms = timed(both)
+    finally:
+        stop = True
+        go.set()
+        thread.join()
+    return fill_ms, timed(functools.partial(spin, loop)), both_ms
+
+
 def fill_states(info: xgr.TokenizerInfo, llg: LlgBackend, toks: list[list[int]], rows: int, threads: int,
                 states: Sequence[int] = (2, 10, 14), repeats: int = 30) -> dict[tuple[str, int, int], float]:
     """``--fill-states``: the raw batched fill alone, every row held at step ``s`` of its path, on 1 and
     ``threads`` fill threads; the median ms of ``repeats`` fills of the same states (what the threads do
-    with cheap and with costly rows, apart from the path's mix).  Then the in-process engine's step along
+    with cheap and with costly rows, apart from the path's mix).  At the middle state, the one-thread fill
+    beside a Python loop on this thread (:func:`beside_python`; ``-2`` in the keys: both at once over the
+    sum of the two apart, 1.0 where the fill holds the GIL).  Then the in-process engine's step along
     the whole paths on 1 and ``threads`` fill threads (``-1`` in the keys: ms a path)."""
     import llguidance
     import llguidance.numpy
@@ -235,6 +291,7 @@ def fill_states(info: xgr.TokenizerInfo, llg: LlgBackend, toks: list[list[int]],
     xgrammars = xgrammar_grammars(info, cons)
     bitmask = llguidance.numpy.allocate_token_bitmask(rows, QWEN_VOCAB)
     out: dict[tuple[str, int, int], float] = {}
+    beside: dict[str, tuple[float, float, float]] = {}
     for state in states:
         xms = [xgr.GrammarMatcher(xgrammars[r % len(cons)]) for r in range(rows)]
         for r in range(rows):
@@ -262,6 +319,8 @@ def fill_states(info: xgr.TokenizerInfo, llg: LlgBackend, toks: list[list[int]],
                     fill()
                     times.append(time.perf_counter() - t0)
                 out[(backend, state, n)] = float(np.median(times) * 1e3)
+                if n == 1 and state == states[len(states) // 2]:
+                    beside[backend] = beside_python(fill, repeats)
     print(f"== raw fill, {rows} rows held at one step of their paths, median of {repeats} fills (ms) ==")
     print(f"  host: the same GIL-free work on {threads} threads / 1 thread {host_parallelism(threads):.2f} "
           f"({1 / threads:.2f} on {threads} real idle cores)")
@@ -270,6 +329,12 @@ def fill_states(info: xgr.TokenizerInfo, llg: LlgBackend, toks: list[list[int]],
             one, many = out[(backend, state, 1)], out[(backend, state, threads)]
             print(f"  {backend:10} after {state:2d} tokens: 1 thread {one:.3f}, {threads} threads {many:.3f}, "
                   f"ratio {many / one:.2f}")
+    print(f"== the fill beside the step thread's Python, 1 thread, {rows} rows after "
+          f"{states[len(states) // 2]} tokens, median ms (both at once near the sum: the fill holds the GIL) ==")
+    for backend, (fill_ms, loop_ms, both_ms) in beside.items():
+        print(f"  {backend:10} fill {fill_ms:.3f}, Python loop {loop_ms:.3f}, both at once {both_ms:.3f}: "
+              f"{both_ms / (fill_ms + loop_ms):.2f} of the sum, {both_ms / max(fill_ms, loop_ms):.2f} of the longer")
+        out[(backend, -2, 1)] = both_ms / (fill_ms + loop_ms)
     # Held states fill from warm caches; along the paths each step meets new states (llguidance's lexer
     # grows), as a served batch does: the in-process engine's whole step, its rows started as it starts them.
     print(f"== in-process engine step along the paths, {rows} rows, ms a path, median of {repeats // 10} ==")
@@ -463,7 +528,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "tokens (speculative decoding: a mask per draft position; mode 'local drafted')")
     parser.add_argument("--fill-states", action="store_true",
                         help="the raw batched fill alone at --rows rows held at steps 2, 10 and 14 of their "
-                             "paths, 1 and --threads fill threads (no server)")
+                             "paths, 1 and --threads fill threads, and beside a Python loop (no server)")
     harness.add_json(parser, "the figures")
     args = parser.parse_args(argv)
     if args.threads <= 0:

@@ -428,7 +428,17 @@ class ValueScanner:
             self.offsets.append(self._bytes)
             if token in self._stops:
                 continue
-            for byte in self._vocab[token]:
+            piece = self._vocab[token]
+            scalar = self._scalar
+            if (scalar is not None and scalar.kind == _STR and not self._escape and piece
+                    and b'"' not in piece and b"\\" not in piece):
+                # Inside a string, a piece without a quote or a backslash only lengthens it, as
+                # _string_byte would byte by byte: most of a JSON output's tokens, in one step.
+                scalar.raw += piece
+                scalar.end = index + 1
+                self._bytes += len(piece)
+                continue
+            for byte in piece:
                 bad = self._byte(byte, index)
                 if bad is not None and check and found is None:
                     found = bad

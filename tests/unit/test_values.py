@@ -168,6 +168,62 @@ def test_the_first_forced_run_says_what_of_it_streams_at_once(schema: dict[str, 
     assert scanner.tokens == []  # left as it was
 
 
+def _push_bytewise(scanner: ValueScanner, token: int) -> Any:
+    """One token through the byte machine alone: the reference :meth:`ValueScanner.push`'s whole-piece step inside a
+    string must agree with."""
+    index = len(scanner.tokens)
+    scanner.tokens.append(token)
+    scanner.offsets.append(scanner._bytes)
+    found = None
+    for byte in scanner._vocab[token]:
+        bad = scanner._byte(byte, index)
+        found = found or bad
+        scanner._bytes += 1
+    return found
+
+
+def _seen(scanner: ValueScanner, found: Any) -> tuple[Any, ...]:
+    pending = scanner.pending()
+    scalar = scanner._scalar
+    return (scanner.hold(), scanner.offsets[-1], scanner._bytes, scanner._escape, scanner._in_key,
+            None if scalar is None else (bytes(scalar.raw), scalar.start, scalar.end),
+            None if found is None else (found.start, found.end, found.last_byte, found.message),
+            None if pending is None else pending.message)
+
+
+@pytest.mark.parametrize("size", [2, 3, 5])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"s":"abcdefghijklm","b":"x"}',  # a string over its maxLength
+        '{"b":"a quote \\" and a backslash \\\\ in it","s":"ok"}',  # escapes, split across pieces
+        '{"b":"\\u00e9t\\u00e9 and more","bb":1,"b',  # a key held while it may repeat one
+        '{"a":["xylophone","x\\u0079lophone"],"b":"\u00e9\u4e2d\u6587"}',  # an item repeated by an escape; UTF-8
+        '{"beehive":"xyz","beehive":"y"}',  # a repeated key
+    ],
+    ids=["max-length", "escapes", "held-key", "unique-escape", "repeated-key"],
+)
+def test_a_piece_inside_a_string_is_taken_whole_as_byte_by_byte(text: str, size: int) -> None:
+    schema = {"properties": {"s": {"type": "string", "maxLength": 5}, "a": {"type": "array", "uniqueItems": True},
+                             "b": {"type": "string"}}}
+    rules = ValueRules(schema, [_u("/properties/s/maxLength"), _u("/properties/a/uniqueItems")])
+    data = text.encode()
+    pieces = [data[i : i + size] for i in range(0, len(data), size)]
+    vocab = [*BYTES, *pieces]
+    whole, bytewise = ValueScanner(rules, vocab), ValueScanner(rules, vocab)
+    calls = {"whole": 0, "bytewise": 0}
+    for name, scanner in (("whole", whole), ("bytewise", bytewise)):
+        def counted(*args: Any, _inner: Any = scanner._string_byte, _name: str = name) -> Any:
+            calls[_name] += 1
+            return _inner(*args)
+        scanner._string_byte = counted  # type: ignore[method-assign,assignment]
+    for token in range(256, len(vocab)):
+        found = whole.push([token])
+        assert _seen(whole, found) == _seen(bytewise, _push_bytewise(bytewise, token)), vocab[token]
+    assert whole.tokens == bytewise.tokens
+    assert calls["whole"] < calls["bytewise"]  # the whole-piece step was taken
+
+
 def test_rollback_rescans_and_drops_later_bans() -> None:
     scanner, _ = _scan({"type": "array", "uniqueItems": True}, ["/uniqueItems"], "[1,2")
     scanner.bans = {2: np.zeros(1, np.int32), 4: np.zeros(1, np.int32)}
