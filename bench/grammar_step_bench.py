@@ -283,7 +283,8 @@ def fill_states(info: xgr.TokenizerInfo, llg: LlgBackend, toks: list[list[int]],
     with cheap and with costly rows, apart from the path's mix).  At the middle state, the one-thread fill
     beside a Python loop on this thread (:func:`beside_python`; ``-2`` in the keys: both at once over the
     sum of the two apart, 1.0 where the fill holds the GIL).  Then the in-process engine's step along
-    the whole paths on 1 and ``threads`` fill threads (``-1`` in the keys: ms a path)."""
+    the whole paths, value checks on, on 1 and ``threads`` fill threads (``-1`` in the keys: ms a path),
+    and pipelined on 1 (``-3``)."""
     import llguidance
     import llguidance.numpy
 
@@ -337,20 +338,25 @@ def fill_states(info: xgr.TokenizerInfo, llg: LlgBackend, toks: list[list[int]],
         out[(backend, -2, 1)] = both_ms / (fill_ms + loop_ms)
     # Held states fill from warm caches; along the paths each step meets new states (llguidance's lexer
     # grows), as a served batch does: the in-process engine's whole step, its rows started as it starts them.
-    print(f"== in-process engine step along the paths, {rows} rows, ms a path, median of {repeats // 10} ==")
+    # And on one thread, the pipelined fill (grammar_service.fill_pipeline, every step: pipeline_rows 1) beside
+    # the step that plans, then fills (pipeline_rows 0, as the thread counts are compared).
+    print(f"== in-process engine step along the paths, {rows} rows, ms a path, median of {repeats // 10} "
+          f"(value checks on, as served) ==")
     for backend in ("xgrammar", "llguidance"):
         cons = constraints(backend)
-        for n in sorted({1, threads}):
-            engine = GrammarEngine(info, "bench", GrammarEngineConfig(max_batch=rows, fill_threads=n), llg=llg)
+        for n, pipelined in sorted({(1, False), (threads, False), (1, True)}):
+            config = GrammarEngineConfig(max_batch=rows, fill_threads=n, pipeline_rows=1 if pipelined else 0)
+            engine = GrammarEngine(info, "bench", config, llg=llg)
             try:
-                time_local(engine, cons, toks, rows, False)  # compiles and first states
-                path = float(np.median([sum(time_local(engine, cons, toks, rows, False)[1:])
+                time_local(engine, cons, toks, rows, False, True)  # compiles and first states
+                path = float(np.median([sum(time_local(engine, cons, toks, rows, False, True)[1:])
                                         for _ in range(repeats // 10)]) * 1e3)
             finally:
                 engine.close()
-            out[(backend, -1, n)] = path
-        one, many = out[(backend, -1, 1)], out[(backend, -1, threads)]
-        print(f"  {backend:10} 1 thread {one:.1f}, {threads} threads {many:.1f}, ratio {many / one:.2f}")
+            out[(backend, -3 if pipelined else -1, n)] = path
+        one, many, piped = out[(backend, -1, 1)], out[(backend, -1, threads)], out[(backend, -3, 1)]
+        print(f"  {backend:10} 1 thread {one:.1f}, {threads} threads {many:.1f}, ratio {many / one:.2f}; "
+              f"1 thread pipelined {piped:.1f}, ratio {piped / one:.2f}")
     return out
 
 
@@ -528,7 +534,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "tokens (speculative decoding: a mask per draft position; mode 'local drafted')")
     parser.add_argument("--fill-states", action="store_true",
                         help="the raw batched fill alone at --rows rows held at steps 2, 10 and 14 of their "
-                             "paths, 1 and --threads fill threads, and beside a Python loop (no server)")
+                             "paths, 1 and --threads fill threads, beside a Python loop; the engine's step, also "
+                             "pipelined (no server)")
     harness.add_json(parser, "the figures")
     args = parser.parse_args(argv)
     if args.threads <= 0:

@@ -44,7 +44,9 @@ MEANINGS: Final[Mapping[str, str]] = {
                             "grammar model may use (affinity and cgroup quota), 1 to 8: 1 on 2 cores, 8 on a 16-core GPU "
                             "node. llguidance builds a grammar whose sequences run side by side up to once per thread "
                             "(copies of one build take turns at its lexer), off the start's path; a heavy constraint "
-                            "(`HEAVY_CONSTRAINT_BYTES`) once. See docs/benchmarks.md for the scaling measured.",
+                            "(`HEAVY_CONSTRAINT_BYTES`) once. Fewer threads than CPUs leave one to the step thread: "
+                            "from 128 rows a step's first rows are filled while it plans the rest (the pipelined "
+                            "fill). See docs/benchmarks.md for the scaling measured.",
     "GRAMMAR_COMPILE_WORKERS": "Worker processes that compile grammars.",
     "GRAMMAR_COMPILE_QUEUE": "Distinct compiles that may wait for a worker; beyond, `RESOURCE_EXHAUSTED`.",
     "GRAMMAR_COMPILE_TIMEOUT_S": "How long a request's start waits for its compile.",

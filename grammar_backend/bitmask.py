@@ -65,6 +65,7 @@ class BitmaskBuffer:
         # a one-thread LLExecutor at 16 rows of the tiny vocabulary and equal at
         # 64 of Qwen3's (no bench compares the two; figures: docs/benchmarks.md).
         self._executor = llguidance.LLExecutor(threads) if threads > 1 else None
+        self._one: Any = None  # a one-thread LLExecutor, made on the first fill_rows(one_call=True)
         #: The rows the last :meth:`fill` wrote: this buffer, or the caller's; :meth:`force` and the others edit them.
         self.filled: np.ndarray = self.buffer
         # Reused per step so the step path allocates only the backends' own lists.
@@ -94,7 +95,18 @@ class BitmaskBuffer:
         GrammarError
             More rows than ``max_batch``, or an ``out`` of another shape or layout.
         """
-        rows = len(matchers)
+        target = self.prepare(len(matchers), out)
+        self.fill_rows(matchers, 0)
+        return target
+
+    def prepare(self, rows: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Make ``out`` (or this buffer) the rows :meth:`fill_rows` and the row edits write; its first ``rows`` rows.
+
+        Raises
+        ------
+        GrammarError
+            As :meth:`fill`.
+        """
         if rows > self.max_batch:
             raise GrammarError(f"bitmask: batch of {rows} rows exceeds max_batch {self.max_batch}")
         if out is None:
@@ -105,6 +117,17 @@ class BitmaskBuffer:
             raise GrammarError(f"bitmask: an out buffer must be C-contiguous int32 of shape {(rows, self.width)}, "
                                f"not {out.dtype} {out.shape}")
         self.filled = target
+        return target[:rows]
+
+    def fill_rows(self, matchers: Sequence[Matcher | None], start: int, *, one_call: bool = False) -> None:
+        """Fill rows ``start..start + len(matchers)`` of the rows :meth:`prepare` chose, as :meth:`fill` does.
+
+        One call at a time (the lists it reuses are this buffer's).  ``one_call``: llguidance's rows in one
+        call to its executor, which holds no GIL throughout, even on one thread (the fill of a thread beside
+        the step thread, :class:`grammar_service.fill_pipeline.FillPipeline`, would otherwise wait for the GIL
+        between rows).
+        """
+        target = self.filled
         active, indices, llg_rows, families = self._active, self._rows, self._llg_rows, self._llg_families
         active.clear()
         indices.clear()
@@ -112,7 +135,7 @@ class BitmaskBuffer:
         for family in families:
             family.clear()
         threads = len(families)
-        for i, matcher in enumerate(matchers):
+        for i, matcher in enumerate(matchers, start):
             if matcher is None:
                 target[i].fill(ALL_ALLOWED)
             elif isinstance(matcher, xgr.GrammarMatcher):
@@ -129,13 +152,17 @@ class BitmaskBuffer:
         else:
             for family in families:
                 llg_rows.extend(family)
-        if llg_rows:
-            if self._executor is None:
-                for inner, i in llg_rows:
-                    llguidance.numpy.fill_next_token_bitmask(inner, target, i)
-            else:
-                llguidance.numpy.fill_next_token_bitmask_par(self._executor, llg_rows, target)
-        return target[:rows]
+        if not llg_rows:
+            return
+        if self._executor is not None:
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, llg_rows, target)
+        elif one_call:
+            if self._one is None:
+                self._one = llguidance.LLExecutor(1)
+            llguidance.numpy.fill_next_token_bitmask_par(self._one, llg_rows, target)
+        else:
+            for inner, i in llg_rows:
+                llguidance.numpy.fill_next_token_bitmask(inner, target, i)
 
     def force(self, row: int, token: int) -> None:
         """Make ``token`` the only allowed token of ``row`` (of the rows the last :meth:`fill` wrote)."""

@@ -81,9 +81,14 @@ class GrammarModelConfig:
 
     def engine_config(self) -> GrammarEngineConfig:
         """The :class:`GrammarEngineConfig` these parameters describe."""
+        cpus = usable_cpus()
+        fill_threads = self.fill_threads or auto_fill_threads(cpus)
         return GrammarEngineConfig(
             max_batch=self.max_batch,
-            fill_threads=self.fill_threads or auto_fill_threads(usable_cpus()),
+            fill_threads=fill_threads,
+            # The pipelined fill overlaps the step thread's planning with the fill: it needs a CPU the fill
+            # threads leave free (with none, 1.02x at 256 rows, 2 threads on 2 CPUs: docs/benchmarks.md).
+            pipeline_rows=GrammarEngineConfig.pipeline_rows if fill_threads < cpus else 0,
             heavy_constraint_bytes=self.heavy_constraint_bytes,
             cache=CacheConfig(
                 max_bytes=self.cache_max_bytes,

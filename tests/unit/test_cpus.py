@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from grammar_service.cpus import MAX_AUTO_FILL_THREADS, auto_fill_threads, usable_cpus
+from grammar_service.engine import GrammarEngineConfig
 from triton_support.service import GrammarModelConfig
 
 AFFINITY = len(os.sched_getaffinity(0))
@@ -58,3 +59,13 @@ def test_auto_fill_threads_takes_half_the_cpus_up_to_the_cap(cpus: int, threads:
 def test_the_grammar_models_fill_threads(fill_threads: int, expected: int) -> None:
     config = GrammarModelConfig(tokenizer="unused", fill_threads=fill_threads)
     assert config.engine_config().fill_threads == expected
+
+
+@pytest.mark.parametrize("fill_threads", [1, 2, 8])
+@pytest.mark.parametrize("cpus", [1, 2, 16])
+def test_the_fill_is_pipelined_only_beside_a_free_cpu(monkeypatch: pytest.MonkeyPatch, cpus: int,
+                                                     fill_threads: int) -> None:
+    monkeypatch.setattr("triton_support.service.usable_cpus", lambda: cpus)
+    config = GrammarModelConfig(tokenizer="unused", fill_threads=fill_threads).engine_config()
+    assert config.pipeline_rows == (GrammarEngineConfig.pipeline_rows if fill_threads < cpus else 0)
+    assert GrammarEngineConfig.pipeline_rows > 0

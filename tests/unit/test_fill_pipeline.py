@@ -1,0 +1,163 @@
+"""The pipelined fill (grammar_service.fill_pipeline): a step's first rows filled on a thread of their own while the
+step thread plans the rest answers exactly as the step that plans, then fills."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import xgrammar as xgr
+
+from grammar_backend.bitmask import ALL_ALLOWED, BitmaskBuffer
+from grammar_backend.errors import ConfigError
+from grammar_backend.llg import LlgBackend
+from grammar_backend.spec import parse_constraint
+from grammar_service.engine import GrammarEngine, GrammarEngineConfig, StepResult
+from grammar_service.fill_pipeline import FillPipeline
+from tests.unit.test_drafts import BOUNDED, COLOURS, PERSON, Target, V
+
+ROWS = 16
+#: (constraint, options, budget, value checks) of row r: case r % 5.  Closing (calm and forced rows), value
+#: checks that drop and ban, jump-forward and a regex, in the head and in the tail of every split.
+ROW_CASES: list[tuple[str, str, dict[str, Any], int, bool]] = [
+    ("json_schema", json.dumps(PERSON), {"jump_forward": True}, 30, False),
+    ("json_schema", json.dumps(BOUNDED), {}, 0, True),
+    ("json_schema", json.dumps(COLOURS), {"jump_forward": True}, 24, True),
+    ("json_schema", json.dumps({"type": "array", "items": {"type": "integer"}, "maxItems": 6}), {}, 16, False),
+    ("regex", r"[a-z]{2,8}(-[0-9]{1,3}){1,3}", {}, 12, False),
+]
+#: Not started: an unknown sequence's row is an error row (here in the head of every split).
+UNKNOWN = 999
+
+
+def _engine(qwen_info: xgr.TokenizerInfo, qwen_tokenizer: Any, pipeline_rows: int) -> GrammarEngine:
+    eos = qwen_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    return GrammarEngine(qwen_info, "qwen3", GrammarEngineConfig(max_batch=ROWS, pipeline_rows=pipeline_rows),
+                         encode=lambda text: qwen_tokenizer.encode(text, add_special_tokens=False),
+                         llg=LlgBackend(qwen_tokenizer, V, (eos,)))
+
+
+@pytest.fixture(scope="module")
+def engines(qwen_info: xgr.TokenizerInfo, qwen_tokenizer: Any) -> Iterator[tuple[GrammarEngine, GrammarEngine]]:
+    serial, piped = _engine(qwen_info, qwen_tokenizer, 0), _engine(qwen_info, qwen_tokenizer, 1)
+    yield serial, piped
+    for eng in (serial, piped):
+        assert eng.active_count == 0, "a sequence leaked"
+        eng.close()
+
+
+def _answer(res: StepResult) -> tuple[Any, ...]:
+    return (res.bitmask.tobytes(), res.terminated.tolist(), [None if e is None else str(e) for e in res.errors],
+            res.forced, res.closing.tolist(), res.dropped.tolist(), res.hold.tolist(), res.forced_safe.tolist())
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_pipelined_step_answers_as_the_serial_one(engines: tuple[GrammarEngine, GrammarEngine],
+                                                    qwen_info: xgr.TokenizerInfo, backend: str, seed: int) -> None:
+    serial, piped = engines
+    ids = [UNKNOWN if r == 1 else 100 + r for r in range(ROWS)]
+    for eng in engines:
+        for r, seq_id in enumerate(ids):
+            if seq_id == UNKNOWN:
+                continue
+            kind, payload, options, budget, checks = ROW_CASES[r % len(ROW_CASES)]
+            eng.start(seq_id, parse_constraint(kind, payload, {"backend": backend, **options}), budget=budget,
+                      value_checks=checks)
+    target = Target(seed, [int(t) for t in qwen_info.stop_token_ids])
+    outputs: list[list[int]] = [[] for _ in ids]
+    pending: list[list[int]] = [[] for _ in ids]
+    splits: list[int] = []
+    record = piped._record_split
+
+    def recorded(rows: int, plan_s: float, fill_s: float) -> None:
+        splits.append(piped._split(rows))  # where this step's rows were split (before the averages move)
+        record(rows, plan_s, fill_s)
+
+    try:
+        piped._record_split = recorded  # type: ignore[method-assign]
+        for _ in range(60):
+            tokens = np.zeros((ROWS, 1), np.int32)
+            for r, p in enumerate(pending):
+                tokens[r, : len(p)] = p
+            counts = np.array([len(p) for p in pending], np.int32)
+            seq_ids = np.array(ids, np.uint64)
+            want = serial.step(seq_ids, tokens, counts, jump_forward=True)
+            got = piped.step(seq_ids, tokens, counts, jump_forward=True)
+            assert _answer(got) == _answer(want)
+            if all(want.terminated[r] or want.errors[r] is not None for r in range(ROWS)):
+                break
+            for r in range(ROWS):
+                pending[r] = []
+                if want.terminated[r] or want.errors[r] is not None:
+                    continue
+                if want.dropped[r]:
+                    del outputs[r][len(outputs[r]) - int(want.dropped[r]):]
+                    continue  # fed again from before the dropped tokens: this mask is not sampled
+                token = target.pick(want.bitmask[r], len(outputs[r]))
+                outputs[r].append(token)
+                pending[r] = [token]
+        else:
+            raise AssertionError("no end in 60 steps")
+    finally:
+        piped._record_split = record  # type: ignore[method-assign]
+        for eng in engines:
+            eng.end([s for s in ids if s != UNKNOWN])
+    assert len(splits) > 10 and all(2 <= s <= ROWS // 2 for s in splits)  # every step was pipelined
+    assert sum(map(len, outputs)) > 5 * ROWS
+
+
+def test_a_sequence_twice_in_a_batch_is_planned_then_filled(engines: tuple[GrammarEngine, GrammarEngine],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    _, piped = engines
+    assert piped._pipeline is not None
+    submitted: list[int] = []
+    submit = piped._pipeline.submit
+
+    def counted(matchers: Any, start: int) -> None:
+        submitted.append(len(matchers))
+        submit(matchers, start)
+
+    monkeypatch.setattr(piped._pipeline, "submit", counted)
+    piped.start(1, parse_constraint("json_schema", json.dumps(COLOURS), {}))
+    piped.start(2, parse_constraint("json_schema", json.dumps(COLOURS), {}))
+    try:
+        tokens, counts = np.zeros((ROWS, 1), np.int32), np.zeros(ROWS, np.int32)
+        piped.step(np.array([1, 2] * (ROWS // 2), np.uint64), tokens, counts)
+        assert submitted == []
+        piped.step(np.array([1, 2], np.uint64), tokens[:2], counts[:2])
+        assert len(submitted) == 1
+    finally:
+        piped.end([1, 2])
+
+
+class _Broken:
+    """A matcher whose fill fails (a backend's bug): the step thread must see it, and the pipeline go on."""
+
+    def fill_next_token_bitmask(self, bitmask: np.ndarray, index: int = 0) -> None:
+        raise ValueError("broken")
+
+
+def test_the_fill_threads_error_is_raised_on_the_step_thread() -> None:
+    buffer = BitmaskBuffer(2, 64)
+    buffer.prepare(2)
+    buffer.buffer.fill(0)
+    pipeline = FillPipeline(buffer)
+    try:
+        pipeline.submit([_Broken()], 0)  # type: ignore[list-item]
+        with pytest.raises(ValueError, match="^broken$"):
+            pipeline.wait()
+        pipeline.submit([None], 1)
+        assert pipeline.wait() >= 0.0
+        assert (buffer.buffer[1] == ALL_ALLOWED).all()
+        assert pipeline.wait() == 0.0  # nothing submitted: at once
+    finally:
+        pipeline.close()
+
+
+def test_pipeline_rows_is_checked() -> None:
+    with pytest.raises(ConfigError, match=r"^engine: pipeline_rows must be 0 \(never\) or positive, got -1$"):
+        GrammarEngineConfig(pipeline_rows=-1)
