@@ -339,24 +339,33 @@ def fill_states(info: xgr.TokenizerInfo, llg: LlgBackend, toks: list[list[int]],
     # Held states fill from warm caches; along the paths each step meets new states (llguidance's lexer
     # grows), as a served batch does: the in-process engine's whole step, its rows started as it starts them.
     # And on one thread, the pipelined fill (grammar_service.fill_pipeline, every step: pipeline_rows 1) beside
-    # the step that plans, then fills (pipeline_rows 0, as the thread counts are compared).
-    print(f"== in-process engine step along the paths, {rows} rows, ms a path, median of {repeats // 10} "
-          f"(value checks on, as served) ==")
+    # the step that plans, then fills (pipeline_rows 0, as the thread counts are compared).  Every engine is
+    # warm (its compile workers started, its grammars compiled) before any is timed, and the modes alternate
+    # by round: a compile worker still starting takes a core from whatever is timed beside it.
+    rounds = max(1, repeats // 6)
+    print(f"== in-process engine step along the paths, {rows} rows, ms a path, median of {rounds} alternating "
+          f"rounds (value checks on, as served) ==")
+    modes = sorted({(1, False), (threads, False), (1, True)})
     for backend in ("xgrammar", "llguidance"):
         cons = constraints(backend)
-        for n, pipelined in sorted({(1, False), (threads, False), (1, True)}):
-            config = GrammarEngineConfig(max_batch=rows, fill_threads=n, pipeline_rows=1 if pipelined else 0)
-            engine = GrammarEngine(info, "bench", config, llg=llg)
-            try:
+        engines = {(n, piped): GrammarEngine(info, "bench", GrammarEngineConfig(
+            max_batch=rows, fill_threads=n, pipeline_rows=1 if piped else 0), llg=llg) for n, piped in modes}
+        paths: dict[tuple[int, bool], list[float]] = {mode: [] for mode in modes}
+        try:
+            for engine in engines.values():
+                engine.warm_up()
                 time_local(engine, cons, toks, rows, False, True)  # compiles and first states
-                path = float(np.median([sum(time_local(engine, cons, toks, rows, False, True)[1:])
-                                        for _ in range(repeats // 10)]) * 1e3)
-            finally:
+            for r in range(rounds):
+                for mode in modes if r % 2 == 0 else modes[::-1]:
+                    paths[mode].append(sum(time_local(engines[mode], cons, toks, rows, False, True)[1:]))
+        finally:
+            for engine in engines.values():
                 engine.close()
-            out[(backend, -3 if pipelined else -1, n)] = path
-        one, many, piped = out[(backend, -1, 1)], out[(backend, -1, threads)], out[(backend, -3, 1)]
+        for (n, piped), times in paths.items():
+            out[(backend, -3 if piped else -1, n)] = float(np.median(times) * 1e3)
+        one, many, piped_ms = out[(backend, -1, 1)], out[(backend, -1, threads)], out[(backend, -3, 1)]
         print(f"  {backend:10} 1 thread {one:.1f}, {threads} threads {many:.1f}, ratio {many / one:.2f}; "
-              f"1 thread pipelined {piped:.1f}, ratio {piped / one:.2f}")
+              f"1 thread pipelined {piped_ms:.1f}, ratio {piped_ms / one:.2f}")
     return out
 
 
