@@ -295,7 +295,7 @@ class GrammarEngine:
         )
         self.table = SequenceTable(config.table)
         self.bitmask = BitmaskBuffer(config.max_batch, self.vocab_size, config.fill_threads)
-        self._pipeline = FillPipeline(self.bitmask) if config.pipeline_rows else None
+        self._pipeline = FillPipeline(self.bitmask) if 0 < config.pipeline_rows <= config.max_batch else None
         # Seconds per row of the last pipelined steps' planning and fill: where the next one hands its rows over.
         self._plan_row_s = self._fill_row_s = 0.0
         self._terminated = np.zeros(config.max_batch, dtype=bool)
@@ -654,8 +654,8 @@ class GrammarEngine:
         Returns
         -------
         StepResult
-            One bad row (unknown id, rejected token) is reported in
-            ``errors`` and never fails the batch.
+            One bad row (unknown id, rejected token, a sequence an earlier
+            row named) is reported in ``errors`` and never fails the batch.
 
         Raises
         ------
@@ -692,8 +692,7 @@ class GrammarEngine:
         errors = _RowErrors(id_list)
         jump_rows: list[tuple[int, GrammarSequence]] | None = [] if jump_forward else None
         pipeline = self._pipeline
-        if pipeline is not None and rows >= self.config.pipeline_rows and len(set(id_list)) == rows:
-            # (A sequence twice in one batch would be planned on one thread while filled on the other.)
+        if pipeline is not None and rows >= self.config.pipeline_rows:
             split = self._split(rows)
         else:
             pipeline, split = None, rows
@@ -795,7 +794,10 @@ class GrammarEngine:
         ban_rows, forced_rows, calm_rows = self._ban_rows, self._forced_rows, self._calm_rows
         matchers: list[Matcher | None] = [None] * len(id_list)
         pipeline = self._pipeline
-        for i, seq in enumerate(self.table.get_rows(id_list)):
+        found = self.table.get_rows(id_list)
+        if len(set(id_list)) != len(id_list):
+            _named_again(found, id_list)
+        for i, seq in enumerate(found):
             if i == split and pipeline is not None:
                 pipeline.submit(matchers[:i], 0)
             count = count_list[i]
@@ -1035,8 +1037,9 @@ class GrammarEngine:
         self.llg_cache.close()
         if self._spread is not None:
             self._spread.close()
-        if self._pipeline is not None:
-            self._pipeline.close()
+        pipeline, self._pipeline = self._pipeline, None  # later steps plan, then fill
+        if pipeline is not None:
+            pipeline.close()
         self.workers.close()
 
 
@@ -1078,6 +1081,19 @@ def _also(first: GrammarError, backend: str, err: GrammarError) -> GrammarError:
 
 def _other(backend: str) -> str:
     return LLGUIDANCE if backend == XGRAMMAR else XGRAMMAR
+
+
+def _named_again(found: list[GrammarSequence | SequenceError], id_list: list[int]) -> None:
+    """Make each row that names a sequence an earlier row of the step named an error row.
+
+    One matcher cannot take two rows' tokens, nor be filled for two rows at once (llguidance's executor
+    refuses a matcher it already holds: the whole fill failed, every row with it).
+    """
+    seen: set[int] = set()
+    for i, seq_id in enumerate(id_list):
+        if seq_id in seen:
+            found[i] = SequenceError(seq_id, "named by more than one row of this step")
+        seen.add(seq_id)
 
 
 def _row_error(seq_id: int, err: SequenceError | MatcherFailed) -> SequenceError:

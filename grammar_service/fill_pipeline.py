@@ -20,6 +20,10 @@ import time
 from collections.abc import Sequence
 
 from grammar_backend.bitmask import BitmaskBuffer, Matcher
+from grammar_backend.errors import GrammarError
+
+#: How often a hand-over checks that the fill thread is still there (a hang-only deadline: it is taken at once).
+_TAKEN_POLL_S = 1.0
 
 
 class FillPipeline:
@@ -50,9 +54,14 @@ class FillPipeline:
         the fill thread would wait for the GIL (up to the interpreter's switch interval, 5 ms) before its
         fill could begin.  One job at a time: :meth:`wait` before the next.
         """
+        if not self._thread.is_alive():
+            raise GrammarError("fill pipeline: closed")
         self._idle.clear()
         self._jobs.put((matchers, start))
-        self._taken.wait()
+        while not self._taken.wait(_TAKEN_POLL_S):
+            if not self._thread.is_alive():  # closed while this job waited behind its stop
+                self._idle.set()
+                raise GrammarError("fill pipeline: closed")
         self._taken.clear()
 
     def wait(self) -> float:
@@ -71,7 +80,7 @@ class FillPipeline:
         return seconds
 
     def close(self) -> None:
-        """Stop the thread (after the job it has, if any)."""
+        """Stop the thread (after the job it has, if any); a later :meth:`submit` raises."""
         self._jobs.put(None)
         self._thread.join()
 
@@ -86,5 +95,8 @@ class FillPipeline:
                 self._bitmask.fill_rows(job[0], job[1], one_call=True)
             except BaseException as err:  # noqa: BLE001 -- raised again on the step thread by wait()
                 self._error = err
+            # Not held while waiting for the next job: ended sequences' matchers go now (an llguidance copy's
+            # finalizer gives its template back, grammar_service.llg_spread).
+            job = None
             self._fill_s = time.perf_counter() - t0
             self._idle.set()

@@ -12,7 +12,7 @@ import numpy as np
 
 from grammar_backend.bitmask import Matcher
 from grammar_backend.closing import ClosingConfig
-from grammar_backend.errors import CapacityExceeded, ConfigError, DuplicateSequence, UnknownSequence
+from grammar_backend.errors import CapacityExceeded, ConfigError, DuplicateSequence, SequenceError, UnknownSequence
 from grammar_backend.sequences import GrammarSequence
 from grammar_backend.spec import ConstraintSpec
 
@@ -116,10 +116,10 @@ class SequenceTable:
             self._seqs.move_to_end(seq_id)
             return seq
 
-    def get_rows(self, seq_ids: Sequence[int]) -> list[GrammarSequence | UnknownSequence]:
+    def get_rows(self, seq_ids: Sequence[int]) -> list[GrammarSequence | SequenceError]:
         """:meth:`get` of every row of a step under one lock and one clock read: each row's sequence, or the
         error of a row whose sequence is not active (that row's alone)."""
-        found: list[GrammarSequence | UnknownSequence] = []
+        found: list[GrammarSequence | SequenceError] = []
         with self._lock:
             seqs, now = self._seqs, self._clock()
             for seq_id in seq_ids:

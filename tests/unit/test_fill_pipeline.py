@@ -12,12 +12,12 @@ import pytest
 import xgrammar as xgr
 
 from grammar_backend.bitmask import ALL_ALLOWED, BitmaskBuffer
-from grammar_backend.errors import ConfigError
+from grammar_backend.errors import ConfigError, GrammarError
 from grammar_backend.llg import LlgBackend
 from grammar_backend.spec import parse_constraint
 from grammar_service.engine import GrammarEngine, GrammarEngineConfig, StepResult
 from grammar_service.fill_pipeline import FillPipeline
-from tests.unit.test_drafts import BOUNDED, COLOURS, PERSON, Target, V
+from tests.unit.test_drafts import BOUNDED, COLOURS, PERSON, Target, V, allowed
 
 ROWS = 16
 #: (constraint, options, budget, value checks) of row r: case r % 5.  Closing (calm and forced rows), value
@@ -33,16 +33,20 @@ ROW_CASES: list[tuple[str, str, dict[str, Any], int, bool]] = [
 UNKNOWN = 999
 
 
-def _engine(qwen_info: xgr.TokenizerInfo, qwen_tokenizer: Any, pipeline_rows: int) -> GrammarEngine:
+def _engine(qwen_info: xgr.TokenizerInfo, qwen_tokenizer: Any, pipeline_rows: int, threads: int) -> GrammarEngine:
     eos = qwen_tokenizer.convert_tokens_to_ids("<|im_end|>")
-    return GrammarEngine(qwen_info, "qwen3", GrammarEngineConfig(max_batch=ROWS, pipeline_rows=pipeline_rows),
+    config = GrammarEngineConfig(max_batch=ROWS, fill_threads=threads, pipeline_rows=pipeline_rows)
+    return GrammarEngine(qwen_info, "qwen3", config,
                          encode=lambda text: qwen_tokenizer.encode(text, add_special_tokens=False),
                          llg=LlgBackend(qwen_tokenizer, V, (eos,)))
 
 
-@pytest.fixture(scope="module")
-def engines(qwen_info: xgr.TokenizerInfo, qwen_tokenizer: Any) -> Iterator[tuple[GrammarEngine, GrammarEngine]]:
-    serial, piped = _engine(qwen_info, qwen_tokenizer, 0), _engine(qwen_info, qwen_tokenizer, 1)
+@pytest.fixture(scope="module", params=[1, 2], ids=["1-thread", "2-threads"])
+def engines(request: pytest.FixtureRequest, qwen_info: xgr.TokenizerInfo,
+            qwen_tokenizer: Any) -> Iterator[tuple[GrammarEngine, GrammarEngine]]:
+    """Two engines on ``request.param`` fill threads: one plans then fills, the other pipelines every step."""
+    serial = _engine(qwen_info, qwen_tokenizer, 0, request.param)
+    piped = _engine(qwen_info, qwen_tokenizer, 1, request.param)
     yield serial, piped
     for eng in (serial, piped):
         assert eng.active_count == 0, "a sequence leaked"
@@ -86,7 +90,10 @@ def test_a_pipelined_step_answers_as_the_serial_one(engines: tuple[GrammarEngine
             counts = np.array([len(p) for p in pending], np.int32)
             seq_ids = np.array(ids, np.uint64)
             want = serial.step(seq_ids, tokens, counts, jump_forward=True)
-            got = piped.step(seq_ids, tokens, counts, jump_forward=True)
+            # The pipelined one writes the caller's mask buffer, as the grammar model's shared memory.
+            out = np.zeros((ROWS, serial.bitmask.width), np.int32)
+            got = piped.step(seq_ids, tokens, counts, jump_forward=True, out=out)
+            assert got.bitmask is out or got.bitmask.base is out
             assert _answer(got) == _answer(want)
             if all(want.terminated[r] or want.errors[r] is not None for r in range(ROWS)):
                 break
@@ -110,9 +117,9 @@ def test_a_pipelined_step_answers_as_the_serial_one(engines: tuple[GrammarEngine
     assert sum(map(len, outputs)) > 5 * ROWS
 
 
-def test_a_sequence_twice_in_a_batch_is_planned_then_filled(engines: tuple[GrammarEngine, GrammarEngine],
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    _, piped = engines
+def test_a_row_naming_a_sequence_again_is_an_error_row(engines: tuple[GrammarEngine, GrammarEngine],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    piped = engines[1]
     assert piped._pipeline is not None
     submitted: list[int] = []
     submit = piped._pipeline.submit
@@ -122,16 +129,44 @@ def test_a_sequence_twice_in_a_batch_is_planned_then_filled(engines: tuple[Gramm
         submit(matchers, start)
 
     monkeypatch.setattr(piped._pipeline, "submit", counted)
-    piped.start(1, parse_constraint("json_schema", json.dumps(COLOURS), {}))
-    piped.start(2, parse_constraint("json_schema", json.dumps(COLOURS), {}))
+    ids = np.array([1, 2] * (ROWS // 2), np.uint64)
+    tokens, counts = np.zeros((ROWS, 1), np.int32), np.zeros(ROWS, np.int32)
+    for eng in engines:
+        for seq_id in (1, 2):
+            eng.start(seq_id, parse_constraint("json_schema", json.dumps(COLOURS), {}))
     try:
-        tokens, counts = np.zeros((ROWS, 1), np.int32), np.zeros(ROWS, np.int32)
-        piped.step(np.array([1, 2] * (ROWS // 2), np.uint64), tokens, counts)
-        assert submitted == []
-        piped.step(np.array([1, 2], np.uint64), tokens[:2], counts[:2])
-        assert len(submitted) == 1
+        # One matcher cannot be two rows (on two fill threads, llguidance's executor refused the whole fill).
+        for eng in engines:
+            res = eng.step(ids, tokens, counts)
+            assert [None if e is None else str(e) for e in res.errors] == [
+                None, None, *(f"sequence {s}: named by more than one row of this step" for s in ids[2:].tolist())]
+            assert allowed(res.bitmask[0]).sum() == allowed(res.bitmask[1]).sum() > 0
+        assert len(submitted) == 1  # pipelined all the same
     finally:
-        piped.end([1, 2])
+        for eng in engines:
+            eng.end([1, 2])
+
+
+def test_a_step_after_close_plans_then_fills(qwen_info: xgr.TokenizerInfo, qwen_tokenizer: Any) -> None:
+    eng = _engine(qwen_info, qwen_tokenizer, 1, 1)
+    pipeline = eng._pipeline
+    assert pipeline is not None
+    for seq_id in (1, 2):
+        eng.start(seq_id, parse_constraint("json_schema", json.dumps(COLOURS), {}))
+    eng.close()
+    res = eng.step(np.array([1, 2], np.uint64), np.zeros((2, 1), np.int32), np.zeros(2, np.int32))
+    assert res.errors == (None, None) and allowed(res.bitmask[0]).sum() == allowed(res.bitmask[1]).sum() > 0
+    with pytest.raises(GrammarError, match="^fill pipeline: closed$"):
+        pipeline.submit([None], 0)
+    eng.end([1, 2])
+
+
+def test_no_fill_thread_where_no_step_can_be_pipelined(qwen_info: xgr.TokenizerInfo, qwen_tokenizer: Any) -> None:
+    eng = _engine(qwen_info, qwen_tokenizer, ROWS + 1, 1)
+    try:
+        assert eng._pipeline is None
+    finally:
+        eng.close()
 
 
 class _Broken:
