@@ -54,8 +54,11 @@ def engines(request: pytest.FixtureRequest, qwen_info: xgr.TokenizerInfo,
 
 
 def _answer(res: StepResult) -> tuple[Any, ...]:
+    drafted = None if res.draft_bitmask is None or res.draft_valid is None or res.draft_closing is None else (
+        res.draft_bitmask.tobytes(), res.draft_valid.tolist(), res.draft_closing.tolist())
     return (res.bitmask.tobytes(), res.terminated.tolist(), [None if e is None else str(e) for e in res.errors],
-            res.forced, res.closing.tolist(), res.dropped.tolist(), res.hold.tolist(), res.forced_safe.tolist())
+            res.forced, res.closing.tolist(), res.dropped.tolist(), res.hold.tolist(), res.forced_safe.tolist(),
+            drafted)
 
 
 @pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
@@ -83,17 +86,23 @@ def test_a_pipelined_step_answers_as_the_serial_one(engines: tuple[GrammarEngine
 
     try:
         piped._record_split = recorded  # type: ignore[method-assign]
-        for _ in range(60):
+        for n in range(60):
             tokens = np.zeros((ROWS, 1), np.int32)
             for r, p in enumerate(pending):
                 tokens[r, : len(p)] = p
             counts = np.array([len(p) for p in pending], np.int32)
             seq_ids = np.array(ids, np.uint64)
-            want = serial.step(seq_ids, tokens, counts, jump_forward=True)
+            # Every other step carries two drafts a row (its last token again): the draft positions are
+            # planned and filled after the pipelined fill, on forks of the rows it filled.
+            drafts: dict[str, np.ndarray] = {}
+            if n % 2:
+                drafts = {"drafts": np.repeat(tokens, 2, axis=1), "draft_counts": 2 * counts}
+            want = serial.step(seq_ids, tokens, counts, jump_forward=True, **drafts)
             # The pipelined one writes the caller's mask buffer, as the grammar model's shared memory.
             out = np.zeros((ROWS, serial.bitmask.width), np.int32)
-            got = piped.step(seq_ids, tokens, counts, jump_forward=True, out=out)
+            got = piped.step(seq_ids, tokens, counts, jump_forward=True, out=out, **drafts)
             assert got.bitmask is out or got.bitmask.base is out
+            assert (want.draft_bitmask is not None) == bool(n % 2)
             assert _answer(got) == _answer(want)
             if all(want.terminated[r] or want.errors[r] is not None for r in range(ROWS)):
                 break
@@ -115,6 +124,30 @@ def test_a_pipelined_step_answers_as_the_serial_one(engines: tuple[GrammarEngine
             eng.end([s for s in ids if s != UNKNOWN])
     assert len(splits) > 10 and all(2 <= s <= ROWS // 2 for s in splits)  # every step was pipelined
     assert sum(map(len, outputs)) > 5 * ROWS
+
+
+def test_a_fill_error_on_the_fill_thread_fails_its_step_only(engines: tuple[GrammarEngine, GrammarEngine],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    piped = engines[1]
+    fill_rows = piped.bitmask.fill_rows
+
+    def broken(matchers: Any, start: int, *, one_call: bool = False) -> None:
+        if one_call:  # the fill thread's call
+            raise RuntimeError("fill failed")
+        fill_rows(matchers, start, one_call=one_call)
+
+    ids, tokens, counts = np.array([1, 2], np.uint64), np.zeros((2, 1), np.int32), np.zeros(2, np.int32)
+    for seq_id in (1, 2):
+        piped.start(seq_id, parse_constraint("json_schema", json.dumps(COLOURS), {}))
+    try:
+        monkeypatch.setattr(piped.bitmask, "fill_rows", broken)
+        with pytest.raises(RuntimeError, match="^fill failed$"):
+            piped.step(ids, tokens, counts)
+        monkeypatch.undo()
+        res = piped.step(ids, tokens, counts)
+        assert res.errors == (None, None) and allowed(res.bitmask[0]).sum() == allowed(res.bitmask[1]).sum() > 0
+    finally:
+        piped.end([1, 2])
 
 
 def test_a_row_naming_a_sequence_again_is_an_error_row(engines: tuple[GrammarEngine, GrammarEngine],
