@@ -94,8 +94,8 @@ class GrammarEngineConfig:
         The fewest rows of a step whose first rows are filled on a thread of their own while the step thread
         plans the rest (:mod:`grammar_service.fill_pipeline`); 0: never.  Below it a step fills after planning:
         the hand-over (two thread wake-ups) and the fill's pressure on the planning thread cost about what a
-        small batch hides (in-process step on 2 CPUs, 1 fill thread, xgrammar: 0.98x at 64 rows, 0.91x at 128,
-        0.89x at 256; docs/benchmarks.md).
+        small batch hides (the in-process step pipelined over not, 2 CPUs, 1 fill thread, xgrammar: 0.99 at 64
+        rows, 0.93 at 128, 0.87 at 256; ``bench/grammar_step_bench.py --fill-states --rows R``).
     """
 
     max_batch: int = 256
@@ -794,10 +794,7 @@ class GrammarEngine:
         ban_rows, forced_rows, calm_rows = self._ban_rows, self._forced_rows, self._calm_rows
         matchers: list[Matcher | None] = [None] * len(id_list)
         pipeline = self._pipeline
-        found = self.table.get_rows(id_list)
-        if len(set(id_list)) != len(id_list):
-            _named_again(found, id_list)
-        for i, seq in enumerate(found):
+        for i, seq in enumerate(self.table.get_rows(id_list)):
             if i == split and pipeline is not None:
                 pipeline.submit(matchers[:i], 0)
             count = count_list[i]
@@ -1081,19 +1078,6 @@ def _also(first: GrammarError, backend: str, err: GrammarError) -> GrammarError:
 
 def _other(backend: str) -> str:
     return LLGUIDANCE if backend == XGRAMMAR else XGRAMMAR
-
-
-def _named_again(found: list[GrammarSequence | SequenceError], id_list: list[int]) -> None:
-    """Make each row that names a sequence an earlier row of the step named an error row.
-
-    One matcher cannot take two rows' tokens, nor be filled for two rows at once (llguidance's executor
-    refuses a matcher it already holds: the whole fill failed, every row with it).
-    """
-    seen: set[int] = set()
-    for i, seq_id in enumerate(id_list):
-        if seq_id in seen:
-            found[i] = SequenceError(seq_id, "named by more than one row of this step")
-        seen.add(seq_id)
 
 
 def _row_error(seq_id: int, err: SequenceError | MatcherFailed) -> SequenceError:

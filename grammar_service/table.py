@@ -118,7 +118,9 @@ class SequenceTable:
 
     def get_rows(self, seq_ids: Sequence[int]) -> list[GrammarSequence | SequenceError]:
         """:meth:`get` of every row of a step under one lock and one clock read: each row's sequence, or the
-        error of a row whose sequence is not active (that row's alone)."""
+        error of a row whose sequence is not active, or that an earlier row named (that row's alone: one
+        matcher cannot take two rows' tokens, nor be filled for two rows at once; llguidance's executor
+        refuses a matcher it already holds, which failed the whole fill)."""
         found: list[GrammarSequence | SequenceError] = []
         with self._lock:
             seqs, now = self._seqs, self._clock()
@@ -130,6 +132,12 @@ class SequenceTable:
                 seq.last_used = now
                 seqs.move_to_end(seq_id)
                 found.append(seq)
+        if len(set(seq_ids)) != len(seq_ids):
+            seen: set[int] = set()
+            for i, seq_id in enumerate(seq_ids):
+                if seq_id in seen:
+                    found[i] = SequenceError(seq_id, "named by more than one row of this step")
+                seen.add(seq_id)
         return found
 
     def accept(self, seq_id: int, tokens: Sequence[int] | np.ndarray) -> bool:

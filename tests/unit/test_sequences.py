@@ -107,6 +107,10 @@ def test_a_step_looks_its_rows_up_at_once(compiled: xgr.CompiledGrammar) -> None
     assert [r.seq_id for r in rows] == [3, 9, 1]
     assert isinstance(rows[1], UnknownSequence)
     assert str(rows[1]) == "sequence 9: not active (never started, ended or evicted)"
+    # A sequence an earlier row named: that row's error, the first row keeps it.
+    again = table.get_rows([1, 3, 1])
+    assert again[:2] == [table.get(1), table.get(3)]
+    assert str(again[2]) == "sequence 1: named by more than one row of this step"
     now[0] = 12  # 1 and 3 were used at 8; 2 has been idle since 0
     table.start(4, SPEC, xgr.GrammarMatcher(compiled))
     assert 2 not in table and 1 in table and 3 in table
