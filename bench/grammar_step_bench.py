@@ -293,36 +293,42 @@ def fill_states(info: xgr.TokenizerInfo, llg: LlgBackend, toks: list[list[int]],
     bitmask = llguidance.numpy.allocate_token_bitmask(rows, QWEN_VOCAB)
     out: dict[tuple[str, int, int], float] = {}
     beside: dict[str, tuple[float, float, float]] = {}
+    counts = sorted({1, threads})
     for state in states:
         xms = [xgr.GrammarMatcher(xgrammars[r % len(cons)]) for r in range(rows)]
         for r in range(rows):
             for t in toks[r % len(toks)][:state]:
                 if not xms[r].accept_token(t):
                     raise RuntimeError(f"fill states: row {r} rejected its token")
-        for n in sorted({1, threads}):
+        fills: dict[str, list[Callable[[], object]]] = {"xgrammar": [], "llguidance": []}
+        for n in counts:
             # llguidance's rows as the engine makes them for n fill threads: a template per thread.
             lms, targets = llguidance_rows(llg, llguidance_grammars(llg, cons, n), rows)
             for r in range(rows):
                 for t in toks[r % len(toks)][:state]:
                     if not lms[r].consume_token(t):
                         raise RuntimeError(f"fill states: row {r} rejected its token")
-            batch = xgr.BatchGrammarMatcher(n)
-            executor = llguidance.LLExecutor(n)
-            fills: dict[str, Callable[[], object]] = {
-                "xgrammar": functools.partial(batch.batch_fill_next_token_bitmask, xms, bitmask),
-                "llguidance": functools.partial(llguidance.numpy.fill_next_token_bitmask_par, executor, targets,
-                                                bitmask)}
-            for backend, fill in fills.items():
+            fills["xgrammar"].append(functools.partial(xgr.BatchGrammarMatcher(n).batch_fill_next_token_bitmask,
+                                                       xms, bitmask))
+            fills["llguidance"].append(functools.partial(llguidance.numpy.fill_next_token_bitmask_par,
+                                                         llguidance.LLExecutor(n), targets, bitmask))
+        for backend, by_count in fills.items():
+            # The thread counts fill by fill in turn: this host's speed drifts within seconds, and two runs of
+            # `repeats` fills one after the other gave ratios that moved with it.
+            turns: list[list[float]] = [[] for _ in counts]
+            for fill in by_count:
                 fill()
-                times = []
-                for _ in range(repeats):
+            for _ in range(repeats):
+                for taken, fill in zip(turns, by_count):
                     t0 = time.perf_counter()
                     fill()
-                    times.append(time.perf_counter() - t0)
-                out[(backend, state, n)] = float(np.median(times) * 1e3)
-                if n == 1 and state == states[len(states) // 2]:
-                    beside[backend] = beside_python(fill, repeats)
-    print(f"== raw fill, {rows} rows held at one step of their paths, median of {repeats} fills (ms) ==")
+                    taken.append(time.perf_counter() - t0)
+            for n, taken in zip(counts, turns):
+                out[(backend, state, n)] = float(np.median(taken) * 1e3)
+            if state == states[len(states) // 2]:
+                beside[backend] = beside_python(by_count[0], repeats)
+    print(f"== raw fill, {rows} rows held at one step of their paths, median of {repeats} fills taken in turn "
+          f"(ms) ==")
     print(f"  host: the same GIL-free work on {threads} threads / 1 thread {host_parallelism(threads):.2f} "
           f"({1 / threads:.2f} on {threads} real idle cores)")
     for backend in ("xgrammar", "llguidance"):

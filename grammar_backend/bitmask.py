@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any, Final, Protocol
 
@@ -32,6 +33,13 @@ class Matcher(Protocol):
 
 #: All 32 bits set: every token of the word allowed.
 ALL_ALLOWED = np.int32(-1)
+#: xgrammar's rows go to its ``threads`` only where their last fill took this long or longer; below it, to one.
+#: ``BatchGrammarMatcher(n)`` starts ``n`` threads at every call (its pool "cannot be reused after Join()",
+#: ``cpp/grammar_matcher.cc``): 64 Qwen3 rows after 2 tokens of their paths filled in 0.06-0.09 ms on one
+#: thread and 0.17-0.21 ms on two, while a state costing 0.9-1.4 ms filled in 0.53-0.87x the time on two
+#: (``bench/grammar_step_bench.py --fill-states --threads 2``, 2-CPU host).  The crossover, ``F = F / 2 +
+#: 0.14 ms``, is near 0.3 ms.
+XGRAMMAR_SPREAD_MIN_S: Final = 0.3e-3
 
 
 
@@ -51,16 +59,30 @@ class BitmaskBuffer:
         The model's padded vocabulary size (logits width).
     threads : int
         Threads of ``xgrammar.BatchGrammarMatcher`` and of llguidance's
-        ``LLExecutor`` for the batch fill.
+        ``LLExecutor`` for the batch fill.  xgrammar's rows take them only
+        where their last fill took ``spread_min_s`` or longer.
+    spread_min_s : float
+        :data:`XGRAMMAR_SPREAD_MIN_S` (0: xgrammar's rows always take every
+        thread).  The first fill, with no cost to go by, is on one thread
+        unless this is 0.
     """
 
-    def __init__(self, max_batch: int, vocab_size: int, threads: int = 1) -> None:
+    def __init__(self, max_batch: int, vocab_size: int, threads: int = 1, *,
+                 spread_min_s: float = XGRAMMAR_SPREAD_MIN_S) -> None:
         if max_batch <= 0 or vocab_size <= 0 or threads <= 0:
             raise ConfigError("bitmask: max_batch, vocab_size and threads must be positive")
+        if not spread_min_s >= 0:
+            raise ConfigError(f"bitmask: spread_min_s must be >= 0, not {spread_min_s}")
         self.max_batch = max_batch
+        self.threads = threads
         self.width = bitmask_width(vocab_size)
         self.buffer = np.full((max_batch, self.width), ALL_ALLOWED, dtype=np.int32)
-        self._batch = xgr.BatchGrammarMatcher(threads)
+        self._batch = xgr.BatchGrammarMatcher(1)
+        self._spread = xgr.BatchGrammarMatcher(threads) if threads > 1 else None
+        self._spread_min_s = spread_min_s
+        self._xgrammar_row_s = 0.0  # seconds a row at the last fill of xgrammar rows: the next one's estimate
+        #: Threads xgrammar's rows of the last fill were given (1 or ``threads``).
+        self.xgrammar_threads = 1
         # One thread: llguidance's rows are filled in a plain loop, faster than
         # a one-thread LLExecutor at 16 rows of the tiny vocabulary and equal at
         # 64 of Qwen3's (no bench compares the two; figures: docs/benchmarks.md).
@@ -84,7 +106,8 @@ class BitmaskBuffer:
         constraint, a terminated matcher, or a row in error) is all ones.
         Terminated matchers must be passed as None: xgrammar raises when
         asked to fill a matcher that has accepted its stop token.  xgrammar
-        rows are filled in one batched call, llguidance's in another.
+        rows are filled in one batched call (on ``threads`` where their last
+        fill was costly), llguidance's in another.
         ``out`` (int32, C-contiguous, ``[len(matchers), width]``) is filled
         in place of this buffer: the caller's shared-memory mask buffer,
         which a copy would cost a pass over (``bench/grammar_step_bench.py``
@@ -146,7 +169,12 @@ class BitmaskBuffer:
             else:
                 matcher.fill_next_token_bitmask(target, i)
         if active:
-            self._batch.batch_fill_next_token_bitmask(active, target, indices)
+            # Priced at the last fill's seconds a row: a pipelined step fills its rows in two calls.
+            spread = self._spread if len(active) * self._xgrammar_row_s >= self._spread_min_s else None
+            self.xgrammar_threads = 1 if spread is None else self.threads
+            t0 = time.perf_counter()
+            (spread or self._batch).batch_fill_next_token_bitmask(active, target, indices)
+            self._xgrammar_row_s = (time.perf_counter() - t0) / len(active)
         if threads == 1:
             llg_rows = families[0]  # one thread: nothing to group
         else:

@@ -86,6 +86,37 @@ def test_bitmask_buffer_fills_the_callers_rows(tiny_info: xgr.TokenizerInfo) -> 
             buf.fill([matcher, None], bad)
 
 
+@pytest.mark.parametrize(("threads", "spread_min_s", "taken"), [
+    (1, 0.0, [1, 1, 1]),  # one thread: nothing to spread over
+    (2, 0.0, [2, 2, 2]),  # every fill takes both
+    (2, 1e-12, [1, 2, 2]),  # the first fill has no cost to go by: one thread; then any fill costs enough
+    (2, float("inf"), [1, 1, 1]),  # no fill costs enough to start threads for
+])
+def test_xgrammar_rows_take_the_fill_threads_where_their_last_fill_was_costly(
+        tiny_info: xgr.TokenizerInfo, threads: int, spread_min_s: float, taken: list[int]) -> None:
+    """BatchGrammarMatcher(n) starts n threads at every call: a fill goes to them only where the rows' last
+    fill cost ``spread_min_s`` or more, and fills the same rows either way."""
+    grammar = xgr.GrammarCompiler(tiny_info, cache_enabled=False).compile_regex("[xy]z|zz[xy]")
+    matchers = [xgr.GrammarMatcher(grammar) for _ in range(6)]
+    one = BitmaskBuffer(8, TINY_VOCAB_SIZE)
+    buf = BitmaskBuffer(8, TINY_VOCAB_SIZE, threads, spread_min_s=spread_min_s)
+    seen = []
+    for token in (None, ord("z"), ord("z")):
+        if token is not None:
+            for matcher in matchers[::2]:  # half the rows move on: rows in two states
+                assert matcher.accept_token(token)
+        rows: list[xgr.GrammarMatcher | None] = [*matchers, None]
+        np.testing.assert_array_equal(buf.fill(rows), one.fill(rows))
+        seen.append(buf.xgrammar_threads)
+    assert seen == taken
+
+
+@pytest.mark.parametrize("spread_min_s", [-1e-3, float("nan")])
+def test_a_negative_spread_threshold_is_refused(spread_min_s: float) -> None:
+    with pytest.raises(ConfigError, match=r"^bitmask: spread_min_s must be >= 0, not "):
+        BitmaskBuffer(4, TINY_VOCAB_SIZE, 2, spread_min_s=spread_min_s)
+
+
 def test_a_step_into_the_callers_rows_equals_a_step_into_the_engines(engine: GrammarEngine) -> None:
     engine.start(20, parse_constraint("json_schema", json.dumps(load_schema("person"))))
     engine.start(21, parse_constraint("choice", '["yes", "no"]'))
