@@ -36,7 +36,7 @@ ALL_ALLOWED = np.int32(-1)
 #: xgrammar's rows go to its ``threads`` only where their last fill took this long or longer; below it, to one.
 #: ``BatchGrammarMatcher(n)`` starts ``n`` threads at every call (its pool "cannot be reused after Join()",
 #: ``cpp/grammar_matcher.cc``): 64 Qwen3 rows after 2 tokens of their paths filled in 0.06-0.09 ms on one
-#: thread and 0.17-0.21 ms on two, while a state costing 0.9-1.4 ms filled in 0.53-0.87x the time on two
+#: thread and 0.17-0.22 ms on two, while states costing 0.7-1.7 ms filled in 0.53-0.87x the time on two
 #: (``bench/grammar_step_bench.py --fill-states --threads 2``, 2-CPU host).  The crossover, ``F = F / 2 +
 #: 0.14 ms``, is near 0.3 ms.
 XGRAMMAR_SPREAD_MIN_S: Final = 0.3e-3
