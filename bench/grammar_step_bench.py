@@ -279,8 +279,9 @@ def beside_python(fill: Callable[[], object], repeats: int) -> tuple[float, floa
 def fill_states(info: xgr.TokenizerInfo, llg: LlgBackend, toks: list[list[int]], rows: int, threads: int,
                 states: Sequence[int] = (2, 10, 14), repeats: int = 30) -> dict[tuple[str, int, int], float]:
     """``--fill-states``: the raw batched fill alone, every row held at step ``s`` of its path, on 1 and
-    ``threads`` fill threads; the median ms of ``repeats`` fills of the same states (what the threads do
-    with cheap and with costly rows, apart from the path's mix).  At the middle state, the one-thread fill
+    ``threads`` fill threads; the median ms of ``repeats`` fills of the same states, the thread counts taken
+    fill by fill in turn (what the threads do with cheap and with costly rows, apart from the path's mix).
+    At the middle state, the one-thread fill
     beside a Python loop on this thread (:func:`beside_python`; ``-2`` in the keys: both at once over the
     sum of the two apart, 1.0 where the fill holds the GIL).  Then the in-process engine's step along
     the whole paths, value checks on, on 1 and ``threads`` fill threads (``-1`` in the keys: ms a path),

@@ -46,7 +46,9 @@ MEANINGS: Final[Mapping[str, str]] = {
                             "(copies of one build take turns at its lexer), off the start's path; a heavy constraint "
                             "(`HEAVY_CONSTRAINT_BYTES`) once. Fewer threads than CPUs leave one to the step thread: "
                             "from 128 rows a step's first rows are filled while it plans the rest (the pipelined "
-                            "fill). See docs/benchmarks.md for the scaling measured.",
+                            "fill). xgrammar's rows take the threads only where their last fill took 0.3 ms or "
+                            "more (its call starts its threads each time). See docs/benchmarks.md for the scaling "
+                            "measured.",
     "GRAMMAR_COMPILE_WORKERS": "Worker processes that compile grammars.",
     "GRAMMAR_COMPILE_QUEUE": "Distinct compiles that may wait for a worker; beyond, `RESOURCE_EXHAUSTED`.",
     "GRAMMAR_COMPILE_TIMEOUT_S": "How long a request's start waits for its compile.",

@@ -14,7 +14,8 @@
 # ms per decode step unconstrained, with the grammar step overlapped on a worker
 # thread, and in a logits processor's order; tokens/s; and how many constrained
 # outputs (closed at the budget) parse and match the schema, which must be all.
-# Writes OUT_DIR/<model>-<backend>.json and OUT_DIR/log.txt.
+# Then the grammar step's fill at 256 rows on 1 and the default fill threads (CPU only).
+# Writes OUT_DIR/<model>-<backend>.json, OUT_DIR/fill-states.json and OUT_DIR/log.txt.
 #
 # What it does not cover: the served path (tritonserver and the Python-backend
 # stubs) and TensorRT-LLM; deploy/gpu/preflight.sh does, inside the GPU image.
@@ -52,4 +53,12 @@ for shape in "${shapes[@]}"; do
     bench "$work/$shape" "$shape" llguidance 16 64
     rm -rf "${work:?}/$shape"
 done
+# The grammar step's fill on this node's CPUs (no GPU): 256 rows held in cheap and costly states, and the
+# engine's step along the paths, on 1 and the grammar model's default fill threads (half the CPUs, up to 8).
+# xgrammar's rows take those threads only where their last fill took XGRAMMAR_SPREAD_MIN_S
+# (grammar_backend/bitmask.py), a crossover measured on 2 threads of a 2-CPU host only.
+threads=$("$py" -c 'from grammar_service.cpus import auto_fill_threads, usable_cpus; print(auto_fill_threads(usable_cpus()))')
+[[ -e build/tokenizers/qwen3 ]] || { mkdir -p build/tokenizers && ln -s "$(cd "$qwen" && pwd)" build/tokenizers/qwen3; }
+echo "== grammar fill, 256 rows, 1 and $threads fill threads"
+"$py" bench/grammar_step_bench.py --fill-states --threads "$threads" --rows 256 --json "$out/fill-states.json"
 echo "torch_gpu_check: done"

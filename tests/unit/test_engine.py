@@ -112,7 +112,7 @@ def test_xgrammar_rows_take_the_fill_threads_where_their_last_fill_was_costly(
 
 
 @pytest.mark.parametrize("spread_min_s", [-1e-3, float("nan")])
-def test_a_negative_spread_threshold_is_refused(spread_min_s: float) -> None:
+def test_a_spread_threshold_below_zero_or_nan_is_refused(spread_min_s: float) -> None:
     with pytest.raises(ConfigError, match=r"^bitmask: spread_min_s must be >= 0, not "):
         BitmaskBuffer(4, TINY_VOCAB_SIZE, 2, spread_min_s=spread_min_s)
 
