@@ -15,7 +15,9 @@ one run, interleaved by round:
 * ``raw``: the backend alone in this process: ``accept_token`` per row, then
   one batched fill (xgrammar's ``BatchGrammarMatcher``, or llguidance's
   ``fill_next_token_bitmask_par`` with ``--backend llguidance``; ``raw
-  fill`` is the fill call alone, the floor of any grammar step);
+  fill`` is the fill call alone); ``floor``: the same on new matchers, each
+  row also looked up by its id, counted and its end checked: the least a
+  grammar step written in Python does beside the backend's calls;
 * ``local``: :class:`llm_runtime.local_mask.LocalMaskProvider` over
   :class:`grammar_service.engine.GrammarEngine` in this process (what the decode
   loop calls when both live in one process); ``local checked``: the same
@@ -30,7 +32,10 @@ one run, interleaved by round:
   the masks back as a BLS output tensor; ``channel``: each step over the
   grammar channel (:mod:`grammar_service.transport.channel`) with the masks in the
   caller's shared-memory buffer (:mod:`grammar_service.transport.maskbuf`), what the
-  ``llm`` model uses.
+  ``llm`` model uses; ``arrival``: the same channel steps from the send to the
+  reply's arrival (the kernel's receive stamp), what the ``llm`` model's decode
+  loop waits on when it reads the answer after its forward (the channel's
+  figure adds the blocked driver thread's wake-up and the answer's decoding).
 
 Every figure is per step (all B rows).  The ratios ``bls / raw fill`` and
 ``bls / local`` are the cost of the engine's bookkeeping and of the separate
@@ -45,7 +50,10 @@ xgrammar first, :mod:`grammar_service.auto_switch`), 1 and ``--threads`` fill
 threads, the served step over
 the channel beside the raw fill (one served ``grammar`` model per row count
 and thread count), p50, p99 and max, and ends with the line ``step at 64
-rows: channel/raw fill X (xgrammar), Y (llguidance); p99 A ms (auto)``.
+rows: channel/raw fill X (xgrammar), Y (llguidance), step by step (...); p99
+A ms (auto)``, the parenthesis holding the same ratios for the reply's
+arrival, the raw step (the backend's part of any grammar step) and the
+floor.
 Nothing here asserts a time.
 """
 
@@ -148,26 +156,67 @@ def llguidance_rows(llg: LlgBackend, compiled: list[Any], rows: int) -> tuple[li
     return [m.inner for m in matchers], targets
 
 
+#: A backend's rows along the paths: matchers, accept(matcher, token), ended(matcher), the batched fill.
+RawRows = tuple[list[Any], Callable[[Any, int], bool], Callable[[Any], bool], Callable[[], object]]
+
+
 def time_raw(info: xgr.TokenizerInfo, llg: LlgBackend | None, cons: list[tuple[str, str, str]],
-             toks: list[list[int]], rows: int, threads: int = 1) -> dict[str, list[float]]:
+             toks: list[list[int]], rows: int, threads: int = 1, floor: bool = False) -> dict[str, list[float]]:
+    """The backend alone along the paths: ``raw fill`` (the fill call) and ``raw`` (each row's accept, then the
+    fill); with ``floor``, also ``floor``: the same on new matchers with the least a grammar step in Python
+    keeps beside them (:func:`_time_path`)."""
     if llg is not None:
-        return time_raw_llguidance(llg, cons, toks, rows, threads)
-    compiled = xgrammar_grammars(info, cons)
-    matchers = [xgr.GrammarMatcher(compiled[r % len(compiled)]) for r in range(rows)]
-    batch = xgr.BatchGrammarMatcher(threads)
-    bitmask = xgr.allocate_token_bitmask(rows, info.vocab_size)
-    return _time_path(matchers, lambda m, t: bool(m.accept_token(t)),
-                      lambda: batch.batch_fill_next_token_bitmask(matchers, bitmask), toks)
+        compiled = llguidance_grammars(llg, cons, threads)
+
+        def make() -> RawRows:
+            import llguidance
+            import llguidance.numpy
+
+            matchers, targets = llguidance_rows(llg, compiled, rows)
+            executor = llguidance.LLExecutor(threads)
+            bitmask = llguidance.numpy.allocate_token_bitmask(rows, QWEN_VOCAB)
+            return (matchers, lambda m, t: bool(m.consume_token(t)), lambda m: bool(m.is_stopped()),
+                    lambda: llguidance.numpy.fill_next_token_bitmask_par(executor, targets, bitmask))
+    else:
+        compiled = xgrammar_grammars(info, cons)
+
+        def make() -> RawRows:
+            matchers = [xgr.GrammarMatcher(compiled[r % len(compiled)]) for r in range(rows)]
+            batch = xgr.BatchGrammarMatcher(threads)
+            bitmask = xgr.allocate_token_bitmask(rows, info.vocab_size)
+            return (matchers, lambda m, t: bool(m.accept_token(t)), lambda m: bool(m.is_terminated()),
+                    lambda: batch.batch_fill_next_token_bitmask(matchers, bitmask))
+
+    times = _time_path(*make(), toks)
+    if floor:
+        times["floor"] = _time_path(*make(), toks, floor=True)["raw"]
+    return times
 
 
-def _time_path(matchers: list[Any], accept: Callable[[Any, int], bool], fill: Callable[[], object],
-               toks: list[list[int]]) -> dict[str, list[float]]:
-    """Step every row along its token path: accept one token per row, then one batched fill; both timed."""
+def _time_path(matchers: list[Any], accept: Callable[[Any, int], bool], ended: Callable[[Any], bool],
+               fill: Callable[[], object], toks: list[list[int]], floor: bool = False) -> dict[str, list[float]]:
+    """Step every row along its token path: accept one token per row, then one batched fill; both timed.
+
+    ``floor``: each row is also what any grammar step in Python keeps of a sequence at least: looked up by its
+    id in a table, its tokens counted, its end checked (``ended``).  The engine's policies (closing, value
+    checks, an error per row) and its transport come on top of that.
+    """
     fills: list[float] = []
     steps: list[float] = []
+    table = {r + 1: [m, 0] for r, m in enumerate(matchers)} if floor else {}
+    ids = list(table)
     for i in range(len(toks[0]) + 1):
         t0 = time.perf_counter()
-        if i:
+        if floor:
+            for r, seq in enumerate(ids):
+                row = table[seq]
+                if i:
+                    if not accept(row[0], toks[r % len(toks)][i - 1]):
+                        raise RuntimeError(f"floor: row {r} rejected its token at step {i}")
+                    row[1] += 1
+                if ended(row[0]) and i < len(toks[0]):
+                    raise RuntimeError(f"floor: row {r} ended before its path did, at step {i}")
+        elif i:
             for r, m in enumerate(matchers):
                 if not accept(m, toks[r % len(toks)][i - 1]):
                     raise RuntimeError(f"raw: row {r} rejected its token at step {i}")
@@ -177,19 +226,6 @@ def _time_path(matchers: list[Any], accept: Callable[[Any, int], bool], fill: Ca
         fills.append(t2 - t1)
         steps.append(t2 - t0)
     return {"raw fill": fills, "raw": steps}
-
-
-def time_raw_llguidance(llg: LlgBackend, cons: list[tuple[str, str, str]], toks: list[list[int]],
-                        rows: int, threads: int = 1) -> dict[str, list[float]]:
-    """llguidance alone: ``consume_token`` per row, then one ``fill_next_token_bitmask_par`` on ``threads``."""
-    import llguidance
-    import llguidance.numpy
-
-    matchers, targets = llguidance_rows(llg, llguidance_grammars(llg, cons, threads), rows)
-    executor = llguidance.LLExecutor(threads)
-    bitmask = llguidance.numpy.allocate_token_bitmask(rows, QWEN_VOCAB)
-    return _time_path(matchers, lambda m, t: bool(m.consume_token(t)),
-                      lambda: llguidance.numpy.fill_next_token_bitmask_par(executor, targets, bitmask), toks)
 
 
 def host_parallelism(threads: int, repeats: int = 7) -> float:
@@ -412,7 +448,9 @@ def time_local(engine: GrammarEngine, cons: list[tuple[str, str, str]], toks: li
 
 
 def time_bls(server: TritonServer, cons: list[tuple[str, str, str]], toks: list[list[int]], rows: int, jump: bool,
-             buffer: bool) -> list[float]:
+             buffer: bool) -> dict[str, list[float]]:
+    """The driver's steps: ``step_s`` (each call until its answer is read) and ``arrival_s`` (each send until
+    its reply arrived: what the llm model's decode loop waits on after its forward)."""
     # The driver feeds token i at step i + 1 and stops after the last path token is fed,
     # so its step count equals the other modes' (paths + the first, empty step).
     doc = {"constraints": cons, "paths": [[*p, p[-1]] for p in toks], "rows": rows, "jump_forward": jump,
@@ -422,7 +460,8 @@ def time_bls(server: TritonServer, cons: list[tuple[str, str, str]], toks: list[
         inp = grpcclient.InferInput("CONFIG", [1], "BYTES")
         inp.set_data_from_numpy(np.array([json.dumps(doc).encode()], np.object_))
         result = client.infer("grammar_driver", [inp], client_timeout=600, headers=server.internal_headers)
-    return list(json.loads(bytes(result.as_numpy("RESULT")[0]))["step_s"])
+    doc = json.loads(bytes(result.as_numpy("RESULT")[0]))
+    return {"step_s": list(doc["step_s"]), "arrival_s": list(doc["arrival_s"])}
 
 
 def settle_auto(served: Any, cons: list[tuple[str, str, str]], bundle: Any) -> dict[str, int]:
@@ -491,26 +530,34 @@ def sweep(bundle: Any, llg: LlgBackend, toks: list[list[int]], threads: int, rou
                     time_bls(server, cons, toks, rows, jump, True)  # warm-up: compiles
                     if backend == "auto":
                         switches[(rows, n)] = settle_auto(served, cons, bundle)
-                    times: dict[str, list[float]] = {"raw fill": [], "raw": [], "channel": []}
+                    times: dict[str, list[float]] = {"raw fill": [], "raw": [], "floor": [], "channel": [],
+                                                     "arrival": []}
                     for r in range(rounds):
                         for mode in ("channel", "raw") if r % 2 == 0 else ("raw", "channel"):
                             if mode == "channel":
-                                times["channel"] += time_bls(server, cons, toks, rows, jump, True)[1:]
+                                called = time_bls(server, cons, toks, rows, jump, True)
+                                times["channel"] += called["step_s"][1:]
+                                times["arrival"] += called["arrival_s"][1:]
                             else:
-                                for k, v in time_raw(bundle.info, raw_llg, cons, toks, rows, n).items():
+                                for k, v in time_raw(bundle.info, raw_llg, cons, toks, rows, n, True).items():
                                     times[k] += v[1:]
                     for mode, values in times.items():
                         figures[(rows, n, backend, mode)] = summary(values)
-                    figures[(rows, n, backend, "channel")].update(
-                        {f"over raw fill {k}": v for k, v in paired(times["channel"], times["raw fill"],
-                                                                       len(toks[0])).items()})
+                    for mode in ("raw", "floor", "channel", "arrival"):
+                        figures[(rows, n, backend, mode)].update(
+                            {f"over raw fill {k}": v for k, v in paired(times[mode], times["raw fill"],
+                                                                           len(toks[0])).items()})
     print(f"== grammar step at GPU batch sizes, Qwen3 vocabulary, {len(toks[0])} steps x {rounds} rounds, "
           f"jump-forward {'on' if jump else 'off'} (ms per step) ==")
+    print("  raw: each row's accept, then the fill; floor: the same with each row looked up, counted and its end"
+          " checked, the least of a grammar step in Python; channel: the served step, the driver's call until it"
+          " read the answer; arrival: the same steps from the send to the reply's arrival (what the llm model"
+          " waits on after its forward)")
     print(f"  {'rows':>4} {'threads':>7} {'backend':10} {'mode':8} {'p50':>8} {'p99':>8} {'max':>8}"
-          "  channel/raw fill: step by step p50, total; p50/p50")
+          "  over raw fill: step by step p50, total; p50/p50")
     for (rows, n, backend, mode), f in figures.items():
         over = (f"  {f['over raw fill p50']:.2f}, {f['over raw fill total']:.2f}; "
-                f"{f['p50_ms'] / figures[(rows, n, backend, 'raw fill')]['p50_ms']:.2f}") if mode == "channel" else ""
+                f"{f['p50_ms'] / figures[(rows, n, backend, 'raw fill')]['p50_ms']:.2f}") if mode != "raw fill" else ""
         print(f"  {rows:>4} {n:>7} {backend:10} {mode:8} {f['p50_ms']:8.3f} {f['p99_ms']:8.3f} {f['max_ms']:8.3f}"
               f"{over}")
     for backend in ("xgrammar", "llguidance"):
@@ -524,11 +571,14 @@ def sweep(bundle: Any, llg: LlgBackend, toks: list[list[int]], threads: int, rou
         auto = figures[(64, n, "auto", "channel")]["p50_ms"] / figures[(64, n, "xgrammar", "raw fill")]["p50_ms"]
         print(f"  auto channel p50 / xgrammar raw fill p50 at 64 rows, {n} fill threads: {auto:.2f}")
 
-    def channel_over_fill(backend: str) -> float:
-        return figures[(64, 1, backend, "channel")]["over raw fill p50"]
+    def over_fill(backend: str, mode: str = "channel") -> float:
+        return figures[(64, 1, backend, mode)]["over raw fill p50"]
 
-    print(f"step at 64 rows: channel/raw fill {channel_over_fill('xgrammar'):.2f} (xgrammar), "
-          f"{channel_over_fill('llguidance'):.2f} (llguidance), step by step; p99 "
+    print(f"step at 64 rows: channel/raw fill {over_fill('xgrammar'):.2f} (xgrammar), "
+          f"{over_fill('llguidance'):.2f} (llguidance), step by step (to the reply's arrival "
+          f"{over_fill('xgrammar', 'arrival'):.2f}, {over_fill('llguidance', 'arrival'):.2f}; the backend's own "
+          f"accept and fill {over_fill('xgrammar', 'raw'):.2f}, {over_fill('llguidance', 'raw'):.2f}; the Python "
+          f"floor {over_fill('xgrammar', 'floor'):.2f}, {over_fill('llguidance', 'floor'):.2f}); p99 "
           f"{figures[(64, 1, 'auto', 'channel')]['p99_ms']:.2f} ms (auto)")
     return figures
 
@@ -578,8 +628,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine = GrammarEngine(bundle.info, bundle.fingerprint,
                            GrammarEngineConfig(max_batch=args.rows, fill_threads=args.threads),
                            encode=bundle.encode, llg=llg)
-    times: dict[str, list[float]] = {"raw fill": [], "raw": [], "local": [], "local checked": [], "bls tensor": [],
-                                     "channel": []}
+    times: dict[str, list[float]] = {"raw fill": [], "raw": [], "floor": [], "local": [], "local checked": [],
+                                     "bls tensor": [], "channel": [], "arrival": []}
     if args.drafts:
         times["local drafted"] = []
     # The grammar model alone (MODEL_DIR: the Qwen3 tokenizer, MAX_BATCH: the rows), plus the bench driver.
@@ -597,15 +647,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                          *(["local drafted"] if args.drafts else [])]
                 for mode in order if r % 2 == 0 else order[::-1]:
                     if mode in ("bls tensor", "channel"):
-                        times[mode] += time_bls(server, cons, toks, args.rows, args.jump_forward,
-                                                mode == "channel")[1:]
+                        called = time_bls(server, cons, toks, args.rows, args.jump_forward, mode == "channel")
+                        times[mode] += called["step_s"][1:]
+                        if mode == "channel":
+                            times["arrival"] += called["arrival_s"][1:]
                     elif mode.startswith("local"):
                         times[mode] += time_local(engine, cons, toks, args.rows, args.jump_forward,
                                                   mode == "local checked",
                                                   args.drafts if mode == "local drafted" else 0)[1:]
                     else:
                         raw_llg = llg if raw_backend(cons) == "llguidance" else None
-                        for k, v in time_raw(bundle.info, raw_llg, cons, toks, args.rows, args.threads).items():
+                        for k, v in time_raw(bundle.info, raw_llg, cons, toks, args.rows, args.threads,
+                                             True).items():
                             times[k] += v[1:]
     finally:
         engine.close()
@@ -617,15 +670,16 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"mean {f['mean_ms']:7.3f} ms")
     steps = len(toks[0])
 
-    def over(mode: str, floor: str) -> str:
-        ratio = paired(times[mode], times[floor], steps)
-        return f"{mode}/{floor} {ratio['p50']:.2f} ({ratio['total']:.2f})"
+    def over(mode: str, base: str) -> str:
+        ratio = paired(times[mode], times[base], steps)
+        return f"{mode}/{base} {ratio['p50']:.2f} ({ratio['total']:.2f})"
 
-    print("  step-by-step p50 ratios (total): " + "; ".join(
-        over(mode, floor) for mode, floor in (("local", "raw fill"), ("local checked", "local"),
-                                              ("bls tensor", "raw fill"), ("channel", "raw fill"),
-                                              ("channel", "local"), ("channel", "local checked"),
-                                              *((("local drafted", "local"),) if args.drafts else ()))))
+    pairs = [("raw", "raw fill"), ("floor", "raw fill"), ("local", "raw fill"), ("local", "floor"),
+             ("local checked", "local"), ("bls tensor", "raw fill"), ("channel", "raw fill"), ("arrival", "raw fill"),
+             ("arrival", "local"), ("channel", "local"), ("channel", "local checked")]
+    if args.drafts:
+        pairs.append(("local drafted", "local"))
+    print("  step-by-step p50 ratios (total): " + "; ".join(over(mode, base) for mode, base in pairs))
     if args.json is not None:
         harness.write_json(args.json, {"figures": figures, "times": times})
     return 0

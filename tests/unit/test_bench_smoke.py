@@ -334,6 +334,45 @@ def test_step_bench_compares_each_step_with_itself(monkeypatch: pytest.MonkeyPat
     assert grammar_step_bench.paired(served, floor, 4)["total"] == pytest.approx(21 / 14)
 
 
+class _PathMatcher:
+    """A matcher that takes any token and ends on token 0, for the step bench's paths."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def accept(self, token: int) -> bool:
+        self.seen.append(token)
+        return True
+
+    def ended(self) -> bool:
+        return bool(self.seen) and self.seen[-1] == 0
+
+
+@pytest.mark.parametrize("floor", [False, True])
+def test_step_bench_steps_every_row_along_its_path(monkeypatch: pytest.MonkeyPatch, floor: bool) -> None:
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import grammar_step_bench
+
+    rows = [_PathMatcher() for _ in range(3)]
+    fills: list[int] = []
+    times = grammar_step_bench._time_path(rows, _PathMatcher.accept, _PathMatcher.ended, lambda: fills.append(1),
+                                          [[5, 6, 0], [7, 8, 0]], floor=floor)
+    # Row r follows path r % 2; one fill per step, the first step before any token.
+    assert [m.seen for m in rows] == [[5, 6, 0], [7, 8, 0], [5, 6, 0]]
+    assert len(fills) == 4
+    assert sorted(times) == ["raw", "raw fill"]
+    assert all(len(v) == 4 for v in times.values())
+
+
+def test_step_bench_floor_refuses_a_row_that_ends_before_its_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import grammar_step_bench
+
+    with pytest.raises(RuntimeError, match=r"^floor: row 1 ended before its path did, at step 1$"):
+        grammar_step_bench._time_path([_PathMatcher(), _PathMatcher()], _PathMatcher.accept, _PathMatcher.ended,
+                                      lambda: None, [[5, 6], [0, 6]], floor=True)
+
+
 def test_step_bench_fill_states_compares_thread_counts(tmp_path: Path) -> None:
     assets.qwen3_dir()  # the script loads the Qwen3 tokenizer: skipped (or failed) with the reason when absent
     out = tmp_path / "fill.json"

@@ -9,7 +9,10 @@ Inputs
                        token per step; ``buffer``: masks through a shared-memory mask buffer
                        (from the second step on, as in the llm model) instead of BLS tensors
 Outputs
-    RESULT  BYTES [1]  JSON {"step_s": [seconds of each step's BLS round trip]}
+    RESULT  BYTES [1]  JSON {"step_s": [seconds of each step's call, blocking until its answer is read],
+                       "arrival_s": [seconds from each step's send to its reply's arrival (the kernel's
+                       receive stamp, what the llm model's decode loop waits on after its forward); a
+                       step over BLS: its call]}
 """
 
 from __future__ import annotations
@@ -46,12 +49,21 @@ class TritonPythonModel:
         steps = min(len(p) for p in paths)
         tokens = np.zeros((rows, 1), np.int32)
         counts = np.zeros(rows, np.int32)
+        jump = bool(cfg.get("jump_forward"))
         times: list[float] = []
+        arrivals: list[float] = []
         try:
             for i in range(steps):
                 t0 = time.perf_counter()
-                out = provider.step(ids, tokens, counts, jump_forward=bool(cfg.get("jump_forward")))
+                # As the llm model: send, then take the answer (there after its forward).
+                pending = provider.send_step(ids, tokens, counts, jump_forward=jump)
+                if pending is None:
+                    out = provider.step(ids, tokens, counts, jump_forward=jump)
+                    arrival = time.perf_counter() - t0
+                else:
+                    out, arrival = pending.result()
                 times.append(time.perf_counter() - t0)
+                arrivals.append(arrival)
                 bad = [e for e in out.errors if e is not None]
                 if bad:
                     raise RuntimeError(f"step {i}: {bad[0]}")
@@ -60,7 +72,7 @@ class TritonPythonModel:
                 counts.fill(1)
         finally:
             provider.end([int(s) for s in ids])
-        return {"step_s": times}
+        return {"step_s": times, "arrival_s": arrivals}
 
     def execute(self, requests: list[Any]) -> list[Any]:
         responses = []
