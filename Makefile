@@ -200,7 +200,7 @@ bench-e2e: venv model
 # channel beside the raw fill (bench/grammar_step_bench.py --sweep). Its last line
 # is the 64-row summary.
 bench-step: venv tokenizers
-	$(PY) bench/grammar_step_bench.py --sweep --threads 2 --json $(BUILD)/bench/step.json
+	$(PY) bench/grammar_step_bench.py --sweep --threads 2 --json $(BUILD)/bench/step.json --plot $(BUILD)/bench/step.png
 
 # --------------------------------------------------------------------- bench-path
 # The serving path around a tiny checkpoint (a few-ms forward, a GPU step's

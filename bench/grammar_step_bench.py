@@ -53,7 +53,7 @@ and thread count), p50, p99 and max, and ends with the line ``step at 64
 rows: channel/raw fill X (xgrammar), Y (llguidance), step by step (...); p99
 A ms (auto)``, the parenthesis holding the same ratios for the reply's
 arrival, the raw step (the backend's part of any grammar step) and the
-floor.
+floor; ``--plot PATH`` draws each mode over the raw fill as a PNG.
 Nothing here asserts a time.
 """
 
@@ -67,6 +67,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, Final
 
 import harness  # before the project's packages: it puts the repository root on sys.path
@@ -510,6 +511,10 @@ def served_values(rows: int, threads: int) -> dict[str, str]:
 
 
 Config = tuple[int, int, str, str]  # rows, fill threads, backend, mode
+#: The sweep's modes drawn over the raw fill (``--plot``).
+PLOTTED: Final = ("raw", "floor", "arrival", "channel")
+#: Issue 49's goal for the served step over the raw fill, drawn as a line.
+STEP_GOAL: Final = 1.15
 
 
 def sweep(bundle: Any, llg: LlgBackend, toks: list[list[int]], threads: int, rounds: int,
@@ -583,6 +588,25 @@ def sweep(bundle: Any, llg: LlgBackend, toks: list[list[int]], threads: int, rou
     return figures
 
 
+def plot_sweep(figures: dict[Config, dict[str, float]], path: Path) -> None:
+    """Each plotted mode's step-by-step p50 over the raw fill, per fill threads and backend, a plot per row count."""
+    row_counts = sorted({rows for rows, *_ in figures})
+    with harness.figure(path, "grammar step over the raw fill, step by step p50 (Qwen3, the four paths)",
+                        columns=len(row_counts), size=(6 * len(row_counts), 4.5)) as axes:
+        for ax, rows in zip(axes, row_counts, strict=True):
+            cases = sorted({(n, backend) for r, n, backend, _ in figures if r == rows})
+            x = np.arange(len(cases))
+            width = 0.8 / len(PLOTTED)
+            for i, mode in enumerate(PLOTTED):
+                ax.bar(x + width * i, [figures[(rows, n, b, mode)]["over raw fill p50"] for n, b in cases], width,
+                       label=mode)
+            ax.axhline(STEP_GOAL, color="black", linestyle="--", linewidth=1, label=f"goal {STEP_GOAL}")
+            ax.set_xticks(x + width * (len(PLOTTED) - 1) / 2, [f"{b}\n{n} thr" for n, b in cases], fontsize=8)
+            ax.set_title(f"{rows} rows")
+            ax.set_ylabel("over the raw fill")
+            ax.legend(fontsize=7)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = harness.bench_parser(__doc__)
     harness.add_rows(parser, 64, "sequences per step")
@@ -603,6 +627,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "paths, 1 and --threads fill threads, beside a Python loop; the engine's step, also "
                              "pipelined (no server)")
     harness.add_json(parser, "the figures")
+    harness.add_plot(parser, "a PNG of --sweep's steps over the raw fill")
     args = parser.parse_args(argv)
     if args.threads <= 0:
         parser.error("--threads must be positive")
@@ -621,6 +646,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       args.rounds, args.jump_forward)
         if args.json is not None:
             harness.write_json(args.json, {"figures": {"/".join(map(str, k)): f for k, f in swept.items()}})
+        if args.plot is not None:
+            plot_sweep(swept, args.plot)
         return 0
     cons = constraints(args.backend)
     for kind, payload, options in cons:

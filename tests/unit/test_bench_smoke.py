@@ -373,6 +373,19 @@ def test_step_bench_floor_refuses_a_row_that_ends_before_its_path(monkeypatch: p
                                       lambda: None, [[5, 6], [0, 6]], floor=True)
 
 
+def test_step_bench_plots_each_mode_over_the_raw_fill(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import grammar_step_bench
+
+    figures = {(rows, n, backend, mode): {"over raw fill p50": 1.0 + 0.1 * i}
+               for rows in (64, 256) for n in (1, 2) for backend in ("xgrammar", "llguidance", "auto")
+               for i, mode in enumerate(grammar_step_bench.PLOTTED)}
+    grammar_step_bench.plot_sweep(figures, tmp_path / "plots" / "step.png")
+    assert (tmp_path / "plots" / "step.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(KeyError, match=r"^\(64, 1, 'xgrammar', 'floor'\)$"):  # a mode not timed is not drawn as 0
+        grammar_step_bench.plot_sweep({(64, 1, "xgrammar", "raw"): {"over raw fill p50": 1.0}}, tmp_path / "x.png")
+
+
 def test_step_bench_fill_states_compares_thread_counts(tmp_path: Path) -> None:
     assets.qwen3_dir()  # the script loads the Qwen3 tokenizer: skipped (or failed) with the reason when absent
     out = tmp_path / "fill.json"
